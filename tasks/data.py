@@ -1,0 +1,40 @@
+"""``prepare_data``: raw dataset -> sharded splits with a manifest, cached by config."""
+
+from __future__ import annotations
+
+import os
+
+from flytekit import Cache, Resources, current_context, task
+
+from tasks.artifacts import tracked_directory
+from tasks.types import PreparedData
+from training_core.config import DataConfig
+
+# Bump when the shard format or split logic changes, so cached outputs are not reused.
+PREPARE_DATA_CACHE_VERSION = "1"
+
+
+@task(
+    cache=Cache(version=PREPARE_DATA_CACHE_VERSION),
+    retries=2,
+    requests=Resources(cpu="1", mem="2Gi"),
+    limits=Resources(cpu="2", mem="8Gi"),
+)
+def prepare_data(config: DataConfig) -> PreparedData:
+    """Read the dataset, split it into train/val/test and write each split as shards plus a manifest.
+
+    :param config: Which dataset, where its raw files are, split fractions, shard count and image size.
+        Outputs are cached per distinct config.
+    :return: The shard directory and the manifest's split counts, classes and input shape.
+    """
+    from training_core.data import prepare
+
+    out_dir = os.path.join(current_context().working_directory, "prepared")
+    manifest = prepare(config, out_dir)
+    return PreparedData(
+        directory=tracked_directory(out_dir),
+        dataset=manifest.dataset,
+        num_classes=manifest.num_classes,
+        input_shape=list(manifest.input_shape),
+        split_counts=manifest.split_counts(),
+    )

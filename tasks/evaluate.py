@@ -1,0 +1,41 @@
+"""``evaluate``: test-split loss, top-1/top-5 and confusion matrix of the trained checkpoint."""
+
+from __future__ import annotations
+
+from flytekit import Resources, task
+
+from tasks.artifacts import publish_report
+from tasks.types import Evaluation, PreparedData, TrainedModel
+
+
+@task(retries=2, requests=Resources(cpu="1", mem="2Gi"), limits=Resources(cpu="2", mem="8Gi"), enable_deck=True)
+def evaluate(data: PreparedData, model: TrainedModel) -> Evaluation:
+    """Evaluate the final checkpoint on the held-out test split and log the figures to its MLflow run.
+
+    :param data: Prepared shards; the ``test`` split is used.
+    :param model: The trained model from ``train``.
+    :return: Test loss, top-1 and top-5 accuracy, the confusion matrix and the evaluation report.
+    """
+    from tasks import reports
+    from training_core import tracking
+    from training_core.evaluation import evaluate_checkpoint
+
+    result = evaluate_checkpoint(model.checkpoint.download(), data.directory.download(), split="test")
+    tracking.log_metrics(
+        model.tracking_uri,
+        model.mlflow_run_id,
+        {"test_loss": result.loss, "test_accuracy": result.accuracy, "test_top5_accuracy": result.top5_accuracy},
+    )
+    summary = reports.table([
+        ("test samples", result.num_samples), ("test loss", result.loss), ("top-1 accuracy", result.accuracy),
+        ("top-5 accuracy", result.top5_accuracy),
+    ])
+    body = [
+        reports.section("Test metrics", summary, section_id="metrics"),
+        reports.section("Confusion matrix", reports.confusion_matrix(result.confusion, result.classes), section_id="confusion"),
+    ]
+    report = publish_report("Evaluation report", reports.page("Evaluation report", body), "".join(body))
+    return Evaluation(
+        num_samples=result.num_samples, loss=result.loss, accuracy=result.accuracy, top5_accuracy=result.top5_accuracy,
+        confusion=result.confusion, classes=result.classes, report=report,
+    )

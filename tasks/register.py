@@ -1,0 +1,50 @@
+"""``register_model``: register the model in MLflow and move the champion alias behind a gate."""
+
+from __future__ import annotations
+
+from flytekit import Resources, task
+
+from tasks.types import Evaluation, Registration, TrainedModel
+from training_core.config import TrackingConfig
+
+
+@task(retries=3, requests=Resources(cpu="500m", mem="1Gi"), limits=Resources(cpu="1", mem="2Gi"))
+def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Evaluation) -> Registration:
+    """Register the trained model as a new version; move the champion alias to it only if its test
+    accuracy clears ``tracking.promotion_min_accuracy`` and beats the current champion.
+
+    :param tracking: Registry name, alias and the accuracy gate.
+    :param model: The trained model; its MLflow model URI is registered.
+    :param evaluation: Test metrics; ``accuracy`` decides the promotion.
+    :return: The new version, whether the alias moved, and why.
+    """
+    from training_core.tracking import register_and_promote, ui_command
+
+    promotion = register_and_promote(
+        tracking, model_uri=model.mlflow_model_uri, run_id=model.mlflow_run_id, test_accuracy=evaluation.accuracy
+    )
+    reports = [model.report.remote_source or model.report.path, evaluation.report.remote_source or evaluation.report.path]
+    # pyflyte prints outputs as literals; a person wants these four facts in plain words.
+    print(
+        "\n".join([
+            "",
+            "=== training pipeline finished ===",
+            f"registered model : {promotion.model_name} version {promotion.version}"
+            + (f" (alias '{promotion.alias}' -> v{promotion.version})" if promotion.promoted else f" (alias '{promotion.alias}' unchanged)"),
+            f"promotion        : {promotion.reason}",
+            f"test accuracy    : {evaluation.accuracy:.4f} (top-5 {evaluation.top5_accuracy:.4f})",
+            f"mlflow tracking  : {model.tracking_uri}",
+            f"browse with      : {ui_command(model.tracking_uri)}",
+            f"training report  : {reports[0]}",
+            f"evaluation report: {reports[1]}",
+            "",
+        ]),
+        flush=True,
+    )
+    return Registration(
+        model_name=promotion.model_name, version=promotion.version, alias=promotion.alias, promoted=promotion.promoted,
+        reason=promotion.reason, test_accuracy=promotion.test_accuracy,
+        previous_champion_version=promotion.previous_champion_version,
+        previous_champion_accuracy=promotion.previous_champion_accuracy, tracking_uri=model.tracking_uri,
+        reports=[str(r) for r in reports],
+    )

@@ -1,0 +1,439 @@
+"""The one typed config tree for a training run.
+
+Every setting of the pipeline lives here, documented in the field's docstring and validated in
+``__post_init__``. An invalid value raises ``ValueError`` naming the dotted field, the bad value and
+what to use instead, so a bad run fails on the laptop, before any Ray worker starts.
+
+The tree is plain dataclasses of str/int/float/bool, so flytekit can pass it as a typed task input and
+FlyteConsole can render it. Load it from YAML with :func:`load_config`; environment variables named
+``TRAINING_CORE__<SECTION>__<FIELD>`` override single fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+DATASETS = ("digits", "synthetic", "cifar10", "image_folder")
+MODELS = ("small_cnn", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "vit_b_16")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("cosine", "constant")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+BACKENDS = ("auto", "gloo", "nccl")
+
+ENV_PREFIX = "TRAINING_CORE__"
+
+
+def _fail(path: str, value: Any, fix: str) -> typing.NoReturn:
+    raise ValueError(f"{path}={value!r} is invalid: {fix}")
+
+
+def _choice(path: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(path, value, f"choose one of {', '.join(choices)}")
+
+
+def _positive(path: str, value: float) -> None:
+    if not value > 0:
+        _fail(path, value, "it must be > 0")
+
+
+def _non_negative(path: str, value: float) -> None:
+    if not value >= 0:
+        _fail(path, value, "it must be >= 0")
+
+
+def _fraction(path: str, value: float, *, upper_inclusive: bool = False) -> None:
+    ok = 0 <= value <= 1 if upper_inclusive else 0 <= value < 1
+    if not ok:
+        _fail(path, value, f"it must be in [0, 1{']' if upper_inclusive else ')'}")
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "digits"
+    """Dataset source: ``digits`` (sklearn's 8x8 digits, shipped with scikit-learn), ``synthetic``
+    (random images with learnable class templates, for benchmarks), ``cifar10`` (the python-version
+    tarball ``cifar-10-python.tar.gz``) or ``image_folder`` (an ImageNet-style ``<split>/<class>/*.jpg``
+    tree, or ``<class>/*.jpg`` which is split here)."""
+
+    path: str = ""
+    """Where the raw data is: a local path or an ``s3://`` URI. Required for ``cifar10`` (the tarball)
+    and ``image_folder`` (the tree root); ignored for ``digits`` and ``synthetic``."""
+
+    image_size: int = 0
+    """Side in pixels that images are resized to at prep time; 0 keeps the dataset's native size
+    (``image_folder`` needs a value, e.g. 64 or 224)."""
+
+    val_fraction: float = 0.1
+    """Fraction of the training samples held out for validation after each epoch."""
+
+    test_fraction: float = 0.2
+    """Fraction held out for the final test, for datasets without a test split (digits, synthetic,
+    an unsplit image folder)."""
+
+    num_shards: int = 4
+    """Files each split is written as. Worker ``r`` of ``n`` streams shards ``r, r+n, ...``, so this must
+    be >= ``scaling.num_workers``; a multiple of it balances the workers."""
+
+    split_seed: int = 0
+    """Seed of the train/val/test split and shard assignment; part of the prep cache key."""
+
+    synthetic_num_samples: int = 4096
+    """Number of samples the ``synthetic`` dataset generates."""
+
+    synthetic_image_size: int = 32
+    """Side in pixels of ``synthetic`` images."""
+
+    synthetic_num_classes: int = 10
+    """Number of classes of the ``synthetic`` dataset."""
+
+    def __post_init__(self) -> None:
+        _choice("data.dataset", self.dataset, DATASETS)
+        if self.dataset in ("cifar10", "image_folder") and not self.path:
+            _fail("data.path", self.path, f"dataset {self.dataset!r} needs data.path set to a local path or s3:// URI")
+        _non_negative("data.image_size", self.image_size)
+        if self.dataset == "image_folder" and self.image_size == 0:
+            _fail("data.image_size", self.image_size, "image_folder needs a fixed size such as 64 or 224")
+        _fraction("data.val_fraction", self.val_fraction)
+        _fraction("data.test_fraction", self.test_fraction)
+        if self.val_fraction + self.test_fraction >= 1:
+            _fail("data.val_fraction", self.val_fraction, "val_fraction + test_fraction must leave training samples (< 1)")
+        _positive("data.num_shards", self.num_shards)
+        _positive("data.synthetic_num_samples", self.synthetic_num_samples)
+        _positive("data.synthetic_image_size", self.synthetic_image_size)
+        if self.synthetic_num_classes < 2:
+            _fail("data.synthetic_num_classes", self.synthetic_num_classes, "it must be >= 2")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "resnet18"
+    """Architecture: ``small_cnn`` or a torchvision model (resnet18/34/50/101/152, vit_b_16). Each is
+    adapted to the dataset's channels, image size and number of classes (small inputs get a 3x3 stem
+    without max-pool; ViT gets a patch size that divides the image)."""
+
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to SyncBatchNorm so statistics span all workers. Only takes effect on GPU
+    with more than one worker; ignored (with a warning) on CPU, where PyTorch has no SyncBatchNorm."""
+
+    def __post_init__(self) -> None:
+        _choice("model.name", self.name, MODELS)
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    """Optimizer: ``sgd`` (with momentum, Nesterov), ``adam`` or ``adamw``."""
+
+    lr: float = 3e-3
+    """Peak learning rate, reached after the warmup."""
+
+    weight_decay: float = 0.01
+    """Decoupled (adamw) or L2 (sgd, adam) weight decay."""
+
+    momentum: float = 0.9
+    """SGD momentum; ignored by adam/adamw."""
+
+    max_grad_norm: float = 1.0
+    """Clip the global gradient L2 norm to this value; 0 disables clipping (the norm is still logged)."""
+
+    def __post_init__(self) -> None:
+        _choice("optimizer.name", self.name, OPTIMIZERS)
+        _positive("optimizer.lr", self.lr)
+        _non_negative("optimizer.weight_decay", self.weight_decay)
+        _fraction("optimizer.momentum", self.momentum)
+        _non_negative("optimizer.max_grad_norm", self.max_grad_norm)
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "cosine"
+    """LR shape after warmup: ``cosine`` decay to ``min_lr_ratio * lr``, or ``constant``."""
+
+    warmup_steps: int = 20
+    """Optimizer steps of linear warmup from ``lr / (warmup_steps + 1)`` to ``lr``."""
+
+    min_lr_ratio: float = 0.0
+    """Final LR of the cosine decay as a fraction of ``optimizer.lr``."""
+
+    def __post_init__(self) -> None:
+        _choice("schedule.name", self.name, SCHEDULES)
+        _non_negative("schedule.warmup_steps", self.warmup_steps)
+        _fraction("schedule.min_lr_ratio", self.min_lr_ratio, upper_inclusive=True)
+
+
+@dataclass
+class LoopConfig:
+    epochs: int = 12
+    """Passes over the training split."""
+
+    batch_size: int = 32
+    """Samples per micro-batch on each worker. The global batch of one optimizer step is
+    ``batch_size * grad_accum_steps * scaling.num_workers``."""
+
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step; DDP syncs gradients only on the last one."""
+
+    max_steps: int = 0
+    """Stop after this many optimizer steps in total; 0 runs all epochs. For smoke tests and benchmarks."""
+
+    log_interval_steps: int = 10
+    """Log step metrics (stdout, MLflow) every this many optimizer steps, on rank 0."""
+
+    seed: int = 0
+    """Seed of model init, shuffling and dropout. Every worker uses it, so replicas start identical."""
+
+    def __post_init__(self) -> None:
+        _positive("loop.epochs", self.epochs)
+        _positive("loop.batch_size", self.batch_size)
+        _positive("loop.grad_accum_steps", self.grad_accum_steps)
+        _non_negative("loop.max_steps", self.max_steps)
+        _positive("loop.log_interval_steps", self.log_interval_steps)
+
+
+@dataclass
+class ScalingConfig:
+    num_workers: int = 2
+    """Ray Train workers, one DDP rank each."""
+
+    use_gpu: bool = False
+    """Give each worker ``gpus_per_worker`` GPUs and train with CUDA and nccl."""
+
+    cpus_per_worker: float = 1.0
+    """CPUs Ray reserves per worker; also the worker pods' CPU request on a cluster."""
+
+    gpus_per_worker: int = 1
+    """GPUs per worker when ``use_gpu``; also the worker pods' GPU limit."""
+
+    memory_per_worker_gib: float = 4.0
+    """Memory request and limit of each Ray worker pod, GiB."""
+
+    head_cpus: float = 1.0
+    """CPU request of the Ray head pod, which runs the task driver."""
+
+    head_memory_gib: float = 4.0
+    """Memory request and limit of the Ray head pod, GiB."""
+
+    torch_threads_per_worker: int = 1
+    """``torch.set_num_threads`` in each worker; match it to ``cpus_per_worker`` to avoid oversubscription."""
+
+    backend: str = "auto"
+    """Collective backend: ``auto`` picks nccl on GPU and gloo on CPU."""
+
+    collective_timeout_s: int = 1800
+    """Seconds a collective may wait before DDP gives up (a hung peer fails instead of hanging)."""
+
+    def __post_init__(self) -> None:
+        _positive("scaling.num_workers", self.num_workers)
+        _positive("scaling.cpus_per_worker", self.cpus_per_worker)
+        _positive("scaling.gpus_per_worker", self.gpus_per_worker)
+        _positive("scaling.memory_per_worker_gib", self.memory_per_worker_gib)
+        _positive("scaling.head_cpus", self.head_cpus)
+        _positive("scaling.head_memory_gib", self.head_memory_gib)
+        _positive("scaling.torch_threads_per_worker", self.torch_threads_per_worker)
+        _choice("scaling.backend", self.backend, BACKENDS)
+        if self.backend == "nccl" and not self.use_gpu:
+            _fail("scaling.backend", self.backend, "nccl needs scaling.use_gpu=true; use gloo or auto on CPU")
+        _positive("scaling.collective_timeout_s", self.collective_timeout_s)
+
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if self.use_gpu else "gloo"
+
+
+@dataclass
+class PrecisionConfig:
+    mode: str = "auto"
+    """``fp32``; ``bf16`` autocast; ``fp16`` autocast with GradScaler (GPU only); ``auto`` picks bf16 on
+    a GPU that supports it, else fp16 on GPU, and fp32 on CPU. fp16 on CPU falls back to fp32 with a
+    warning."""
+
+    def __post_init__(self) -> None:
+        _choice("precision.mode", self.mode, PRECISIONS)
+
+
+@dataclass
+class CheckpointConfig:
+    storage_path: str = ""
+    """Root under which Ray Train keeps run state and checkpoints: a local path or ``s3://`` URI.
+    Empty uses a directory of the task's working area (fine on one machine; a multi-node cluster needs
+    shared storage such as S3)."""
+
+    num_to_keep: int = 2
+    """Checkpoints Ray Train keeps; older ones are deleted."""
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint.num_to_keep", self.num_to_keep)
+
+
+@dataclass
+class TrackingConfig:
+    tracking_uri: str = "sqlite:///mlflow.db"
+    """MLflow tracking URI. A relative sqlite path is resolved against the directory the run starts in."""
+
+    experiment_name: str = "training-pipeline"
+    """MLflow experiment the runs are logged under."""
+
+    registered_model_name: str = "digits-classifier"
+    """Model Registry name each trained model is registered under."""
+
+    champion_alias: str = "champion"
+    """Alias moved to a new version when it clears the gate."""
+
+    promotion_min_accuracy: float = 0.9
+    """Test accuracy a new version needs before it can take the champion alias. It must also beat the
+    current champion's test accuracy."""
+
+    def __post_init__(self) -> None:
+        for name in ("tracking_uri", "experiment_name", "registered_model_name", "champion_alias"):
+            if not getattr(self, name):
+                _fail(f"tracking.{name}", getattr(self, name), "it must be a non-empty string")
+        _fraction("tracking.promotion_min_accuracy", self.promotion_min_accuracy, upper_inclusive=True)
+
+
+@dataclass
+class TrainingConfig:
+    """A whole training run: data, model, optimizer and schedule, loop, scaling, precision, checkpoints,
+    tracking."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """What to train on and how it is sharded."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Which network."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and gradient clipping."""
+
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Learning-rate warmup and decay."""
+
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    """Epochs, batch size, accumulation, logging cadence, seed."""
+
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    """Workers and their resources."""
+
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Mixed precision."""
+
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Where run state is kept."""
+
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """MLflow tracking and the Model Registry."""
+
+    def __post_init__(self) -> None:
+        if self.data.num_shards < self.scaling.num_workers:
+            _fail(
+                "data.num_shards",
+                self.data.num_shards,
+                f"each of the scaling.num_workers={self.scaling.num_workers} workers needs a shard of its own; "
+                f"set data.num_shards >= {self.scaling.num_workers}",
+            )
+        if self.model.sync_batchnorm and not self.scaling.use_gpu:
+            log.warning("model.sync_batchnorm=True is ignored on CPU: PyTorch's SyncBatchNorm needs a GPU")
+        if self.precision.mode == "fp16" and not self.scaling.use_gpu:
+            log.warning("precision.mode='fp16' falls back to fp32 on CPU: fp16 autocast with GradScaler needs a GPU")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "TrainingConfig":
+        """Build from a (possibly partial) nested mapping; missing fields keep their defaults."""
+        return _build(cls, raw, prefix="")
+
+
+def _build(cls: type, raw: Mapping[str, Any], *, prefix: str) -> Any:
+    if not isinstance(raw, Mapping):
+        _fail(prefix.rstrip(".") or "config", raw, "expected a mapping of field names to values")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        where = prefix.rstrip(".") or "config"
+        raise ValueError(f"{where} has unknown field(s) {', '.join(unknown)}: valid fields are {', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, prefix=f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(f"{prefix}{name}", value, hint)
+    return cls(**kwargs)
+
+
+def _coerce(path: str, value: Any, hint: type) -> Any:
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        _fail(path, value, "expected true or false")
+    if hint in (int, float):
+        if isinstance(value, bool):
+            _fail(path, value, f"expected a number ({hint.__name__})")
+        try:
+            number = hint(value)
+        except (TypeError, ValueError):
+            _fail(path, value, f"expected a number ({hint.__name__})")
+        if hint is int and float(value) != number:
+            _fail(path, value, "expected a whole number")
+        return number
+    if hint is str:
+        if not isinstance(value, str):
+            _fail(path, value, "expected a string")
+        return value
+    raise AssertionError(f"unsupported config field type {hint!r} at {path}")
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Nested overrides from ``TRAINING_CORE__SECTION__FIELD=value`` variables (values parsed as YAML)."""
+    import yaml
+
+    overrides: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        parts = [p.lower() for p in key[len(ENV_PREFIX):].split("__") if p]
+        if not parts:
+            continue
+        node = overrides
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = yaml.safe_load(raw)
+    return overrides
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None) -> TrainingConfig:
+    """Defaults, overlaid by the YAML file at ``path`` (if given), overlaid by environment overrides."""
+    import yaml
+
+    raw: dict[str, Any] = {}
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            loaded = yaml.safe_load(f) or {}
+        if not isinstance(loaded, Mapping):
+            raise ValueError(f"config file {os.fspath(path)!r} must hold a mapping of sections, got {type(loaded).__name__}")
+        raw = dict(loaded)
+    raw = _merge(raw, env_overrides(os.environ if environ is None else environ))
+    return TrainingConfig.from_dict(raw)

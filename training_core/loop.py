@@ -1,0 +1,362 @@
+"""The training loop that runs on every Ray Train worker.
+
+``train_loop_per_worker`` is what :class:`ray.train.torch.TorchTrainer` runs. It reads the whole story
+top to bottom: build the model, optimizer and schedule, then for each epoch take ``steps_per_epoch``
+optimizer steps over this rank's shards, validate, and report a checkpoint. ``train_step`` (one optimizer
+step over ``grad_accum_steps`` micro-batches) is the only piece factored out, so tests can check it alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training_core import checkpoint as ckpt
+from training_core.config import OptimizerConfig, ScheduleConfig, TrainingConfig
+from training_core.data import Manifest, ShardStream
+from training_core.metrics import build_sink, flatten
+from training_core.models import build_model
+
+log = logging.getLogger("training_core")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resolve_precision(mode: str, device: torch.device) -> tuple[torch.dtype | None, bool]:
+    """Autocast dtype (None = fp32) and whether to use a GradScaler, for ``precision.mode`` on ``device``."""
+    if device.type != "cuda":
+        if mode == "fp16":
+            log.warning("precision.mode='fp16' needs a GPU; training in fp32 on %s", device)
+        return (torch.bfloat16, False) if mode == "bf16" else (None, False)
+    if mode == "auto":
+        mode = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return {"fp32": (None, False), "bf16": (torch.bfloat16, False), "fp16": (torch.float16, True)}[mode]
+
+
+def build_optimizer(cfg: OptimizerConfig, params) -> torch.optim.Optimizer:
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay)
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    raise ValueError(f"optimizer.name={cfg.name!r} is invalid: choose one of sgd, adam, adamw")
+
+
+def lr_factor(step: int, *, cfg: ScheduleConfig, total_steps: int) -> float:
+    """Multiplier of the peak LR before optimizer step ``step`` (0-based): linear warmup, then the schedule."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    if cfg.name == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(cfg: ScheduleConfig, optimizer: torch.optim.Optimizer, *, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg=cfg, total_steps=total_steps))
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    """Mean loss over the step's samples (detached)."""
+    num_correct: torch.Tensor
+    num_samples: int
+    grad_norm: torch.Tensor
+    """Global gradient L2 norm before clipping."""
+
+
+def train_step(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    autocast_dtype: torch.dtype | None,
+    max_grad_norm: float,
+) -> StepResult:
+    """One optimizer step over equally sized micro-batches, equal to one step on their concatenation.
+
+    Gradients of the micro-batches are accumulated (each loss scaled by ``1/len(micro_batches)``); a DDP
+    model all-reduces only on the last one (``no_sync`` elsewhere). ``max_grad_norm <= 0`` disables clipping.
+    """
+    num_micro = len(micro_batches)
+    loss_sum = torch.zeros((), device=micro_batches[0][0].device)
+    num_correct = torch.zeros((), dtype=torch.long, device=loss_sum.device)
+    num_samples = 0
+    for index, (inputs, targets) in enumerate(micro_batches):
+        is_last = index == num_micro - 1
+        sync_context = model.no_sync() if (not is_last and hasattr(model, "no_sync")) else contextlib.nullcontext()
+        with sync_context:
+            with torch.autocast(device_type=inputs.device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+                logits = model(inputs)
+                loss = F.cross_entropy(logits, targets)
+            scaler.scale(loss / num_micro).backward()
+        loss_sum += loss.detach().float()
+        num_correct += (logits.detach().argmax(dim=1) == targets).sum()
+        num_samples += len(targets)
+    scaler.unscale_(optimizer)
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss=loss_sum / num_micro, num_correct=num_correct, num_samples=num_samples, grad_norm=grad_norm.detach())
+
+
+class Normalizer:
+    """uint8 numpy batches -> normalised float tensors on the device."""
+
+    def __init__(self, manifest: Manifest, device: torch.device) -> None:
+        self.device = device
+        self.mean = torch.tensor(manifest.mean, device=device).view(1, -1, 1, 1)
+        self.std = torch.tensor(manifest.std, device=device).view(1, -1, 1, 1)
+
+    def __call__(self, images: np.ndarray, labels: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.from_numpy(images).to(self.device, non_blocking=True).float().div_(255.0)
+        y = torch.from_numpy(labels).to(self.device, non_blocking=True)
+        return (x - self.mean) / self.std, y
+
+
+@dataclass
+class EvalSums:
+    """Additive evaluation totals, so ranks can all-reduce them."""
+
+    loss_sum: float
+    num_correct_top1: int
+    num_correct_top5: int
+    num_samples: int
+    confusion: np.ndarray
+    """``confusion[true, predicted]`` counts."""
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(1, self.num_samples)
+
+    @property
+    def accuracy(self) -> float:
+        return self.num_correct_top1 / max(1, self.num_samples)
+
+    @property
+    def top5_accuracy(self) -> float:
+        return self.num_correct_top5 / max(1, self.num_samples)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches, *, normalize: Normalizer, num_classes: int, autocast_dtype: torch.dtype | None = None, all_reduce: bool = False) -> EvalSums:
+    """Loss, top-1/top-5 and confusion over ``batches``; ``all_reduce`` sums the totals over all ranks."""
+    bare = getattr(model, "module", model)  # no DDP forward: ranks may hold different numbers of batches
+    was_training = bare.training
+    bare.eval()
+    device = normalize.device
+    totals = torch.zeros(4, dtype=torch.float64, device=device)
+    confusion = torch.zeros(num_classes * num_classes, dtype=torch.long, device=device)
+    k = min(5, num_classes)
+    for images, labels in batches:
+        x, y = normalize(images, labels)
+        with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            logits = bare(x)
+        logits = logits.float()
+        top = logits.topk(k, dim=1).indices
+        totals += torch.stack([
+            F.cross_entropy(logits, y, reduction="sum").double(),
+            (top[:, 0] == y).sum().double(),
+            (top == y[:, None]).any(dim=1).sum().double(),
+            torch.tensor(float(len(y)), dtype=torch.float64, device=device),
+        ])
+        confusion += torch.bincount(y * num_classes + top[:, 0], minlength=num_classes * num_classes)
+    if all_reduce and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(totals)
+        torch.distributed.all_reduce(confusion)
+    bare.train(was_training)
+    t = totals.tolist()
+    return EvalSums(
+        loss_sum=t[0], num_correct_top1=int(t[1]), num_correct_top5=int(t[2]), num_samples=int(t[3]),
+        confusion=confusion.view(num_classes, num_classes).cpu().numpy(),
+    )
+
+
+def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """Ray Train entry point. ``loop_config``: ``config`` (TrainingConfig as a dict), ``data_dir`` (prepared
+    data), optional ``mlflow`` (``tracking_uri``, ``run_id``) and ``warmup_steps_excluded`` (steps left out
+    of the steady-state throughput)."""
+    import ray.train
+    import ray.train.torch
+
+    cfg = TrainingConfig.from_dict(loop_config["config"])
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    torch.set_num_threads(cfg.scaling.torch_threads_per_worker)
+    seed_everything(cfg.loop.seed)
+    device = ray.train.torch.get_device()
+    autocast_dtype, use_scaler = resolve_precision(cfg.precision.mode, device)
+
+    manifest = Manifest.load(loop_config["data_dir"])
+    model = build_model(cfg.model.name, num_classes=manifest.num_classes, input_shape=manifest.input_shape)
+    if cfg.model.sync_batchnorm and device.type == "cuda" and world_size > 1:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = ray.train.torch.prepare_model(model)
+    optimizer = build_optimizer(cfg.optimizer, model.parameters())
+    steps_per_epoch = manifest.steps_per_epoch(world_size=world_size, batch_size=cfg.loop.batch_size, grad_accum_steps=cfg.loop.grad_accum_steps)
+    total_steps = steps_per_epoch * cfg.loop.epochs
+    if cfg.loop.max_steps:
+        total_steps = min(total_steps, cfg.loop.max_steps)
+    scheduler = build_scheduler(cfg.schedule, optimizer, total_steps=total_steps)
+    scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+    normalize = Normalizer(manifest, device)
+    train_stream = ShardStream(manifest, "train", rank=rank, world_size=world_size)
+    val_stream = ShardStream(manifest, "val", rank=rank, world_size=world_size)
+
+    mlflow_info = loop_config.get("mlflow") or {}
+    sink = build_sink(rank=rank, tracking_uri=mlflow_info.get("tracking_uri"), run_id=mlflow_info.get("run_id"))
+    sink.log_params(flatten(cfg.to_dict()) | {"world_size": world_size, "steps_per_epoch": steps_per_epoch, "device": device.type})
+
+    warmup_excluded = loop_config.get("warmup_steps_excluded", min(5, total_steps // 4))
+    global_batch = cfg.loop.batch_size * cfg.loop.grad_accum_steps * world_size
+    history: list[dict[str, float]] = []
+    step_log: list[dict[str, float]] = []
+    steady_time_s, steady_steps = 0.0, 0
+    global_step = 0
+    for epoch in range(cfg.loop.epochs):
+        steps_this_epoch = min(steps_per_epoch, total_steps - global_step)
+        batches = train_stream.train_batches(
+            epoch=epoch, seed=cfg.loop.seed, batch_size=cfg.loop.batch_size, num_batches=steps_this_epoch * cfg.loop.grad_accum_steps
+        )
+        window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0, "data_s": 0.0, "steps": 0}
+        epoch_loss, epoch_correct, epoch_samples, epoch_time_s = 0.0, 0.0, 0.0, 0.0
+        for _ in range(steps_this_epoch):
+            step_start = time.perf_counter()
+            micro_batches = [normalize(*next(batches)) for _ in range(cfg.loop.grad_accum_steps)]
+            data_wait_s = time.perf_counter() - step_start
+            result = train_step(
+                model=model, optimizer=optimizer, scaler=scaler, micro_batches=micro_batches,
+                autocast_dtype=autocast_dtype, max_grad_norm=cfg.optimizer.max_grad_norm,
+            )
+            lr = optimizer.param_groups[0]["lr"]
+            scheduler.step()
+            global_step += 1
+            # Reading the loss synchronises with the device; on GPU that happens once per log window only.
+            is_log_step = global_step % cfg.loop.log_interval_steps == 0 or global_step == total_steps
+            window["loss"] += result.loss
+            window["correct"] += result.num_correct
+            window["samples"] += result.num_samples
+            step_time_s = time.perf_counter() - step_start
+            window["time_s"] += step_time_s
+            window["data_s"] += data_wait_s
+            window["steps"] += 1
+            if global_step > warmup_excluded:
+                steady_time_s += step_time_s
+                steady_steps += 1
+            if is_log_step:
+                loss_sum, correct, samples = _all_reduce_sum(
+                    [float(window["loss"]), float(window["correct"]), float(window["samples"])], device
+                )
+                steps = window["steps"]
+                record = {
+                    "train_loss": loss_sum / (steps * world_size),
+                    "train_accuracy": correct / samples,
+                    "lr": lr,
+                    "grad_norm": float(result.grad_norm),
+                    "samples_per_s": samples / window["time_s"] if window["time_s"] else 0.0,
+                    "step_time_s": window["time_s"] / steps,
+                    "data_wait_s": window["data_s"] / steps,
+                    "epoch": float(epoch),
+                }
+                epoch_loss += loss_sum
+                epoch_correct += correct
+                epoch_samples += samples
+                epoch_time_s += window["time_s"]
+                step_log.append({"step": float(global_step), **record})
+                sink.log_metrics(record, step=global_step)
+                window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0, "data_s": 0.0, "steps": 0}
+        # A window left open at epoch end (fewer steps than the log interval) still counts for the epoch.
+        if window["steps"]:
+            loss_sum, correct, samples = _all_reduce_sum(
+                [float(window["loss"]), float(window["correct"]), float(window["samples"])], device
+            )
+            epoch_loss += loss_sum
+            epoch_correct += correct
+            epoch_samples += samples
+            epoch_time_s += window["time_s"]
+
+        val = evaluate(model, val_stream.eval_batches(batch_size=256), normalize=normalize, num_classes=manifest.num_classes, autocast_dtype=autocast_dtype, all_reduce=True)
+        epoch_record = {
+            "epoch": float(epoch + 1),
+            "global_step": float(global_step),
+            "train_loss": epoch_loss / max(1, steps_this_epoch * world_size),
+            "train_accuracy": epoch_correct / max(1, epoch_samples),
+            "val_loss": val.loss,
+            "val_accuracy": val.accuracy,
+            "lr": optimizer.param_groups[0]["lr"],
+            "samples_per_s": epoch_samples / epoch_time_s if epoch_time_s else 0.0,
+        }
+        history.append(epoch_record)
+        sink.log_metrics({k: v for k, v in epoch_record.items() if k.startswith("val_")}, step=global_step)
+        done = global_step >= total_steps or epoch == cfg.loop.epochs - 1
+        report = dict(epoch_record)
+        report["steady_samples_per_s"] = global_batch * steady_steps / steady_time_s if steady_time_s else 0.0
+        report["steady_steps"] = float(steady_steps)
+
+        with tempfile.TemporaryDirectory(prefix="checkpoint-") as directory:
+            checkpoint = None
+            if rank == 0:
+                meta = ckpt.CheckpointMeta(
+                    model_name=cfg.model.name, classes=manifest.classes, input_shape=manifest.input_shape,
+                    mean=manifest.mean, std=manifest.std, epoch=epoch + 1, global_step=global_step,
+                    config=cfg.to_dict(), history=history, step_log=step_log,
+                    mlflow_run_id=mlflow_info.get("run_id", ""),
+                )
+                if done and mlflow_info:
+                    meta.mlflow_model_uri = _log_model_to_mlflow(model, manifest, normalize, mlflow_info)
+                ckpt.save(directory, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, meta=meta)
+                checkpoint = ray.train.Checkpoint.from_directory(directory)
+            ray.train.report(report, checkpoint=checkpoint)
+        if done:
+            break
+    sink.close()
+
+
+def _log_model_to_mlflow(model: nn.Module, manifest: Manifest, normalize: Normalizer, mlflow_info: dict[str, str]) -> str:
+    """Log the trained model with its input/output signature; returns its ``models:/`` URI."""
+    import mlflow
+    import torchvision
+    from mlflow.models import infer_signature
+
+    bare = copy.deepcopy(getattr(model, "module", model)).cpu().eval()
+    example = np.zeros((2, *manifest.input_shape), dtype=np.float32)
+    with torch.no_grad():
+        output = bare(torch.from_numpy(example)).numpy()
+    mlflow.set_tracking_uri(mlflow_info["tracking_uri"])
+    # Pinned requirements: skips MLflow's slow dependency inference, which imports the model in a subprocess.
+    requirements = [f"torch=={torch.__version__.split('+')[0]}", f"torchvision=={torchvision.__version__.split('+')[0]}"]
+    # The driver that created the run owns its final status; re-entering it here only attaches the model.
+    with mlflow.start_run(run_id=mlflow_info["run_id"]):
+        info = mlflow.pytorch.log_model(
+            bare, name="model", signature=infer_signature(example, output), input_example=example,
+            pip_requirements=requirements,
+        )
+    return info.model_uri

@@ -1,0 +1,114 @@
+"""Metric sinks: the seam between the training loop and where numbers go.
+
+A sink receives flat ``{name: float}`` dicts with a step. The loop only ever talks to one sink, built by
+:func:`build_sink`: rank 0 gets stdout (and MLflow when a run is given); every other rank gets
+:class:`NullSink`, so side effects happen once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Mapping, Protocol, Sequence
+
+log = logging.getLogger("training_core")
+
+
+class MetricSink(Protocol):
+    def log_params(self, params: Mapping[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullSink:
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        pass
+
+    def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class StdoutSink:
+    """One compact line per call, through the ``training_core`` logger."""
+
+    def __init__(self, *, prefix: str = "[rank 0]") -> None:
+        self.prefix = prefix
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        pass
+
+    def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
+        body = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+        print(f"{self.prefix} step={step} {body}", flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class MlflowSink:
+    """Logs into an existing MLflow run with batched client calls (one request per ``log_metrics``)."""
+
+    def __init__(self, *, tracking_uri: str, run_id: str) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.run_id = run_id
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(key, str(value)[:6000]) for key, value in params.items()]
+        # The backend caps params per request; send them in slices.
+        for start in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[start:start + 100])
+
+    def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
+        from mlflow.entities import Metric
+
+        now_ms = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now_ms, step) for k, v in metrics.items()])
+
+    def close(self) -> None:
+        pass
+
+
+class FanOutSink:
+    def __init__(self, sinks: Sequence[MetricSink]) -> None:
+        self.sinks = list(sinks)
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log_params(params)
+
+    def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
+        for sink in self.sinks:
+            sink.log_metrics(metrics, step=step)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def build_sink(*, rank: int, tracking_uri: str | None, run_id: str | None, stdout: bool = True) -> MetricSink:
+    if rank != 0:
+        return NullSink()
+    sinks: list[MetricSink] = [StdoutSink()] if stdout else []
+    if tracking_uri and run_id:
+        sinks.append(MlflowSink(tracking_uri=tracking_uri, run_id=run_id))
+    return FanOutSink(sinks)
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``, for logging a config as params."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -1,0 +1,107 @@
+"""MLflow tracking runs and the Model Registry promotion gate."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass
+
+from training_core.config import TrackingConfig
+
+TEST_ACCURACY_TAG = "test_accuracy"
+
+
+def resolve_tracking_uri(uri: str) -> str:
+    """Make a relative sqlite or file-store URI absolute, so Ray workers (other cwd) reach the same store."""
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///"):])
+    if "://" not in uri:
+        return os.path.abspath(uri)
+    return uri
+
+
+def ui_command(tracking_uri: str) -> str:
+    return f"mlflow ui --backend-store-uri {shlex.quote(tracking_uri)} --host 127.0.0.1 --port 5000"
+
+
+def create_run(cfg: TrackingConfig, *, run_name: str, tags: dict[str, str] | None = None) -> tuple[str, str]:
+    """Create a run in ``cfg.experiment_name`` (created if missing); returns ``(tracking_uri, run_id)``."""
+    from mlflow.tracking import MlflowClient
+
+    uri = resolve_tracking_uri(cfg.tracking_uri)
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(cfg.experiment_name)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(cfg.experiment_name)
+    run = client.create_run(experiment_id, run_name=run_name, tags=tags or {})
+    return uri, run.info.run_id
+
+
+def finish_run(tracking_uri: str, run_id: str, *, status: str = "FINISHED") -> None:
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri=tracking_uri).set_terminated(run_id, status=status)
+
+
+def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], *, step: int = 0) -> None:
+    from training_core.metrics import MlflowSink
+
+    MlflowSink(tracking_uri=tracking_uri, run_id=run_id).log_metrics(metrics, step=step)
+
+
+@dataclass
+class Promotion:
+    model_name: str
+    version: int
+    alias: str
+    promoted: bool
+    """Whether ``alias`` now points at ``version``."""
+    reason: str
+    test_accuracy: float
+    previous_champion_version: int
+    """Version the alias pointed at before; 0 when there was none."""
+    previous_champion_accuracy: float
+    """Its test accuracy; -1 when there was none."""
+
+
+def register_and_promote(cfg: TrackingConfig, *, model_uri: str, run_id: str, test_accuracy: float) -> Promotion:
+    """Register ``model_uri`` as a new version; move ``cfg.champion_alias`` to it only if its test accuracy
+    clears ``cfg.promotion_min_accuracy`` and beats the current champion's."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    uri = resolve_tracking_uri(cfg.tracking_uri)
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(tracking_uri=uri)
+    name, alias = cfg.registered_model_name, cfg.champion_alias
+    version = mlflow.register_model(model_uri, name, tags={TEST_ACCURACY_TAG: repr(test_accuracy), "mlflow_run_id": run_id})
+    try:
+        champion = client.get_model_version_by_alias(name, alias)
+    except MlflowException:
+        champion = None
+    previous_version = int(champion.version) if champion else 0
+    previous_accuracy = float(champion.tags.get(TEST_ACCURACY_TAG, "-1")) if champion else -1.0
+
+    if test_accuracy < cfg.promotion_min_accuracy:
+        promoted = False
+        reason = (
+            f"test accuracy {test_accuracy:.4f} is below tracking.promotion_min_accuracy={cfg.promotion_min_accuracy}; "
+            f"{alias!r} stays on " + (f"version {previous_version}" if champion else "no version")
+        )
+    elif champion is not None and not test_accuracy > previous_accuracy:
+        promoted = False
+        reason = (
+            f"test accuracy {test_accuracy:.4f} does not beat {alias!r} version {previous_version} "
+            f"({previous_accuracy:.4f}); the alias stays there"
+        )
+    else:
+        promoted = True
+        client.set_registered_model_alias(name, alias, version.version)
+        reason = (
+            f"test accuracy {test_accuracy:.4f} clears {cfg.promotion_min_accuracy} and "
+            + (f"beats version {previous_version} ({previous_accuracy:.4f})" if champion else "there was no champion yet")
+        )
+    return Promotion(
+        model_name=name, version=int(version.version), alias=alias, promoted=promoted, reason=reason,
+        test_accuracy=test_accuracy, previous_champion_version=previous_version, previous_champion_accuracy=previous_accuracy,
+    )

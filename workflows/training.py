@@ -1,0 +1,31 @@
+"""``training_pipeline``: prepare data -> train on Ray (DDP) -> evaluate -> register in MLflow."""
+
+from __future__ import annotations
+
+from flytekit import workflow
+
+from tasks.data import prepare_data
+from tasks.evaluate import evaluate
+from tasks.register import register_model
+from tasks.train import train
+from tasks.types import Registration
+from training_core.config import TrainingConfig
+
+
+@workflow
+def training_pipeline(config: TrainingConfig = TrainingConfig()) -> Registration:
+    """Train, evaluate and register an image classifier.
+
+    :param config: The whole run as one typed tree. ``data``: dataset (digits, synthetic, cifar10,
+        image_folder), path, split fractions, shard count. ``model``: architecture (small_cnn, resnet18-152,
+        vit_b_16). ``optimizer``/``schedule``: sgd/adam/adamw, lr, weight decay, clipping, warmup + cosine.
+        ``loop``: epochs, per-worker batch size, gradient accumulation, seed. ``scaling``: Ray Train workers
+        and their CPUs/GPUs/memory. ``precision``: auto/fp32/bf16/fp16. ``checkpoint``: Ray Train storage.
+        ``tracking``: MLflow URI, experiment, registered model name, champion alias and accuracy gate.
+        Defaults train a small ResNet on sklearn digits with 2 CPU workers and a local sqlite MLflow.
+    :return: The registered version and whether it became the champion, with the reason.
+    """
+    data = prepare_data(config=config.data)
+    model = train(config=config, data=data)
+    evaluation = evaluate(data=data, model=model)
+    return register_model(tracking=config.tracking, model=model, evaluation=evaluation)
