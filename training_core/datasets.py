@@ -87,10 +87,10 @@ def _cifar10(cfg: DataConfig) -> RawDataset:
         payload = f.read()
     try:
         archive = tarfile.open(fileobj=io.BytesIO(payload), mode="r:*")
-    except tarfile.TarError as exc:
+    except tarfile.TarError:
         raise ValueError(
-            f"data.path={cfg.path!r} is invalid: not a tar archive ({exc}); expected the CIFAR-10 python-version "
-            "tarball cifar-10-python.tar.gz"
+            f"data.path={cfg.path!r} is invalid: not a tar archive (neither gzip, bz2, xz nor plain tar); expected "
+            "the CIFAR-10 python-version tarball cifar-10-python.tar.gz"
         ) from None
     with archive:
         members = {os.path.basename(m.name): m for m in archive.getmembers() if m.isfile()}
@@ -125,6 +125,8 @@ class _SafeNumpyUnpickler(pickle.Unpickler):
         ("numpy", "dtype"),
         ("numpy.core.multiarray", "scalar"),
         ("numpy._core.multiarray", "scalar"),
+        # Protocol-2 pickles written by Python 3 rebuild bytes through this.
+        ("_codecs", "encode"),
     }
 
     def __init__(self, file) -> None:

@@ -1,0 +1,104 @@
+"""Session-wide test environment.
+
+- Everything temporary lives under one directory that is removed at the end (``TMPDIR``, ``RAY_TMPDIR``
+  and ``HOME`` of subprocesses point there), so a run leaves nothing in /tmp.
+- One Ray cluster is started per session, on demand, and shared: in-process tests ``ray.init`` to it, and
+  ``pyflyte`` subprocesses attach to it through ``RAY_ADDRESS``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+# Set before anything imports ray or tempfile caches the directory. Kept short: Ray's socket paths are
+# limited to ~107 characters.
+_SESSION_ROOT = Path(tempfile.mkdtemp(prefix="frt-", dir=os.environ.get("FRT_TEST_ROOT", "/tmp")))
+os.environ["TMPDIR"] = str(_SESSION_ROOT)
+os.environ["RAY_TMPDIR"] = str(_SESSION_ROOT)
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+# Pin gloo to loopback so DDP tests never depend on the machine's network interfaces.
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+tempfile.tempdir = None
+
+
+def pytest_unconfigure(config) -> None:
+    _stop_ray_cluster()
+    shutil.rmtree(_SESSION_ROOT, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def session_root() -> Path:
+    return _SESSION_ROOT
+
+
+_RAY_STATE: dict[str, str] = {}
+
+
+def _stop_ray_cluster() -> None:
+    if _RAY_STATE:
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+        except Exception:
+            pass
+        subprocess.run([str(VENV_BIN / "ray"), "stop", "--force"], capture_output=True, timeout=120)
+        _RAY_STATE.clear()
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> str:
+    """Address of the session's Ray cluster (4 logical CPUs so a 2-worker run and its controller fit)."""
+    if not _RAY_STATE:
+        result = subprocess.run(
+            [
+                str(VENV_BIN / "ray"), "start", "--head", "--num-cpus=4", "--num-gpus=0", "--include-dashboard=false",
+                "--disable-usage-stats", f"--temp-dir={_SESSION_ROOT / 'ray'}", "--port=0",
+            ],
+            capture_output=True, text=True, timeout=180,
+        )
+        assert result.returncode == 0, f"ray start failed:\n{result.stdout}\n{result.stderr}"
+        address_file = _SESSION_ROOT / "ray" / "ray_current_cluster"
+        address = address_file.read_text().strip() if address_file.exists() else ""
+        if not address:
+            for line in result.stdout.splitlines():
+                if "--address=" in line:
+                    address = line.split("--address=")[1].split()[0].strip("'\"")
+                    break
+        assert address, f"could not find the Ray address in:\n{result.stdout}"
+        _RAY_STATE["address"] = address
+        os.environ["RAY_ADDRESS"] = address
+    return _RAY_STATE["address"]
+
+
+@pytest.fixture(scope="session")
+def ray_session(ray_address: str):
+    """This process attached to the shared cluster."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=ray_address, log_to_driver=True)
+    return ray
+
+
+@pytest.fixture
+def subprocess_env(session_root: Path, tmp_path: Path) -> dict[str, str]:
+    """Environment for pyflyte subprocesses: private HOME (flytekit's local cache lives there)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = dict(os.environ)
+    env.update({"HOME": str(home), "PYTHONUNBUFFERED": "1", "PATH": f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"})
+    return env

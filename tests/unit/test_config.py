@@ -1,0 +1,78 @@
+import pytest
+
+from training_core.config import MODELS, TrainingConfig, load_config
+
+
+def test_defaults_build_and_round_trip_through_a_dict():
+    cfg = TrainingConfig()
+    assert TrainingConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.scaling.resolved_backend() == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "bad", "fix"),
+    [
+        ({"model": {"name": "resnet9000"}}, "model.name", "'resnet9000'", ", ".join(MODELS)),
+        ({"data": {"dataset": "mnist"}}, "data.dataset", "'mnist'", "digits, synthetic, cifar10, image_folder"),
+        ({"optimizer": {"name": "lion"}}, "optimizer.name", "'lion'", "sgd, adam, adamw"),
+        ({"loop": {"batch_size": 0}}, "loop.batch_size", "0", "> 0"),
+        ({"loop": {"batch_size": -4}}, "loop.batch_size", "-4", "> 0"),
+        ({"scaling": {"num_workers": 0}}, "scaling.num_workers", "0", "> 0"),
+        ({"optimizer": {"lr": 0}}, "optimizer.lr", "0", "> 0"),
+        ({"optimizer": {"lr": -1e-3}}, "optimizer.lr", "-0.001", "> 0"),
+        ({"data": {"dataset": "cifar10"}}, "data.path", "''", "s3://"),
+        ({"precision": {"mode": "int8"}}, "precision.mode", "'int8'", "auto, fp32, bf16, fp16"),
+        ({"scaling": {"backend": "nccl"}}, "scaling.backend", "'nccl'", "use_gpu"),
+        ({"data": {"num_shards": 2}, "scaling": {"num_workers": 4}}, "data.num_shards", "2", ">= 4"),
+    ],
+)
+def test_invalid_setting_names_field_value_and_fix(overrides, field, bad, fix):
+    with pytest.raises(ValueError) as excinfo:
+        TrainingConfig.from_dict(overrides)
+    message = str(excinfo.value)
+    assert f"{field}={bad}" in message
+    assert fix in message
+
+
+def test_unknown_field_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"model has unknown field\(s\) nmae: valid fields are name, sync_batchnorm"):
+        TrainingConfig.from_dict({"model": {"nmae": "x"}})
+
+
+def test_wrong_type_is_rejected_with_the_field_name():
+    with pytest.raises(ValueError, match=r"loop.epochs='many' is invalid: expected a number"):
+        TrainingConfig.from_dict({"loop": {"epochs": "many"}})
+    with pytest.raises(ValueError, match=r"loop.epochs=2.5 is invalid: expected a whole number"):
+        TrainingConfig.from_dict({"loop": {"epochs": 2.5}})
+
+
+def test_yaml_file_then_environment_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  name: resnet34\nscaling:\n  num_workers: 4\n")
+    env = {"TRAINING_CORE__SCALING__NUM_WORKERS": "3", "TRAINING_CORE__OPTIMIZER__LR": "0.05", "UNRELATED": "1"}
+    cfg = load_config(path, environ=env)
+    assert cfg.model.name == "resnet34"
+    assert cfg.scaling.num_workers == 3
+    assert cfg.optimizer.lr == pytest.approx(0.05)
+
+
+def test_fp16_on_cpu_warns_that_it_falls_back(caplog):
+    TrainingConfig.from_dict({"precision": {"mode": "fp16"}})
+    assert "falls back to fp32 on CPU" in caplog.text
+
+
+def test_every_field_has_a_docstring():
+    import ast
+    import inspect
+
+    from training_core import config as module
+
+    tree = ast.parse(inspect.getsource(module))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name.endswith("Config"):
+            body = node.body
+            for index, item in enumerate(body):
+                if isinstance(item, ast.AnnAssign):
+                    following = body[index + 1] if index + 1 < len(body) else None
+                    documented = isinstance(following, ast.Expr) and isinstance(getattr(following, "value", None), ast.Constant)
+                    assert documented, f"{node.name}.{item.target.id} has no docstring"

@@ -1,0 +1,148 @@
+import io
+import pickle
+import tarfile
+
+import numpy as np
+import pytest
+
+from training_core.config import DataConfig
+from training_core.data import Manifest, ShardStream, prepare, read_shard
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    out = tmp_path_factory.mktemp("digits")
+    prepare(DataConfig(num_shards=4), str(out))
+    return Manifest.load(str(out))
+
+
+def test_digits_manifest_describes_every_split_and_shard(digits):
+    counts = digits.split_counts()
+    assert sum(counts.values()) == 1797
+    assert counts["test"] == 359 and counts["val"] == 180 and counts["train"] == 1258
+    assert digits.classes == [str(i) for i in range(10)]
+    assert digits.input_shape == [1, 8, 8]
+    assert len(digits.mean) == 1 and 0 < digits.mean[0] < 1 and digits.std[0] > 0
+    for split in digits.splits.values():
+        assert len(split.shards) == 4
+        assert sum(s.num_samples for s in split.shards) == split.num_samples
+        assert all(len(s.sha256) == 64 for s in split.shards)
+
+
+def test_each_worker_streams_only_its_own_disjoint_shards(digits):
+    world_size = 2
+    seen = []
+    for rank in range(world_size):
+        stream = ShardStream(digits, "train", rank=rank, world_size=world_size)
+        assert [s.file for s in stream.shards] == [s.file for s in digits.splits["train"].shards[rank::world_size]]
+        steps = digits.steps_per_epoch(world_size=world_size, batch_size=32, grad_accum_steps=1)
+        batches = list(stream.train_batches(epoch=0, seed=0, batch_size=32, num_batches=steps))
+        assert len(batches) == steps and all(len(y) == 32 for _, y in batches)
+        seen.append({x.tobytes() for xb, _ in batches for x in xb})
+    assert not seen[0] & seen[1]
+
+
+def test_epochs_reshuffle_deterministically(digits):
+    stream = ShardStream(digits, "train", rank=0, world_size=2)
+    first = next(stream.train_batches(epoch=0, seed=0, batch_size=16, num_batches=1))[1]
+    again = next(stream.train_batches(epoch=0, seed=0, batch_size=16, num_batches=1))[1]
+    other = next(stream.train_batches(epoch=1, seed=0, batch_size=16, num_batches=1))[1]
+    assert np.array_equal(first, again) and not np.array_equal(first, other)
+
+
+def test_a_corrupt_shard_is_refused(digits, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(digits.directory, copy)
+    manifest = Manifest.load(str(copy))
+    shard = manifest.splits["train"].shards[0]
+    data = bytearray((copy / shard.file).read_bytes())
+    data[100] ^= 0xFF
+    (copy / shard.file).write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="is corrupt: sha256"):
+        read_shard(manifest, shard)
+
+
+def test_batch_too_large_for_a_worker_names_the_setting(digits):
+    with pytest.raises(ValueError, match="loop.batch_size=1000 is too large"):
+        digits.steps_per_epoch(world_size=2, batch_size=1000, grad_accum_steps=1)
+
+
+def test_missing_data_path_fails_naming_the_field(tmp_path):
+    cfg = DataConfig(dataset="cifar10", path=str(tmp_path / "nope.tar.gz"))
+    with pytest.raises(ValueError, match=r"data.path='.*nope.tar.gz' is invalid: nothing exists there"):
+        prepare(cfg, str(tmp_path / "out"))
+
+
+def test_a_file_that_is_not_a_tarball_is_rejected(tmp_path):
+    bogus = tmp_path / "cifar-10-python.tar.gz"
+    bogus.write_bytes(b"definitely not a tar archive" * 100)
+    with pytest.raises(ValueError, match=r"data.path=.* is invalid: not a tar archive.*cifar-10-python.tar.gz"):
+        prepare(DataConfig(dataset="cifar10", path=str(bogus)), str(tmp_path / "out"))
+
+
+def test_a_tarball_without_cifar_batches_is_rejected(tmp_path):
+    path = tmp_path / "other.tar.gz"
+    with tarfile.open(path, "w:gz") as archive:
+        info = tarfile.TarInfo("readme.txt")
+        archive.addfile(info, io.BytesIO(b""))
+    with pytest.raises(ValueError, match="the tarball lacks data_batch_1"):
+        prepare(DataConfig(dataset="cifar10", path=str(path)), str(tmp_path / "out"))
+
+
+def _cifar_tarball(path, per_batch=20):
+    """A tarball in the official CIFAR-10 python layout (pickled dicts), with random pixels."""
+    rng = np.random.default_rng(0)
+    with tarfile.open(path, "w:gz") as archive:
+        for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+            record = {b"data": rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8), b"labels": list(rng.integers(0, 10, per_batch).tolist())}
+            payload = pickle.dumps(record, protocol=2)
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info.size = len(payload)
+            archive.addfile(info, io.BytesIO(payload))
+
+
+def test_cifar10_tarball_is_read_with_its_own_test_split(tmp_path):
+    path = tmp_path / "cifar-10-python.tar.gz"
+    _cifar_tarball(path)
+    manifest = prepare(DataConfig(dataset="cifar10", path=str(path), num_shards=2), str(tmp_path / "out"))
+    assert manifest.input_shape == [3, 32, 32]
+    assert manifest.split_counts() == {"test": 20, "val": 10, "train": 90}
+    assert manifest.classes[0] == "airplane"
+
+
+def test_cifar10_loader_refuses_pickles_that_build_other_objects(tmp_path):
+    path = tmp_path / "evil.tar.gz"
+    with tarfile.open(path, "w:gz") as archive:
+        for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+            payload = pickle.dumps({b"data": __import__("collections").OrderedDict()})
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            archive.addfile(info, io.BytesIO(payload))
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load collections.OrderedDict"):
+        prepare(DataConfig(dataset="cifar10", path=str(path)), str(tmp_path / "out"))
+
+
+def test_image_folder_tree_is_resized_and_labelled_by_folder(tmp_path):
+    from PIL import Image
+
+    root = tmp_path / "images"
+    for label, color in (("cat", (255, 0, 0)), ("dog", (0, 0, 255))):
+        (root / label).mkdir(parents=True)
+        for i in range(10):
+            Image.new("RGB", (40 + i, 30), color).save(root / label / f"{i}.png")
+    manifest = prepare(DataConfig(dataset="image_folder", path=str(root), image_size=16, num_shards=2), str(tmp_path / "out"))
+    assert manifest.classes == ["cat", "dog"]
+    assert manifest.input_shape == [3, 16, 16]
+    assert sum(manifest.split_counts().values()) == 20
+    images, labels = read_shard(manifest, manifest.splits["train"].shards[0])
+    red = images[labels == 0]
+    assert red.shape[1:] == (3, 16, 16) and (red[:, 0] == 255).all() and (red[:, 2] == 0).all()
+
+
+def test_synthetic_dataset_has_the_requested_shape(tmp_path):
+    cfg = DataConfig(dataset="synthetic", synthetic_num_samples=200, synthetic_image_size=16, synthetic_num_classes=5, num_shards=2)
+    manifest = prepare(cfg, str(tmp_path / "out"))
+    assert manifest.input_shape == [3, 16, 16] and manifest.num_classes == 5
+    assert sum(manifest.split_counts().values()) == 200
