@@ -184,7 +184,7 @@ class LoopConfig:
     max_steps: int = 0
     """Stop after this many optimizer steps in total; 0 runs all epochs. For smoke tests and benchmarks."""
 
-    log_interval_steps: int = 10
+    log_interval_steps: int = 5
     """Log step metrics (stdout, MLflow) every this many optimizer steps, on rank 0."""
 
     seed: int = 0

@@ -1,0 +1,147 @@
+"""``pyflyte run`` of the training pipeline in a subprocess, against the session's Ray cluster."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO_ROOT, VENV_BIN
+
+WORKFLOW = str(REPO_ROOT / "workflows" / "training.py")
+MODEL_NAME = "digits-classifier"
+
+
+def pyflyte_run(*args: str, cwd: Path, env: dict[str, str], timeout_s: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(VENV_BIN / "pyflyte"), "run", WORKFLOW, "training_pipeline", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s,
+    )
+
+
+def _flat(text: str) -> str:
+    """pyflyte's rich tracebacks wrap lines; compare messages with whitespace collapsed."""
+    return re.sub(r"[\s│]+", " ", text)
+
+
+@pytest.fixture(scope="module")
+def default_run(ray_address, tmp_path_factory):
+    """One run with no flags at all, shared by the tests below (it takes a couple of minutes)."""
+    import os
+
+    workdir = tmp_path_factory.mktemp("pipeline")
+    home = workdir / "home"
+    home.mkdir()
+    env = dict(os.environ, HOME=str(home), PYTHONUNBUFFERED="1", RAY_ADDRESS=ray_address)
+    result = pyflyte_run(cwd=workdir, env=env)
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    return workdir, env, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_default_run_reaches_95_percent_and_registers_a_loadable_champion(default_run):
+    import mlflow
+    import torch
+
+    from training_core.config import DataConfig
+    from training_core.data import ShardStream, prepare
+    from training_core.loop import Normalizer
+
+    workdir, _, output = default_run
+    accuracy = float(re.search(r"test accuracy\s*: ([0-9.]+)", output).group(1))
+    assert accuracy >= 0.95
+    assert re.search(rf"registered model : {MODEL_NAME} version 1 \(alias 'champion' -> v1\)", output)
+    tracking_uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    assert f"mlflow tracking  : {tracking_uri}" in output
+    assert f"mlflow ui --backend-store-uri {tracking_uri}" in output
+    for name in ("training", "evaluation"):
+        path = Path(re.search(rf"{name} report\s*: (\S+)", output).group(1))
+        assert path.is_file() and "<img alt='plot' src='data:image/png;base64," in path.read_text()
+
+    mlflow.set_tracking_uri(tracking_uri)
+    model = mlflow.pytorch.load_model(f"models:/{MODEL_NAME}@champion")
+    manifest = prepare(DataConfig(), str(workdir / "data"))  # same split seed -> the same test split
+    normalize = Normalizer(manifest, torch.device("cpu"))
+    correct = total = 0
+    for images, labels in ShardStream(manifest, "test", rank=0, world_size=1).eval_batches(batch_size=128):
+        x, y = normalize(images, labels)
+        with torch.no_grad():
+            correct += int((model(x).argmax(dim=1) == y).sum())
+        total += len(y)
+    assert total == 359
+    assert correct / total == pytest.approx(accuracy, abs=5e-5)  # printed with 4 decimals
+
+
+@pytest.mark.slow
+def test_default_run_logs_params_metrics_config_and_model_to_mlflow(default_run):
+    from mlflow.tracking import MlflowClient
+
+    workdir, _, _ = default_run
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("training-pipeline")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["model.name"] == "resnet18" and run.data.params["world_size"] == "2"
+    for key in ("train_loss", "train_accuracy", "lr", "grad_norm", "samples_per_s", "data_wait_s", "step_time_s", "val_accuracy", "test_accuracy"):
+        assert key in run.data.metrics, key
+    history = client.get_metric_history(run.info.run_id, "train_loss")
+    assert len(history) >= 20 and history[-1].value < history[0].value
+    (logged,) = client.search_logged_models(experiment_ids=[experiment.experiment_id])
+    assert logged.source_run_id == run.info.run_id
+
+
+@pytest.mark.slow
+def test_decks_of_train_and_evaluate_hold_curves_and_confusion_matrix(default_run, session_root):
+    decks = [p.read_text() for p in session_root.rglob("deck.html")]
+    assert any("id='curves'" in d for d in decks), "no training deck with curves"
+    assert any("id='confusion'" in d for d in decks), "no evaluation deck with a confusion matrix"
+
+
+@pytest.mark.slow
+def test_a_worse_second_run_from_a_yaml_file_does_not_move_the_champion(default_run):
+    workdir, env, _ = default_run
+    worse = workdir / "worse.yaml"
+    # Gate at 0 so only "must beat the champion" can refuse it.
+    worse.write_text(
+        "model:\n  name: small_cnn\nloop:\n  max_steps: 3\n  epochs: 1\ntracking:\n  promotion_min_accuracy: 0.0\n"
+    )
+    result = pyflyte_run("--config", str(worse), cwd=workdir, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    assert re.search(rf"registered model : {MODEL_NAME} version 2 \(alias 'champion' unchanged\)", output)
+    assert "does not beat 'champion' version 1" in _flat(output)
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    assert int(client.get_model_version_by_alias(MODEL_NAME, "champion").version) == 1
+
+
+def _cifar_lookalike(path: Path) -> None:
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ('{"model": {"name": "resnet9000"}}', "model.name='resnet9000' is invalid: choose one of small_cnn, resnet18"),
+        ('{"loop": {"batch_size": 0}}', "loop.batch_size=0 is invalid: it must be > 0"),
+        ('{"scaling": {"num_workers": 0}}', "scaling.num_workers=0 is invalid: it must be > 0"),
+        ('{"optimizer": {"name": "lion"}}', "optimizer.name='lion' is invalid: choose one of sgd, adam, adamw"),
+        ('{"data": {"dataset": "cifar10", "path": "{tmp}/missing.tar.gz"}}', "is invalid: nothing exists there"),
+        ('{"data": {"dataset": "cifar10", "path": "{tmp}/cifar-10-python.tar.gz"}}', "is invalid: not a tar archive"),
+    ],
+    ids=["unknown-model", "zero-batch", "zero-workers", "unknown-optimizer", "missing-path", "not-a-tarball"],
+)
+def test_bad_input_fails_before_any_ray_worker_starts(config, expected, tmp_path, subprocess_env):
+    _cifar_lookalike(tmp_path / "cifar-10-python.tar.gz")
+    subprocess_env.pop("RAY_ADDRESS", None)
+    result = pyflyte_run("--config", config.replace("{tmp}", str(tmp_path)), cwd=tmp_path, env=subprocess_env, timeout_s=300)
+    output = _flat(result.stdout + result.stderr)
+    assert result.returncode != 0
+    assert expected in output
+    for sign_of_ray in ("RayTrainWorker", "TrainController", "Started a local Ray instance"):
+        assert sign_of_ray not in output
