@@ -45,6 +45,7 @@ def train(config: TrainingConfig, data: PreparedData) -> TrainedModel:
     storage_path = config.checkpoint.storage_path or os.path.join(ctx.working_directory, "ray_results")
     # Workers read shards from where Flyte stored them (a local path here, s3:// on a cluster).
     data_dir = data.directory.remote_source or data.directory.path
+    _require_prepared_data(data_dir)
     tracking_uri, run_id = tracking.create_run(
         config.tracking, run_name=run_name, tags={"flyte.execution_id": ctx.execution_id.name}
     )
@@ -92,3 +93,16 @@ def train(config: TrainingConfig, data: PreparedData) -> TrainedModel:
         mlflow_model_uri=meta.mlflow_model_uri,
         report=report,
     )
+
+
+def _require_prepared_data(data_dir: str) -> None:
+    import fsspec
+
+    from training_core.data import MANIFEST_NAME
+
+    fs, root = fsspec.core.url_to_fs(data_dir)
+    if not fs.exists(f"{root.rstrip('/')}/{MANIFEST_NAME}"):
+        raise ValueError(
+            f"data.directory={data_dir!r} has no {MANIFEST_NAME}: the prepared data is gone (a cached prepare_data "
+            "output whose files were deleted, e.g. a cleaned /tmp). Run `pyflyte local-cache clear` and re-run."
+        )

@@ -8,7 +8,7 @@ Importing the package is cheap: submodules import torch, ray and mlflow where th
 - ``loop``: ``train_loop_per_worker`` and ``train_step``.
 - ``trainer``: ``fit`` runs the loop under ``TorchTrainer``.
 - ``evaluation``: test-split metrics of a checkpoint.
-- ``registry``: MLflow Model Registry promotion gate.
+- ``tracking``: MLflow runs and the Model Registry promotion gate.
 - ``checkpoint`` / ``metrics``: checkpoint files and metric sinks.
 """
 

@@ -68,7 +68,7 @@ def _synthetic(cfg: DataConfig) -> RawDataset:
     return RawDataset(splits={"train": (images, labels.astype(np.int64))}, classes=[f"class_{i}" for i in range(k)])
 
 
-def _open_binary(path: str, field: str = "data.path"):
+def _existing(path: str, field: str = "data.path"):
     import fsspec
 
     fs, fs_path = fsspec.core.url_to_fs(path)
@@ -78,7 +78,7 @@ def _open_binary(path: str, field: str = "data.path"):
 
 
 def _cifar10(cfg: DataConfig) -> RawDataset:
-    fs, fs_path = _open_binary(cfg.path)
+    fs, fs_path = _existing(cfg.path)
     if fs.isdir(fs_path):
         raise ValueError(
             f"data.path={cfg.path!r} is invalid: it is a directory; point it at the cifar-10-python.tar.gz tarball itself"
@@ -139,7 +139,7 @@ class _SafeNumpyUnpickler(pickle.Unpickler):
 
 
 def _image_folder(cfg: DataConfig) -> RawDataset:
-    fs, root = _open_binary(cfg.path)
+    fs, root = _existing(cfg.path)
     if not fs.isdir(root):
         raise ValueError(f"data.path={cfg.path!r} is invalid: not a directory; point it at the root of <class>/<image> folders")
     top = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.isdir(p))

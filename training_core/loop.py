@@ -248,6 +248,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         )
         window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0, "data_s": 0.0, "steps": 0}
         epoch_loss, epoch_correct, epoch_samples, epoch_time_s = 0.0, 0.0, 0.0, 0.0
+        # A step's wall time runs from the previous step's end, so logging and all-reduces of metrics count
+        # against throughput; only the epoch boundary (validation, checkpoint) is left out.
+        last_step_end = time.perf_counter()
         for _ in range(steps_this_epoch):
             step_start = time.perf_counter()
             micro_batches = [normalize(*next(batches)) for _ in range(cfg.loop.grad_accum_steps)]
@@ -264,7 +267,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             window["loss"] += result.loss
             window["correct"] += result.num_correct
             window["samples"] += result.num_samples
-            step_time_s = time.perf_counter() - step_start
+            step_end = time.perf_counter()
+            step_time_s, last_step_end = step_end - last_step_end, step_end
             window["time_s"] += step_time_s
             window["data_s"] += data_wait_s
             window["steps"] += 1

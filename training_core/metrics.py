@@ -1,13 +1,14 @@
 """Metric sinks: the seam between the training loop and where numbers go.
 
 A sink receives flat ``{name: float}`` dicts with a step. The loop only ever talks to one sink, built by
-:func:`build_sink`: rank 0 gets stdout (and MLflow when a run is given); every other rank gets
+:func:`build_sink`: rank 0 gets the console (and MLflow when a run is given); every other rank gets
 :class:`NullSink`, so side effects happen once.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any, Mapping, Protocol, Sequence
 
@@ -33,8 +34,8 @@ class NullSink:
         pass
 
 
-class StdoutSink:
-    """One compact line per call, through the ``training_core`` logger."""
+class ConsoleSink:
+    """One compact line per call on stderr (Ray Train V2 echoes a worker's stdout twice, stderr once)."""
 
     def __init__(self, *, prefix: str = "[rank 0]") -> None:
         self.prefix = prefix
@@ -44,7 +45,7 @@ class StdoutSink:
 
     def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
         body = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
-        print(f"{self.prefix} step={step} {body}", flush=True)
+        print(f"{self.prefix} step={step} {body}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         pass
@@ -94,10 +95,10 @@ class FanOutSink:
             sink.close()
 
 
-def build_sink(*, rank: int, tracking_uri: str | None, run_id: str | None, stdout: bool = True) -> MetricSink:
+def build_sink(*, rank: int, tracking_uri: str | None, run_id: str | None, console: bool = True) -> MetricSink:
     if rank != 0:
         return NullSink()
-    sinks: list[MetricSink] = [StdoutSink()] if stdout else []
+    sinks: list[MetricSink] = [ConsoleSink()] if console else []
     if tracking_uri and run_id:
         sinks.append(MlflowSink(tracking_uri=tracking_uri, run_id=run_id))
     return FanOutSink(sinks)

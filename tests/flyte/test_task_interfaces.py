@@ -1,0 +1,52 @@
+"""What FlyteConsole and the backend will see: documented interfaces, caching, the RayJob shape."""
+
+from __future__ import annotations
+
+from flytekit.configuration import ImageConfig, SerializationSettings
+
+from tasks.data import PREPARE_DATA_CACHE_VERSION, prepare_data
+from tasks.evaluate import evaluate
+from tasks.ray_config import WORKER_GROUP, ray_job_config
+from tasks.register import register_model
+from tasks.train import train
+from training_core.config import ScalingConfig
+from workflows.training import training_pipeline
+
+
+def test_every_workflow_and_task_input_is_described_for_the_launch_form():
+    for entity in (training_pipeline, prepare_data, train, evaluate, register_model):
+        for name, variable in entity.interface.inputs.items():
+            assert len(variable.description) > 20, f"{entity.name}.{name} has no description"
+    description = training_pipeline.interface.inputs["config"].description
+    for section in ("data", "model", "optimizer", "loop", "scaling", "precision", "checkpoint", "tracking"):
+        assert f"``{section}``" in description
+
+
+def test_data_prep_is_cached_and_training_is_not():
+    assert prepare_data.metadata.cache and prepare_data.metadata.cache_version == PREPARE_DATA_CACHE_VERSION
+    assert not train.metadata.cache
+    assert train.metadata.retries == 2
+
+
+def test_train_is_a_ray_task_shaped_by_the_default_scaling_config():
+    settings = SerializationSettings(image_config=ImageConfig.auto_default_image())
+    assert train.task_type == "ray"
+    custom = train.get_custom(settings)
+    (group,) = custom["rayCluster"]["workerGroupSpec"]
+    defaults = ScalingConfig()
+    assert group["groupName"] == WORKER_GROUP and group["replicas"] == defaults.num_workers
+    assert custom["rayCluster"]["headGroupSpec"]["rayStartParams"] == {"num-cpus": "0"}
+    assert custom["shutdownAfterJobFinishes"] is True
+
+
+def test_ray_job_requests_and_limits_follow_the_scaling_config():
+    scaling = ScalingConfig(num_workers=8, use_gpu=True, gpus_per_worker=2, cpus_per_worker=6.0, memory_per_worker_gib=30, head_cpus=2.0, head_memory_gib=8)
+    config = ray_job_config(scaling)
+    (workers,) = config.worker_node_config
+    assert workers.replicas == 8
+    assert (workers.requests.cpu, workers.requests.mem, workers.requests.gpu) == ("6", "30720Mi", "2")
+    assert workers.limits == workers.requests
+    head = config.head_node_config
+    assert (head.requests.cpu, head.requests.mem, head.requests.gpu) == ("2", "8192Mi", None)
+    cpu_only = ray_job_config(ScalingConfig())
+    assert cpu_only.worker_node_config[0].requests.gpu is None
