@@ -35,7 +35,4 @@ def evaluate(data: PreparedData, model: TrainedModel) -> Evaluation:
         reports.section("Confusion matrix", reports.confusion_matrix(result.confusion, result.classes), section_id="confusion"),
     ]
     report = publish_report("Evaluation report", reports.page("Evaluation report", body), "".join(body))
-    return Evaluation(
-        num_samples=result.num_samples, loss=result.loss, accuracy=result.accuracy, top5_accuracy=result.top5_accuracy,
-        confusion=result.confusion, classes=result.classes, report=report,
-    )
+    return Evaluation(metrics=result, report=report)

@@ -21,7 +21,7 @@ def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Ev
     from training_core.tracking import register_and_promote, ui_command
 
     promotion = register_and_promote(
-        tracking, model_uri=model.mlflow_model_uri, run_id=model.mlflow_run_id, test_accuracy=evaluation.accuracy
+        tracking, model_uri=model.mlflow_model_uri, run_id=model.mlflow_run_id, test_accuracy=evaluation.metrics.accuracy
     )
     reports = [model.report.remote_source or model.report.path, evaluation.report.remote_source or evaluation.report.path]
     # pyflyte prints outputs as literals; a person wants these four facts in plain words.
@@ -32,7 +32,7 @@ def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Ev
             f"registered model : {promotion.model_name} version {promotion.version}"
             + (f" (alias '{promotion.alias}' -> v{promotion.version})" if promotion.promoted else f" (alias '{promotion.alias}' unchanged)"),
             f"promotion        : {promotion.reason}",
-            f"test accuracy    : {evaluation.accuracy:.4f} (top-5 {evaluation.top5_accuracy:.4f})",
+            f"test accuracy    : {evaluation.metrics.accuracy:.4f} (top-5 {evaluation.metrics.top5_accuracy:.4f})",
             f"mlflow tracking  : {model.tracking_uri}",
             f"browse with      : {ui_command(model.tracking_uri)}",
             f"training report  : {reports[0]}",
@@ -41,10 +41,4 @@ def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Ev
         ]),
         flush=True,
     )
-    return Registration(
-        model_name=promotion.model_name, version=promotion.version, alias=promotion.alias, promoted=promotion.promoted,
-        reason=promotion.reason, test_accuracy=promotion.test_accuracy,
-        previous_champion_version=promotion.previous_champion_version,
-        previous_champion_accuracy=promotion.previous_champion_accuracy, tracking_uri=model.tracking_uri,
-        reports=[str(r) for r in reports],
-    )
+    return Registration(promotion=promotion, tracking_uri=model.tracking_uri, reports=[str(r) for r in reports])

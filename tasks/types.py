@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
+from training_core.evaluation import EvalReport
+from training_core.tracking import Promotion
+
 
 @dataclass
 class PreparedData:
@@ -58,15 +61,10 @@ class TrainedModel:
 
 @dataclass
 class Evaluation:
-    """Output of ``evaluate``: test-split metrics."""
+    """Output of ``evaluate``: test-split metrics and their report."""
 
-    num_samples: int
-    loss: float
-    accuracy: float
-    top5_accuracy: float
-    confusion: list[list[int]]
-    """``confusion[true][predicted]`` counts."""
-    classes: list[str]
+    metrics: EvalReport
+    """Loss, top-1/top-5 accuracy and the confusion matrix on the test split."""
     report: FlyteFile
     """The evaluation Deck as a standalone HTML page."""
 
@@ -75,16 +73,8 @@ class Evaluation:
 class Registration:
     """Output of ``register_model``: what happened in the Model Registry, and why."""
 
-    model_name: str
-    version: int
-    alias: str
-    promoted: bool
-    """Whether ``alias`` now points at ``version``."""
-    reason: str
-    test_accuracy: float
-    previous_champion_version: int = 0
-    """0 when there was no champion."""
-    previous_champion_accuracy: float = -1.0
-    tracking_uri: str = ""
+    promotion: Promotion
+    """The new version, whether the champion alias moved to it, and the reason."""
+    tracking_uri: str
     reports: list[str] = field(default_factory=list)
     """Where the training and evaluation reports (the Decks) are."""
