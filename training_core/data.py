@@ -94,8 +94,9 @@ class Manifest:
         shards = self.splits[split].shards
         if len(shards) < world_size:
             raise ValueError(
-                f"data.num_shards is too small: split {split!r} has {len(shards)} shard(s) for {world_size} workers; "
-                f"re-run data prep with data.num_shards >= {world_size}"
+                f"split {split!r} has {len(shards)} shard(s) ({self.splits[split].num_samples} samples) for {world_size} "
+                f"workers; re-run data prep with data.num_shards >= {world_size}, and enough samples in the split "
+                "(data.val_fraction / data.test_fraction) for one shard per worker"
             )
         return shards[rank::world_size]
 
@@ -176,10 +177,12 @@ def _split(raw: dict[str, tuple[np.ndarray, np.ndarray]], cfg: DataConfig) -> di
     for name in ("val", "test"):
         if name in raw:
             splits[name] = raw[name]
-    if "test" not in splits:
-        raise ValueError(f"data.test_fraction={cfg.test_fraction!r} is invalid: {cfg.dataset} has no test split; set it > 0")
-    if "val" not in splits:
-        raise ValueError(f"data.val_fraction={cfg.val_fraction!r} is invalid: {cfg.dataset} has no val split; set it > 0")
+    for name, field_name, value in (("test", "test_fraction", cfg.test_fraction), ("val", "val_fraction", cfg.val_fraction)):
+        if name not in splits:
+            raise ValueError(
+                f"data.{field_name}={value!r} is invalid: {cfg.dataset} has no {name} split of its own and this fraction "
+                f"of its {n} samples rounds to 0; raise it to at least {1 / n:.2g}"
+            )
     return splits
 
 

@@ -92,27 +92,40 @@ def _cifar10(cfg: DataConfig) -> RawDataset:
             f"data.path={cfg.path!r} is invalid: not a tar archive (neither gzip, bz2, xz nor plain tar); expected "
             "the CIFAR-10 python-version tarball cifar-10-python.tar.gz"
         ) from None
-    with archive:
-        members = {os.path.basename(m.name): m for m in archive.getmembers() if m.isfile()}
-        wanted = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-        missing = [name for name in wanted if name not in members]
-        if missing:
-            raise ValueError(
-                f"data.path={cfg.path!r} is invalid: the tarball lacks {', '.join(missing)}; expected the CIFAR-10 "
-                "python-version tarball cifar-10-python.tar.gz"
-            )
+    try:
+        with archive:
+            return _cifar10_batches(archive, cfg.path)
+    except (tarfile.TarError, EOFError, OSError, pickle.UnpicklingError, KeyError, ValueError) as exc:
+        if isinstance(exc, ValueError) and str(exc).startswith("data.path="):
+            raise
+        raise ValueError(
+            f"data.path={cfg.path!r} is invalid: the tarball is truncated or not in the CIFAR-10 python format "
+            f"({type(exc).__name__}: {exc}); download cifar-10-python.tar.gz again"
+        ) from None
 
-        def batch(name: str) -> tuple[np.ndarray, np.ndarray]:
-            extracted = archive.extractfile(members[name])
-            assert extracted is not None
-            # The official batches are pickled dicts of arrays and lists: unpickle with a loader that only
-            # rebuilds builtins and numpy arrays, never arbitrary classes.
-            record = _SafeNumpyUnpickler(extracted).load()
-            images = np.asarray(record[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
-            return images, np.asarray(record[b"labels"], dtype=np.int64)
 
-        train = [batch(f"data_batch_{i}") for i in range(1, 6)]
-        test = batch("test_batch")
+def _cifar10_batches(archive: tarfile.TarFile, path: str) -> RawDataset:
+    """The five training batches and the test batch of an open CIFAR-10 python tarball."""
+    members = {os.path.basename(m.name): m for m in archive.getmembers() if m.isfile()}
+    wanted = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    missing = [name for name in wanted if name not in members]
+    if missing:
+        raise ValueError(
+            f"data.path={path!r} is invalid: the tarball lacks {', '.join(missing)}; expected the CIFAR-10 "
+            "python-version tarball cifar-10-python.tar.gz"
+        )
+
+    def batch(name: str) -> tuple[np.ndarray, np.ndarray]:
+        extracted = archive.extractfile(members[name])
+        assert extracted is not None
+        # The official batches are pickled dicts of arrays and lists: unpickle with a loader that only
+        # rebuilds builtins and numpy arrays, never arbitrary classes.
+        record = _SafeNumpyUnpickler(extracted).load()
+        images = np.asarray(record[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+        return images, np.asarray(record[b"labels"], dtype=np.int64)
+
+    train = [batch(f"data_batch_{i}") for i in range(1, 6)]
+    test = batch("test_batch")
     splits = {"train": (np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train])), "test": test}
     return RawDataset(splits=splits, classes=list(CIFAR10_CLASSES))
 
@@ -178,7 +191,7 @@ def _read_class_tree(fs, root: str, classes: list[str], size: int) -> tuple[np.n
             images.append(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1))
             labels.append(label)
     if not images:
-        raise ValueError(f"data.path is invalid: no images ({', '.join(IMAGE_SUFFIXES)}) under {root!r}")
+        raise ValueError(f"data.path={root!r} is invalid: no images ({', '.join(IMAGE_SUFFIXES)}) in its class folders; add images or point data.path elsewhere")
     return np.stack(images), np.asarray(labels, dtype=np.int64)
 
 

@@ -193,6 +193,16 @@ def evaluate(model: nn.Module, batches, *, normalize: Normalizer, num_classes: i
     )
 
 
+def _broadcast_buffers_from_rank0(model: nn.Module) -> None:
+    """Give every rank rank 0's BatchNorm running stats, so validation describes the checkpointed model.
+
+    DDP broadcasts buffers only at the start of a forward pass; after the last step each rank still holds
+    the statistics of its own batches."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        for buffer in getattr(model, "module", model).buffers():
+            torch.distributed.broadcast(buffer, src=0)
+
+
 def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -234,6 +244,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     mlflow_info = loop_config.get("mlflow") or {}
     sink = build_sink(rank=rank, tracking_uri=mlflow_info.get("tracking_uri"), run_id=mlflow_info.get("run_id"))
     sink.log_params(flatten(cfg.to_dict()) | {"world_size": world_size, "steps_per_epoch": steps_per_epoch, "device": device.type})
+    sink.log_dict(cfg.to_dict(), "config.json")
 
     warmup_excluded = loop_config.get("warmup_steps_excluded", min(5, total_steps // 4))
     global_batch = cfg.loop.batch_size * cfg.loop.grad_accum_steps * world_size
@@ -251,7 +262,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         # A step's wall time runs from the previous step's end, so logging and all-reduces of metrics count
         # against throughput; only the epoch boundary (validation, checkpoint) is left out.
         last_step_end = time.perf_counter()
-        for _ in range(steps_this_epoch):
+        for step_in_epoch in range(steps_this_epoch):
             step_start = time.perf_counter()
             micro_batches = [normalize(*next(batches)) for _ in range(cfg.loop.grad_accum_steps)]
             data_wait_s = time.perf_counter() - step_start
@@ -262,11 +273,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             lr = optimizer.param_groups[0]["lr"]
             scheduler.step()
             global_step += 1
-            # Reading the loss synchronises with the device; on GPU that happens once per log window only.
-            is_log_step = global_step % cfg.loop.log_interval_steps == 0 or global_step == total_steps
+            # Reading the loss synchronises with the device; on GPU that happens once per log window only. An
+            # epoch's last step always closes the window, so every step is in exactly one logged record.
+            is_log_step = global_step % cfg.loop.log_interval_steps == 0 or step_in_epoch == steps_this_epoch - 1
             window["loss"] += result.loss
             window["correct"] += result.num_correct
             window["samples"] += result.num_samples
+            if device.type == "cuda" and is_log_step:
+                torch.cuda.synchronize()  # queued kernels belong to this window's time, not the next one's
             step_end = time.perf_counter()
             step_time_s, last_step_end = step_end - last_step_end, step_end
             window["time_s"] += step_time_s
@@ -297,16 +311,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 step_log.append({"step": float(global_step), **record})
                 sink.log_metrics(record, step=global_step)
                 window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0, "data_s": 0.0, "steps": 0}
-        # A window left open at epoch end (fewer steps than the log interval) still counts for the epoch.
-        if window["steps"]:
-            loss_sum, correct, samples = _all_reduce_sum(
-                [float(window["loss"]), float(window["correct"]), float(window["samples"])], device
-            )
-            epoch_loss += loss_sum
-            epoch_correct += correct
-            epoch_samples += samples
-            epoch_time_s += window["time_s"]
-
+        _broadcast_buffers_from_rank0(model)
         val = evaluate(model, val_stream.eval_batches(batch_size=256), normalize=normalize, num_classes=manifest.num_classes, autocast_dtype=autocast_dtype, all_reduce=True)
         epoch_record = {
             "epoch": float(epoch + 1),

@@ -18,6 +18,9 @@ log = logging.getLogger("training_core")
 class MetricSink(Protocol):
     def log_params(self, params: Mapping[str, Any]) -> None: ...
 
+    def log_dict(self, payload: Mapping[str, Any], name: str) -> None:
+        """Store ``payload`` as a JSON artifact called ``name`` (for example the resolved config)."""
+
     def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None: ...
 
     def close(self) -> None: ...
@@ -25,6 +28,9 @@ class MetricSink(Protocol):
 
 class NullSink:
     def log_params(self, params: Mapping[str, Any]) -> None:
+        pass
+
+    def log_dict(self, payload: Mapping[str, Any], name: str) -> None:
         pass
 
     def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
@@ -41,6 +47,9 @@ class ConsoleSink:
         self.prefix = prefix
 
     def log_params(self, params: Mapping[str, Any]) -> None:
+        pass
+
+    def log_dict(self, payload: Mapping[str, Any], name: str) -> None:
         pass
 
     def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
@@ -68,6 +77,9 @@ class MlflowSink:
         for start in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[start:start + 100])
 
+    def log_dict(self, payload: Mapping[str, Any], name: str) -> None:
+        self.client.log_dict(self.run_id, dict(payload), name)
+
     def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
         from mlflow.entities import Metric
 
@@ -85,6 +97,10 @@ class FanOutSink:
     def log_params(self, params: Mapping[str, Any]) -> None:
         for sink in self.sinks:
             sink.log_params(params)
+
+    def log_dict(self, payload: Mapping[str, Any], name: str) -> None:
+        for sink in self.sinks:
+            sink.log_dict(payload, name)
 
     def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
         for sink in self.sinks:

@@ -125,9 +125,18 @@ def test_fit_trains_two_workers_to_a_loadable_checkpoint(ray_session, digits_dir
     assert result.meta.global_step == 2 * steps_per_epoch
     assert [r["epoch"] for r in result.meta.history] == [1.0, 2.0]
     assert result.metrics["steady_samples_per_s"] > 0
-    record = result.meta.step_log[-1]
-    for key in ("train_loss", "train_accuracy", "lr", "grad_norm", "samples_per_s", "data_wait_s", "step_time_s"):
-        assert key in record
+    global_batch = 32 * 2 * 2
+    for record in result.meta.step_log:
+        # samples/s over a window times the mean step time of that window is the global batch.
+        assert record["samples_per_s"] * record["step_time_s"] == pytest.approx(global_batch, rel=1e-9)
+        assert 0 <= record["data_wait_s"] < record["step_time_s"] and record["grad_norm"] > 0 and record["lr"] > 0
+    for epoch in (0, 1):
+        windows = [r for r in result.meta.step_log if r["epoch"] == epoch]
+        steps = [r["step"] - p for r, p in zip(windows, [epoch * steps_per_epoch] + [w["step"] for w in windows[:-1]])]
+        # The epoch's loss is the step-weighted mean of its log windows (every step lands in a window).
+        weighted = sum(w["train_loss"] * n for w, n in zip(windows, steps)) / sum(steps)
+        assert sum(steps) == steps_per_epoch
+        assert result.meta.history[epoch]["train_loss"] == pytest.approx(weighted, rel=1e-9)
     report = evaluate_checkpoint(result.checkpoint_dir, digits_dir)
     assert report.num_samples == 359
     assert report.accuracy > 0.5  # 10 classes: chance is 0.1

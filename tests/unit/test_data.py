@@ -120,7 +120,7 @@ def test_cifar10_loader_refuses_pickles_that_build_other_objects(tmp_path):
             info = tarfile.TarInfo(name)
             info.size = len(payload)
             archive.addfile(info, io.BytesIO(payload))
-    with pytest.raises(pickle.UnpicklingError, match="refusing to load collections.OrderedDict"):
+    with pytest.raises(ValueError, match=r"data.path=.* is invalid: .*refusing to load collections.OrderedDict"):
         prepare(DataConfig(dataset="cifar10", path=str(path)), str(tmp_path / "out"))
 
 
@@ -146,3 +146,17 @@ def test_synthetic_dataset_has_the_requested_shape(tmp_path):
     manifest = prepare(cfg, str(tmp_path / "out"))
     assert manifest.input_shape == [3, 16, 16] and manifest.num_classes == 5
     assert sum(manifest.split_counts().values()) == 200
+
+
+def test_a_truncated_cifar_tarball_names_the_field(tmp_path):
+    whole = tmp_path / "whole.tar.gz"
+    _cifar_tarball(whole)
+    truncated = tmp_path / "cifar-10-python.tar.gz"
+    truncated.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"data.path='.*cifar-10-python.tar.gz' is invalid: the tarball is truncated"):
+        prepare(DataConfig(dataset="cifar10", path=str(truncated)), str(tmp_path / "out"))
+
+
+def test_a_fraction_that_rounds_to_zero_says_how_large_it_must_be(tmp_path):
+    with pytest.raises(ValueError, match=r"data.val_fraction=0.0001 is invalid: .* rounds to 0; raise it to at least 0.00056"):
+        prepare(DataConfig(val_fraction=0.0001), str(tmp_path / "out"))
