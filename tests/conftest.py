@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -43,45 +45,58 @@ def session_root() -> Path:
     return _SESSION_ROOT
 
 
-_RAY_STATE: dict[str, str] = {}
+_RAY_STATE: dict[str, object] = {}
 
 
 def _stop_ray_cluster() -> None:
-    if _RAY_STATE:
-        try:
-            import ray
+    """Stop this session's cluster only: it runs as its own process group (``ray stop`` would end every
+    Ray process on the machine)."""
+    process = _RAY_STATE.pop("process", None)
+    if process is None:
+        return
+    try:
+        import ray
 
-            if ray.is_initialized():
-                ray.shutdown()
-        except Exception:
-            pass
-        subprocess.run([str(VENV_BIN / "ray"), "stop", "--force"], capture_output=True, timeout=120)
-        _RAY_STATE.clear()
+        if ray.is_initialized():
+            ray.shutdown()
+    except Exception:
+        pass
+    for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(process.pid, sig)
+            process.wait(timeout=wait_s)
+            break
+        except ProcessLookupError:
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    _RAY_STATE.clear()
 
 
 @pytest.fixture(scope="session")
 def ray_address() -> str:
     """Address of the session's Ray cluster (4 logical CPUs so a 2-worker run and its controller fit)."""
-    if not _RAY_STATE:
-        result = subprocess.run(
+    if "address" not in _RAY_STATE:
+        temp_dir = _SESSION_ROOT / "ray"
+        log = open(_SESSION_ROOT / "ray-head.log", "w")
+        process = subprocess.Popen(
             [
-                str(VENV_BIN / "ray"), "start", "--head", "--num-cpus=4", "--num-gpus=0", "--include-dashboard=false",
-                "--disable-usage-stats", f"--temp-dir={_SESSION_ROOT / 'ray'}", "--port=0",
+                str(VENV_BIN / "ray"), "start", "--head", "--block", "--num-cpus=4", "--num-gpus=0",
+                "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}", "--port=0",
             ],
-            capture_output=True, text=True, timeout=180,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-        assert result.returncode == 0, f"ray start failed:\n{result.stdout}\n{result.stderr}"
-        address_file = _SESSION_ROOT / "ray" / "ray_current_cluster"
-        address = address_file.read_text().strip() if address_file.exists() else ""
-        if not address:
-            for line in result.stdout.splitlines():
-                if "--address=" in line:
-                    address = line.split("--address=")[1].split()[0].strip("'\"")
-                    break
-        assert address, f"could not find the Ray address in:\n{result.stdout}"
-        _RAY_STATE["address"] = address
-        os.environ["RAY_ADDRESS"] = address
-    return _RAY_STATE["address"]
+        _RAY_STATE["process"] = process
+        address_file = temp_dir / "ray_current_cluster"
+        deadline = time.monotonic() + 180
+        while not (address_file.exists() and address_file.read_text().strip()):
+            if process.poll() is not None or time.monotonic() > deadline:
+                _stop_ray_cluster()
+                pytest.fail(f"ray start failed:\n{(_SESSION_ROOT / 'ray-head.log').read_text()[-4000:]}")
+            time.sleep(0.5)
+        _RAY_STATE["address"] = address_file.read_text().strip()
+        os.environ["RAY_ADDRESS"] = str(_RAY_STATE["address"])
+    return str(_RAY_STATE["address"])
 
 
 @pytest.fixture(scope="session")
