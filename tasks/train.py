@@ -36,8 +36,11 @@ def train(config: TrainingConfig, data: PreparedData) -> TrainedModel:
     :return: The final checkpoint directory, last-epoch metrics, the MLflow run and model URIs, and the
         training report.
     """
+    from flytekit.exceptions.user import FlyteRecoverableException
+
     from tasks import reports
     from training_core import tracking
+    from training_core.failures import classify
     from training_core.trainer import MlflowRun, fit
 
     ctx = current_context()
@@ -58,8 +61,12 @@ def train(config: TrainingConfig, data: PreparedData) -> TrainedModel:
             storage_path=storage_path,
             mlflow_run=MlflowRun(tracking_uri=tracking_uri, run_id=run_id),
         )
-    except BaseException:
+    except Exception as exc:
         tracking.finish_run(tracking_uri, run_id, status="FAILED")
+        verdict = classify(exc)
+        if verdict.retryable:
+            # Only this exception type makes Flyte retry; the new attempt resumes from the latest checkpoint.
+            raise FlyteRecoverableException(f"training hit an infrastructure failure ({verdict.reason}); retrying") from exc
         raise
     tracking.finish_run(tracking_uri, run_id)
 

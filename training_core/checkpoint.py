@@ -1,25 +1,44 @@
-"""Save and load a training checkpoint: a dict of stateful objects, in one directory.
+"""Training checkpoints: a dict of stateful objects, saved and loaded by this one module.
 
-Layout of a checkpoint directory:
+A checkpoint is one directory ``step-<global step, 9 digits>`` under a root (a local path or any fsspec URI
+such as ``s3://bucket/prefix``):
 
 - ``model.pt``: the bare model's ``state_dict`` (no DDP ``module.`` prefix);
-- ``trainer_state.pt``: optimizer, LR scheduler and GradScaler state, epoch and global step;
-- ``meta.json``: what is needed to rebuild and use the model without the training config: model name,
-  classes, input shape, normalisation stats, the resolved config, metrics history, and the MLflow model.
+- ``trainer_state.pt``: optimizer, LR scheduler and GradScaler state, and the torch/CUDA RNG states;
+- ``meta.json``: position (epoch, step in epoch, global step), best metric, python/numpy RNG states,
+  metrics history, the resolved config, and what is needed to rebuild the model (name, classes, shape);
+- ``manifest.json``: size and sha256 of each file above. It is written last, so a directory without a
+  valid manifest is an incomplete checkpoint.
 
-Tensor files are read with ``torch.load(weights_only=True)``, which never executes pickled code.
+Local roots are written to a temporary directory and renamed into place (atomic). Object stores get the
+files first and the manifest last. Every file is verified against the manifest before loading, and tensor
+files are read with ``torch.load(weights_only=True)``, which never executes pickled code.
+
+:class:`Checkpointer` saves asynchronously: ``save`` copies tensors to CPU memory (the only part the
+training step waits for) and a background thread serialises, writes and prunes. At most one save is in
+flight; the next ``save`` waits for it instead of piling up.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import logging
 import os
+import threading
+import time
+import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+log = logging.getLogger("training_core")
 
 MODEL_FILE = "model.pt"
 TRAINER_STATE_FILE = "trainer_state.pt"
 META_FILE = "meta.json"
+MANIFEST_FILE = "manifest.json"
+STEP_PREFIX = "step-"
 
 
 @dataclass
@@ -30,32 +49,333 @@ class CheckpointMeta:
     mean: list[float]
     std: list[float]
     epoch: int
-    """Epochs completed."""
+    """Epoch the run is in (0-based); with ``step_in_epoch == 0`` it has not started yet."""
     global_step: int
     """Optimizer steps completed."""
     config: dict[str, Any]
+    step_in_epoch: int = 0
+    """Optimizer steps of ``epoch`` already taken: a resume skips exactly these batches."""
+    best_metric: float | None = None
+    """Best value so far of the metric that ranks checkpoints (see ``CheckpointConfig``)."""
+    metric: float | None = None
+    """This checkpoint's value of that metric, when it was measured here."""
     history: list[dict[str, float]] = field(default_factory=list)
-    """One record per epoch: train/val loss and accuracy, LR, throughput."""
+    """One record per completed epoch: train/val loss and accuracy, LR, throughput."""
     step_log: list[dict[str, float]] = field(default_factory=list)
-    """One record per logged step: loss, accuracy, LR, grad norm, samples/s."""
+    """One record per logged step window: loss, accuracy, LR, grad norm, samples/s."""
+    rng: dict[str, Any] = field(default_factory=dict)
+    """Python and numpy RNG states per rank (JSON-safe); torch states live in ``trainer_state.pt``."""
+    resumed_from_steps: list[int] = field(default_factory=list)
+    """Global step each resume of this run started from (worker restarts, task retries)."""
+    epoch_partial: dict[str, float] = field(default_factory=dict)
+    """Loss, correct and sample sums of ``epoch`` so far, so a resumed epoch reports the same record."""
     mlflow_model_uri: str = ""
     mlflow_run_id: str = ""
 
 
-def save(directory: str, *, model, optimizer=None, scheduler=None, scaler=None, meta: CheckpointMeta) -> None:
-    """Write ``model`` (unwrapped from DDP), trainer state and ``meta`` into ``directory``."""
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message says which one and why."""
+
+
+def step_name(global_step: int) -> str:
+    return f"{STEP_PREFIX}{global_step:09d}"
+
+
+def _sha256(payload: bytes) -> str:
+    return hashlib.sha256(payload).hexdigest()
+
+
+def _to_cpu(obj: Any) -> Any:
+    """Deep copy of a state tree with every tensor cloned to CPU, so later steps cannot change it."""
     import torch
 
-    os.makedirs(directory, exist_ok=True)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def snapshot(*, model, optimizer=None, scheduler=None, scaler=None, meta: CheckpointMeta, torch_rng: dict | None = None) -> dict[str, Any]:
+    """The state to save, detached from the live objects (tensors copied to CPU)."""
     bare = getattr(model, "module", model)
-    torch.save(bare.state_dict(), os.path.join(directory, MODEL_FILE))
-    trainer_state = {"epoch": meta.epoch, "global_step": meta.global_step}
+    trainer: dict[str, Any] = {}
     for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
         if obj is not None:
-            trainer_state[name] = obj.state_dict()
-    torch.save(trainer_state, os.path.join(directory, TRAINER_STATE_FILE))
-    with open(os.path.join(directory, META_FILE), "w", encoding="utf-8") as f:
-        json.dump(asdict(meta), f, indent=2)
+            trainer[name] = obj.state_dict()
+    if torch_rng:
+        trainer["rng"] = torch_rng
+    return {"model": _to_cpu(bare.state_dict()), "trainer": _to_cpu(trainer), "meta": asdict(meta)}
+
+
+def encode(state: dict[str, Any]) -> dict[str, bytes]:
+    """Files of a checkpoint (without the manifest) from a :func:`snapshot`."""
+    return {
+        MODEL_FILE: _torch_bytes(state["model"]),
+        TRAINER_STATE_FILE: _torch_bytes(state["trainer"]),
+        META_FILE: json.dumps(state["meta"], indent=1).encode(),
+    }
+
+
+def manifest_for(files: dict[str, bytes], *, global_step: int, metric: float | None) -> bytes:
+    entries = {name: {"bytes": len(data), "sha256": _sha256(data)} for name, data in files.items()}
+    return json.dumps({"global_step": global_step, "metric": metric, "files": entries, "written_at": time.time()}, indent=1).encode()
+
+
+class CheckpointStorage:
+    """Where checkpoint directories live: a local path or an fsspec URI, with bounded retries."""
+
+    def __init__(self, root: str, *, storage_options: dict[str, Any] | None = None, retries: int = 5, retry_wait_s: float = 1.0) -> None:
+        import fsspec
+
+        self.root = root.rstrip("/")
+        self.fs, self.path = fsspec.core.url_to_fs(self.root, **(storage_options or {}))
+        self.is_local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        self.retries = retries
+        self.retry_wait_s = retry_wait_s
+
+    def uri(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def _retry(self, what: str, fn: Callable[[], Any]) -> Any:
+        delay = self.retry_wait_s
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except FileNotFoundError:
+                raise  # an answer, not a hiccup: the caller decides what a missing path means
+            except OSError as exc:
+                # A full disk will not empty itself by waiting: fail at once so the caller reports it.
+                if getattr(exc, "errno", None) == 28 or attempt == self.retries:
+                    raise CheckpointError(f"{what} failed after {attempt + 1} attempt(s): {exc}") from exc
+                log.warning("%s failed (%s); retrying in %.1fs (%d/%d)", what, exc, delay, attempt + 1, self.retries)
+                time.sleep(delay)
+                delay = min(delay * 2, 30.0)
+
+    def write(self, name: str, files: dict[str, bytes], manifest: bytes) -> None:
+        """Write one checkpoint directory so that it becomes visible complete or not at all."""
+        final = f"{self.path}/{name}"
+        if self.is_local:
+            staging = f"{self.path}/.tmp-{name}-{uuid.uuid4().hex[:8]}"
+            os.makedirs(staging, exist_ok=True)
+            try:
+                for file, data in {**files, MANIFEST_FILE: manifest}.items():
+                    with open(os.path.join(staging, file), "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                if os.path.exists(final):
+                    _remove_local(final)
+                os.rename(staging, final)
+            except OSError as exc:
+                _remove_local(staging)
+                raise CheckpointError(f"writing checkpoint {self.uri(name)} failed: {exc}") from exc
+            return
+        for file, data in files.items():
+            self._retry(f"uploading {self.uri(name)}/{file}", lambda f=file, d=data: self.fs.pipe_file(f"{final}/{f}", d))
+        self._retry(f"uploading {self.uri(name)}/{MANIFEST_FILE}", lambda: self.fs.pipe_file(f"{final}/{MANIFEST_FILE}", manifest))
+
+    def read(self, name: str, file: str) -> bytes:
+        return self._retry(f"reading {self.uri(name)}/{file}", lambda: self.fs.cat_file(f"{self.path}/{name}/{file}"))
+
+    def list_steps(self) -> list[str]:
+        """Checkpoint directory names, oldest first (staging directories excluded)."""
+        try:
+            entries = self._retry(f"listing {self.root}", lambda: self.fs.ls(self.path, detail=False, refresh=True))
+        except FileNotFoundError:
+            return []
+        names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+        return sorted(n for n in names if n.startswith(STEP_PREFIX) and n[len(STEP_PREFIX):].isdigit())
+
+    def delete(self, name: str) -> None:
+        if self.is_local:
+            _remove_local(f"{self.path}/{name}")
+        else:
+            self._retry(f"deleting {self.uri(name)}", lambda: self.fs.rm(f"{self.path}/{name}", recursive=True))
+
+
+def _remove_local(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class LoadedCheckpoint:
+    name: str
+    uri: str
+    model: dict[str, Any]
+    trainer: dict[str, Any]
+    meta: CheckpointMeta
+
+
+def verify_and_load(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
+    """Read one checkpoint, check every file against its manifest, and decode it safely."""
+    import torch
+
+    try:
+        manifest = json.loads(storage.read(name, MANIFEST_FILE))
+    except (CheckpointError, FileNotFoundError, ValueError) as exc:
+        raise CheckpointError(f"{storage.uri(name)} has no readable {MANIFEST_FILE} (incomplete write?): {exc}") from None
+    payloads = {}
+    for file, entry in manifest["files"].items():
+        try:
+            data = storage.read(name, file)
+        except (CheckpointError, FileNotFoundError) as exc:
+            raise CheckpointError(f"{storage.uri(name)}/{file} is missing: {exc}") from None
+        if len(data) != entry["bytes"]:
+            raise CheckpointError(f"{storage.uri(name)}/{file} is truncated: {len(data)} bytes, manifest says {entry['bytes']}")
+        if _sha256(data) != entry["sha256"]:
+            raise CheckpointError(f"{storage.uri(name)}/{file} is corrupt: sha256 differs from the manifest")
+        payloads[file] = data
+    model = torch.load(io.BytesIO(payloads[MODEL_FILE]), map_location="cpu", weights_only=True)
+    trainer = torch.load(io.BytesIO(payloads[TRAINER_STATE_FILE]), map_location="cpu", weights_only=True)
+    meta = CheckpointMeta(**json.loads(payloads[META_FILE]))
+    return LoadedCheckpoint(name=name, uri=storage.uri(name), model=model, trainer=trainer, meta=meta)
+
+
+def load_latest_valid(storage: CheckpointStorage) -> LoadedCheckpoint | None:
+    """The newest checkpoint that verifies; each newer one that does not is skipped with a warning."""
+    rejected: list[str] = []
+    for name in reversed(storage.list_steps()):
+        try:
+            loaded = verify_and_load(storage, name)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint %s: %s", storage.uri(name), exc)
+            rejected.append(name)
+            continue
+        if rejected:
+            log.warning("resuming from %s instead of the newer %s, which failed verification", loaded.uri, ", ".join(rejected))
+        return loaded
+    return None
+
+
+class Checkpointer:
+    """Asynchronous, verified checkpoints with retention (keep the last ``keep_last`` and, when a metric
+    ranks them, the best one)."""
+
+    def __init__(
+        self, storage: CheckpointStorage, *, keep_last: int, keep_best: bool = False, best_mode: str = "max",
+        async_save: bool = True, max_consecutive_failures: int = 1,
+    ) -> None:
+        assert keep_last >= 1 and max_consecutive_failures >= 1, "validated by CheckpointConfig"
+        self.storage = storage
+        self.max_consecutive_failures = max_consecutive_failures
+        self.consecutive_failures = 0
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.best_mode = best_mode
+        self.async_save = async_save
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.num_saved = 0
+        self.num_failed = 0
+        self.bytes_written = 0
+        self.last_save_s = 0.0
+
+    def save(self, global_step: int, state: dict[str, Any], *, metric: float | None = None) -> float:
+        """Queue ``state`` (from :func:`snapshot`) for writing; returns the seconds the caller was blocked.
+
+        A failed save is logged as an error and counted (``num_failed``); training goes on with the last
+        good checkpoint in place. Once ``max_consecutive_failures`` saves in a row have failed, this raises
+        :class:`CheckpointError`.
+        """
+        start = time.perf_counter()
+        self._settle()
+        if self.async_save:
+            self._thread = threading.Thread(target=self._write_guarded, args=(global_step, state, metric), name="checkpoint-writer", daemon=True)
+            self._thread.start()
+        else:
+            self._write(global_step, state, metric)
+        return time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Block until the save in flight is done; raise its error, if any. For the final checkpoint."""
+        self._join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _settle(self) -> None:
+        """Finish the save in flight; tolerate its failure until too many failed in a row."""
+        self._join()
+        if self._error is None:
+            return
+        error, self._error = self._error, None
+        if self.consecutive_failures >= self.max_consecutive_failures:
+            raise CheckpointError(f"{self.consecutive_failures} checkpoint saves in a row failed; last: {error}") from error
+
+    def _write_guarded(self, global_step: int, state: dict[str, Any], metric: float | None) -> None:
+        try:
+            self._write(global_step, state, metric)
+        except BaseException as exc:  # reported by the next save() or wait() on the training thread
+            log.error("checkpoint save of step %d failed: %s", global_step, exc)
+            self._error = exc if isinstance(exc, CheckpointError) else CheckpointError(f"checkpoint save of step {global_step} failed: {exc}")
+
+    def _write(self, global_step: int, state: dict[str, Any], metric: float | None) -> None:
+        start = time.perf_counter()
+        name = step_name(global_step)
+        try:
+            files = encode(state)
+            manifest = manifest_for(files, global_step=global_step, metric=metric)
+            self.storage.write(name, files, manifest)
+        except BaseException:
+            self.num_failed += 1
+            self.consecutive_failures += 1
+            raise
+        self.num_saved += 1
+        self.consecutive_failures = 0
+        self.bytes_written += sum(len(d) for d in files.values()) + len(manifest)
+        self.last_save_s = time.perf_counter() - start
+        log.info("checkpoint %s written in %.2fs", self.storage.uri(name), self.last_save_s)
+        self._prune(keep=name)
+
+    def _prune(self, *, keep: str) -> None:
+        names = self.storage.list_steps()
+        retained = set(names[-self.keep_last:]) | {keep}
+        if self.keep_best:
+            best = self._best(names)
+            if best:
+                retained.add(best)
+        for name in names:
+            if name not in retained:
+                self.storage.delete(name)
+
+    def _best(self, names: list[str]) -> str | None:
+        scored = []
+        for name in names:
+            try:
+                metric = json.loads(self.storage.read(name, MANIFEST_FILE)).get("metric")
+            except (CheckpointError, FileNotFoundError, ValueError):
+                continue
+            if metric is not None:
+                scored.append((metric if self.best_mode == "max" else -metric, name))
+        return max(scored)[1] if scored else None
+
+
+def save_final(directory: str, state: dict[str, Any]) -> None:
+    """Write one checkpoint (with its manifest) straight into a local ``directory`` (task outputs)."""
+    os.makedirs(directory, exist_ok=True)
+    files = encode(state)
+    manifest = manifest_for(files, global_step=state["meta"]["global_step"], metric=state["meta"].get("metric"))
+    for file, data in {**files, MANIFEST_FILE: manifest}.items():
+        with open(os.path.join(directory, file), "wb") as f:
+            f.write(data)
 
 
 def load_meta(directory: str) -> CheckpointMeta:
@@ -64,26 +384,21 @@ def load_meta(directory: str) -> CheckpointMeta:
 
 
 def load_model(directory: str, *, map_location: str = "cpu"):
-    """Rebuild the model a checkpoint describes and load its weights. Returns ``(model, meta)``."""
-    import torch
-
+    """Rebuild the model a checkpoint directory describes, verify and load its weights. Returns ``(model, meta)``."""
     from training_core.models import build_model
 
-    meta = load_meta(directory)
+    parent, name = os.path.split(os.path.abspath(directory).rstrip("/"))
+    loaded = verify_and_load(CheckpointStorage(parent), name)
+    meta = loaded.meta
     model = build_model(meta.model_name, num_classes=len(meta.classes), input_shape=meta.input_shape)
-    state = torch.load(os.path.join(directory, MODEL_FILE), map_location=map_location, weights_only=True)
-    model.load_state_dict(state)
-    return model, meta
+    model.load_state_dict(loaded.model)
+    return model.to(map_location), meta
 
 
-def load_trainer_state(directory: str, *, model, optimizer=None, scheduler=None, scaler=None, map_location: str = "cpu") -> dict[str, int]:
-    """Restore every stateful object in place; returns ``{"epoch": ..., "global_step": ...}``."""
-    import torch
-
+def restore(loaded: LoadedCheckpoint, *, model, optimizer=None, scheduler=None, scaler=None) -> None:
+    """Load every stateful object in place from a verified checkpoint."""
     bare = getattr(model, "module", model)
-    bare.load_state_dict(torch.load(os.path.join(directory, MODEL_FILE), map_location=map_location, weights_only=True))
-    state = torch.load(os.path.join(directory, TRAINER_STATE_FILE), map_location=map_location, weights_only=True)
+    bare.load_state_dict(loaded.model)
     for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
-        if obj is not None and name in state:
-            obj.load_state_dict(state[name])
-    return {"epoch": state["epoch"], "global_step": state["global_step"]}
+        if obj is not None and name in loaded.trainer:
+            obj.load_state_dict(loaded.trainer[name])

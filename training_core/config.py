@@ -263,15 +263,61 @@ class PrecisionConfig:
 @dataclass
 class CheckpointConfig:
     storage_path: str = ""
-    """Root under which Ray Train keeps run state and checkpoints: a local path or ``s3://`` URI.
-    Empty uses a directory of the task's working area (fine on one machine; a multi-node cluster needs
-    shared storage such as S3)."""
+    """Root of the run's checkpoints and Ray Train state: a local path or an ``s3://`` URI. Empty uses a
+    directory in the task's working area, which survives neither the pod nor a retry; on a cluster the
+    Flyte train task fills in a stable prefix of the execution's raw-output location."""
 
-    num_to_keep: int = 2
-    """Checkpoints Ray Train keeps; older ones are deleted."""
+    interval_steps: int = 0
+    """Save every this many optimizer steps; 0 saves only at epoch ends (see ``at_epoch_end``)."""
+
+    at_epoch_end: bool = True
+    """Also save after each epoch's validation."""
+
+    keep_last: int = 2
+    """Most recent checkpoints kept; older ones are deleted after each successful save."""
+
+    keep_best: bool = False
+    """Also keep the checkpoint with the best ``best_metric`` (measured at epoch ends)."""
+
+    best_metric: str = "val_accuracy"
+    """Metric that ranks checkpoints for ``keep_best``: ``val_accuracy`` or ``val_loss``."""
+
+    async_save: bool = True
+    """Write checkpoints in a background thread; the step only waits for a copy of the state to CPU."""
+
+    max_worker_restarts: int = 2
+    """Times Ray Train restarts a failed worker group inside one task attempt, resuming from the latest
+    checkpoint, before the task fails (and Flyte retries it)."""
+
+    max_consecutive_save_failures: int = 3
+    """Failed saves in a row tolerated (each logged as an error) before training stops with the error."""
+
+    s3_server_side_encryption: str = ""
+    """Server-side encryption of checkpoint objects on S3: empty (bucket default), ``AES256`` or ``aws:kms``."""
+
+    s3_kms_key_id: str = ""
+    """KMS key for ``aws:kms`` encryption; empty uses the account's default key."""
 
     def __post_init__(self) -> None:
-        _positive("checkpoint.num_to_keep", self.num_to_keep)
+        _non_negative("checkpoint.interval_steps", self.interval_steps)
+        if self.interval_steps == 0 and not self.at_epoch_end:
+            _fail("checkpoint.at_epoch_end", self.at_epoch_end, "with checkpoint.interval_steps=0 nothing would be saved; set one of them")
+        _positive("checkpoint.keep_last", self.keep_last)
+        _choice("checkpoint.best_metric", self.best_metric, ("val_accuracy", "val_loss"))
+        _non_negative("checkpoint.max_worker_restarts", self.max_worker_restarts)
+        _positive("checkpoint.max_consecutive_save_failures", self.max_consecutive_save_failures)
+        _choice("checkpoint.s3_server_side_encryption", self.s3_server_side_encryption, ("", "AES256", "aws:kms"))
+        if self.s3_kms_key_id and self.s3_server_side_encryption != "aws:kms":
+            _fail("checkpoint.s3_kms_key_id", self.s3_kms_key_id, "a KMS key needs checkpoint.s3_server_side_encryption='aws:kms'")
+
+    def storage_options(self) -> dict:
+        """fsspec options for the checkpoint root (server-side encryption on S3)."""
+        if not self.s3_server_side_encryption:
+            return {}
+        extra = {"ServerSideEncryption": self.s3_server_side_encryption}
+        if self.s3_kms_key_id:
+            extra["SSEKMSKeyId"] = self.s3_kms_key_id
+        return {"s3_additional_kwargs": extra}
 
 
 @dataclass

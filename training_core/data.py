@@ -213,8 +213,11 @@ class ShardStream:
         self.rank = rank
         self.num_samples = sum(s.num_samples for s in self.shards)
 
-    def train_batches(self, *, epoch: int, seed: int, batch_size: int, num_batches: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Exactly ``num_batches`` full batches (the manifest guarantees there are enough)."""
+    def train_batches(
+        self, *, epoch: int, seed: int, batch_size: int, num_batches: int, start_batch: int = 0
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Batches ``start_batch .. num_batches - 1`` of the epoch's fixed order, all full (the manifest
+        guarantees there are enough). A resume passes the batches already consumed as ``start_batch``."""
         rng = np.random.default_rng([seed, epoch, self.rank])
         pending_x: list[np.ndarray] = []
         pending_y: list[np.ndarray] = []
@@ -233,7 +236,8 @@ class ShardStream:
             for b in range(full):
                 if emitted == num_batches:
                     return
-                yield x[b * batch_size:(b + 1) * batch_size], y[b * batch_size:(b + 1) * batch_size]
+                if emitted >= start_batch:
+                    yield x[b * batch_size:(b + 1) * batch_size], y[b * batch_size:(b + 1) * batch_size]
                 emitted += 1
             pending_x, pending_y = [x[full * batch_size:]], [y[full * batch_size:]]
             pending = len(pending_y[0])

@@ -12,9 +12,7 @@ import contextlib
 import copy
 import logging
 import math
-import os
 import random
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -210,10 +208,51 @@ def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
+def _json_rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached]}
+
+
+def _torch_rng_state() -> dict[str, Any]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _gather_rng_states(world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every rank's RNG states, gathered on all ranks (a collective: every rank must call it)."""
+    local = (_json_rng_state(), _torch_rng_state())
+    if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        gathered: list[Any] = [None] * world_size
+        torch.distributed.all_gather_object(gathered, local)
+    else:
+        gathered = [local]
+    return {str(r): g[0] for r, g in enumerate(gathered)}, {str(r): g[1] for r, g in enumerate(gathered)}
+
+
+def _restore_rng(rank: int, json_states: dict[str, Any], torch_states: dict[str, Any]) -> None:
+    """Restore this rank's RNG streams; a rank the checkpoint does not know (the job grew) keeps its seed."""
+    if str(rank) in json_states:
+        python_state, numpy_state = json_states[str(rank)]["python"], json_states[str(rank)]["numpy"]
+        random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
+        name, keys, pos, has_gauss, cached = numpy_state
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if str(rank) in torch_states:
+        torch.set_rng_state(torch_states[str(rank)]["cpu"])
+        if "cuda" in torch_states[str(rank)] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(torch_states[str(rank)]["cuda"])
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Ray Train entry point. ``loop_config``: ``config`` (TrainingConfig as a dict), ``data_dir`` (prepared
-    data), optional ``mlflow`` (``tracking_uri``, ``run_id``) and ``warmup_steps_excluded`` (steps left out
-    of the steady-state throughput)."""
+    """Ray Train entry point, run by every worker.
+
+    ``loop_config``: ``config`` (TrainingConfig as a dict), ``data_dir`` (prepared data), ``checkpoint_root``
+    (where this run's checkpoints live; the loop resumes from the newest valid one there), optional
+    ``resume_from`` (a checkpoint directory URI to continue from when the root holds none), ``mlflow``
+    (``tracking_uri``, ``run_id``) and ``warmup_steps_excluded`` (steps left out of steady-state throughput).
+    """
     import ray.train
     import ray.train.torch
 
@@ -241,28 +280,78 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     train_stream = ShardStream(manifest, "train", rank=rank, world_size=world_size)
     val_stream = ShardStream(manifest, "val", rank=rank, world_size=world_size)
 
+    root = loop_config["checkpoint_root"]
+    storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options() if root.startswith("s3://") else None)
+    checkpointer = ckpt.Checkpointer(
+        storage, keep_last=cfg.checkpoint.keep_last, keep_best=cfg.checkpoint.keep_best,
+        best_mode="max" if cfg.checkpoint.best_metric == "val_accuracy" else "min", async_save=cfg.checkpoint.async_save,
+        max_consecutive_failures=cfg.checkpoint.max_consecutive_save_failures,
+    )
     mlflow_info = loop_config.get("mlflow") or {}
     sink = build_sink(rank=rank, tracking_uri=mlflow_info.get("tracking_uri"), run_id=mlflow_info.get("run_id"))
-    sink.log_params(flatten(cfg.to_dict()) | {"world_size": world_size, "steps_per_epoch": steps_per_epoch, "device": device.type})
-    sink.log_dict(cfg.to_dict(), "config.json")
+
+    # Position: epoch index, steps already taken in it, and what the epoch's record has accumulated so far.
+    start_epoch, start_step_in_epoch, global_step = 0, 0, 0
+    history: list[dict[str, float]] = []
+    step_log: list[dict[str, float]] = []
+    best_metric: float | None = None
+    resumed_from_steps: list[int] = []
+    partial = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0}
+    loaded = ckpt.load_latest_valid(storage)
+    if loaded is None and loop_config.get("resume_from"):
+        parent, name = loop_config["resume_from"].rstrip("/").rsplit("/", 1)
+        loaded = ckpt.verify_and_load(ckpt.CheckpointStorage(parent), name)
+    if loaded is not None:
+        ckpt.restore(loaded, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+        meta = loaded.meta
+        start_epoch, start_step_in_epoch, global_step = meta.epoch, meta.step_in_epoch, meta.global_step
+        history, step_log, best_metric = list(meta.history), list(meta.step_log), meta.best_metric
+        partial = dict(meta.epoch_partial or partial)
+        resumed_from_steps = [*meta.resumed_from_steps, global_step]
+        _restore_rng(rank, meta.rng, loaded.trainer.get("rng", {}))
+        if rank == 0:
+            log.warning("resumed from %s: epoch %d, step %d of it, global step %d", loaded.uri, start_epoch, start_step_in_epoch, global_step)
+    else:
+        sink.log_params(flatten(cfg.to_dict()) | {"world_size": world_size, "steps_per_epoch": steps_per_epoch, "device": device.type})
+        sink.log_dict(cfg.to_dict(), "config.json")
+
+    def save_checkpoint(*, epoch: int, step_in_epoch: int, metric: float | None, mlflow_model_uri: str = "") -> None:
+        """Every rank calls this at the same steps (the RNG gather is a collective); rank 0 writes."""
+        json_rng, torch_rng = _gather_rng_states(world_size)
+        if rank != 0:
+            return
+        started = time.perf_counter()
+        meta = ckpt.CheckpointMeta(
+            model_name=cfg.model.name, classes=manifest.classes, input_shape=manifest.input_shape, mean=manifest.mean,
+            std=manifest.std, epoch=epoch, step_in_epoch=step_in_epoch, global_step=global_step, config=cfg.to_dict(),
+            best_metric=best_metric, metric=metric, history=history, step_log=step_log, rng=json_rng,
+            resumed_from_steps=resumed_from_steps,
+            epoch_partial=dict(partial), mlflow_run_id=mlflow_info.get("run_id", ""), mlflow_model_uri=mlflow_model_uri,
+        )
+        state = ckpt.snapshot(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, meta=meta, torch_rng=torch_rng)
+        checkpointer.save(global_step, state, metric=metric)
+        sink.log_metrics({"checkpoint_stall_s": time.perf_counter() - started}, step=global_step)
 
     warmup_excluded = loop_config.get("warmup_steps_excluded", min(5, total_steps // 4))
     global_batch = cfg.loop.batch_size * cfg.loop.grad_accum_steps * world_size
-    history: list[dict[str, float]] = []
-    step_log: list[dict[str, float]] = []
+    interval = cfg.checkpoint.interval_steps
     steady_time_s, steady_steps = 0.0, 0
-    global_step = 0
-    for epoch in range(cfg.loop.epochs):
-        steps_this_epoch = min(steps_per_epoch, total_steps - global_step)
+    for epoch in range(start_epoch, cfg.loop.epochs):
+        if global_step >= total_steps:
+            break
+        first_step = start_step_in_epoch if epoch == start_epoch else 0
+        steps_this_epoch = min(steps_per_epoch, first_step + total_steps - global_step)
         batches = train_stream.train_batches(
-            epoch=epoch, seed=cfg.loop.seed, batch_size=cfg.loop.batch_size, num_batches=steps_this_epoch * cfg.loop.grad_accum_steps
+            epoch=epoch, seed=cfg.loop.seed, batch_size=cfg.loop.batch_size,
+            num_batches=steps_this_epoch * cfg.loop.grad_accum_steps, start_batch=first_step * cfg.loop.grad_accum_steps,
         )
+        if epoch != start_epoch:
+            partial = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0}
         window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0, "data_s": 0.0, "steps": 0}
-        epoch_loss, epoch_correct, epoch_samples, epoch_time_s = 0.0, 0.0, 0.0, 0.0
         # A step's wall time runs from the previous step's end, so logging and all-reduces of metrics count
         # against throughput; only the epoch boundary (validation, checkpoint) is left out.
         last_step_end = time.perf_counter()
-        for step_in_epoch in range(steps_this_epoch):
+        for step_in_epoch in range(first_step, steps_this_epoch):
             step_start = time.perf_counter()
             micro_batches = [normalize(*next(batches)) for _ in range(cfg.loop.grad_accum_steps)]
             data_wait_s = time.perf_counter() - step_start
@@ -273,9 +362,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             lr = optimizer.param_groups[0]["lr"]
             scheduler.step()
             global_step += 1
+            is_epoch_end = step_in_epoch == steps_this_epoch - 1
+            save_now = bool(interval) and global_step % interval == 0 and not is_epoch_end
             # Reading the loss synchronises with the device; on GPU that happens once per log window only. An
-            # epoch's last step always closes the window, so every step is in exactly one logged record.
-            is_log_step = global_step % cfg.loop.log_interval_steps == 0 or step_in_epoch == steps_this_epoch - 1
+            # epoch's last step and a checkpoint step close the window, so every step is in one logged record
+            # and a checkpoint never holds half a window.
+            is_log_step = global_step % cfg.loop.log_interval_steps == 0 or is_epoch_end or save_now
             window["loss"] += result.loss
             window["correct"] += result.num_correct
             window["samples"] += result.num_samples
@@ -304,52 +396,54 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     "data_wait_s": window["data_s"] / steps,
                     "epoch": float(epoch),
                 }
-                epoch_loss += loss_sum
-                epoch_correct += correct
-                epoch_samples += samples
-                epoch_time_s += window["time_s"]
+                partial["loss"] += loss_sum
+                partial["correct"] += correct
+                partial["samples"] += samples
+                partial["time_s"] += window["time_s"]
                 step_log.append({"step": float(global_step), **record})
                 sink.log_metrics(record, step=global_step)
                 window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0, "data_s": 0.0, "steps": 0}
+            if save_now:
+                save_checkpoint(epoch=epoch, step_in_epoch=step_in_epoch + 1, metric=None)
+                last_step_end = time.perf_counter()  # the stall is measured on its own, not as step time
+
         _broadcast_buffers_from_rank0(model)
         val = evaluate(model, val_stream.eval_batches(batch_size=256), normalize=normalize, num_classes=manifest.num_classes, autocast_dtype=autocast_dtype, all_reduce=True)
         epoch_record = {
             "epoch": float(epoch + 1),
             "global_step": float(global_step),
-            "train_loss": epoch_loss / max(1, steps_this_epoch * world_size),
-            "train_accuracy": epoch_correct / max(1, epoch_samples),
+            "train_loss": partial["loss"] / max(1, steps_this_epoch * world_size),
+            "train_accuracy": partial["correct"] / max(1, partial["samples"]),
             "val_loss": val.loss,
             "val_accuracy": val.accuracy,
             "lr": optimizer.param_groups[0]["lr"],
-            "samples_per_s": epoch_samples / epoch_time_s if epoch_time_s else 0.0,
+            "samples_per_s": partial["samples"] / partial["time_s"] if partial["time_s"] else 0.0,
+            "steady_samples_per_s": global_batch * steady_steps / steady_time_s if steady_time_s else 0.0,
+            "steady_steps": float(steady_steps),
         }
         history.append(epoch_record)
         sink.log_metrics({k: v for k, v in epoch_record.items() if k.startswith("val_")}, step=global_step)
+        metric = epoch_record[cfg.checkpoint.best_metric]
+        if best_metric is None or (metric > best_metric if cfg.checkpoint.best_metric == "val_accuracy" else metric < best_metric):
+            best_metric = metric
+        partial = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0}
         done = global_step >= total_steps or epoch == cfg.loop.epochs - 1
-        report = dict(epoch_record)
-        report["steady_samples_per_s"] = global_batch * steady_steps / steady_time_s if steady_time_s else 0.0
-        report["steady_steps"] = float(steady_steps)
-
-        with tempfile.TemporaryDirectory(prefix="checkpoint-") as directory:
-            checkpoint = None
-            if rank == 0:
-                meta = ckpt.CheckpointMeta(
-                    model_name=cfg.model.name, classes=manifest.classes, input_shape=manifest.input_shape,
-                    mean=manifest.mean, std=manifest.std, epoch=epoch + 1, global_step=global_step,
-                    config=cfg.to_dict(), history=history, step_log=step_log,
-                    mlflow_run_id=mlflow_info.get("run_id", ""),
-                )
-                if done and mlflow_info:
-                    meta.mlflow_model_uri = _log_model_to_mlflow(model, manifest, normalize, mlflow_info)
-                ckpt.save(directory, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, meta=meta)
-                checkpoint = ray.train.Checkpoint.from_directory(directory)
-            ray.train.report(report, checkpoint=checkpoint)
+        if done:
+            model_uri = _log_model_to_mlflow(model, manifest, mlflow_info) if rank == 0 and mlflow_info else ""
+            save_checkpoint(epoch=epoch + 1, step_in_epoch=0, metric=metric, mlflow_model_uri=model_uri)
+        elif cfg.checkpoint.at_epoch_end or (interval and global_step % interval == 0):
+            save_checkpoint(epoch=epoch + 1, step_in_epoch=0, metric=metric)
+        if done and rank == 0:
+            checkpointer.wait()  # the final checkpoint is the task's output: it must be on storage
+        ray.train.report(epoch_record)
         if done:
             break
+    if rank == 0:
+        checkpointer.wait()
     sink.close()
 
 
-def _log_model_to_mlflow(model: nn.Module, manifest: Manifest, normalize: Normalizer, mlflow_info: dict[str, str]) -> str:
+def _log_model_to_mlflow(model: nn.Module, manifest: Manifest, mlflow_info: dict[str, str]) -> str:
     """Log the trained model with its input/output signature; returns its ``models:/`` URI."""
     import mlflow
     import torchvision

@@ -21,9 +21,11 @@ log = logging.getLogger("training_core")
 @dataclass
 class FitResult:
     checkpoint_dir: str
-    """Local directory holding the final checkpoint (see :mod:`training_core.checkpoint`)."""
+    """Local copy of the final checkpoint (see :mod:`training_core.checkpoint`)."""
+    checkpoint_uri: str
+    """The final checkpoint where training wrote it (local path or s3:// URI)."""
     metrics: dict[str, Any]
-    """Rank 0's last report: final epoch's train/val metrics and the steady-state throughput."""
+    """The final epoch's record: train/val metrics and the steady-state throughput."""
     meta: ckpt.CheckpointMeta = field(repr=False)
 
 
@@ -42,6 +44,12 @@ def ray_scaling_config(cfg: TrainingConfig):
     return ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu, resources_per_worker=resources)
 
 
+def checkpoint_root(storage_path: str, run_name: str) -> str:
+    """Where a run's checkpoints live: stable for a given storage path and run name, so a restarted
+    worker group or a retried task finds the previous attempt's checkpoints."""
+    return f"{storage_path.rstrip('/')}/{run_name}/checkpoints"
+
+
 def fit(
     cfg: TrainingConfig,
     *,
@@ -50,24 +58,30 @@ def fit(
     run_name: str,
     storage_path: str,
     mlflow_run: MlflowRun | None = None,
+    resume_from: str | None = None,
     warmup_steps_excluded: int | None = None,
 ) -> FitResult:
-    """Train ``cfg`` on the prepared data at ``data_dir``; copy the final checkpoint to ``checkpoint_dir``.
+    """Train ``cfg`` on the prepared data at ``data_dir``; copy the final checkpoint to local ``checkpoint_dir``.
 
-    ``storage_path``/``run_name`` locate Ray Train's run state (``RunConfig``). Raises whatever the
-    training function raised, wrapped by Ray Train, when the run fails.
+    Checkpoints go to :func:`checkpoint_root` of ``storage_path``/``run_name``, and training resumes from
+    the newest valid one there (after a worker restart inside this call, or on a new call with the same
+    names). ``resume_from`` is a checkpoint directory to continue from when there is none yet. Raises what
+    the training function raised, wrapped by Ray Train, once ``checkpoint.max_worker_restarts`` is spent.
     """
     import ray
-    from ray.train import CheckpointConfig, RunConfig
+    from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from training_core.loop import train_loop_per_worker
 
     if not ray.is_initialized():
         ray.init()
-    loop_config: dict[str, Any] = {"config": cfg.to_dict(), "data_dir": data_dir}
+    root = checkpoint_root(storage_path, run_name)
+    loop_config: dict[str, Any] = {"config": cfg.to_dict(), "data_dir": data_dir, "checkpoint_root": root}
     if mlflow_run is not None:
         loop_config["mlflow"] = {"tracking_uri": mlflow_run.tracking_uri, "run_id": mlflow_run.run_id}
+    if resume_from:
+        loop_config["resume_from"] = resume_from
     if warmup_steps_excluded is not None:
         loop_config["warmup_steps_excluded"] = warmup_steps_excluded
     trainer = TorchTrainer(
@@ -78,13 +92,16 @@ def fit(
         run_config=RunConfig(
             name=run_name,
             storage_path=storage_path,
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
+            failure_config=FailureConfig(max_failures=cfg.checkpoint.max_worker_restarts),
         ),
     )
-    result = trainer.fit()
-    if result.checkpoint is None:
-        raise RuntimeError(f"Ray Train run {run_name!r} finished without a checkpoint; see the worker logs above")
+    trainer.fit()
+    storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options() if root.startswith("s3://") else None)
+    final = ckpt.load_latest_valid(storage)
+    if final is None:
+        raise RuntimeError(f"Ray Train run {run_name!r} left no valid checkpoint under {root}; see the worker logs above")
     if os.path.exists(checkpoint_dir):
         shutil.rmtree(checkpoint_dir)
-    result.checkpoint.to_directory(checkpoint_dir)
-    return FitResult(checkpoint_dir=checkpoint_dir, metrics=dict(result.metrics or {}), meta=ckpt.load_meta(checkpoint_dir))
+    storage.fs.get(f"{storage.path}/{final.name}/", checkpoint_dir.rstrip("/") + "/", recursive=True)
+    metrics = dict(final.meta.history[-1]) if final.meta.history else {}
+    return FitResult(checkpoint_dir=checkpoint_dir, checkpoint_uri=final.uri, metrics=metrics, meta=final.meta)

@@ -1,7 +1,15 @@
+import json
+import logging
+import os
+import subprocess
+import threading
+import time
+
+import pytest
 import torch
 
 from training_core import checkpoint as ckpt
-from training_core.config import OptimizerConfig, ScheduleConfig, TrainingConfig
+from training_core.config import CheckpointConfig, OptimizerConfig, ScheduleConfig, TrainingConfig
 from training_core.loop import build_optimizer, build_scheduler, train_step
 from training_core.models import build_model
 
@@ -19,26 +27,175 @@ def _trained_objects(seed: int):
     return model, optimizer, scheduler, scaler
 
 
+def _meta(global_step: int, metric: float | None = None) -> ckpt.CheckpointMeta:
+    return ckpt.CheckpointMeta(
+        model_name="small_cnn", classes=[str(i) for i in range(10)], input_shape=[1, 8, 8], mean=[0.3], std=[0.2],
+        epoch=1, step_in_epoch=2, global_step=global_step, config=TrainingConfig().to_dict(), metric=metric,
+        history=[{"epoch": 1.0, "val_accuracy": 0.5}], epoch_partial={"loss": 1.5, "correct": 3.0, "samples": 8.0, "time_s": 0.1},
+    )
+
+
+def _state(global_step: int, seed: int = 0, metric: float | None = None):
+    model, optimizer, scheduler, scaler = _trained_objects(seed)
+    return ckpt.snapshot(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, meta=_meta(global_step, metric), torch_rng={"0": {"cpu": torch.get_rng_state()}})
+
+
 def test_save_then_load_restores_every_stateful_object_exactly(tmp_path):
     model, optimizer, scheduler, scaler = _trained_objects(seed=0)
-    meta = ckpt.CheckpointMeta(
-        model_name="small_cnn", classes=[str(i) for i in range(10)], input_shape=[1, 8, 8], mean=[0.3], std=[0.2],
-        epoch=1, global_step=3, config=TrainingConfig().to_dict(), history=[{"epoch": 1.0, "val_accuracy": 0.5}],
-    )
-    ckpt.save(str(tmp_path), model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, meta=meta)
+    meta = _meta(3)
+    checkpointer = ckpt.Checkpointer(ckpt.CheckpointStorage(str(tmp_path)), keep_last=2)
+    checkpointer.save(3, ckpt.snapshot(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, meta=meta))
+    checkpointer.wait()
 
     other_model, other_optimizer, other_scheduler, other_scaler = _trained_objects(seed=1)
-    position = ckpt.load_trainer_state(str(tmp_path), model=other_model, optimizer=other_optimizer, scheduler=other_scheduler, scaler=other_scaler)
-    assert position == {"epoch": 1, "global_step": 3}
+    loaded = ckpt.load_latest_valid(ckpt.CheckpointStorage(str(tmp_path)))
+    assert loaded.name == "step-000000003" and loaded.meta == meta
+    ckpt.restore(loaded, model=other_model, optimizer=other_optimizer, scheduler=other_scheduler, scaler=other_scaler)
     for a, b in zip(model.state_dict().values(), other_model.state_dict().values()):
         assert torch.equal(a, b)
-    for group_a, group_b in zip(optimizer.state_dict()["state"].values(), other_optimizer.state_dict()["state"].values()):
-        for key in group_a:
-            assert torch.equal(torch.as_tensor(group_a[key]), torch.as_tensor(group_b[key]))
+    for state_a, state_b in zip(optimizer.state_dict()["state"].values(), other_optimizer.state_dict()["state"].values()):
+        for key in state_a:
+            assert torch.equal(torch.as_tensor(state_a[key]), torch.as_tensor(state_b[key]))
     assert other_scheduler.state_dict() == scheduler.state_dict()
-    assert other_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
 
-    rebuilt, loaded_meta = ckpt.load_model(str(tmp_path))
-    assert loaded_meta == meta
+    rebuilt, loaded_meta = ckpt.load_model(str(tmp_path / "step-000000003"))
     x = torch.randn(4, 1, 8, 8)
     assert torch.equal(rebuilt.eval()(x), model.eval()(x))
+
+
+def test_the_snapshot_is_immune_to_training_after_save(tmp_path):
+    model, optimizer, scheduler, scaler = _trained_objects(seed=0)
+    state = ckpt.snapshot(model=model, optimizer=optimizer, meta=_meta(1))
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert all(torch.equal(state["model"][k], v) for k, v in expected.items())
+
+
+def test_an_async_save_returns_before_the_write_finishes_and_one_waits_for_the_other(tmp_path):
+    storage = ckpt.CheckpointStorage(str(tmp_path))
+    release = threading.Event()
+    original_write = storage.write
+    writes = []
+
+    def slow_write(name, files, manifest):
+        release.wait(timeout=30)
+        writes.append(name)
+        original_write(name, files, manifest)
+
+    storage.write = slow_write
+    checkpointer = ckpt.Checkpointer(storage, keep_last=5)
+    blocked_s = checkpointer.save(1, _state(1))
+    assert blocked_s < 1.0 and writes == []  # the step goes on while the write is pending
+
+    second = threading.Thread(target=checkpointer.save, args=(2, _state(2)))
+    second.start()
+    time.sleep(0.3)
+    assert second.is_alive(), "a second save must wait for the one in flight, not pile up"
+    release.set()
+    second.join(timeout=30)
+    checkpointer.wait()
+    assert writes == ["step-000000001", "step-000000002"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip-byte", "no-manifest"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one_with_a_warning(tmp_path, caplog, damage):
+    checkpointer = ckpt.Checkpointer(ckpt.CheckpointStorage(str(tmp_path)), keep_last=5, async_save=False)
+    for step in (10, 20):
+        checkpointer.save(step, _state(step, seed=step))
+    latest = tmp_path / "step-000000020"
+    if damage == "truncate":
+        data = (latest / ckpt.MODEL_FILE).read_bytes()
+        (latest / ckpt.MODEL_FILE).write_bytes(data[: len(data) // 2])
+    elif damage == "flip-byte":
+        data = bytearray((latest / ckpt.TRAINER_STATE_FILE).read_bytes())
+        data[len(data) // 2] ^= 0x01
+        (latest / ckpt.TRAINER_STATE_FILE).write_bytes(bytes(data))
+    else:
+        (latest / ckpt.MANIFEST_FILE).unlink()
+    with caplog.at_level(logging.WARNING, logger="training_core"):
+        loaded = ckpt.load_latest_valid(ckpt.CheckpointStorage(str(tmp_path)))
+    assert loaded.name == "step-000000010"
+    reason = {"truncate": "is truncated", "flip-byte": "is corrupt: sha256", "no-manifest": "no readable manifest.json"}[damage]
+    assert f"skipping checkpoint {latest}" in caplog.text and reason in caplog.text
+    assert f"instead of the newer step-000000020" in caplog.text
+
+
+def test_retention_keeps_the_last_k_and_the_best_and_never_a_half_written_one(tmp_path):
+    storage = ckpt.CheckpointStorage(str(tmp_path))
+    checkpointer = ckpt.Checkpointer(storage, keep_last=2, keep_best=True, best_mode="max", async_save=False)
+    for step, metric in ((1, 0.5), (2, 0.9), (3, 0.6), (4, 0.7), (5, 0.4)):
+        checkpointer.save(step, _state(step, metric=metric), metric=metric)
+    assert storage.list_steps() == ["step-000000002", "step-000000004", "step-000000005"]
+    (tmp_path / ".tmp-step-000000006-abcd").mkdir()  # what a crash mid-write leaves behind
+    assert storage.list_steps()[-1] == "step-000000005"
+    assert ckpt.load_latest_valid(storage).name == "step-000000005"
+
+
+def test_disk_full_keeps_the_previous_checkpoint_and_reports_the_error(tmp_path, caplog):
+    root = tmp_path / "small-disk"
+    root.mkdir()
+    # A real full filesystem: a 512 KiB tmpfs that one checkpoint (~350 KB) fits and two do not.
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(root)], capture_output=True).returncode == 0
+    storage = ckpt.CheckpointStorage(str(root))
+    if not mounted:  # not root: a storage whose writes hit ENOSPC after the first checkpoint
+        original = storage.write
+
+        def write_until_full(name, files, manifest):
+            if storage.list_steps():
+                raise ckpt.CheckpointError(f"writing checkpoint {storage.uri(name)} failed: [Errno 28] No space left on device")
+            original(name, files, manifest)
+
+        storage.write = write_until_full
+    try:
+        checkpointer = ckpt.Checkpointer(storage, keep_last=3, max_consecutive_failures=2)
+        checkpointer.save(1, _state(1))
+        checkpointer.save(2, _state(2))  # fails in the background ...
+        with caplog.at_level(logging.ERROR, logger="training_core"):
+            checkpointer.save(3, _state(3))  # ... is reported, tolerated once, and this one fails too
+            with pytest.raises(ckpt.CheckpointError, match="2 checkpoint saves in a row failed.*No space left on device"):
+                checkpointer.save(4, _state(4))
+        assert "checkpoint save of step 2 failed" in caplog.text and "No space left on device" in caplog.text
+        assert checkpointer.num_failed == 2
+        assert storage.list_steps() == ["step-000000001"]
+        assert not [p for p in os.listdir(root) if p.startswith(".tmp-")], "a failed write must clean up after itself"
+        assert ckpt.load_latest_valid(storage).meta.global_step == 1
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(root)], check=True)
+
+
+def test_storage_retries_a_transient_error_then_succeeds(tmp_path, caplog):
+    storage = ckpt.CheckpointStorage(str(tmp_path), retries=3, retry_wait_s=0.01)
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] < 3:
+            raise ConnectionError("endpoint unreachable")
+        return "ok"
+
+    with caplog.at_level(logging.WARNING, logger="training_core"):
+        assert storage._retry("uploading x", flaky) == "ok"
+    assert calls["n"] == 3 and "retrying" in caplog.text
+    with pytest.raises(ckpt.CheckpointError, match="uploading y failed after 4 attempt"):
+        storage._retry("uploading y", lambda: (_ for _ in ()).throw(ConnectionError("down")))
+
+
+def test_checkpoint_settings_are_validated():
+    with pytest.raises(ValueError, match="checkpoint.at_epoch_end=False is invalid: with checkpoint.interval_steps=0 nothing would be saved"):
+        CheckpointConfig(interval_steps=0, at_epoch_end=False)
+    with pytest.raises(ValueError, match="checkpoint.s3_server_side_encryption='DES'"):
+        CheckpointConfig(s3_server_side_encryption="DES")
+    assert CheckpointConfig(s3_server_side_encryption="aws:kms", s3_kms_key_id="k").storage_options() == {
+        "s3_additional_kwargs": {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "k"}
+    }
+
+
+def test_manifest_lists_every_file_with_its_hash(tmp_path):
+    checkpointer = ckpt.Checkpointer(ckpt.CheckpointStorage(str(tmp_path)), keep_last=1, async_save=False)
+    checkpointer.save(7, _state(7), metric=0.25)
+    manifest = json.loads((tmp_path / "step-000000007" / ckpt.MANIFEST_FILE).read_text())
+    assert set(manifest["files"]) == {ckpt.MODEL_FILE, ckpt.TRAINER_STATE_FILE, ckpt.META_FILE}
+    assert manifest["global_step"] == 7 and manifest["metric"] == 0.25

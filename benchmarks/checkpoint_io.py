@@ -1,0 +1,172 @@
+"""Checkpoint I/O for a ~500 MB model + optimizer state: local and S3, sync and async.
+
+In one run, for the same state (ResNet-101 with AdamW moments, about 530 MB):
+
+- ``save_seconds`` / ``load_seconds``: a synchronous save (serialise, hash, write, fsync, rename) and a
+  verified load, to a local directory;
+- ``raw_disk_write_mb_per_s``: the same bytes written and fsynced as plain files, for
+  ``write_vs_disk_ratio`` (our save's MB/s over the raw disk's);
+- ``s3_save_seconds`` / ``s3_load_seconds``: the same against an S3-compatible server (moto) on 127.0.0.1;
+- ``async_stall_ratio``: the time a training step is blocked by an asynchronous save (the CPU snapshot
+  and queueing) over the time of a synchronous save. Goal: <= 0.1.
+
+Prints one JSON object as the last line and writes ``benchmarks/results/checkpoint_io.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _state(model_name: str):
+    import torch
+
+    from training_core import checkpoint as ckpt
+    from training_core.config import OptimizerConfig, TrainingConfig
+    from training_core.loop import build_optimizer
+    from training_core.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(model_name, num_classes=1000, input_shape=(3, 32, 32))
+    optimizer = build_optimizer(OptimizerConfig(name="adamw"), model.parameters())
+    # One real step so the optimizer holds its moments (two tensors per parameter).
+    loss = model(torch.randn(2, 3, 32, 32)).sum()
+    loss.backward()
+    optimizer.step()
+    meta = ckpt.CheckpointMeta(
+        model_name=model_name, classes=[str(i) for i in range(1000)], input_shape=[3, 32, 32], mean=[0.5] * 3,
+        std=[0.25] * 3, epoch=0, global_step=1, config=TrainingConfig().to_dict(),
+    )
+    return model, optimizer, meta
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_moto(port: int, log_path: str) -> subprocess.Popen:
+    moto = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
+    process = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1)
+            return process
+        except OSError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"moto_server did not start; see {log_path}")
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="resnet101", help="registry model whose state is saved")
+    parser.add_argument("--repeats", type=int, default=2, help="timed repetitions of each measurement (best kept)")
+    args = parser.parse_args()
+
+    from training_core import checkpoint as ckpt
+
+    model, optimizer, meta = _state(args.model)
+    with tempfile.TemporaryDirectory(prefix="checkpoint-io-") as workdir:
+        local = ckpt.CheckpointStorage(os.path.join(workdir, "local"))
+        sync = ckpt.Checkpointer(local, keep_last=1, async_save=False)
+        save_s, load_s, nbytes = [], [], 0
+        for repeat in range(args.repeats):
+            state = ckpt.snapshot(model=model, optimizer=optimizer, meta=meta)
+            start = time.perf_counter()
+            sync.save(repeat + 1, state)
+            save_s.append(time.perf_counter() - start)
+            nbytes = sync.bytes_written // sync.num_saved
+            start = time.perf_counter()
+            ckpt.verify_and_load(local, ckpt.step_name(repeat + 1))
+            load_s.append(time.perf_counter() - start)
+
+        files = ckpt.encode(ckpt.snapshot(model=model, optimizer=optimizer, meta=meta))
+        raw_s = []
+        for repeat in range(args.repeats):
+            directory = os.path.join(workdir, f"raw-{repeat}")
+            os.makedirs(directory)
+            start = time.perf_counter()
+            for name, data in files.items():
+                with open(os.path.join(directory, name), "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            raw_s.append(time.perf_counter() - start)
+            shutil.rmtree(directory)
+        raw_bytes = sum(len(d) for d in files.values())
+
+        stall_s = []
+        async_checkpointer = ckpt.Checkpointer(ckpt.CheckpointStorage(os.path.join(workdir, "async")), keep_last=1, async_save=True)
+        for repeat in range(args.repeats):
+            start = time.perf_counter()
+            async_checkpointer.save(repeat + 1, ckpt.snapshot(model=model, optimizer=optimizer, meta=meta))
+            stall_s.append(time.perf_counter() - start)
+            async_checkpointer.wait()  # keep the write out of the next stall measurement
+
+        port = _free_port()
+        moto = _start_moto(port, os.path.join(workdir, "moto.log"))
+        try:
+            import s3fs
+
+            options = {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}}
+            s3fs.S3FileSystem(**options).mkdir("checkpoints")
+            s3 = ckpt.CheckpointStorage("s3://checkpoints/bench", storage_options=options)
+            s3_checkpointer = ckpt.Checkpointer(s3, keep_last=1, async_save=False)
+            s3_save_s, s3_load_s = [], []
+            for repeat in range(args.repeats):
+                state = ckpt.snapshot(model=model, optimizer=optimizer, meta=meta)
+                start = time.perf_counter()
+                s3_checkpointer.save(repeat + 1, state)
+                s3_save_s.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                ckpt.verify_and_load(s3, ckpt.step_name(repeat + 1))
+                s3_load_s.append(time.perf_counter() - start)
+        finally:
+            os.killpg(moto.pid, 15)
+
+    mb = nbytes / 1e6
+    save_seconds, load_seconds = min(save_s), min(load_s)
+    raw_write_mb_per_s = raw_bytes / 1e6 / min(raw_s)
+    result = {
+        "benchmark": "checkpoint_io",
+        "model": args.model,
+        "checkpoint_mb": mb,
+        "save_seconds": save_seconds,
+        "save_mb_per_s": mb / save_seconds,
+        "load_seconds": load_seconds,
+        "load_mb_per_s": mb / load_seconds,
+        "raw_disk_write_mb_per_s": raw_write_mb_per_s,
+        "write_vs_disk_ratio": (mb / save_seconds) / raw_write_mb_per_s,
+        "s3_save_seconds": min(s3_save_s),
+        "s3_save_mb_per_s": mb / min(s3_save_s),
+        "s3_load_seconds": min(s3_load_s),
+        "s3_load_mb_per_s": mb / min(s3_load_s),
+        "async_stall_seconds": min(stall_s),
+        "async_stall_ratio": min(stall_s) / save_seconds,
+        "goal": "async_stall_ratio <= 0.1",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "checkpoint_io.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Worker loss inside a Ray Train job: a real SIGKILL, an automatic restart, an exact resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from training_core import checkpoint as ckpt
+from training_core.config import DataConfig, TrainingConfig
+from training_core.data import prepare
+from training_core.trainer import checkpoint_root, fit
+
+INTERVAL_STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def digits_dir(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("digits")
+    prepare(DataConfig(num_shards=4), str(out))
+    return str(out)
+
+
+def _config() -> TrainingConfig:
+    # 39 steps per epoch: checkpoints every 5 steps land mid-epoch, and the kill comes right after step 15.
+    # No dropout or BatchNorm, so CPU results are bit-reproducible.
+    return TrainingConfig.from_dict({
+        "model": {"name": "small_cnn"},
+        "loop": {"epochs": 6, "batch_size": 16, "log_interval_steps": 5},
+        "checkpoint": {"interval_steps": INTERVAL_STEPS, "keep_last": 3, "max_worker_restarts": 2},
+    })
+
+
+def _train_worker_pids() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_sigkill_of_a_worker_mid_epoch_resumes_bit_identical_losing_at_most_one_interval(ray_session, digits_dir, tmp_path):
+    cfg = _config()
+    reference = fit(cfg, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "ref-final"), run_name="reference", storage_path=str(tmp_path / "ref"))
+
+    storage = ckpt.CheckpointStorage(checkpoint_root(str(tmp_path / "killed"), "killed"))
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = fit(cfg, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "killed-final"), run_name="killed", storage_path=str(tmp_path / "killed"))
+        except BaseException as exc:  # surfaced by the assertion below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 300
+    while not [n for n in storage.list_steps() if int(n.split("-")[1]) >= 3 * INTERVAL_STEPS]:
+        assert thread.is_alive() and time.monotonic() < deadline, "training ended or stalled before the kill"
+        time.sleep(0.05)
+    pids = _train_worker_pids()
+    assert len(pids) == 2, f"expected the 2 Ray Train workers, found {pids}"
+    latest_before_kill = int(storage.list_steps()[-1].split("-")[1])
+    os.kill(max(pids), signal.SIGKILL)
+    thread.join(timeout=600)
+    assert "error" not in outcome, f"training did not recover: {outcome.get('error')!r}"
+
+    result = outcome["result"]
+    (resumed_from,) = result.meta.resumed_from_steps
+    # The resume used the newest checkpoint that existed when the worker died (or a newer one written in
+    # the moment before the group stopped), so at most one interval of steps was recomputed.
+    assert latest_before_kill <= resumed_from
+    assert resumed_from % 39 != 0, f"the resume point (step {resumed_from}) should be mid-epoch"
+    assert result.meta.global_step == reference.meta.global_step == 6 * 39
+
+    expected = torch.load(Path(reference.checkpoint_dir) / ckpt.MODEL_FILE, weights_only=True)
+    got = torch.load(Path(result.checkpoint_dir) / ckpt.MODEL_FILE, weights_only=True)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), f"{name} differs after the resume"
+    expected_trainer = torch.load(Path(reference.checkpoint_dir) / ckpt.TRAINER_STATE_FILE, weights_only=True)
+    got_trainer = torch.load(Path(result.checkpoint_dir) / ckpt.TRAINER_STATE_FILE, weights_only=True)
+    for key, state in expected_trainer["optimizer"]["state"].items():
+        for field, value in state.items():
+            assert torch.equal(torch.as_tensor(got_trainer["optimizer"]["state"][key][field]), torch.as_tensor(value))
+    # The resumed epoch's record is the same as the uninterrupted one's, too.
+    assert [r["train_loss"] for r in result.meta.history] == [r["train_loss"] for r in reference.meta.history]

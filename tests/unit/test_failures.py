@@ -1,0 +1,65 @@
+"""Failure classification on the real exception classes Ray, torch and our storage raise."""
+
+import errno
+
+import pytest
+from ray.exceptions import ActorDiedError, GetTimeoutError, NodeDiedError
+from ray.train import ControllerError, WorkerGroupError
+from ray.train.v2._internal.exceptions import CollectiveTimeoutError, UserExceptionWithTraceback, WorkerHealthCheckFailedError
+
+from training_core.checkpoint import CheckpointError
+from training_core.failures import INFRASTRUCTURE, USER, classify
+
+
+def _user(exc: BaseException) -> UserExceptionWithTraceback:
+    return UserExceptionWithTraceback(exc, traceback_str="Traceback (most recent call last): ...")
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        WorkerGroupError("worker died", {0: _user(RuntimeError("[gloo/pair.cc:561] Connection closed by peer [127.0.0.1]:40846")), 1: WorkerHealthCheckFailedError("health check failed", ActorDiedError())}),
+        WorkerGroupError("lost node", {0: NodeDiedError("node 10.0.0.3 died")}),
+        WorkerGroupError("hang", {1: CollectiveTimeoutError("barrier timed out")}),
+        ControllerError(GetTimeoutError("timed out")),
+        CheckpointError("uploading s3://b/ckpt/step-000000010/model.pt failed after 6 attempt(s): endpoint unreachable"),
+        OSError(errno.ENOSPC, "No space left on device"),
+        ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+    ],
+    ids=["peer-crash", "node-died", "collective-timeout", "controller-timeout", "storage-after-retries", "disk-full", "network-reset"],
+)
+def test_infrastructure_failures_are_retried(exc):
+    verdict = classify(exc)
+    assert verdict.kind == INFRASTRUCTURE and verdict.retryable, verdict
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ValueError("model.name='resnet9000' is invalid: choose one of small_cnn, ..."),
+        WorkerGroupError("bug", {0: _user(TypeError("forward() takes 2 positional arguments but 3 were given"))}),
+        # One rank's bug makes its peer see a broken collective: the bug is the root cause.
+        WorkerGroupError("bug", {0: _user(RuntimeError("Connection closed by peer")), 1: _user(KeyError("images"))}),
+        WorkerGroupError("data", {0: _user(ValueError("shard train-00001 is corrupt: sha256 ... re-run data prep"))}),
+        RuntimeError("mat1 and mat2 shapes cannot be multiplied (64x1024 and 512x10)"),
+    ],
+    ids=["bad-config", "model-code", "bug-on-one-rank", "data-error", "shape-error"],
+)
+def test_user_errors_fail_fast(exc):
+    verdict = classify(exc)
+    assert verdict.kind == USER and not verdict.retryable, verdict
+
+
+def test_the_reason_names_the_rank_and_the_root_exception():
+    exc = WorkerGroupError("bug", {0: _user(RuntimeError("Connection closed by peer")), 1: _user(KeyError("images"))})
+    assert classify(exc).reason == "rank 1: KeyError: 'images'"
+
+
+def test_a_wrapped_infrastructure_cause_is_found():
+    try:
+        try:
+            raise OSError(errno.EIO, "Input/output error")
+        except OSError as inner:
+            raise RuntimeError("saving failed") from inner
+    except RuntimeError as outer:
+        assert classify(outer).kind == INFRASTRUCTURE
