@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import logging
 import os
-import uuid
+from typing import Optional
 
 from flytekit import Resources, current_context, task
+from flytekit.types.directory import FlyteDirectory
 
 from tasks.artifacts import publish_report, tracked_directory
 from tasks.ray_config import ray_job_config
@@ -25,7 +30,7 @@ DEFAULT_RAY_JOB = ray_job_config(ScalingConfig())
     limits=Resources(cpu="2", mem="4Gi"),
     enable_deck=True,
 )
-def train(config: TrainingConfig, data: PreparedData) -> TrainedModel:
+def train(config: TrainingConfig, data: PreparedData, resume_from: Optional[FlyteDirectory] = None) -> TrainedModel:
     """Train ``config.model`` with PyTorch DDP on ``config.scaling.num_workers`` Ray Train workers.
 
     Rank 0 logs params, per-step metrics, the config and the model (with its signature) to MLflow.
@@ -33,6 +38,9 @@ def train(config: TrainingConfig, data: PreparedData) -> TrainedModel:
     :param config: The whole run's config: model, optimizer and schedule, loop, scaling, precision,
         checkpoint storage and tracking.
     :param data: Prepared shards from ``prepare_data``; each worker streams only its own shards.
+    :param resume_from: A checkpoint directory of any earlier run (a ``TrainedModel.checkpoint``) to continue
+        or fine-tune from: model, optimizer and position are restored, and ``config.loop.epochs`` sets
+        where training ends. Ignored when this run already has checkpoints of its own (a retry).
     :return: The final checkpoint directory, last-epoch metrics, the MLflow run and model URIs, and the
         training report.
     """
@@ -44,14 +52,18 @@ def train(config: TrainingConfig, data: PreparedData) -> TrainedModel:
     from training_core.trainer import MlflowRun, fit
 
     ctx = current_context()
-    run_name = f"train-{ctx.execution_id.name}-{uuid.uuid4().hex[:8]}"
-    storage_path = config.checkpoint.storage_path or os.path.join(ctx.working_directory, "ray_results")
     # Workers read shards from where Flyte stored them (a local path here, s3:// on a cluster).
     data_dir = data.directory.remote_source or data.directory.path
     _require_prepared_data(data_dir)
-    tracking_uri, run_id = tracking.create_run(
-        config.tracking, run_name=run_name, tags={"flyte.execution_id": ctx.execution_id.name}
-    )
+    location = _run_location(config, data_dir)
+    if location.mlflow_run_id:
+        tracking_uri, run_id = tracking.resume_run(config.tracking, location.mlflow_run_id)
+    else:
+        tracking_uri, run_id = tracking.create_run(
+            config.tracking, run_name=location.run_name, tags={"flyte.execution_id": ctx.execution_id.name}
+        )
+    _write_pointer(dataclasses.replace(location, mlflow_run_id=run_id))
+    storage_path, run_name = location.storage_path, location.run_name
     try:
         result = fit(
             config,
@@ -60,6 +72,7 @@ def train(config: TrainingConfig, data: PreparedData) -> TrainedModel:
             run_name=run_name,
             storage_path=storage_path,
             mlflow_run=MlflowRun(tracking_uri=tracking_uri, run_id=run_id),
+            resume_from=(resume_from.remote_source or resume_from.path) if resume_from is not None else None,
         )
     except Exception as exc:
         tracking.finish_run(tracking_uri, run_id, status="FAILED")
@@ -91,8 +104,10 @@ def train(config: TrainingConfig, data: PreparedData) -> TrainedModel:
         reports.section("Curves", reports.training_curves(meta.history, meta.step_log), section_id="curves"),
     ]
     report = publish_report("Training report", reports.page("Training report", body), "".join(body))
+    # A checkpoint already on object storage is returned where it lives; a local one is uploaded.
+    remote = "://" in result.checkpoint_uri and not result.checkpoint_uri.startswith("file://")
     return TrainedModel(
-        checkpoint=tracked_directory(result.checkpoint_dir),
+        checkpoint=FlyteDirectory(result.checkpoint_uri) if remote else tracked_directory(result.checkpoint_dir),
         model_name=meta.model_name,
         metrics=metrics,
         tracking_uri=tracking_uri,
@@ -113,3 +128,50 @@ def _require_prepared_data(data_dir: str) -> None:
             f"data.directory={data_dir!r} has no {MANIFEST_NAME}: the prepared data is gone (a cached prepare_data "
             "output whose files were deleted, e.g. a cleaned /tmp). Run `pyflyte local-cache clear` and re-run."
         )
+
+
+@dataclasses.dataclass
+class RunLocation:
+    """Where one train node keeps its checkpoints, the same for every attempt of that node."""
+
+    storage_path: str
+    run_name: str
+    mlflow_run_id: str = ""
+
+
+def _run_location(config: TrainingConfig, data_dir: str) -> RunLocation:
+    """The previous attempt's location if Flyte hands us one, else a fresh stable one.
+
+    The run name is the execution id plus a digest of the config and data: every attempt of a node gets
+    the same name, while fan-out siblings (other configs) get their own.
+    """
+    previous = _read_pointer()
+    if previous is not None:
+        logging.getLogger("training_core").warning("retry: resuming in %s/%s", previous.storage_path, previous.run_name)
+        return previous
+    ctx = current_context()
+    digest = hashlib.sha256(json.dumps([config.to_dict(), data_dir], sort_keys=True).encode()).hexdigest()[:12]
+    storage_path = config.checkpoint.storage_path or f"{ctx.raw_output_prefix.rstrip('/')}/checkpoints"
+    return RunLocation(storage_path=storage_path, run_name=f"train-{ctx.execution_id.name}-{digest}")
+
+
+def _flyte_checkpoint():
+    try:
+        return current_context().checkpoint
+    except NotImplementedError:  # a platform without intra-task checkpoints
+        return None
+
+
+def _read_pointer() -> RunLocation | None:
+    checkpoint = _flyte_checkpoint()
+    if checkpoint is None or not checkpoint.prev_exists():
+        return None
+    payload = checkpoint.read()
+    return RunLocation(**json.loads(payload)) if payload else None
+
+
+def _write_pointer(location: RunLocation) -> None:
+    """Record the location in Flyte's intra-task checkpoint, which the next attempt receives."""
+    checkpoint = _flyte_checkpoint()
+    if checkpoint is not None:
+        checkpoint.write(json.dumps(dataclasses.asdict(location)).encode())

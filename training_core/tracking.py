@@ -36,6 +36,15 @@ def create_run(cfg: TrackingConfig, *, run_name: str, tags: dict[str, str] | Non
     return uri, run.info.run_id
 
 
+def resume_run(cfg: TrackingConfig, run_id: str) -> tuple[str, str]:
+    """Reopen a run a failed attempt left behind, so a retry logs into the same run."""
+    from mlflow.tracking import MlflowClient
+
+    uri = resolve_tracking_uri(cfg.tracking_uri)
+    MlflowClient(tracking_uri=uri).update_run(run_id, status="RUNNING")
+    return uri, run_id
+
+
 def finish_run(tracking_uri: str, run_id: str, *, status: str = "FINISHED") -> None:
     from mlflow.tracking import MlflowClient
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from flytekit import workflow
+from flytekit.types.directory import FlyteDirectory
 
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate
@@ -13,7 +16,7 @@ from training_core.config import TrainingConfig
 
 
 @workflow
-def training_pipeline(config: TrainingConfig = TrainingConfig()) -> Registration:
+def training_pipeline(config: TrainingConfig = TrainingConfig(), resume_from: Optional[FlyteDirectory] = None) -> Registration:
     """Train, evaluate and register an image classifier.
 
     :param config: The whole run as one typed tree. ``data``: dataset (digits, synthetic, cifar10,
@@ -23,9 +26,11 @@ def training_pipeline(config: TrainingConfig = TrainingConfig()) -> Registration
         and their CPUs/GPUs/memory. ``precision``: auto/fp32/bf16/fp16. ``checkpoint``: Ray Train storage.
         ``tracking``: MLflow URI, experiment, registered model name, champion alias and accuracy gate.
         Defaults train a small ResNet on sklearn digits with 2 CPU workers and a local sqlite MLflow.
+    :param resume_from: Optional checkpoint directory of an earlier run (its ``train`` output ``checkpoint``)
+        to continue or fine-tune from instead of starting at step 0.
     :return: The registered version and whether it became the champion, with the reason.
     """
     data = prepare_data(config=config.data)
-    model = train(config=config, data=data)
+    model = train(config=config, data=data, resume_from=resume_from)
     evaluation = evaluate(data=data, model=model)
     return register_model(tracking=config.tracking, model=model, evaluation=evaluation)
