@@ -9,7 +9,7 @@ import logging
 import os
 from typing import Optional
 
-from flytekit import Resources, current_context, task
+from flytekit import FlyteContextManager, Resources, current_context, task
 from flytekit.types.directory import FlyteDirectory
 
 from tasks.artifacts import publish_report, tracked_directory
@@ -151,7 +151,9 @@ def _run_location(config: TrainingConfig, data_dir: str) -> RunLocation:
         return previous
     ctx = current_context()
     digest = hashlib.sha256(json.dumps([config.to_dict(), data_dir], sort_keys=True).encode()).hexdigest()[:12]
-    storage_path = config.checkpoint.storage_path or f"{ctx.raw_output_prefix.rstrip('/')}/checkpoints"
+    # The run's raw-output location as configured (s3:// on a cluster or with --raw-output-data-prefix).
+    raw_output_prefix = FlyteContextManager.current_context().file_access.raw_output_prefix
+    storage_path = config.checkpoint.storage_path or f"{raw_output_prefix.rstrip('/')}/checkpoints"
     return RunLocation(storage_path=storage_path, run_name=f"train-{ctx.execution_id.name}-{digest}")
 
 

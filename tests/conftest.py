@@ -35,6 +35,27 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 tempfile.tempdir = None
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# The session's S3 endpoint (moto, started on demand by the ``s3_server`` fixture). Its address and test
+# credentials are in the environment before the Ray cluster starts, because Ray workers inherit the
+# environment of `ray start`, as pods on a cluster get theirs from the pod spec.
+S3_PORT = _free_port()
+S3_ENDPOINT = f"http://127.0.0.1:{S3_PORT}"
+for _name, _value in {
+    "AWS_ENDPOINT_URL": S3_ENDPOINT, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1", "FLYTE_AWS_ENDPOINT": S3_ENDPOINT, "FLYTE_AWS_ACCESS_KEY_ID": "testing",
+    "FLYTE_AWS_SECRET_ACCESS_KEY": "testing",
+}.items():
+    os.environ[_name] = _value
+
+
 def pytest_unconfigure(config) -> None:
     _stop_ray_cluster()
     shutil.rmtree(_SESSION_ROOT, ignore_errors=True)
@@ -117,3 +138,31 @@ def subprocess_env(session_root: Path, tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"HOME": str(home), "PYTHONUNBUFFERED": "1", "PATH": f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"})
     return env
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 HTTP endpoint (moto in server mode) on 127.0.0.1, with bucket ``flyte``."""
+    import urllib.request
+
+    log = open(_SESSION_ROOT / "moto.log", "w")
+    process = subprocess.Popen(
+        [str(VENV_BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(S3_PORT)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(S3_ENDPOINT, timeout=1)
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                pytest.fail(f"moto_server did not start:\n{(_SESSION_ROOT / 'moto.log').read_text()[-3000:]}")
+            time.sleep(0.2)
+    import boto3
+
+    boto3.client("s3", endpoint_url=S3_ENDPOINT).create_bucket(Bucket="flyte")
+    yield {"endpoint": S3_ENDPOINT, "bucket": "flyte", "process": process}
+    os.killpg(process.pid, signal.SIGTERM)
+    process.wait(timeout=20)

@@ -67,6 +67,8 @@ class CheckpointMeta:
     """Python and numpy RNG states per rank (JSON-safe); torch states live in ``trainer_state.pt``."""
     resumed_from_steps: list[int] = field(default_factory=list)
     """Global step each resume of this run started from (worker restarts, task retries)."""
+    resume_timings: list[dict[str, float]] = field(default_factory=list)
+    """Per resume: ``from_step``, ``restored_unix`` (state loaded) and ``first_step_unix`` (first step done)."""
     epoch_partial: dict[str, float] = field(default_factory=dict)
     """Loss, correct and sample sums of ``epoch`` so far, so a resumed epoch reports the same record."""
     mlflow_model_uri: str = ""
@@ -154,7 +156,7 @@ class CheckpointStorage:
                 return fn()
             except FileNotFoundError:
                 raise  # an answer, not a hiccup: the caller decides what a missing path means
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - botocore's connection errors are not OSErrors
                 # A full disk will not empty itself by waiting: fail at once so the caller reports it.
                 if getattr(exc, "errno", None) == 28 or attempt == self.retries:
                     raise CheckpointError(f"{what} failed after {attempt + 1} attempt(s): {exc}") from exc

@@ -296,6 +296,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     step_log: list[dict[str, float]] = []
     best_metric: float | None = None
     resumed_from_steps: list[int] = []
+    resume_timings: list[dict[str, float]] = []
+    awaiting_first_step = False
     partial = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0}
     loaded = ckpt.load_latest_valid(storage)
     if loaded is None and loop_config.get("resume_from"):
@@ -308,6 +310,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         history, step_log, best_metric = list(meta.history), list(meta.step_log), meta.best_metric
         partial = dict(meta.epoch_partial or partial)
         resumed_from_steps = [*meta.resumed_from_steps, global_step]
+        resume_timings = [*meta.resume_timings, {"from_step": float(global_step), "restored_unix": time.time()}]
+        awaiting_first_step = True
         _restore_rng(rank, meta.rng, loaded.trainer.get("rng", {}))
         if rank == 0:
             log.warning("resumed from %s: epoch %d, step %d of it, global step %d", loaded.uri, start_epoch, start_step_in_epoch, global_step)
@@ -325,7 +329,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             model_name=cfg.model.name, classes=manifest.classes, input_shape=manifest.input_shape, mean=manifest.mean,
             std=manifest.std, epoch=epoch, step_in_epoch=step_in_epoch, global_step=global_step, config=cfg.to_dict(),
             best_metric=best_metric, metric=metric, history=history, step_log=step_log, rng=json_rng,
-            resumed_from_steps=resumed_from_steps,
+            resumed_from_steps=resumed_from_steps, resume_timings=resume_timings,
             epoch_partial=dict(partial), mlflow_run_id=mlflow_info.get("run_id", ""), mlflow_model_uri=mlflow_model_uri,
         )
         state = ckpt.snapshot(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, meta=meta, torch_rng=torch_rng)
@@ -362,6 +366,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             lr = optimizer.param_groups[0]["lr"]
             scheduler.step()
             global_step += 1
+            if awaiting_first_step:
+                resume_timings[-1]["first_step_unix"] = time.time()
+                awaiting_first_step = False
             is_epoch_end = step_in_epoch == steps_this_epoch - 1
             save_now = bool(interval) and global_step % interval == 0 and not is_epoch_end
             # Reading the loss synchronises with the device; on GPU that happens once per log window only. An

@@ -41,7 +41,7 @@ class NullSink:
 
 
 class ConsoleSink:
-    """One compact line per call on stderr (Ray Train V2 echoes a worker's stdout twice, stderr once)."""
+    """One compact line per call on stderr."""
 
     def __init__(self, *, prefix: str = "[rank 0]") -> None:
         self.prefix = prefix
@@ -54,7 +54,9 @@ class ConsoleSink:
 
     def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
         body = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
-        print(f"{self.prefix} step={step} {body}", file=sys.stderr, flush=True)
+        # Not print(): Ray Train V2 patches it into a logger that echoes every line twice on the driver.
+        sys.stderr.write(f"{self.prefix} step={step} {body}\n")
+        sys.stderr.flush()
 
     def close(self) -> None:
         pass

@@ -163,3 +163,24 @@ def test_bad_input_fails_before_any_ray_worker_starts(config, expected, tmp_path
     assert _squashed(expected.replace("{tmp}", str(tmp_path))) in _squashed(output)
     for sign_of_ray in ("RayTrainWorker", "TrainController", "Started a local Ray instance"):
         assert sign_of_ray not in output
+
+
+@pytest.mark.slow
+def test_resume_from_an_earlier_checkpoint_continues_training_instead_of_starting_over(default_run, session_root):
+    from training_core import checkpoint as ckpt
+    from training_core.config import TrainingConfig
+
+    workdir, env, _ = default_run
+    steps_per_epoch = 19
+    default_epochs = TrainingConfig().loop.epochs
+    (earlier,) = [p for p in session_root.rglob(ckpt.step_name(default_epochs * steps_per_epoch)) if (p / ckpt.MANIFEST_FILE).exists()]
+    result = pyflyte_run(
+        "--config", json.dumps({"loop": {"epochs": default_epochs + 2}}), "--resume_from", str(earlier), cwd=workdir, env=env
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    assert f"resumed from {earlier}" in _flat(output)
+    (final,) = [p for p in session_root.rglob(ckpt.step_name((default_epochs + 2) * steps_per_epoch)) if (p / ckpt.MANIFEST_FILE).exists()]
+    meta = ckpt.load_meta(str(final))
+    assert meta.resumed_from_steps == [default_epochs * steps_per_epoch]
+    assert [r["epoch"] for r in meta.history] == [float(e) for e in range(1, default_epochs + 3)]

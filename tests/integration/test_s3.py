@@ -1,0 +1,137 @@
+"""Checkpoints and pipeline outputs on a real S3 HTTP endpoint (moto server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from tests.conftest import REPO_ROOT, VENV_BIN
+from training_core import checkpoint as ckpt
+
+
+class OutageProxy:
+    """A TCP proxy in front of the S3 server that can go down (connections refused) and come back,
+    while the server itself keeps its data."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self._listener: socket.socket | None = None
+        self.up()
+
+    def up(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def down(self) -> None:
+        listener, self._listener = self._listener, None
+        listener.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+def _state(step: int):
+    import torch
+
+    from training_core.config import TrainingConfig
+    from training_core.models import build_model
+
+    model = build_model("small_cnn", num_classes=10, input_shape=(1, 8, 8))
+    meta = ckpt.CheckpointMeta(model_name="small_cnn", classes=[str(i) for i in range(10)], input_shape=[1, 8, 8], mean=[0.3], std=[0.2], epoch=0, global_step=step, config=TrainingConfig().to_dict())
+    return ckpt.snapshot(model=model, meta=meta, torch_rng={"0": {"cpu": torch.get_rng_state()}})
+
+
+def test_a_save_during_an_s3_outage_retries_and_succeeds_once_it_is_back(s3_server, caplog):
+    proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
+    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{proxy.port}"}, "config_kwargs": {"retries": {"max_attempts": 1}}, "skip_instance_cache": True}
+    storage = ckpt.CheckpointStorage("s3://flyte/outage-test", storage_options=options, retries=6, retry_wait_s=0.5)
+    checkpointer = ckpt.Checkpointer(storage, keep_last=2)
+    checkpointer.save(1, _state(1))
+    checkpointer.wait()
+
+    proxy.down()
+    checkpointer.save(2, _state(2))  # in the background, against a dead endpoint
+    time.sleep(3)
+    proxy.up()
+    checkpointer.wait()
+    assert "retrying" in caplog.text
+    assert storage.list_steps() == ["step-000000001", "step-000000002"]
+    assert ckpt.load_latest_valid(storage).meta.global_step == 2
+
+
+def test_a_save_during_a_long_outage_fails_clearly_and_keeps_the_last_valid_checkpoint(s3_server):
+    proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
+    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{proxy.port}"}, "config_kwargs": {"retries": {"max_attempts": 1}}, "skip_instance_cache": True}
+    storage = ckpt.CheckpointStorage("s3://flyte/long-outage", storage_options=options, retries=2, retry_wait_s=0.2)
+    checkpointer = ckpt.Checkpointer(storage, keep_last=2, async_save=False)
+    checkpointer.save(1, _state(1))
+    proxy.down()
+    with pytest.raises(ckpt.CheckpointError, match=r"uploading s3://flyte/long-outage/step-000000002/.* failed after 3 attempt"):
+        checkpointer.save(2, _state(2))
+    proxy.up()
+    direct = ckpt.CheckpointStorage("s3://flyte/long-outage")
+    assert ckpt.load_latest_valid(direct).meta.global_step == 1
+
+
+@pytest.mark.slow
+def test_the_pipeline_runs_with_s3_raw_output_and_its_checkpoints_live_there(ray_address, s3_server, tmp_path, subprocess_env):
+    import s3fs
+
+    config = {
+        "model": {"name": "small_cnn"},
+        "loop": {"epochs": 2, "batch_size": 32},
+        "checkpoint": {"interval_steps": 7},
+        "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "promotion_min_accuracy": 0.0},
+    }
+    env = dict(subprocess_env, RAY_ADDRESS=ray_address)
+    result = subprocess.run(
+        [str(VENV_BIN / "pyflyte"), "run", "--raw-output-data-prefix", "s3://flyte/runs", str(REPO_ROOT / "workflows" / "training.py"), "training_pipeline", "--config", json.dumps(config)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    assert "registered model : digits-classifier version 1" in output
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    manifests = fs.glob("flyte/runs/**/checkpoints/step-*/manifest.json")
+    steps = sorted({int(m.split("/step-")[1].split("/")[0]) for m in manifests})
+    assert steps, f"no checkpoints under s3://flyte/runs: {fs.find('flyte/runs')[:20]}"
+    assert steps[-1] == 2 * 19, steps  # the final checkpoint (2 epochs of 19 steps) is on S3
+    assert fs.glob("flyte/runs/**/manifest.json") != manifests, "the prepared shards' manifest should be on S3 too"
+    root = "s3://" + manifests[-1].rsplit("/step-", 1)[0]
+    final = ckpt.load_latest_valid(ckpt.CheckpointStorage(root))
+    assert final.meta.global_step == 38 and final.meta.model_name == "small_cnn"
+    assert "training report  : s3://flyte/runs/" in output
