@@ -135,3 +135,18 @@ def test_the_pipeline_runs_with_s3_raw_output_and_its_checkpoints_live_there(ray
     final = ckpt.load_latest_valid(ckpt.CheckpointStorage(root))
     assert final.meta.global_step == 38 and final.meta.model_name == "small_cnn"
     assert "training report  : s3://flyte/runs/" in output
+
+
+def test_checkpoint_objects_can_be_server_side_encrypted(s3_server):
+    import boto3
+
+    from training_core.config import CheckpointConfig
+
+    options = CheckpointConfig(s3_server_side_encryption="AES256").storage_options() | {"skip_instance_cache": True}
+    storage = ckpt.CheckpointStorage("s3://flyte/encrypted", storage_options=options)
+    ckpt.Checkpointer(storage, keep_last=1, async_save=False).save(1, _state(1))
+    client = boto3.client("s3", endpoint_url=s3_server["endpoint"])
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="flyte", Prefix="encrypted/")["Contents"]]
+    assert {k.rsplit("/", 1)[1] for k in keys} == {ckpt.MODEL_FILE, ckpt.TRAINER_STATE_FILE, ckpt.META_FILE, ckpt.MANIFEST_FILE}
+    for key in keys:
+        assert client.head_object(Bucket="flyte", Key=key)["ServerSideEncryption"] == "AES256", key
