@@ -19,15 +19,15 @@ Goal: ``throughput_ratio`` (ours / bare) >= 0.97.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit  # noqa: E402
+
 
 
 def bare_loop(manifest_dir: str, *, model_name: str, batch_size: int, epochs: int, threads: int, warmup_steps: int, seed: int) -> dict:
@@ -141,11 +141,8 @@ def main() -> None:
         "ray_worker_niceness": "external cluster" if external_cluster else args.ray_worker_niceness,
         "goal": ">= 0.97",
         "config": vars(args),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "loop_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    emit("loop_overhead", result)
 
 
 if __name__ == "__main__":

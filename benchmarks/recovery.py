@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -27,20 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit, ray_train_worker_pids  # noqa: E402
+
 STEP_LINE = re.compile(r"\[rank 0\] step=(\d+) train_loss")
-
-
-def _worker_pids() -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
 
 
 def child(workdir: str, interval: int) -> None:
@@ -89,7 +78,7 @@ def main() -> None:
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"training ended or stalled before the kill:\n{log_path.read_text()[-3000:]}")
                 time.sleep(0.02)
-            pids = _worker_pids()
+            pids = ray_train_worker_pids()
             kill_unix = time.time()
             os.kill(max(pids), signal.SIGKILL)
             if process.wait(timeout=900) != 0:
@@ -117,11 +106,8 @@ def main() -> None:
         "resumed_from_step": resumed_from,
         "last_step_before_kill": last_before_kill,
         "goal": "resume_seconds < 30 and steps_lost <= checkpoint_interval_steps",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "recovery.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    emit("recovery", result)
 
 
 if __name__ == "__main__":

@@ -332,7 +332,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             resumed_from_steps=resumed_from_steps, resume_timings=resume_timings,
             epoch_partial=dict(partial), mlflow_run_id=mlflow_info.get("run_id", ""), mlflow_model_uri=mlflow_model_uri,
         )
-        state = ckpt.snapshot(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, meta=meta, torch_rng=torch_rng)
+        state = checkpointer.stage(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, meta=meta, torch_rng=torch_rng)
         checkpointer.save(global_step, state, metric=metric)
         sink.log_metrics({"checkpoint_stall_s": time.perf_counter() - started}, step=global_step)
 

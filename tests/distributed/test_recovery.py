@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.common import ray_train_worker_pids
 from training_core import checkpoint as ckpt
 from training_core.config import DataConfig, TrainingConfig
 from training_core.data import prepare
@@ -36,18 +37,6 @@ def _config() -> TrainingConfig:
     })
 
 
-def _train_worker_pids() -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
-
-
 def test_sigkill_of_a_worker_mid_epoch_resumes_bit_identical_losing_at_most_one_interval(ray_session, digits_dir, tmp_path):
     cfg = _config()
     reference = fit(cfg, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "ref-final"), run_name="reference", storage_path=str(tmp_path / "ref"))
@@ -67,7 +56,7 @@ def test_sigkill_of_a_worker_mid_epoch_resumes_bit_identical_losing_at_most_one_
     while not [n for n in storage.list_steps() if int(n.split("-")[1]) >= 3 * INTERVAL_STEPS]:
         assert thread.is_alive() and time.monotonic() < deadline, "training ended or stalled before the kill"
         time.sleep(0.05)
-    pids = _train_worker_pids()
+    pids = ray_train_worker_pids()
     assert len(pids) == 2, f"expected the 2 Ray Train workers, found {pids}"
     latest_before_kill = int(storage.list_steps()[-1].split("-")[1])
     os.kill(max(pids), signal.SIGKILL)

@@ -199,3 +199,37 @@ def test_manifest_lists_every_file_with_its_hash(tmp_path):
     manifest = json.loads((tmp_path / "step-000000007" / ckpt.MANIFEST_FILE).read_text())
     assert set(manifest["files"]) == {ckpt.MODEL_FILE, ckpt.TRAINER_STATE_FILE, ckpt.META_FILE}
     assert manifest["global_step"] == 7 and manifest["metric"] == 0.25
+
+
+def test_staging_buffers_are_reused_but_never_refilled_while_a_write_reads_them(tmp_path):
+    storage = ckpt.CheckpointStorage(str(tmp_path))
+    release = threading.Event()
+    original_write = storage.write
+
+    def slow_write(name, files, manifest):
+        release.wait(timeout=30)
+        original_write(name, files, manifest)
+
+    storage.write = slow_write
+    checkpointer = ckpt.Checkpointer(storage, keep_last=3)
+    model, _, _, _ = _trained_objects(seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    first = checkpointer.stage(model=model, meta=_meta(1))
+    checkpointer.save(1, first)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    staged = []
+    second_stage = threading.Thread(target=lambda: staged.append(checkpointer.stage(model=model, meta=_meta(2))))
+    second_stage.start()
+    time.sleep(0.3)
+    assert second_stage.is_alive(), "staging must wait while the previous write still reads the buffers"
+    release.set()
+    second_stage.join(timeout=30)
+    assert all(staged[0]["model"][k] is first["model"][k] for k in before), "buffers should be reused"
+    checkpointer.save(2, staged[0])
+    checkpointer.wait()
+    step1 = ckpt.verify_and_load(storage, "step-000000001").model
+    step2 = ckpt.verify_and_load(storage, "step-000000002").model
+    assert all(torch.equal(step1[k], v) for k, v in before.items())
+    assert all(torch.equal(step2[k], v + 1.0) for k, v in before.items() if v.is_floating_point())
