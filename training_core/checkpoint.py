@@ -265,6 +265,12 @@ def verify_and_load(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
     return LoadedCheckpoint(name=name, uri=storage.uri(name), model=model, trainer=trainer, meta=meta)
 
 
+def load_directory(uri: str) -> LoadedCheckpoint:
+    """Verify and load the one checkpoint at ``uri`` (a ``step-...`` directory, local or ``s3://``)."""
+    parent, name = uri.rstrip("/").rsplit("/", 1)
+    return verify_and_load(CheckpointStorage(parent), name)
+
+
 def load_latest_valid(storage: CheckpointStorage) -> LoadedCheckpoint | None:
     """The newest checkpoint that verifies; each newer one that does not is skipped with a warning."""
     rejected: list[str] = []
@@ -396,16 +402,6 @@ class Checkpointer:
         return max(scored)[1] if scored else None
 
 
-def save_final(directory: str, state: dict[str, Any]) -> None:
-    """Write one checkpoint (with its manifest) straight into a local ``directory`` (task outputs)."""
-    os.makedirs(directory, exist_ok=True)
-    files = encode(state)
-    manifest = manifest_for(files, global_step=state["meta"]["global_step"], metric=state["meta"].get("metric"))
-    for file, data in {**files, MANIFEST_FILE: manifest}.items():
-        with open(os.path.join(directory, file), "wb") as f:
-            f.write(data)
-
-
 def load_meta(directory: str) -> CheckpointMeta:
     with open(os.path.join(directory, META_FILE), encoding="utf-8") as f:
         return CheckpointMeta(**json.load(f))
@@ -415,8 +411,7 @@ def load_model(directory: str, *, map_location: str = "cpu"):
     """Rebuild the model a checkpoint directory describes, verify and load its weights. Returns ``(model, meta)``."""
     from training_core.models import build_model
 
-    parent, name = os.path.split(os.path.abspath(directory).rstrip("/"))
-    loaded = verify_and_load(CheckpointStorage(parent), name)
+    loaded = load_directory(os.path.abspath(directory))
     meta = loaded.meta
     model = build_model(meta.model_name, num_classes=len(meta.classes), input_shape=meta.input_shape)
     model.load_state_dict(loaded.model)

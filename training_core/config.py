@@ -263,9 +263,9 @@ class PrecisionConfig:
 @dataclass
 class CheckpointConfig:
     storage_path: str = ""
-    """Root of the run's checkpoints and Ray Train state: a local path or an ``s3://`` URI. Empty uses a
-    directory in the task's working area, which survives neither the pod nor a retry; on a cluster the
-    Flyte train task fills in a stable prefix of the execution's raw-output location."""
+    """Root of the run's checkpoints and Ray Train state: a local path or an ``s3://`` URI. Empty: the
+    Flyte train task uses ``<raw-output prefix>/checkpoints`` (S3 on a cluster or with
+    ``--raw-output-data-prefix``)."""
 
     interval_steps: int = 0
     """Save every this many optimizer steps; 0 saves only at epoch ends (see ``at_epoch_end``)."""
@@ -310,9 +310,9 @@ class CheckpointConfig:
         if self.s3_kms_key_id and self.s3_server_side_encryption != "aws:kms":
             _fail("checkpoint.s3_kms_key_id", self.s3_kms_key_id, "a KMS key needs checkpoint.s3_server_side_encryption='aws:kms'")
 
-    def storage_options(self) -> dict:
-        """fsspec options for the checkpoint root (server-side encryption on S3)."""
-        if not self.s3_server_side_encryption:
+    def storage_options(self, root: str = "s3://") -> dict:
+        """fsspec options for a checkpoint ``root``: server-side encryption when it is on S3."""
+        if not self.s3_server_side_encryption or not root.startswith("s3://"):
             return {}
         extra = {"ServerSideEncryption": self.s3_server_side_encryption}
         if self.s3_kms_key_id:

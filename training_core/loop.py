@@ -281,7 +281,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     val_stream = ShardStream(manifest, "val", rank=rank, world_size=world_size)
 
     root = loop_config["checkpoint_root"]
-    storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options() if root.startswith("s3://") else None)
+    storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options(root))
     checkpointer = ckpt.Checkpointer(
         storage, keep_last=cfg.checkpoint.keep_last, keep_best=cfg.checkpoint.keep_best,
         best_mode="max" if cfg.checkpoint.best_metric == "val_accuracy" else "min", async_save=cfg.checkpoint.async_save,
@@ -301,8 +301,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     partial = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0}
     loaded = ckpt.load_latest_valid(storage)
     if loaded is None and loop_config.get("resume_from"):
-        parent, name = loop_config["resume_from"].rstrip("/").rsplit("/", 1)
-        loaded = ckpt.verify_and_load(ckpt.CheckpointStorage(parent), name)
+        loaded = ckpt.load_directory(loop_config["resume_from"])
     if loaded is not None:
         ckpt.restore(loaded, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         meta = loaded.meta

@@ -96,7 +96,7 @@ def fit(
         ),
     )
     trainer.fit()
-    storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options() if root.startswith("s3://") else None)
+    storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options(root))
     final = ckpt.load_latest_valid(storage)
     if final is None:
         raise RuntimeError(f"Ray Train run {run_name!r} left no valid checkpoint under {root}; see the worker logs above")
