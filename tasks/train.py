@@ -56,12 +56,20 @@ def train(config: TrainingConfig, data: PreparedData, resume_from: Optional[Flyt
     data_dir = data.directory.remote_source or data.directory.path
     _require_prepared_data(data_dir)
     location = _run_location(config, data_dir)
+    # Params go to an MLflow run once, when it is created: a retry (same run) and a trial's later slice
+    # (config.tracking.run_id) log into a run that has them.
+    log_params: bool | None = None
     if location.mlflow_run_id:
         tracking_uri, run_id = tracking.resume_run(config.tracking, location.mlflow_run_id)
+    elif config.tracking.run_id:
+        tracking_uri, run_id = tracking.resume_run(config.tracking, config.tracking.run_id)
+        log_params = False
     else:
-        tracking_uri, run_id = tracking.create_run(
-            config.tracking, run_name=location.run_name, tags={"flyte.execution_id": ctx.execution_id.name}
-        )
+        tags = {"flyte.execution_id": ctx.execution_id.name}
+        if config.tracking.parent_run_id:
+            tags["mlflow.parentRunId"] = config.tracking.parent_run_id
+        tracking_uri, run_id = tracking.create_run(config.tracking, run_name=location.run_name, tags=tags)
+        log_params = True
     _write_pointer(dataclasses.replace(location, mlflow_run_id=run_id))
     storage_path, run_name = location.storage_path, location.run_name
     try:
@@ -73,6 +81,7 @@ def train(config: TrainingConfig, data: PreparedData, resume_from: Optional[Flyt
             storage_path=storage_path,
             mlflow_run=MlflowRun(tracking_uri=tracking_uri, run_id=run_id),
             resume_from=(resume_from.remote_source or resume_from.path) if resume_from is not None else None,
+            log_params=log_params,
         )
     except Exception as exc:
         tracking.finish_run(tracking_uri, run_id, status="FAILED")
@@ -92,12 +101,16 @@ def train(config: TrainingConfig, data: PreparedData, resume_from: Optional[Flyt
         val_loss=last["val_loss"],
         val_accuracy=last["val_accuracy"],
         samples_per_s=float(result.metrics.get("steady_samples_per_s", last["samples_per_s"])),
+        step_time_p50_s=float(last.get("step_time_p50_s", 0.0)),
+        step_time_p95_s=float(last.get("step_time_p95_s", 0.0)),
+        allreduce_fraction=float(last.get("allreduce_fraction", 0.0)),
     )
     summary = reports.table([
         ("model", meta.model_name), ("epochs", meta.epoch), ("optimizer steps", meta.global_step),
         ("workers", config.scaling.num_workers), ("final train loss", metrics.train_loss),
         ("final val loss", metrics.val_loss), ("final val accuracy", metrics.val_accuracy),
-        ("throughput (samples/s)", metrics.samples_per_s), ("MLflow run", run_id),
+        ("throughput (samples/s)", metrics.samples_per_s), ("step time p50 / p95 (s)", f"{metrics.step_time_p50_s:.4f} / {metrics.step_time_p95_s:.4f}"),
+        ("all-reduce share of step time", metrics.allreduce_fraction), ("MLflow run", run_id),
     ])
     body = [
         reports.section("Summary", summary, section_id="summary"),

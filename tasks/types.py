@@ -41,6 +41,12 @@ class TrainMetrics:
     val_accuracy: float
     samples_per_s: float
     """Steady-state training throughput over all workers, warm-up steps excluded."""
+    step_time_p50_s: float = 0.0
+    """Median optimizer-step wall time (rank 0), warm-up steps excluded."""
+    step_time_p95_s: float = 0.0
+    """95th percentile of the step wall time, warm-up steps excluded."""
+    allreduce_fraction: float = 0.0
+    """Share of the steady-state step time during which gradient all-reduces were in flight (0 on 1 worker)."""
 
 
 @dataclass

@@ -403,8 +403,9 @@ class Checkpointer:
 
 
 def load_meta(directory: str) -> CheckpointMeta:
-    with open(os.path.join(directory, META_FILE), encoding="utf-8") as f:
-        return CheckpointMeta(**json.load(f))
+    """The metadata of the checkpoint at ``directory`` (local or ``s3://``), without loading its tensors."""
+    parent, name = directory.rstrip("/").rsplit("/", 1)
+    return CheckpointMeta(**json.loads(CheckpointStorage(parent).read(name, META_FILE)))
 
 
 def load_model(directory: str, *, map_location: str = "cpu"):

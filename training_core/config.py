@@ -190,8 +190,16 @@ class LoopConfig:
     seed: int = 0
     """Seed of model init, shuffling and dropout. Every worker uses it, so replicas start identical."""
 
+    stop_at_epoch: int = 0
+    """End this run after this many epochs (counted from the start of training, not of this run) while the
+    LR schedule still spans ``epochs``; 0 runs to ``epochs``. Successive halving and PBT train a trial in
+    such slices, each resuming from the previous slice's checkpoint, so no work is repeated."""
+
     def __post_init__(self) -> None:
         _positive("loop.epochs", self.epochs)
+        _non_negative("loop.stop_at_epoch", self.stop_at_epoch)
+        if self.stop_at_epoch > self.epochs:
+            _fail("loop.stop_at_epoch", self.stop_at_epoch, f"it must be <= loop.epochs={self.epochs} (or 0 to run all epochs)")
         _positive("loop.batch_size", self.batch_size)
         _positive("loop.grad_accum_steps", self.grad_accum_steps)
         _non_negative("loop.max_steps", self.max_steps)
@@ -337,6 +345,13 @@ class TrackingConfig:
     promotion_min_accuracy: float = 0.9
     """Test accuracy a new version needs before it can take the champion alias. It must also beat the
     current champion's test accuracy."""
+
+    parent_run_id: str = ""
+    """MLflow run this run is a child of (a tuning trial under its search's run); empty for none."""
+
+    run_id: str = ""
+    """Log into this existing MLflow run instead of creating one: a trial's later slice (successive halving,
+    PBT) continues the run of its first. Its params were logged when it was created and are not re-logged."""
 
     def __post_init__(self) -> None:
         for name in ("tracking_uri", "experiment_name", "registered_model_name", "champion_alias"):

@@ -13,9 +13,10 @@ import copy
 import logging
 import math
 import random
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +30,9 @@ from training_core.metrics import build_sink, flatten
 from training_core.models import build_model
 
 log = logging.getLogger("training_core")
+
+# Per-step times kept for the step-time percentiles of one run (bounded: 8 bytes each).
+MAX_STEP_TIMES_KEPT = 100_000
 
 
 def seed_everything(seed: int) -> None:
@@ -245,36 +249,133 @@ def _restore_rng(rank: int, json_states: dict[str, Any], torch_states: dict[str,
             torch.cuda.set_rng_state_all(torch_states[str(rank)]["cuda"])
 
 
+class WorkerRuntime(Protocol):
+    """What the loop needs from the launcher that started its process group (Ray Train, or plain
+    ``torch.distributed`` for the parity baseline)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Move ``model`` to ``device`` and wrap it in DDP when ``world_size > 1``."""
+
+    def report(self, metrics: dict[str, float]) -> None:
+        """Called by every rank once per epoch with the epoch's record."""
+
+
+class RayTrainRuntime:
+    """The runtime inside a Ray Train worker (``TorchTrainer`` set up the process group)."""
+
+    def __init__(self) -> None:
+        import ray.train
+        import ray.train.torch
+
+        context = ray.train.get_context()
+        self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
+        self.device = ray.train.torch.get_device()
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        import ray.train.torch
+
+        return ray.train.torch.prepare_model(model)
+
+    def report(self, metrics: dict[str, float]) -> None:
+        import ray.train
+
+        ray.train.report(metrics)
+
+
+class CommTimer:
+    """Measures how long DDP's gradient all-reduces are in flight during each step.
+
+    A DDP communication hook stamps each bucket's all-reduce when it is launched and when it completes; the
+    union of those intervals is the step's communication time (overlapping buckets count once). It does
+    not change what is reduced: the hook is the default all-reduce plus two clock reads.
+    """
+
+    def __init__(self) -> None:
+        self._intervals: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+
+    def install(self, model: nn.Module) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def timed_allreduce(state, bucket):
+            started = time.perf_counter()
+            future = default_hooks.allreduce_hook(state, bucket)
+
+            def finished(fut):
+                with self._lock:
+                    self._intervals.append((started, time.perf_counter()))
+                return fut.value()
+
+            return future.then(finished)
+
+        model.register_comm_hook(None, timed_allreduce)
+
+    def take_step_seconds(self) -> float:
+        """Communication time since the previous call (the intervals' union), and reset."""
+        with self._lock:
+            intervals, self._intervals = sorted(self._intervals), []
+        total, end = 0.0, -math.inf
+        for start, stop in intervals:
+            if stop > end:
+                total += stop - max(start, end)
+                end = stop
+        return total
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Ray Train entry point, run by every worker.
+    """Ray Train entry point, run by every worker: :func:`run_worker` with the Ray Train runtime."""
+    run_worker(loop_config, RayTrainRuntime())
+
+
+def apply_hyperparameters(cfg: TrainingConfig, optimizer: torch.optim.Optimizer, scheduler) -> None:
+    """Make the restored optimizer and schedule follow ``cfg``: a resumed run keeps the checkpoint's moments
+    and position, but its learning rate, weight decay and momentum come from the config (PBT perturbs them
+    between slices; for an unchanged config this changes nothing)."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.optimizer.lr
+        group["weight_decay"] = cfg.optimizer.weight_decay
+        if "momentum" in group:
+            group["momentum"] = cfg.optimizer.momentum
+    scheduler.base_lrs = [cfg.optimizer.lr for _ in optimizer.param_groups]
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = cfg.optimizer.lr * factor(scheduler.last_epoch)
+
+
+def run_worker(loop_config: dict[str, Any], runtime: WorkerRuntime) -> None:
+    """The training loop, run by every rank.
 
     ``loop_config``: ``config`` (TrainingConfig as a dict), ``data_dir`` (prepared data), ``checkpoint_root``
     (where this run's checkpoints live; the loop resumes from the newest valid one there), optional
     ``resume_from`` (a checkpoint directory URI to continue from when the root holds none), ``mlflow``
-    (``tracking_uri``, ``run_id``) and ``warmup_steps_excluded`` (steps left out of steady-state throughput).
+    (``tracking_uri``, ``run_id``), ``log_params`` (log the config as MLflow params; default: when not
+    resuming) and ``warmup_steps_excluded`` (steps left out of steady-state throughput and step-time
+    percentiles).
     """
-    import ray.train
-    import ray.train.torch
-
     cfg = TrainingConfig.from_dict(loop_config["config"])
-    context = ray.train.get_context()
-    rank, world_size = context.get_world_rank(), context.get_world_size()
+    rank, world_size, device = runtime.rank, runtime.world_size, runtime.device
     torch.set_num_threads(cfg.scaling.torch_threads_per_worker)
     seed_everything(cfg.loop.seed)
-    device = ray.train.torch.get_device()
     autocast_dtype, use_scaler = resolve_precision(cfg.precision.mode, device)
 
     manifest = Manifest.load(loop_config["data_dir"])
     model = build_model(cfg.model.name, num_classes=manifest.num_classes, input_shape=manifest.input_shape)
     if cfg.model.sync_batchnorm and device.type == "cuda" and world_size > 1:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model = ray.train.torch.prepare_model(model)
+    model = runtime.prepare_model(model)
+    comm_timer = CommTimer()
+    if hasattr(model, "register_comm_hook"):
+        comm_timer.install(model)
     optimizer = build_optimizer(cfg.optimizer, model.parameters())
     steps_per_epoch = manifest.steps_per_epoch(world_size=world_size, batch_size=cfg.loop.batch_size, grad_accum_steps=cfg.loop.grad_accum_steps)
     total_steps = steps_per_epoch * cfg.loop.epochs
     if cfg.loop.max_steps:
         total_steps = min(total_steps, cfg.loop.max_steps)
     scheduler = build_scheduler(cfg.schedule, optimizer, total_steps=total_steps)
+    end_epoch = cfg.loop.stop_at_epoch or cfg.loop.epochs
     scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
     normalize = Normalizer(manifest, device)
     train_stream = ShardStream(manifest, "train", rank=rank, world_size=world_size)
@@ -304,6 +405,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         loaded = ckpt.load_directory(loop_config["resume_from"])
     if loaded is not None:
         ckpt.restore(loaded, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+        apply_hyperparameters(cfg, optimizer, scheduler)
         meta = loaded.meta
         start_epoch, start_step_in_epoch, global_step = meta.epoch, meta.step_in_epoch, meta.global_step
         history, step_log, best_metric = list(meta.history), list(meta.step_log), meta.best_metric
@@ -314,7 +416,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         _restore_rng(rank, meta.rng, loaded.trainer.get("rng", {}))
         if rank == 0:
             log.warning("resumed from %s: epoch %d, step %d of it, global step %d", loaded.uri, start_epoch, start_step_in_epoch, global_step)
-    else:
+    if start_epoch >= end_epoch:
+        raise ValueError(
+            f"loop.stop_at_epoch={cfg.loop.stop_at_epoch} (loop.epochs={cfg.loop.epochs}) is not past the checkpoint's "
+            f"epoch {start_epoch}: there is nothing to train; raise loop.stop_at_epoch"
+        )
+    if loop_config.get("log_params", loaded is None):
         sink.log_params(flatten(cfg.to_dict()) | {"world_size": world_size, "steps_per_epoch": steps_per_epoch, "device": device.type})
         sink.log_dict(cfg.to_dict(), "config.json")
 
@@ -339,7 +446,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     global_batch = cfg.loop.batch_size * cfg.loop.grad_accum_steps * world_size
     interval = cfg.checkpoint.interval_steps
     steady_time_s, steady_steps = 0.0, 0
-    for epoch in range(start_epoch, cfg.loop.epochs):
+    # Steady-state step times and their all-reduce seconds, for percentiles and the communication share.
+    steady_step_times_s: list[float] = []
+    steady_comm_s = 0.0
+    for epoch in range(start_epoch, end_epoch):
         if global_step >= total_steps:
             break
         first_step = start_step_in_epoch if epoch == start_epoch else 0
@@ -350,7 +460,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         )
         if epoch != start_epoch:
             partial = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0}
-        window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0, "data_s": 0.0, "steps": 0}
+        window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0, "data_s": 0.0, "comm_s": 0.0, "steps": 0}
         # A step's wall time runs from the previous step's end, so logging and all-reduces of metrics count
         # against throughput; only the epoch boundary (validation, checkpoint) is left out.
         last_step_end = time.perf_counter()
@@ -384,9 +494,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             window["time_s"] += step_time_s
             window["data_s"] += data_wait_s
             window["steps"] += 1
+            comm_s = comm_timer.take_step_seconds()
+            window["comm_s"] += comm_s
             if global_step > warmup_excluded:
                 steady_time_s += step_time_s
                 steady_steps += 1
+                steady_comm_s += comm_s
+                if len(steady_step_times_s) < MAX_STEP_TIMES_KEPT:
+                    steady_step_times_s.append(step_time_s)
             if is_log_step:
                 loss_sum, correct, samples = _all_reduce_sum(
                     [float(window["loss"]), float(window["correct"]), float(window["samples"])], device
@@ -400,6 +515,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     "samples_per_s": samples / window["time_s"] if window["time_s"] else 0.0,
                     "step_time_s": window["time_s"] / steps,
                     "data_wait_s": window["data_s"] / steps,
+                    "allreduce_fraction": window["comm_s"] / window["time_s"] if window["time_s"] else 0.0,
                     "epoch": float(epoch),
                 }
                 partial["loss"] += loss_sum
@@ -408,7 +524,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 partial["time_s"] += window["time_s"]
                 step_log.append({"step": float(global_step), **record})
                 sink.log_metrics(record, step=global_step)
-                window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0, "data_s": 0.0, "steps": 0}
+                window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0, "data_s": 0.0, "comm_s": 0.0, "steps": 0}
             if save_now:
                 save_checkpoint(epoch=epoch, step_in_epoch=step_in_epoch + 1, metric=None)
                 last_step_end = time.perf_counter()  # the stall is measured on its own, not as step time
@@ -426,6 +542,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             "samples_per_s": partial["samples"] / partial["time_s"] if partial["time_s"] else 0.0,
             "steady_samples_per_s": global_batch * steady_steps / steady_time_s if steady_time_s else 0.0,
             "steady_steps": float(steady_steps),
+            "step_time_p50_s": _percentile(steady_step_times_s, 50),
+            "step_time_p95_s": _percentile(steady_step_times_s, 95),
+            "allreduce_fraction": steady_comm_s / steady_time_s if steady_time_s else 0.0,
         }
         history.append(epoch_record)
         sink.log_metrics({k: v for k, v in epoch_record.items() if k.startswith("val_")}, step=global_step)
@@ -433,7 +552,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if best_metric is None or (metric > best_metric if cfg.checkpoint.best_metric == "val_accuracy" else metric < best_metric):
             best_metric = metric
         partial = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0}
-        done = global_step >= total_steps or epoch == cfg.loop.epochs - 1
+        done = global_step >= total_steps or epoch == end_epoch - 1
         if done:
             model_uri = _log_model_to_mlflow(model, manifest, mlflow_info) if rank == 0 and mlflow_info else ""
             save_checkpoint(epoch=epoch + 1, step_in_epoch=0, metric=metric, mlflow_model_uri=model_uri)
@@ -441,12 +560,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             save_checkpoint(epoch=epoch + 1, step_in_epoch=0, metric=metric)
         if done and rank == 0:
             checkpointer.wait()  # the final checkpoint is the task's output: it must be on storage
-        ray.train.report(epoch_record)
+        runtime.report(epoch_record)
         if done:
             break
     if rank == 0:
         checkpointer.wait()
     sink.close()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else 0.0
 
 
 def _log_model_to_mlflow(model: nn.Module, manifest: Manifest, mlflow_info: dict[str, str]) -> str:

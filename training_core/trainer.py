@@ -50,6 +50,20 @@ def checkpoint_root(storage_path: str, run_name: str) -> str:
     return f"{storage_path.rstrip('/')}/{run_name}/checkpoints"
 
 
+def _check_slice(cfg: TrainingConfig, root: str, resume_from: str) -> None:
+    """Fail before any worker starts when a slice would start at or past its stop (workers would only
+    fail, and be restarted, on the same error)."""
+    storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options(root))
+    if storage.list_steps():
+        return  # a retry resumes from its own checkpoints
+    epoch = ckpt.load_meta(resume_from).epoch
+    if cfg.loop.stop_at_epoch <= epoch:
+        raise ValueError(
+            f"loop.stop_at_epoch={cfg.loop.stop_at_epoch} is not past epoch {epoch} of resume_from={resume_from!r}: "
+            "there is nothing to train; raise loop.stop_at_epoch"
+        )
+
+
 def fit(
     cfg: TrainingConfig,
     *,
@@ -60,12 +74,14 @@ def fit(
     mlflow_run: MlflowRun | None = None,
     resume_from: str | None = None,
     warmup_steps_excluded: int | None = None,
+    log_params: bool | None = None,
 ) -> FitResult:
     """Train ``cfg`` on the prepared data at ``data_dir``; copy the final checkpoint to local ``checkpoint_dir``.
 
     Checkpoints go to :func:`checkpoint_root` of ``storage_path``/``run_name``, and training resumes from
     the newest valid one there (after a worker restart inside this call, or on a new call with the same
-    names). ``resume_from`` is a checkpoint directory to continue from when there is none yet. Raises what
+    names). ``resume_from`` is a checkpoint directory to continue from when there is none yet. ``log_params``
+    says whether the config goes to the MLflow run as params (default: unless resuming). Raises what
     the training function raised, wrapped by Ray Train, once ``checkpoint.max_worker_restarts`` is spent.
     """
     import ray
@@ -74,14 +90,18 @@ def fit(
 
     from training_core.loop import train_loop_per_worker
 
+    root = checkpoint_root(storage_path, run_name)
+    if resume_from and cfg.loop.stop_at_epoch:
+        _check_slice(cfg, root, resume_from)
     if not ray.is_initialized():
         ray.init()
-    root = checkpoint_root(storage_path, run_name)
     loop_config: dict[str, Any] = {"config": cfg.to_dict(), "data_dir": data_dir, "checkpoint_root": root}
     if mlflow_run is not None:
         loop_config["mlflow"] = {"tracking_uri": mlflow_run.tracking_uri, "run_id": mlflow_run.run_id}
     if resume_from:
         loop_config["resume_from"] = resume_from
+    if log_params is not None:
+        loop_config["log_params"] = log_params
     if warmup_steps_excluded is not None:
         loop_config["warmup_steps_excluded"] = warmup_steps_excluded
     trainer = TorchTrainer(

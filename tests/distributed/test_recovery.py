@@ -82,3 +82,30 @@ def test_sigkill_of_a_worker_mid_epoch_resumes_bit_identical_losing_at_most_one_
             assert torch.equal(torch.as_tensor(got_trainer["optimizer"]["state"][key][field]), torch.as_tensor(value))
     # The resumed epoch's record is the same as the uninterrupted one's, too.
     assert [r["train_loss"] for r in result.meta.history] == [r["train_loss"] for r in reference.meta.history]
+
+
+def test_training_in_slices_with_stop_at_epoch_equals_one_uninterrupted_run(ray_session, digits_dir, tmp_path):
+    """Successive halving and PBT train a trial in slices (``loop.stop_at_epoch``), each resuming from the
+    previous slice's checkpoint in a new run: the LR schedule spans ``loop.epochs`` throughout, so the
+    slices add up to exactly the uninterrupted run, and no step is trained twice."""
+    base = TrainingConfig.from_dict({
+        "model": {"name": "small_cnn"}, "loop": {"epochs": 3, "batch_size": 32, "log_interval_steps": 5},
+    })
+    whole = fit(base, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "whole"), run_name="whole", storage_path=str(tmp_path / "runs"))
+    first = TrainingConfig.from_dict({**base.to_dict(), "loop": {**base.to_dict()["loop"], "stop_at_epoch": 1}})
+    slice_1 = fit(first, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "s1"), run_name="slice-1", storage_path=str(tmp_path / "runs"))
+    assert slice_1.meta.epoch == 1 and slice_1.meta.global_step * 3 == whole.meta.global_step
+    slice_2 = fit(base, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "s2"), run_name="slice-2",
+                  storage_path=str(tmp_path / "runs"), resume_from=slice_1.checkpoint_dir)
+    assert slice_2.meta.resumed_from_steps == [slice_1.meta.global_step]
+    assert slice_2.meta.global_step == whole.meta.global_step
+    expected = torch.load(Path(whole.checkpoint_dir) / ckpt.MODEL_FILE, weights_only=True)
+    got = torch.load(Path(slice_2.checkpoint_dir) / ckpt.MODEL_FILE, weights_only=True)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), f"{name} differs between sliced and whole training"
+    assert [r["val_accuracy"] for r in slice_2.meta.history] == [r["val_accuracy"] for r in whole.meta.history]
+
+    # A slice whose stop is not past its checkpoint has nothing to do, and says so.
+    with pytest.raises(Exception, match="stop_at_epoch"):
+        fit(first, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "s3"), run_name="slice-3",
+            storage_path=str(tmp_path / "runs"), resume_from=slice_1.checkpoint_dir)
