@@ -6,7 +6,15 @@ STAMP := $(VENV)/.installed-stamp
 # Tests keep their temporary files under one directory they remove at the end (see tests/conftest.py).
 PYTEST_ARGS ?=
 
-.PHONY: run test venv benchmarks clean
+# The container image every registered task runs in (it must hold this repo and its dependencies). One setting
+# changes it for all tasks: `make package IMAGE=registry.example.com/flyte-ray-training:v3`.
+IMAGE ?= localhost:30000/flyte-ray-training:latest
+# Packages whose modules pyflyte loads; every task, workflow and launch plan defined in a loaded module (or one it
+# imports) is serialized. training_core defines no Flyte entities: it travels in the image.
+FLYTE_PKGS ?= workflows,tasks
+PACKAGE ?= dist/flyte-package.tgz
+
+.PHONY: run test venv benchmarks clean package
 
 run: $(STAMP)
 	$(BIN)/pyflyte run workflows/training.py training_pipeline
@@ -23,6 +31,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet torch==2.14.1 torchvision==0.29.1
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
+
+# The registration tarball (TaskSpec/WorkflowSpec/LaunchPlan protobufs) for `python -m deployment.remote register`
+# or `flytectl register files --archive`.
+package: $(STAMP)
+	mkdir -p $(dir $(PACKAGE))
+	$(BIN)/pyflyte --pkgs $(FLYTE_PKGS) package --image $(IMAGE) --output $(PACKAGE) --force
 
 benchmarks: $(STAMP)
 	$(BIN)/python benchmarks/loop_overhead.py
