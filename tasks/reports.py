@@ -97,3 +97,20 @@ def confusion_matrix(confusion: Sequence[Sequence[int]], classes: Sequence[str])
     ax.set_ylabel("true")
     ax.set_title("confusion matrix (test)")
     return _png(fig)
+
+
+def metric_vs_epochs(curves: dict[int, tuple[Sequence[int], Sequence[float]]], *, metric: str, best: int) -> str:
+    """One line per trial (its metric at each scored epoch), the best trial highlighted."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for trial_id, (epochs, scores) in sorted(curves.items()):
+        if not scores:
+            continue
+        highlight = trial_id == best
+        ax.plot(epochs, scores, "o-", linewidth=2.5 if highlight else 1, alpha=1 if highlight else 0.6,
+                label=f"trial {trial_id}" + (" (best)" if highlight else ""))
+    ax.set_xlabel("epochs trained")
+    ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    return _png(fig)

@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+from datetime import timedelta
 from typing import Optional
 
 from flytekit import FlyteContextManager, Resources, current_context, task
@@ -23,9 +24,16 @@ from training_core.config import ScalingConfig, TrainingConfig
 DEFAULT_RAY_JOB = ray_job_config(ScalingConfig())
 
 
+# A train node can run on preemptible (spot) nodes: a preemption costs at most one checkpoint interval,
+# since the retry resumes from the latest checkpoint. The timeout bounds a hung collective or a stuck pod.
+TRAIN_TIMEOUT = timedelta(hours=12)
+
+
 @task(
     task_config=DEFAULT_RAY_JOB,
     retries=2,
+    interruptible=True,
+    timeout=TRAIN_TIMEOUT,
     requests=Resources(cpu="1", mem="2Gi"),
     limits=Resources(cpu="2", mem="4Gi"),
     enable_deck=True,
@@ -44,6 +52,11 @@ def train(config: TrainingConfig, data: PreparedData, resume_from: Optional[Flyt
     :return: The final checkpoint directory, last-epoch metrics, the MLflow run and model URIs, and the
         training report.
     """
+    return run_training(config, data, resume_from)
+
+
+def run_training(config: TrainingConfig, data: PreparedData, resume_from: Optional[FlyteDirectory]) -> TrainedModel:
+    """The body of ``train``, shared with the tuning pipeline's cached ``train_trial`` task."""
     from flytekit.exceptions.user import FlyteRecoverableException
 
     from tasks import reports

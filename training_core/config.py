@@ -460,6 +460,13 @@ def _coerce(path: str, value: Any, hint: type) -> Any:
         if not isinstance(value, str):
             _fail(path, value, "expected a string")
         return value
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if isinstance(value, (str, bytes)) or not isinstance(value, typing.Sequence):
+            _fail(path, value, "expected a list")
+        if dataclasses.is_dataclass(item):
+            return [_build(item, v, prefix=f"{path}[{i}].") for i, v in enumerate(value)]
+        return [_coerce(f"{path}[{i}]", v, item) for i, v in enumerate(value)]
     raise AssertionError(f"unsupported config field type {hint!r} at {path}")
 
 

@@ -36,6 +36,29 @@ def create_run(cfg: TrackingConfig, *, run_name: str, tags: dict[str, str] | Non
     return uri, run.info.run_id
 
 
+def find_or_create_run(
+    cfg: TrackingConfig, *, key: str, run_name: str, params: dict[str, object], payload: dict
+) -> tuple[str, str]:
+    """The run tagged ``search.key=key`` in ``cfg.experiment_name`` (set RUNNING again), or a new one with
+    ``params`` and ``payload`` (as ``config.json``). A re-run of the same search lands in the same parent
+    run, so its cached trials (children of that run) keep their place."""
+    from mlflow.tracking import MlflowClient
+
+    uri = resolve_tracking_uri(cfg.tracking_uri)
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(cfg.experiment_name)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(cfg.experiment_name)
+    found = client.search_runs([experiment_id], filter_string=f"tags.`search.key` = '{key}'", max_results=1)
+    if found:
+        client.update_run(found[0].info.run_id, status="RUNNING")
+        return uri, found[0].info.run_id
+    run = client.create_run(experiment_id, run_name=run_name, tags={"search.key": key})
+    for name, value in params.items():
+        client.log_param(run.info.run_id, name, value)
+    client.log_dict(run.info.run_id, payload, "config.json")
+    return uri, run.info.run_id
+
+
 def resume_run(cfg: TrackingConfig, run_id: str) -> tuple[str, str]:
     """Reopen a run a failed attempt left behind, so a retry logs into the same run."""
     from mlflow.tracking import MlflowClient

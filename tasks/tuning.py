@@ -1,0 +1,290 @@
+"""Tuning tasks: the cached trial task and the bookkeeping between rounds of a search.
+
+A search is a chain of rounds (``workflows/tuning.py``). Each round trains some trials, each a cached
+``train_trial`` node, and ``record_round`` turns their results into the next round's plan with the
+decisions of :mod:`training_core.tuning` (successive halving, PBT's exploit/explore, TPE suggestions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+import pandas as pd
+from flytekit import Resources, task
+from flytekit.types.directory import FlyteDirectory
+from flytekit.types.file import FlyteFile
+
+from tasks.artifacts import publish_report
+from tasks.ray_config import ray_job_config
+from tasks.train import TRAIN_TIMEOUT, run_training
+from tasks.types import PreparedData, TrainedModel
+from training_core import tuning
+from training_core.config import TrainingConfig
+from training_core.tuning import TuningConfig
+
+# Bump when a change to training makes earlier trial results wrong to reuse.
+TRIAL_CACHE_VERSION = "1"
+
+
+@task(
+    task_config=ray_job_config(tuning.default_base().scaling),
+    cache=True,
+    cache_version=TRIAL_CACHE_VERSION,
+    retries=2,
+    interruptible=True,
+    timeout=TRAIN_TIMEOUT,
+    requests=Resources(cpu="1", mem="2Gi"),
+    limits=Resources(cpu="2", mem="4Gi"),
+    enable_deck=True,
+)
+def train_trial(config: TrainingConfig, data: PreparedData, resume_from: Optional[FlyteDirectory] = None) -> TrainedModel:
+    """One slice of one trial: ``train`` with caching, so a re-run of a search reuses finished slices.
+
+    The RayJob shape is set per node by the search (``with_overrides(task_config=...)``) from the trial's
+    ``config.scaling``.
+    """
+    return run_training(config, data, resume_from)
+
+
+@dataclass
+class Trial:
+    """One trial of a search and where it stands."""
+
+    trial_id: int
+    params: dict[str, str]
+    """The searched fields' values (dotted path -> text)."""
+    status: str = "pending"
+    """``pending`` (trains in the next round), ``stopped`` (pruned by successive halving) or ``done``."""
+    epochs_trained: int = 0
+    """Epochs the trial's checkpoint holds (for a PBT copy: including those of the trial it copied)."""
+    epochs_used: int = 0
+    """Epochs this trial itself trained: its compute."""
+    scores: list[float] = field(default_factory=list)
+    """The search metric after each of the trial's slices."""
+    score_epochs: list[int] = field(default_factory=list)
+    """``epochs_trained`` at each score."""
+    checkpoint: Optional[FlyteDirectory] = None
+    """Checkpoint the next slice resumes from."""
+    model: Optional[TrainedModel] = None
+    """The last slice's output."""
+    mlflow_run_id: str = ""
+    """The trial's MLflow child run, continued by its later slices; empty after a PBT copy (a new run)."""
+    lineage: list[int] = field(default_factory=list)
+    """PBT: the trials whose checkpoints this one copied, in order."""
+
+
+@dataclass
+class SearchState:
+    """Everything a search knows between two rounds."""
+
+    round_index: int
+    trials: list[Trial]
+    tracking_uri: str
+    parent_run_id: str
+    """The search's MLflow run; every trial's run is its child."""
+
+
+@dataclass
+class TuningResult:
+    """What a search found."""
+
+    best_trial: int
+    best_params: dict[str, str]
+    best_config: TrainingConfig
+    """``base`` with the best trial's params: train it again with ``training_pipeline``."""
+    best_metric: float
+    best_checkpoint: FlyteDirectory
+    best_model: TrainedModel
+    """The best trial's last slice: its checkpoint, metrics and MLflow model."""
+    epochs_used: int
+    """Epochs trained by all trials together (the search's compute)."""
+    table: FlyteFile
+    """The trial table as CSV."""
+    report: FlyteFile
+    """The tuning Deck as a standalone HTML page."""
+    mlflow_parent_run_id: str
+
+
+class TuningOutputs(NamedTuple):
+    result: TuningResult
+    trials: pd.DataFrame
+
+
+@dataclass
+class TrialSlice:
+    """What one ``train_trial`` node of a round gets."""
+
+    trial_id: int
+    config: TrainingConfig
+    resume_from: Optional[FlyteDirectory]
+
+
+def plan_round(config: TuningConfig, state: SearchState) -> list[TrialSlice]:
+    """The pending trials' configs for this round: the trial's params on ``base``, trained to the round's
+    stop epoch, as a child run of the search (continuing the trial's own run after its first slice)."""
+    stop = tuning.round_stop_epoch(config, state.round_index)
+    slices = []
+    for trial in state.trials:
+        if trial.status != "pending":
+            continue
+        trial_config = tuning.apply_params(config.base, trial.params)
+        trial_config = dataclasses.replace(
+            trial_config,
+            loop=dataclasses.replace(trial_config.loop, stop_at_epoch=stop if stop < trial_config.loop.epochs else 0),
+            tracking=dataclasses.replace(trial_config.tracking, parent_run_id=state.parent_run_id, run_id=trial.mlflow_run_id),
+        )
+        slices.append(TrialSlice(trial.trial_id, trial_config, trial.checkpoint))
+    return slices
+
+
+@task(retries=2, requests=Resources(cpu="500m", mem="1Gi"))
+def start_search(config: TuningConfig) -> SearchState:
+    """Open (or, for a re-run of the same search, reopen) the search's MLflow parent run and draw the first
+    round's trials."""
+    from training_core import tracking
+
+    key = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+    tracking_uri, parent_run_id = tracking.find_or_create_run(
+        config.base.tracking, key=key, run_name=f"tuning-{config.algorithm}-{key[:8]}",
+        params={"algorithm": config.algorithm, "strategy": config.strategy, "num_trials": config.num_trials,
+                "metric": config.metric, "max_concurrency": config.max_concurrency, "seed": config.seed},
+        payload=config.to_dict(),
+    )
+    trials = [Trial(trial_id=i, params=params) for i, params in enumerate(tuning.initial_params(config))]
+    return SearchState(round_index=0, trials=trials, tracking_uri=tracking_uri, parent_run_id=parent_run_id)
+
+
+@task(retries=2, requests=Resources(cpu="500m", mem="1Gi"))
+def record_round(config: TuningConfig, state: SearchState, trial_ids: list[int], models: list[TrainedModel]) -> SearchState:
+    """Record a round's results and decide the next round: who continues (successive halving), who copies
+    whom (PBT), which new points to try (Bayesian)."""
+    by_id = {t.trial_id: t for t in state.trials}
+    for trial_id, model in zip(trial_ids, models, strict=True):
+        trial = by_id[trial_id]
+        trial.epochs_used += model.metrics.epochs - trial.epochs_trained
+        trial.epochs_trained = model.metrics.epochs
+        trial.scores.append(float(getattr(model.metrics, config.metric)))
+        trial.score_epochs.append(model.metrics.epochs)
+        trial.checkpoint, trial.model, trial.mlflow_run_id = model.checkpoint, model, model.mlflow_run_id
+        trial.status = "done"
+    next_round = state.round_index + 1
+    if next_round < tuning.num_rounds(config):
+        trained = [by_id[i] for i in trial_ids]
+        scores = [t.scores[-1] for t in trained]
+        if config.algorithm == "asha":
+            keep = tuning.successive_halving_keep(scores, eta=config.asha.eta, mode=config.mode)
+            for index, trial in enumerate(trained):
+                trial.status = "pending" if index in keep else "stopped"
+        elif config.algorithm == "pbt":
+            rng = random.Random(config.seed * 7919 + state.round_index)
+            copies = tuning.pbt_exploit(scores, quantile=config.pbt.quantile, mode=config.mode, rng=rng)
+            for loser, winner in copies.items():
+                _copy_trial(trained[loser], trained[winner], config, rng)
+            for trial in trained:
+                trial.status = "pending"
+        elif config.algorithm == "bayesian":
+            finished = [(t.params, t.scores[-1]) for t in state.trials if t.scores]
+            count = tuning.bayesian_round_sizes(config)[next_round]
+            for params in tuning.suggest(config, finished=finished, count=count, round_index=next_round):
+                state.trials.append(Trial(trial_id=len(state.trials), params=params))
+    return dataclasses.replace(state, round_index=next_round)
+
+
+def _copy_trial(loser: Trial, winner: Trial, config: TuningConfig, rng: random.Random) -> None:
+    """PBT exploit + explore: ``loser`` continues from ``winner``'s checkpoint with perturbed params."""
+    loser.params = tuning.perturb(
+        winner.params, config.search_space, factors=config.pbt.perturbation_factors,
+        resample_probability=config.pbt.resample_probability, rng=rng,
+    )
+    loser.checkpoint, loser.epochs_trained = winner.checkpoint, winner.epochs_trained
+    loser.lineage.append(winner.trial_id)
+    loser.mlflow_run_id = ""  # new hyperparameters: a new child run, so each run's params stay true
+
+
+def trial_table(config: TuningConfig, trials: list[Trial]) -> pd.DataFrame:
+    """One row per trial: params, the metric at each epoch it was scored, epochs used, status."""
+    rows = []
+    for t in trials:
+        row: dict[str, object] = {"trial": t.trial_id, **{p.path: t.params.get(p.path) for p in config.search_space}}
+        for epoch, score in zip(t.score_epochs, t.scores):
+            row[f"{config.metric}@{epoch}"] = score
+        row.update({
+            "final_" + config.metric: t.scores[-1] if t.scores else None, "epochs_trained": t.epochs_trained,
+            "epochs_used": t.epochs_used, "status": t.status, "copied_from": ",".join(map(str, t.lineage)),
+            "mlflow_run_id": t.mlflow_run_id or (t.model.mlflow_run_id if t.model else ""),
+        })
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+    scored = sorted(c for c in frame.columns if c.startswith(f"{config.metric}@"))
+    ordered = ["trial", *(p.path for p in config.search_space), *sorted(scored, key=lambda c: int(c.split("@")[1]))]
+    return frame[ordered + [c for c in frame.columns if c not in ordered]]
+
+
+def best_trial(config: TuningConfig, trials: list[Trial]) -> Trial:
+    """The best trial among those trained to the full budget (every trial, if none was)."""
+    full = [t for t in trials if t.scores and t.epochs_trained >= config.base.loop.epochs] or [t for t in trials if t.scores]
+    if not full:
+        raise RuntimeError("no trial finished: see the failed train_trial nodes")
+    order = tuning.rank([t.scores[-1] for t in full], config.mode)
+    return full[order[0]]
+
+
+@task(retries=2, requests=Resources(cpu="500m", mem="1Gi"), enable_deck=True)
+def finish_search(config: TuningConfig, state: SearchState) -> TuningOutputs:
+    """Pick the best trial, close the MLflow parent run with its figures, and render the trial table and
+    the metric-vs-epochs plot as a Deck."""
+    from tasks import reports
+    from training_core import tracking
+
+    best = best_trial(config, state.trials)
+    frame = trial_table(config, state.trials)
+    epochs_used = int(frame["epochs_used"].sum())
+    tracking.log_metrics(state.tracking_uri, state.parent_run_id, {
+        f"best_{config.metric}": best.scores[-1], "best_trial": float(best.trial_id), "epochs_used": float(epochs_used),
+    })
+    tracking.finish_run(state.tracking_uri, state.parent_run_id)
+
+    csv_path = _working_path("trials.csv")
+    frame.to_csv(csv_path, index=False)
+    summary = reports.table([
+        ("algorithm", f"{config.algorithm} ({config.strategy})"), ("trials", len(state.trials)),
+        (f"best {config.metric}", best.scores[-1]), ("best trial", best.trial_id),
+        *[(path, value) for path, value in best.params.items()],
+        ("epochs used (all trials)", epochs_used),
+        ("epochs if every trial ran in full", len(state.trials) * config.base.loop.epochs),
+        ("MLflow parent run", state.parent_run_id),
+    ])
+    body = [
+        reports.section("Best trial", summary, section_id="best"),
+        reports.section(f"{config.metric} against epochs", reports.metric_vs_epochs(
+            {t.trial_id: (t.score_epochs, t.scores) for t in state.trials}, metric=config.metric, best=best.trial_id,
+        ), section_id="curves"),
+        reports.section("Trials", frame.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep=""), section_id="trials"),
+    ]
+    report = publish_report("Tuning report", reports.page("Tuning report", body), "".join(body))
+    from flytekit import FlyteContextManager
+
+    table = FlyteFile(csv_path, remote_path=FlyteContextManager.current_context().file_access.get_random_remote_path("trials.csv"))
+    assert best.model is not None and best.checkpoint is not None
+    result = TuningResult(
+        best_trial=best.trial_id, best_params=best.params,
+        best_config=tuning.apply_params(config.base, best.params), best_metric=best.scores[-1],
+        best_checkpoint=best.checkpoint, best_model=best.model, epochs_used=epochs_used, table=table, report=report,
+        mlflow_parent_run_id=state.parent_run_id,
+    )
+    return TuningOutputs(result=result, trials=frame)
+
+
+def _working_path(name: str) -> str:
+    import os
+
+    from flytekit import current_context
+
+    return os.path.join(current_context().working_directory, name)
+
+

@@ -1,0 +1,480 @@
+"""Hyperparameter search: the typed search space and the decisions of each search algorithm.
+
+Everything here is pure Python (Optuna is imported only by the Bayesian search), so the same decisions
+drive both strategies: Flyte fan-out, where every trial is a node of the execution graph, and Ray Tune.
+
+- ``random`` and ``grid`` sample every trial up front and train each to ``base.loop.epochs``.
+- ``bayesian`` runs rounds: each round's trials are suggested by Optuna's TPE from the finished ones
+  (ask/tell; the study is rebuilt from the trials each round, so no study storage is needed).
+- ``asha`` is successive halving over rungs of growing epoch budgets (:func:`asha_rungs`): every rung
+  trains the survivors of the previous one further, resuming from their own checkpoints, and keeps the
+  top ``1/eta``.
+- ``pbt`` trains all trials in slices of ``pbt.interval_epochs``; between slices the bottom quantile copies
+  the checkpoint of a top trial and perturbs its hyperparameters (:func:`pbt_exploit`, :func:`perturb`).
+
+A trial's config is ``base`` with the trial's params applied by dotted path (:func:`apply_params`); the
+params are kept as text (``"0.003"``, ``"adamw"``) and converted to the field's type by the config tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from training_core.config import (
+    CheckpointConfig,
+    DataConfig,
+    LoopConfig,
+    ModelConfig,
+    ScalingConfig,
+    TrackingConfig,
+    TrainingConfig,
+    _build,
+    _fail,
+    _merge,
+    env_overrides,
+)
+
+ALGORITHMS = ("random", "grid", "bayesian", "asha", "pbt")
+STRATEGIES = ("flyte", "ray_tune")
+KINDS = ("log_uniform", "uniform", "int", "choice")
+METRICS = {"val_accuracy": "max", "val_loss": "min"}
+TUNING_ENV_PREFIX = "TUNING__"
+
+Params = dict[str, str]
+"""A trial's hyperparameters: dotted config path -> value as text."""
+
+
+@dataclass
+class ParamSpec:
+    """One searched hyperparameter."""
+
+    path: str
+    """Dotted path of a ``TrainingConfig`` field, e.g. ``optimizer.lr`` or ``loop.batch_size``."""
+
+    kind: str
+    """``log_uniform`` (floats, sampled uniformly in log space), ``uniform``, ``int`` (whole numbers in
+    ``[low, high]``) or ``choice`` (one of ``choices``)."""
+
+    low: float = 0.0
+    """Lower bound for ``log_uniform``, ``uniform`` and ``int`` (inclusive)."""
+
+    high: float = 0.0
+    """Upper bound for ``log_uniform``, ``uniform`` and ``int`` (inclusive)."""
+
+    choices: list[str] = field(default_factory=list)
+    """The values of a ``choice``, as text; each is converted to the field's type (``"64"`` -> 64)."""
+
+    grid_points: int = 3
+    """Points a ``grid`` search takes on a numeric range: log-spaced for ``log_uniform``, evenly spaced
+    otherwise (an ``int`` range with fewer values takes them all)."""
+
+    def __post_init__(self) -> None:
+        where = f"search_space[{self.path}]"
+        if self.kind not in KINDS:
+            _fail(f"{where}.kind", self.kind, f"choose one of {', '.join(KINDS)}")
+        _field_type(self.path)
+        if self.kind == "choice":
+            if not self.choices:
+                _fail(f"{where}.choices", self.choices, "a choice needs at least one value")
+            for value in self.choices:
+                apply_params(TrainingConfig(), {self.path: value})  # each value must be valid for the field
+        else:
+            if not self.low < self.high:
+                _fail(f"{where}.low", self.low, f"it must be below high={self.high}")
+            if self.kind == "log_uniform" and not self.low > 0:
+                _fail(f"{where}.low", self.low, "a log_uniform range must be above 0")
+            if self.kind == "int" and (self.low != int(self.low) or self.high != int(self.high)):
+                _fail(f"{where}.low", (self.low, self.high), "an int range needs whole-number bounds")
+        if self.grid_points < 1:
+            _fail(f"{where}.grid_points", self.grid_points, "it must be >= 1")
+
+    @property
+    def numeric(self) -> bool:
+        return self.kind != "choice"
+
+
+def default_search_space() -> list[ParamSpec]:
+    return [
+        ParamSpec("optimizer.lr", "log_uniform", low=3e-4, high=3e-2),
+        ParamSpec("loop.batch_size", "choice", choices=["16", "32", "64"]),
+        ParamSpec("optimizer.name", "choice", choices=["adamw", "sgd"]),
+        ParamSpec("optimizer.weight_decay", "log_uniform", low=1e-5, high=1e-1),
+        ParamSpec("schedule.warmup_steps", "int", low=0, high=40),
+    ]
+
+
+def default_base() -> TrainingConfig:
+    """A small trial: the compact CNN on digits, one worker, 4 epochs (the largest ASHA rung)."""
+    return TrainingConfig(
+        data=DataConfig(num_shards=2),
+        model=ModelConfig(name="small_cnn"),
+        loop=LoopConfig(epochs=4, log_interval_steps=10),
+        scaling=ScalingConfig(num_workers=1, cpus_per_worker=1.0, memory_per_worker_gib=2.0, head_memory_gib=2.0),
+        checkpoint=CheckpointConfig(keep_last=1),
+        tracking=TrackingConfig(experiment_name="tuning", promotion_min_accuracy=0.9),
+    )
+
+
+@dataclass
+class AshaConfig:
+    min_epochs: int = 1
+    """Epoch budget of the first rung. Rung ``k`` trains to ``min_epochs * eta**k`` epochs, and the last
+    rung to ``base.loop.epochs``."""
+
+    eta: int = 2
+    """Reduction factor: each rung keeps the top ``1/eta`` of the trials it trained (at least one)."""
+
+    def __post_init__(self) -> None:
+        if self.min_epochs < 1:
+            _fail("asha.min_epochs", self.min_epochs, "it must be >= 1")
+        if self.eta < 2:
+            _fail("asha.eta", self.eta, "it must be >= 2 (2 halves the trials per rung, 3 keeps a third)")
+
+
+@dataclass
+class PbtConfig:
+    interval_epochs: int = 1
+    """Epochs each trial trains between two exploit/explore steps."""
+
+    quantile: float = 0.25
+    """Fraction of trials in the bottom group (which copy a top trial) and in the top group."""
+
+    perturbation_factors: list[float] = field(default_factory=lambda: [0.8, 1.25])
+    """A copied numeric hyperparameter is multiplied by one of these, then clipped to its range."""
+
+    resample_probability: float = 0.25
+    """Chance that a copied numeric hyperparameter is drawn afresh from its range instead of perturbed.
+    ``choice`` hyperparameters (the optimizer, the batch size) are always inherited with the checkpoint."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.quantile <= 0.5:
+            _fail("pbt.quantile", self.quantile, "it must be in (0, 0.5]")
+        if self.interval_epochs < 1:
+            _fail("pbt.interval_epochs", self.interval_epochs, "it must be >= 1")
+        if not self.perturbation_factors or any(f <= 0 for f in self.perturbation_factors):
+            _fail("pbt.perturbation_factors", self.perturbation_factors, "give one or more factors > 0, e.g. [0.8, 1.25]")
+        if not 0 <= self.resample_probability <= 1:
+            _fail("pbt.resample_probability", self.resample_probability, "it must be in [0, 1]")
+
+
+@dataclass
+class BayesianConfig:
+    num_rounds: int = 2
+    """Rounds of suggestions; ``num_trials`` is split evenly over them. The first round samples at random
+    (TPE has nothing to model yet); each later round is suggested from all finished trials."""
+
+    def __post_init__(self) -> None:
+        if self.num_rounds < 1:
+            _fail("bayesian.num_rounds", self.num_rounds, "it must be >= 1")
+
+
+@dataclass
+class TuningConfig:
+    """A whole hyperparameter search: the base run, what is searched, how, and how wide."""
+
+    base: TrainingConfig = field(default_factory=default_base)
+    """The run every trial starts from; ``base.loop.epochs`` is a trial's full budget."""
+
+    search_space: list[ParamSpec] = field(default_factory=default_search_space)
+    """The searched fields. Defaults: lr (log-uniform), batch size, optimizer, weight decay (log-uniform)
+    and warmup steps (int range)."""
+
+    algorithm: str = "asha"
+    """``random``, ``grid``, ``bayesian`` (Optuna TPE), ``asha`` (successive halving) or ``pbt``."""
+
+    strategy: str = "flyte"
+    """``flyte``: every trial (and every rung or round of it) is a cached, retried node of the workflow.
+    ``ray_tune``: one Ray task runs Ray Tune's ``Tuner`` (ASHA, PBT or OptunaSearch) on one RayCluster."""
+
+    num_trials: int = 8
+    """Trials to run (``grid``: the most grid points allowed)."""
+
+    max_concurrency: int = 2
+    """Trials training at the same time."""
+
+    metric: str = "val_accuracy"
+    """What ranks trials: ``val_accuracy`` (higher is better) or ``val_loss`` (lower is better)."""
+
+    seed: int = 0
+    """Seed of the sampling, the suggestions and PBT's choices; the same seed gives the same trials."""
+
+    asha: AshaConfig = field(default_factory=AshaConfig)
+    """Successive halving settings."""
+
+    pbt: PbtConfig = field(default_factory=PbtConfig)
+    """Population based training settings."""
+
+    bayesian: BayesianConfig = field(default_factory=BayesianConfig)
+    """Bayesian (TPE) settings."""
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            _fail("algorithm", self.algorithm, f"choose one of {', '.join(ALGORITHMS)}")
+        if self.strategy not in STRATEGIES:
+            _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGIES)}")
+        if self.strategy == "ray_tune" and self.algorithm == "grid":
+            _fail("algorithm", self.algorithm, "strategy='ray_tune' runs random, bayesian, asha or pbt; use strategy='flyte' for grid")
+        if self.metric not in METRICS:
+            _fail("metric", self.metric, f"choose one of {', '.join(METRICS)}")
+        if self.num_trials < 1:
+            _fail("num_trials", self.num_trials, "it must be >= 1")
+        if self.max_concurrency < 1:
+            _fail("max_concurrency", self.max_concurrency, "it must be >= 1")
+        if not self.search_space:
+            _fail("search_space", self.search_space, "name at least one field to search")
+        paths = [p.path for p in self.search_space]
+        if len(set(paths)) != len(paths):
+            _fail("search_space", paths, "each path may appear once")
+        if self.algorithm == "grid" and len(grid_points(self.search_space)) > self.num_trials:
+            size = len(grid_points(self.search_space))
+            _fail("num_trials", self.num_trials, f"the grid has {size} points: raise num_trials to {size} or use fewer grid_points/choices")
+        if self.algorithm == "asha" and self.asha.min_epochs > self.base.loop.epochs:
+            _fail("asha.min_epochs", self.asha.min_epochs, f"it must be <= base.loop.epochs={self.base.loop.epochs}")
+        if self.algorithm in ("asha", "pbt") and self.base.loop.max_steps:
+            _fail("base.loop.max_steps", self.base.loop.max_steps, f"{self.algorithm} budgets trials in epochs; set it to 0")
+        if self.algorithm == "pbt" and self.num_trials < 2:
+            _fail("num_trials", self.num_trials, "pbt needs a population of at least 2")
+
+    @property
+    def mode(self) -> str:
+        """``max`` or ``min``: which way ``metric`` improves."""
+        return METRICS[self.metric]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "TuningConfig":
+        """Build from a (possibly partial) nested mapping, e.g. a YAML file; ``choices`` may be numbers."""
+        raw = dict(raw)
+        if "search_space" in raw and isinstance(raw["search_space"], Sequence):
+            raw["search_space"] = [
+                {**spec, "choices": [str(c) for c in spec.get("choices", [])]} if isinstance(spec, Mapping) else spec
+                for spec in raw["search_space"]
+            ]
+        base = raw.pop("base", None)
+        tuning = _build(cls, raw, prefix="")
+        if base is not None:
+            # A partial base overrides the tuning defaults (small trials), not the pipeline's.
+            tuning = dataclasses.replace(tuning, base=TrainingConfig.from_dict(_merge(tuning.base.to_dict(), base)))
+        return tuning
+
+
+def load_tuning_config(path: str | None = None, *, environ: Mapping[str, str] | None = None) -> TuningConfig:
+    """Defaults, overlaid by the YAML file at ``path``, overlaid by ``TUNING__<FIELD>[__<FIELD>]`` variables."""
+    import os
+
+    import yaml
+
+    raw: dict[str, Any] = {}
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"tuning config file {path!r} must hold a mapping, got {type(raw).__name__}")
+    env = os.environ if environ is None else environ
+    renamed = {"TRAINING_CORE__" + k[len(TUNING_ENV_PREFIX):]: v for k, v in env.items() if k.startswith(TUNING_ENV_PREFIX)}
+    return TuningConfig.from_dict(_merge(dict(raw), env_overrides(renamed)))
+
+
+def _field_type(path: str) -> type:
+    """The type of the ``TrainingConfig`` leaf at dotted ``path``; ValueError if there is none."""
+    import typing
+
+    node: Any = TrainingConfig
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        if part not in hints:
+            valid = ", ".join(sorted(hints)) if hints else "(none: the path ends at a value)"
+            _fail("search_space.path", path, f"{'.'.join(parts[:i + 1])!r} is not a config field; fields here: {valid}")
+        node = hints[part]
+    if dataclasses.is_dataclass(node):
+        _fail("search_space.path", path, "it names a section; name one of its fields")
+    return node
+
+
+def apply_params(base: TrainingConfig, params: Mapping[str, str]) -> TrainingConfig:
+    """``base`` with each dotted-path param set (converted to the field's type and validated)."""
+    tree = base.to_dict()
+    for path, value in params.items():
+        node = tree
+        *sections, leaf = path.split(".")
+        for section in sections:
+            node = node[section]
+        node[leaf] = value
+    return TrainingConfig.from_dict(tree)
+
+
+def _format(value: float, kind: str) -> str:
+    return str(int(round(value))) if kind == "int" else f"{float(value):.4g}"
+
+
+def sample(space: Sequence[ParamSpec], rng: random.Random) -> Params:
+    """One random point of the space."""
+    params: Params = {}
+    for spec in space:
+        if spec.kind == "choice":
+            params[spec.path] = rng.choice(spec.choices)
+        elif spec.kind == "log_uniform":
+            params[spec.path] = _format(math.exp(rng.uniform(math.log(spec.low), math.log(spec.high))), spec.kind)
+        elif spec.kind == "uniform":
+            params[spec.path] = _format(rng.uniform(spec.low, spec.high), spec.kind)
+        else:
+            params[spec.path] = str(rng.randint(int(spec.low), int(spec.high)))
+    return params
+
+
+def _axis(spec: ParamSpec) -> list[str]:
+    if spec.kind == "choice":
+        return list(spec.choices)
+    n = spec.grid_points
+    if spec.kind == "int":
+        values = range(int(spec.low), int(spec.high) + 1)
+        if len(values) <= n:
+            return [str(v) for v in values]
+    if n == 1:
+        points = [math.sqrt(spec.low * spec.high) if spec.kind == "log_uniform" else (spec.low + spec.high) / 2]
+    elif spec.kind == "log_uniform":
+        ratio = (spec.high / spec.low) ** (1 / (n - 1))
+        points = [spec.low * ratio**i for i in range(n)]
+    else:
+        points = [spec.low + (spec.high - spec.low) * i / (n - 1) for i in range(n)]
+    return list(dict.fromkeys(_format(p, spec.kind) for p in points))
+
+
+def grid_points(space: Sequence[ParamSpec]) -> list[Params]:
+    """Every point of the grid (the cartesian product of each field's axis), in a stable order."""
+    axes = [_axis(spec) for spec in space]
+    return [dict(zip((s.path for s in space), combo)) for combo in itertools.product(*axes)]
+
+
+def initial_params(cfg: TuningConfig) -> list[Params]:
+    """The trials a search starts with: all of them for random, grid, asha and pbt; the first round of a
+    bayesian search."""
+    if cfg.algorithm == "grid":
+        return grid_points(cfg.search_space)
+    if cfg.algorithm == "bayesian":
+        return suggest(cfg, finished=[], count=bayesian_round_sizes(cfg)[0], round_index=0)
+    rng = random.Random(cfg.seed)
+    return [sample(cfg.search_space, rng) for _ in range(cfg.num_trials)]
+
+
+def bayesian_round_sizes(cfg: TuningConfig) -> list[int]:
+    rounds = min(cfg.bayesian.num_rounds, cfg.num_trials)
+    return [cfg.num_trials // rounds + (1 if i < cfg.num_trials % rounds else 0) for i in range(rounds)]
+
+
+def _distributions(space: Sequence[ParamSpec]) -> dict[str, Any]:
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    out: dict[str, Any] = {}
+    for spec in space:
+        if spec.kind == "choice":
+            out[spec.path] = CategoricalDistribution(list(spec.choices))
+        elif spec.kind == "int":
+            out[spec.path] = IntDistribution(int(spec.low), int(spec.high))
+        else:
+            out[spec.path] = FloatDistribution(spec.low, spec.high, log=spec.kind == "log_uniform")
+    return out
+
+
+def suggest(cfg: TuningConfig, *, finished: Sequence[tuple[Params, float]], count: int, round_index: int) -> list[Params]:
+    """``count`` new points from Optuna's TPE, told every finished ``(params, metric)`` first.
+
+    The study is rebuilt from ``finished`` on each call, so rounds that run in different processes (Flyte
+    tasks) need no shared study storage; the seed and round index make the suggestions reproducible.
+    """
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    distributions = _distributions(cfg.search_space)
+    sampler = optuna.samplers.TPESampler(
+        seed=cfg.seed * 1000 + round_index, n_startup_trials=bayesian_round_sizes(cfg)[0], constant_liar=True,
+    )
+    study = optuna.create_study(direction="maximize" if cfg.mode == "max" else "minimize", sampler=sampler)
+    for params, value in finished:
+        typed = {path: _optuna_value(spec, params[path]) for path, spec in zip(distributions, cfg.search_space)}
+        study.add_trial(optuna.trial.create_trial(params=typed, distributions=distributions, value=value))
+    suggestions = []
+    for _ in range(count):
+        trial = study.ask(distributions)
+        suggestions.append({spec.path: (str(trial.params[spec.path]) if spec.kind == "choice" else _format(trial.params[spec.path], spec.kind)) for spec in cfg.search_space})
+    return suggestions
+
+
+def _optuna_value(spec: ParamSpec, text: str) -> Any:
+    if spec.kind == "choice":
+        return text
+    return int(text) if spec.kind == "int" else float(text)
+
+
+def asha_rungs(max_epochs: int, *, min_epochs: int, eta: int) -> list[int]:
+    """Epoch budgets of the rungs: ``min_epochs * eta**k`` below ``max_epochs``, then ``max_epochs``."""
+    rungs = []
+    budget = min_epochs
+    while budget < max_epochs:
+        rungs.append(budget)
+        budget *= eta
+    return rungs + [max_epochs]
+
+
+def num_rounds(cfg: TuningConfig) -> int:
+    """How many rounds (Flyte: dynamic-workflow levels) the search takes."""
+    if cfg.algorithm == "asha":
+        return len(asha_rungs(cfg.base.loop.epochs, min_epochs=cfg.asha.min_epochs, eta=cfg.asha.eta))
+    if cfg.algorithm == "pbt":
+        return math.ceil(cfg.base.loop.epochs / cfg.pbt.interval_epochs)
+    if cfg.algorithm == "bayesian":
+        return len(bayesian_round_sizes(cfg))
+    return 1
+
+
+def round_stop_epoch(cfg: TuningConfig, round_index: int) -> int:
+    """Epoch the trials of ``round_index`` train to."""
+    if cfg.algorithm == "asha":
+        return asha_rungs(cfg.base.loop.epochs, min_epochs=cfg.asha.min_epochs, eta=cfg.asha.eta)[round_index]
+    if cfg.algorithm == "pbt":
+        return min(cfg.base.loop.epochs, (round_index + 1) * cfg.pbt.interval_epochs)
+    return cfg.base.loop.epochs
+
+
+def rank(scores: Sequence[float], mode: str) -> list[int]:
+    """Indices from best to worst (ties: lower index first)."""
+    sign = -1.0 if mode == "max" else 1.0
+    return sorted(range(len(scores)), key=lambda i: (sign * scores[i], i))
+
+
+def successive_halving_keep(scores: Sequence[float], *, eta: int, mode: str) -> list[int]:
+    """Indices of the top ``1/eta`` of ``scores`` (at least one), best first."""
+    return rank(scores, mode)[: max(1, len(scores) // eta)]
+
+
+def pbt_exploit(scores: Sequence[float], *, quantile: float, mode: str, rng: random.Random) -> dict[int, int]:
+    """``{bottom trial: top trial it copies}``: each trial of the bottom quantile copies a random one of
+    the top quantile (both groups hold ``max(1, floor(quantile * n))`` trials)."""
+    order = rank(scores, mode)
+    group = max(1, int(quantile * len(scores)))
+    top, bottom = order[:group], order[-group:]
+    return {loser: rng.choice(top) for loser in bottom if loser not in top}
+
+
+def perturb(params: Params, space: Sequence[ParamSpec], *, factors: Sequence[float], resample_probability: float, rng: random.Random) -> Params:
+    """PBT's explore step: numeric params are resampled (with ``resample_probability``) or multiplied by
+    a random factor and clipped to their range; ``choice`` params are kept, since the copied optimizer
+    state and data position belong to them."""
+    out = dict(params)
+    for spec in space:
+        if not spec.numeric:
+            continue
+        if rng.random() < resample_probability:
+            out[spec.path] = sample([spec], rng)[spec.path]
+            continue
+        value = min(spec.high, max(spec.low, float(params[spec.path]) * rng.choice(list(factors))))
+        out[spec.path] = _format(value, spec.kind)
+    return out
