@@ -1,0 +1,196 @@
+"""The training loop launched with plain ``torch.distributed``, without Ray: the scaling benchmark's baseline.
+
+:func:`launch` starts ``cfg.scaling.num_workers`` processes on this machine (``torch.multiprocessing``
+spawn), joins them into one process group over 127.0.0.1, and runs :func:`training_core.loop.run_worker`
+in each with a :class:`TorchDistributedRuntime`. Config, data and loop are exactly what
+:func:`training_core.trainer.fit` runs under Ray Train, so the two differ only in who starts the processes
+and sets up the process group; the result has the same shape (:class:`~training_core.trainer.FitResult`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Iterator
+
+from training_core import checkpoint as ckpt
+from training_core.config import TrainingConfig
+from training_core.trainer import FitResult, checkpoint_root
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+log = logging.getLogger("training_core")
+
+RECORDS_FILE = "epoch_records.jsonl"
+
+
+@dataclass
+class TorchDistributedRuntime:
+    """One rank of a process group started by :func:`launch` (what ``RayTrainRuntime`` is under Ray Train)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    """Rank on this machine; picks the GPU (``cuda:<local_rank>``)."""
+    device: "torch.device"
+    records_path: str
+    """File rank 0 appends each reported epoch record to, one JSON object a line."""
+
+    @classmethod
+    def connect(
+        cls, *, rank: int, world_size: int, local_rank: int, backend: str, init_method: str, timeout_s: int,
+        use_gpu: bool, records_path: str,
+    ) -> "TorchDistributedRuntime":
+        """Join the process group (every rank must call this) and pick this rank's device."""
+        import torch
+        import torch.distributed as dist
+
+        if use_gpu:
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        # Also for one worker, as Ray Train does: the loop's metric all-reduces then run the same code path.
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        return cls(rank=rank, world_size=world_size, local_rank=local_rank, device=device, records_path=records_path)
+
+    def prepare_model(self, model: "nn.Module") -> "nn.Module":
+        """Move to the device; wrap in DDP with its defaults when there is more than one rank, as Ray's
+        ``prepare_model`` does, so both launchers train the same way."""
+        model = model.to(self.device)
+        if self.world_size == 1:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self.device] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, output_device=device_ids[0] if device_ids else None)
+
+    def report(self, metrics: dict[str, float]) -> None:
+        if self.rank == 0:
+            with open(self.records_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(metrics) + "\n")
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass
+class _Spec:
+    """What every spawned process needs besides its index (picklable)."""
+
+    loop_config: dict[str, Any]
+    world_size: int
+    backend: str
+    init_method: str
+    timeout_s: int
+    use_gpu: bool
+    records_path: str
+
+
+def _worker_main(local_rank: int, spec: _Spec) -> None:
+    """Entry point of each spawned process: one machine, so the global rank is the local rank."""
+    from training_core.loop import run_worker
+
+    # The same variables torchrun and Ray Train set, for code that reads them.
+    os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec.world_size)})
+    logging.basicConfig(level=logging.INFO, format=f"[rank {local_rank}] %(levelname)s %(name)s: %(message)s")
+    runtime = TorchDistributedRuntime.connect(
+        rank=local_rank, world_size=spec.world_size, local_rank=local_rank, backend=spec.backend,
+        init_method=spec.init_method, timeout_s=spec.timeout_s, use_gpu=spec.use_gpu, records_path=spec.records_path,
+    )
+    try:
+        run_worker(spec.loop_config, runtime)
+    finally:
+        runtime.close()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (rank 0's store binds it moments later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _loopback_interface() -> str:
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    return names[0] if names else "lo"
+
+
+@contextlib.contextmanager
+def _child_environment(cfg: TrainingConfig) -> Iterator[None]:
+    """Environment the spawned processes inherit, restored afterwards.
+
+    Every rank is on this machine, so gloo is pinned to the loopback interface unless ``GLOO_SOCKET_IFNAME``
+    is already set (then it is respected). OpenMP gets the loop's thread count before the children import
+    torch, as Ray does for its workers, unless ``OMP_NUM_THREADS`` is set.
+    """
+    wanted = {"GLOO_SOCKET_IFNAME": _loopback_interface(), "OMP_NUM_THREADS": str(cfg.scaling.torch_threads_per_worker)}
+    added = [name for name in wanted if name not in os.environ]
+    os.environ.update({name: wanted[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+def launch(
+    cfg: TrainingConfig,
+    *,
+    data_dir: str,
+    checkpoint_dir: str,
+    run_name: str,
+    storage_path: str,
+    warmup_steps_excluded: int | None = None,
+) -> FitResult:
+    """Train ``cfg`` on ``cfg.scaling.num_workers`` local processes with plain ``torch.distributed``.
+
+    Arguments mean what they mean for :func:`training_core.trainer.fit` (no MLflow run: the baseline only
+    measures). Checkpoints go to the same :func:`~training_core.trainer.checkpoint_root`, and the final one
+    is copied to local ``checkpoint_dir``. ``metrics`` of the result is the last epoch record rank 0 reported.
+    Raises ``torch.multiprocessing.ProcessRaisedException`` (with the failing rank's traceback) if a rank fails.
+    """
+    import torch.multiprocessing as mp
+
+    if cfg.scaling.use_gpu:
+        import torch
+
+        if torch.cuda.device_count() < cfg.scaling.num_workers:
+            raise ValueError(
+                f"scaling.num_workers={cfg.scaling.num_workers} is invalid for the local launcher: this machine has "
+                f"{torch.cuda.device_count()} GPU(s) and each worker needs one; lower scaling.num_workers"
+            )
+    root = checkpoint_root(storage_path, run_name)
+    loop_config: dict[str, Any] = {"config": cfg.to_dict(), "data_dir": data_dir, "checkpoint_root": root}
+    if warmup_steps_excluded is not None:
+        loop_config["warmup_steps_excluded"] = warmup_steps_excluded
+    with tempfile.TemporaryDirectory(prefix="launch-") as scratch:
+        spec = _Spec(
+            loop_config=loop_config, world_size=cfg.scaling.num_workers, backend=cfg.scaling.resolved_backend(),
+            init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=cfg.scaling.collective_timeout_s,
+            use_gpu=cfg.scaling.use_gpu, records_path=os.path.join(scratch, RECORDS_FILE),
+        )
+        with _child_environment(cfg):
+            mp.spawn(_worker_main, args=(spec,), nprocs=cfg.scaling.num_workers, join=True)
+        with open(spec.records_path, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options(root))
+    final = ckpt.load_latest_valid(storage)
+    if final is None:
+        raise RuntimeError(f"plain torch.distributed run {run_name!r} left no valid checkpoint under {root}; see the rank logs above")
+    if os.path.exists(checkpoint_dir):
+        shutil.rmtree(checkpoint_dir)
+    storage.fs.get(f"{storage.path}/{final.name}/", checkpoint_dir.rstrip("/") + "/", recursive=True)
+    return FitResult(checkpoint_dir=checkpoint_dir, checkpoint_uri=final.uri, metrics=records[-1], meta=final.meta)
