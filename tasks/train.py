@@ -104,6 +104,12 @@ def run_training(config: TrainingConfig, data: PreparedData, resume_from: Option
             raise FlyteRecoverableException(f"training hit an infrastructure failure ({verdict.reason}); retrying") from exc
         raise
     tracking.finish_run(tracking_uri, run_id)
+    return trained_model(config, result, tracking_uri=tracking_uri, run_id=run_id)
+
+
+def trained_model(config: TrainingConfig, result, *, tracking_uri: str, run_id: str) -> TrainedModel:
+    """The typed output of a finished run (a ``FitResult``), with its training report as a Deck."""
+    from tasks import reports
 
     meta, last = result.meta, result.meta.history[-1]
     metrics = TrainMetrics(

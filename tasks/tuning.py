@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import random
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
@@ -21,7 +22,7 @@ from flytekit.types.file import FlyteFile
 
 from tasks.artifacts import publish_report
 from tasks.ray_config import ray_job_config
-from tasks.train import TRAIN_TIMEOUT, run_training
+from tasks.train import TRAIN_TIMEOUT, run_training, trained_model
 from tasks.types import PreparedData, TrainedModel
 from training_core import tuning
 from training_core.config import TrainingConfig
@@ -238,6 +239,59 @@ def best_trial(config: TuningConfig, trials: list[Trial]) -> Trial:
 def finish_search(config: TuningConfig, state: SearchState) -> TuningOutputs:
     """Pick the best trial, close the MLflow parent run with its figures, and render the trial table and
     the metric-vs-epochs plot as a Deck."""
+    return _finish(config, state)
+
+
+@task(
+    task_config=ray_job_config(tuning.ray_tune_scaling(TuningConfig())),
+    retries=1,
+    timeout=TRAIN_TIMEOUT,
+    requests=Resources(cpu="1", mem="2Gi"),
+    limits=Resources(cpu="2", mem="4Gi"),
+    enable_deck=True,
+)
+def tune_with_ray(config: TuningConfig, data: PreparedData, state: SearchState) -> TuningOutputs:
+    """The ``ray_tune`` strategy: Ray Tune's ``Tuner`` (ASHA, PBT, OptunaSearch or random) runs every trial
+    on this task's RayCluster; the result has the same shape as the Flyte strategy's.
+
+    The RayJob is sized per search by the workflow: ``max_concurrency`` trials of ``base.scaling`` workers.
+    """
+    from flytekit import FlyteContextManager, current_context
+
+    from training_core import checkpoint as ckpt
+    from training_core.ray_tune_search import run_search
+    from training_core.trainer import FitResult
+
+    data_dir = data.directory.remote_source or data.directory.path
+    raw_output_prefix = FlyteContextManager.current_context().file_access.raw_output_prefix
+    storage_path = config.base.checkpoint.storage_path or f"{raw_output_prefix.rstrip('/')}/checkpoints"
+    # Tune runs each trial driver in its own working directory: a relative sqlite URI must be made absolute.
+    config = dataclasses.replace(config, base=dataclasses.replace(
+        config.base, tracking=dataclasses.replace(config.base.tracking, tracking_uri=state.tracking_uri)))
+    outcomes = run_search(
+        config, data_dir=data_dir, storage_path=storage_path, run_name=f"tune-{current_context().execution_id.name}",
+        parent_run_id=state.parent_run_id,
+    )
+    trials = [
+        Trial(
+            trial_id=o.trial_id, params=o.params, status=o.status, epochs_trained=o.epochs_trained,
+            epochs_used=o.epochs_used, scores=o.scores, score_epochs=o.score_epochs, mlflow_run_id=o.mlflow_run_id,
+        )
+        for o in outcomes
+    ]
+    best = best_trial(config, trials)
+    uri = next(o.checkpoint_uri for o in outcomes if o.trial_id == best.trial_id)
+    local = os.path.join(current_context().working_directory, "best_checkpoint")
+    parent, name = uri.rstrip("/").rsplit("/", 1)
+    ckpt.CheckpointStorage(parent).fs.get(uri.rstrip("/") + "/", local + "/", recursive=True)
+    meta = ckpt.load_meta(local)
+    result = FitResult(checkpoint_dir=local, checkpoint_uri=uri, metrics=dict(meta.history[-1]), meta=meta)
+    best.model = trained_model(tuning.apply_params(config.base, best.params), result, tracking_uri=state.tracking_uri, run_id=best.mlflow_run_id)
+    best.checkpoint = best.model.checkpoint
+    return _finish(config, dataclasses.replace(state, trials=trials))
+
+
+def _finish(config: TuningConfig, state: SearchState) -> TuningOutputs:
     from tasks import reports
     from training_core import tracking
 
@@ -281,8 +335,6 @@ def finish_search(config: TuningConfig, state: SearchState) -> TuningOutputs:
 
 
 def _working_path(name: str) -> str:
-    import os
-
     from flytekit import current_context
 
     return os.path.join(current_context().working_directory, name)

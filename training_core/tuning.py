@@ -237,6 +237,8 @@ class TuningConfig:
             _fail("asha.min_epochs", self.asha.min_epochs, f"it must be <= base.loop.epochs={self.base.loop.epochs}")
         if self.algorithm in ("asha", "pbt") and self.base.loop.max_steps:
             _fail("base.loop.max_steps", self.base.loop.max_steps, f"{self.algorithm} budgets trials in epochs; set it to 0")
+        if self.strategy == "ray_tune" and self.algorithm == "pbt" and len(set(self.pbt.perturbation_factors)) != 2:
+            _fail("pbt.perturbation_factors", self.pbt.perturbation_factors, "Ray Tune's PBT takes exactly two factors, e.g. [0.8, 1.25]")
         if self.algorithm == "pbt" and self.num_trials < 2:
             _fail("num_trials", self.num_trials, "pbt needs a population of at least 2")
 
@@ -412,6 +414,11 @@ def _optuna_value(spec: ParamSpec, text: str) -> Any:
     if spec.kind == "choice":
         return text
     return int(text) if spec.kind == "int" else float(text)
+
+
+def ray_tune_scaling(cfg: TuningConfig) -> ScalingConfig:
+    """The ``ray_tune`` strategy's RayCluster: room for ``max_concurrency`` trials of ``base.scaling`` each."""
+    return dataclasses.replace(cfg.base.scaling, num_workers=cfg.max_concurrency * cfg.base.scaling.num_workers)
 
 
 def asha_rungs(max_epochs: int, *, min_epochs: int, eta: int) -> list[int]:

@@ -16,7 +16,7 @@ from tasks.data import prepare_data
 from tasks.evaluate import evaluate
 from tasks.ray_config import ray_job_config
 from tasks.register import register_model
-from tasks.tuning import SearchState, TuningResult, finish_search, plan_round, record_round, start_search, train_trial
+from tasks.tuning import SearchState, TuningResult, finish_search, plan_round, record_round, start_search, train_trial, tune_with_ray
 from tasks.types import PreparedData, Registration
 from training_core import tuning
 from training_core.tuning import TuningConfig
@@ -29,8 +29,6 @@ def search_round(config: TuningConfig, data: PreparedData, state: SearchState) -
     """Train this round's trials, at most ``config.max_concurrency`` at a time, then record them and go on
     to the next round (or finish)."""
     if config.strategy == "ray_tune":
-        from tasks.tuning import tune_with_ray
-
         return tune_with_ray(config=config, data=data, state=state).with_overrides(
             task_config=ray_job_config(tuning.ray_tune_scaling(config))
         )

@@ -1,0 +1,188 @@
+"""The tuning pipeline: its dynamic graph, ASHA against full trials through ``pyflyte run``, caching, and
+the Ray Tune strategy."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tests.conftest import REPO_ROOT, VENV_BIN
+from training_core.tuning import TuningConfig
+
+WORKFLOW = str(REPO_ROOT / "workflows" / "tuning.py")
+
+# 8 trials of a small CNN on digits, one worker each; ASHA rungs of 1, 2 and 4 epochs, keeping half.
+SEARCH = {
+    "num_trials": 8, "max_concurrency": 2, "seed": 3,
+    "base": {"loop": {"epochs": 4}, "data": {"num_shards": 2}},
+    "asha": {"min_epochs": 1, "eta": 2},
+}
+
+
+def _config(**overrides) -> str:
+    # pyflyte fills fields missing from a JSON dataclass with the dataclass defaults, not the tuning
+    # defaults: always pass the whole tree.
+    return json.dumps(TuningConfig.from_dict({**SEARCH, **overrides}).to_dict())
+
+
+def _run(config_json: str, *, cwd: Path, env: dict[str, str]) -> str:
+    result = subprocess.run(
+        [str(VENV_BIN / "pyflyte"), "run", WORKFLOW, "tuning_pipeline", "--config", config_json],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=1500,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    return output
+
+
+def _table(output: str) -> pd.DataFrame:
+    """The trial table CSV the run's TuningResult points at (rich wraps long paths: squash whitespace)."""
+    squashed = re.sub(r"[\s│]+", "", output)
+    return pd.read_csv(re.search(r"table=(/[^,)]+?trials\.csv)", squashed).group(1))
+
+
+def _children(tracking_uri: str, parent_run_id: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    experiment = client.get_experiment_by_name("tuning")
+    return client.search_runs([experiment.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
+
+
+@pytest.mark.slow
+def test_asha_uses_half_the_epochs_of_full_trials_finds_their_best_and_reuses_cached_trials(ray_address, tmp_path):
+    env = dict(os.environ, HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1", RAY_ADDRESS=ray_address, COLUMNS="400")
+    (tmp_path / "home").mkdir()
+    started = time.monotonic()
+    asha_output = _run(_config(algorithm="asha"), cwd=tmp_path, env=env)
+    asha_s = time.monotonic() - started
+    full_output = _run(_config(algorithm="random"), cwd=tmp_path, env=env)
+    asha, full = _table(asha_output), _table(full_output)
+
+    # The same seed draws the same 8 trials for both algorithms.
+    params = ["optimizer.lr", "loop.batch_size", "optimizer.name", "optimizer.weight_decay", "schedule.warmup_steps"]
+    assert len(asha) == len(full) == 8
+    pd.testing.assert_frame_equal(asha[params], full[params])
+    # Rungs 1, 2, 4: 8 trials train 1 epoch, the best 4 go on to 2, the best 2 to 4; nothing is retrained.
+    assert sorted(asha["epochs_trained"].tolist()) == [1, 1, 1, 1, 2, 2, 4, 4]
+    assert asha["epochs_used"].sum() == 8 * 1 + 4 * 1 + 2 * 2 == 16
+    assert full["epochs_used"].sum() == 8 * 4
+    assert asha["epochs_used"].sum() / full["epochs_used"].sum() <= 0.5
+    assert set(asha["status"]) == {"stopped", "done"} and set(full["status"]) == {"done"}
+    # A slice resumes its trial exactly, so a trial ASHA trains to 4 epochs scores what its full run did.
+    finished = asha[asha["epochs_trained"] == 4].set_index("trial")
+    for trial, row in finished.iterrows():
+        assert row["final_val_accuracy"] == pytest.approx(full.set_index("trial").loc[trial, "final_val_accuracy"], abs=1e-12)
+    assert finished["final_val_accuracy"].max() >= full["final_val_accuracy"].max() - 0.01
+
+    # MLflow: one parent run per search, one child run per trial (continued by its later rungs).
+    from mlflow.tracking import MlflowClient
+
+    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=tracking_uri)
+    parents = [r for r in client.search_runs([client.get_experiment_by_name("tuning").experiment_id]) if "search.key" in r.data.tags]
+    assert len(parents) == 2
+    asha_parent = next(r for r in parents if r.data.params["algorithm"] == "asha")
+    children = _children(tracking_uri, asha_parent.info.run_id)
+    assert sorted(c.info.run_id for c in children) == sorted(asha["mlflow_run_id"])
+    by_run = {c.info.run_id: c for c in children}
+    for _, row in asha.iterrows():
+        history = client.get_metric_history(row["mlflow_run_id"], "val_accuracy")
+        assert len(history) == row["epochs_trained"], "each epoch of each rung lands in the trial's one run"
+        assert by_run[row["mlflow_run_id"]].data.params["optimizer.name"] == row["optimizer.name"]
+    assert asha_parent.data.metrics["epochs_used"] == 16
+    # The best trial went through evaluate and register_model.
+    assert re.search(r"registered model : digits-classifier version \d", asha_output)
+
+    # The same search again: every trial slice comes from the cache, in the same MLflow parent run.
+    started = time.monotonic()
+    again_output = _run(_config(algorithm="asha"), cwd=tmp_path, env=env)
+    again_s = time.monotonic() - started
+    again = _table(again_output)
+    pd.testing.assert_frame_equal(again, asha)
+    assert len(_children(tracking_uri, asha_parent.info.run_id)) == 8, "a cached trial starts no new run"
+    assert again_s < asha_s / 2, (again_s, asha_s)
+
+
+def test_dynamic_round_is_one_node_per_trial_in_lanes_of_max_concurrency_with_its_own_rayjob(tmp_path):
+    """Compile one round of the search the way Flyte does on a cluster and inspect the nodes it yields."""
+    from flytekit import FlyteContextManager
+    from flytekit.configuration import ImageConfig, SerializationSettings
+    from flytekit.core.context_manager import ExecutionState
+    from flytekit.core.type_engine import TypeEngine
+    from flytekit.types.directory import FlyteDirectory
+    from flyteidl.plugins import ray_pb2
+    from google.protobuf.json_format import ParseDict
+
+    from tasks.tuning import SearchState, Trial
+    from tasks.types import PreparedData
+    from workflows.tuning import search_round
+
+    config = TuningConfig.from_dict({**SEARCH, "num_trials": 5, "max_concurrency": 2, "base": {
+        **SEARCH["base"], "scaling": {"num_workers": 2}}})
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    data = PreparedData(directory=FlyteDirectory(str(data_dir)), dataset="digits", num_classes=10, input_shape=[1, 8, 8], split_counts={"train": 1})
+    state = SearchState(round_index=0, trials=[Trial(trial_id=i, params=p) for i, p in enumerate(
+        __import__("training_core.tuning", fromlist=["initial_params"]).initial_params(config))], tracking_uri="sqlite:///x.db", parent_run_id="parent")
+
+    ctx = FlyteContextManager.current_context()
+    settings = SerializationSettings(project="p", domain="d", version="v1", image_config=ImageConfig.auto_default_image())
+    with FlyteContextManager.with_context(ctx.with_serialization_settings(settings)) as ctx:
+        with FlyteContextManager.with_context(ctx.with_execution_state(ctx.new_execution_state().with_params(mode=ExecutionState.Mode.TASK_EXECUTION))) as ctx:
+            inputs = TypeEngine.dict_to_literal_map(ctx, {"config": config, "data": data, "state": state}, search_round.python_interface.inputs)
+            spec = search_round.dispatch_execute(ctx, inputs)
+
+    trial_nodes = [n for n in spec.nodes if n.metadata.name.startswith("round-0-trial-")]
+    assert [n.metadata.name for n in trial_nodes] == [f"round-0-trial-{i}" for i in range(5)]
+    ids = [n.id for n in trial_nodes]
+    # Lanes: node i waits for node i - max_concurrency, so at most 2 train at once.
+    for index, node in enumerate(trial_nodes):
+        expected = {ids[index - 2]} if index >= 2 else set()
+        assert set(node.upstream_node_ids) & set(ids) == expected, node.metadata.name
+    # Each node's RayJob has the trial's worker count.
+    tasks = {t.id.name: t for t in spec.tasks}
+    for node in trial_nodes:
+        task = tasks[node.task_node.reference_id.name]
+        assert task.type == "ray"
+        job = ParseDict(task.custom, ray_pb2.RayJob())
+        (group,) = job.ray_cluster.worker_group_spec
+        assert group.replicas == 2 and group.group_name == "train-workers"
+    # The round is recorded after all its trials, then the next round (a nested dynamic) follows.
+    record = next(n for n in spec.nodes if "record_round" in n.task_node.reference_id.name)
+    assert set(ids) <= set(record.upstream_node_ids)
+    assert any("search_round" in n.task_node.reference_id.name for n in spec.nodes)
+
+
+def test_ray_tune_strategy_runs_asha_on_one_cluster_with_mlflow_children(ray_session, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from training_core import tracking
+    from training_core.config import DataConfig
+    from training_core.data import prepare
+    from training_core.ray_tune_search import run_search
+
+    config = TuningConfig.from_dict({
+        **SEARCH, "strategy": "ray_tune", "num_trials": 3, "max_concurrency": 2,
+        "base": {**SEARCH["base"], "loop": {"epochs": 2}, "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment_name": "tuning"}},
+    })
+    prepare(DataConfig(num_shards=2), str(tmp_path / "data"))
+    tracking_uri, parent = tracking.create_run(config.base.tracking, run_name="parent")
+    outcomes = run_search(config, data_dir=str(tmp_path / "data"), storage_path=str(tmp_path / "runs"), run_name="tune", parent_run_id=parent)
+
+    assert len(outcomes) == 3 and not [o.error for o in outcomes if o.error]
+    for outcome in outcomes:
+        assert outcome.score_epochs == list(range(1, outcome.epochs_trained + 1)), "ASHA sees a score after every epoch"
+        assert outcome.epochs_used == outcome.epochs_trained and 0 <= outcome.scores[-1] <= 1
+        assert (Path(outcome.checkpoint_uri) / "meta.json").is_file()
+    assert any(o.status == "done" for o in outcomes)
+    children = MlflowClient(tracking_uri).search_runs(
+        [MlflowClient(tracking_uri).get_experiment_by_name("tuning").experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent}'")
+    assert sorted(c.info.run_id for c in children) == sorted(o.mlflow_run_id for o in outcomes)

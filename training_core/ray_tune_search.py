@@ -1,0 +1,198 @@
+"""The ``ray_tune`` strategy: one Ray Tune ``Tuner`` on one RayCluster runs the whole search.
+
+Each Tune trial is a driver function that trains its config with :func:`training_core.trainer.fit` (Ray
+Train, DDP) in slices, reporting the metric after each slice together with a small Tune checkpoint that
+points at the training checkpoint. That is all ASHA (stop after any slice), PBT (restore a trial from
+another's pointer, with perturbed hyperparameters) and OptunaSearch need, and it reuses the same exact
+slice-resume as the Flyte strategy. Slices are one epoch for ASHA, ``pbt.interval_epochs`` for PBT, and
+the whole budget otherwise; each slice costs one Ray Train start (seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from training_core.config import TrainingConfig
+from training_core.tuning import ParamSpec, TuningConfig, apply_params
+
+POINTER_FILE = "pointer.json"
+
+
+@dataclass
+class TrialOutcome:
+    """One Tune trial, in the shape the Flyte strategy records."""
+
+    trial_id: int
+    params: dict[str, str]
+    scores: list[float]
+    score_epochs: list[int]
+    epochs_trained: int
+    epochs_used: int
+    checkpoint_uri: str
+    """The trial's last training checkpoint (a ``step-...`` directory)."""
+    mlflow_run_id: str
+    status: str
+    """``done`` (trained to the full budget) or ``stopped`` (stopped early by the scheduler)."""
+    error: str = ""
+    lineage: list[int] = field(default_factory=list)
+
+
+def _key(path: str) -> str:
+    # Tune flattens nested config keys with "/"; dotted paths become flat keys without separators.
+    return path.replace(".", "__")
+
+
+def tune_space(space: list[ParamSpec]) -> dict[str, Any]:
+    from ray import tune
+
+    out: dict[str, Any] = {}
+    for spec in space:
+        if spec.kind == "choice":
+            out[_key(spec.path)] = tune.choice(list(spec.choices))
+        elif spec.kind == "log_uniform":
+            out[_key(spec.path)] = tune.loguniform(spec.low, spec.high)
+        elif spec.kind == "uniform":
+            out[_key(spec.path)] = tune.uniform(spec.low, spec.high)
+        else:
+            out[_key(spec.path)] = tune.randint(int(spec.low), int(spec.high) + 1)
+    return out
+
+
+def _params(space: list[ParamSpec], tune_config: dict[str, Any]) -> dict[str, str]:
+    from training_core.tuning import _format
+
+    return {
+        spec.path: str(tune_config[_key(spec.path)]) if spec.kind == "choice" else _format(float(tune_config[_key(spec.path)]), spec.kind)
+        for spec in space
+    }
+
+
+def slice_epochs(cfg: TuningConfig) -> int:
+    if cfg.algorithm == "asha":
+        return 1
+    if cfg.algorithm == "pbt":
+        return cfg.pbt.interval_epochs
+    return cfg.base.loop.epochs
+
+
+def _trial_driver(tune_config: dict[str, Any]) -> None:
+    """A Tune trial: train in slices, report the metric and a pointer checkpoint after each."""
+    from ray import tune
+
+    from training_core import tracking
+    from training_core.trainer import MlflowRun, fit
+
+    cfg = TuningConfig.from_dict(tune_config["tuning"])
+    params = _params(cfg.search_space, tune_config)
+    trial_cfg: TrainingConfig = apply_params(cfg.base, params)
+    trial_id = tune.get_context().get_trial_id()
+    resume_from, epoch, run_id = None, 0, ""
+    restored = tune.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as directory, open(os.path.join(directory, POINTER_FILE), encoding="utf-8") as f:
+            pointer = json.load(f)
+        resume_from, epoch = pointer["uri"], pointer["epoch"]
+        # Tune restores a trial from its own checkpoint after a failure, or from another's (PBT exploit):
+        # only the former continues the trial's MLflow run; a copy with new hyperparameters gets a new one.
+        run_id = pointer["mlflow_run_id"] if pointer["tune_trial_id"] == trial_id else ""
+    log_params = not run_id
+    if run_id:
+        tracking_uri, run_id = tracking.resume_run(trial_cfg.tracking, run_id)
+    else:
+        tags = {"mlflow.parentRunId": tune_config["parent_run_id"], "tune.trial_id": trial_id}
+        tracking_uri, run_id = tracking.create_run(trial_cfg.tracking, run_name=f"tune-{trial_id}", tags=tags)
+    step = slice_epochs(cfg)
+    # Unique per driver start: a PBT copy may retrain epochs this trial already trained before the copy.
+    attempt = uuid.uuid4().hex[:8]
+    while epoch < trial_cfg.loop.epochs:
+        stop = min(trial_cfg.loop.epochs, epoch + step)
+        slice_cfg = TrainingConfig.from_dict({**trial_cfg.to_dict(), "loop": {**trial_cfg.to_dict()["loop"], "stop_at_epoch": stop}})
+        with tempfile.TemporaryDirectory() as local:
+            result = fit(
+                slice_cfg, data_dir=tune_config["data_dir"], checkpoint_dir=os.path.join(local, "final"),
+                run_name=f"{tune_config['run_name']}-{trial_id}-{attempt}-e{stop}", storage_path=tune_config["storage_path"],
+                mlflow_run=MlflowRun(tracking_uri=tracking_uri, run_id=run_id), resume_from=resume_from,
+                log_params=log_params,
+            )
+        log_params, resume_from, trained = False, result.checkpoint_uri, stop - epoch
+        epoch = stop
+        metrics = {
+            cfg.metric: float(result.metrics[cfg.metric]), "epoch": epoch, "slice_epochs": trained,
+            "checkpoint_uri": result.checkpoint_uri, "mlflow_run_id": run_id,
+        }
+        with tempfile.TemporaryDirectory() as directory:
+            with open(os.path.join(directory, POINTER_FILE), "w", encoding="utf-8") as f:
+                json.dump({"uri": result.checkpoint_uri, "epoch": epoch, "mlflow_run_id": run_id, "tune_trial_id": trial_id}, f)
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(directory))
+    tracking.finish_run(tracking_uri, run_id)
+
+
+def run_search(cfg: TuningConfig, *, data_dir: str, storage_path: str, run_name: str, parent_run_id: str) -> list[TrialOutcome]:
+    """Run the whole search with Ray Tune on the connected Ray cluster; one outcome per trial."""
+    import ray
+    from ray import tune
+
+    if not ray.is_initialized():
+        ray.init()
+    scheduler, search_alg = None, None
+    if cfg.algorithm == "asha":
+        from ray.tune.schedulers import ASHAScheduler
+
+        scheduler = ASHAScheduler(
+            time_attr="epoch", max_t=cfg.base.loop.epochs, grace_period=cfg.asha.min_epochs, reduction_factor=cfg.asha.eta,
+        )
+    elif cfg.algorithm == "pbt":
+        from ray.tune.schedulers import PopulationBasedTraining
+
+        numeric = [s for s in cfg.search_space if s.numeric]
+        factors = sorted(cfg.pbt.perturbation_factors)
+        scheduler = PopulationBasedTraining(
+            time_attr="epoch", perturbation_interval=cfg.pbt.interval_epochs,
+            hyperparam_mutations={_key(s.path): tune_space([s])[_key(s.path)] for s in numeric},
+            quantile_fraction=cfg.pbt.quantile, resample_probability=cfg.pbt.resample_probability,
+            perturbation_factors=(factors[-1], factors[0]),
+        )
+    if cfg.algorithm == "bayesian":
+        from ray.tune.search import ConcurrencyLimiter
+        from ray.tune.search.optuna import OptunaSearch
+
+        search_alg = ConcurrencyLimiter(OptunaSearch(seed=cfg.seed), max_concurrent=cfg.max_concurrency)
+    else:
+        from ray.tune.search import BasicVariantGenerator
+
+        search_alg = BasicVariantGenerator(random_state=cfg.seed, max_concurrent=cfg.max_concurrency)
+    param_space = {
+        **tune_space(cfg.search_space), "tuning": cfg.to_dict(), "data_dir": data_dir, "storage_path": storage_path,
+        "run_name": run_name, "parent_run_id": parent_run_id,
+    }
+    tuner = tune.Tuner(
+        # The driver only coordinates: its Ray Train workers hold the CPUs (and GPUs) of the trial.
+        tune.with_resources(_trial_driver, {"CPU": 0.001}),
+        param_space=param_space,
+        tune_config=tune.TuneConfig(
+            metric=cfg.metric, mode=cfg.mode, num_samples=cfg.num_trials, scheduler=scheduler, search_alg=search_alg,
+            max_concurrent_trials=cfg.max_concurrency,
+        ),
+        run_config=tune.RunConfig(name=run_name, storage_path=storage_path, failure_config=tune.FailureConfig(max_failures=1)),
+    )
+    grid = tuner.fit()
+    outcomes = []
+    for index, result in enumerate(grid):
+        frame = result.metrics_dataframe
+        rows = [] if frame is None or frame.empty else frame.to_dict("records")
+        last = rows[-1] if rows else {}
+        epochs_trained = int(last.get("epoch", 0))
+        outcomes.append(TrialOutcome(
+            trial_id=index, params=_params(cfg.search_space, result.config),
+            scores=[float(r[cfg.metric]) for r in rows], score_epochs=[int(r["epoch"]) for r in rows],
+            epochs_trained=epochs_trained, epochs_used=int(sum(r["slice_epochs"] for r in rows)),
+            checkpoint_uri=str(last.get("checkpoint_uri", "")), mlflow_run_id=str(last.get("mlflow_run_id", "")),
+            status="done" if epochs_trained >= cfg.base.loop.epochs else "stopped",
+            error=repr(result.error) if result.error else "",
+        ))
+    return outcomes
