@@ -13,6 +13,9 @@ IMAGE ?= localhost:30000/flyte-ray-training:latest
 # imports) is serialized. training_core defines no Flyte entities: it travels in the image.
 FLYTE_PKGS ?= workflows,tasks
 PACKAGE ?= dist/flyte-package.tgz
+# `none`: the image holds the code. `all`: the code travels in the tarball (fast registration), so code changes
+# need no image rebuild; the image still needs the dependencies.
+COPY ?= none
 
 .PHONY: run test venv benchmarks clean package
 
@@ -36,7 +39,7 @@ $(STAMP): pyproject.toml
 # or `flytectl register files --archive`.
 package: $(STAMP)
 	mkdir -p $(dir $(PACKAGE))
-	$(BIN)/pyflyte --pkgs $(FLYTE_PKGS) package --image $(IMAGE) --output $(PACKAGE) --force
+	$(BIN)/pyflyte --pkgs $(FLYTE_PKGS) package --image $(IMAGE) --output $(PACKAGE) --copy $(COPY) --force
 
 benchmarks: $(STAMP)
 	$(BIN)/python benchmarks/loop_overhead.py
