@@ -56,7 +56,6 @@ def torch_baseline(config: TrainingConfig, data: PreparedData) -> TrainMetrics:
     :return: Last-epoch figures: steady-state throughput, step-time p50/p95 and the all-reduce share.
     """
     from training_core.launch import launch
-    from training_core.scaling import WARMUP_STEPS_EXCLUDED
 
     workdir = current_context().working_directory
     result = launch(
@@ -65,7 +64,6 @@ def torch_baseline(config: TrainingConfig, data: PreparedData) -> TrainMetrics:
         checkpoint_dir=os.path.join(workdir, "final_checkpoint"),
         run_name="torch-baseline",
         storage_path=os.path.join(workdir, "runs"),
-        warmup_steps_excluded=WARMUP_STEPS_EXCLUDED,
     )
     meta, last = result.meta, result.metrics
     return TrainMetrics(

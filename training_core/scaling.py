@@ -27,9 +27,6 @@ if TYPE_CHECKING:
 LAUNCHERS = ("ray", "torch")
 DEFAULT_WORKER_COUNTS = (1, 2)
 
-# Steps left out of the steady-state figures: the first steps pay for lazy allocations and cold caches.
-WARMUP_STEPS_EXCLUDED = 5
-
 TABLE_COLUMNS = (
     "model", "num_workers",
     "ray_samples_per_s", "ray_efficiency", "ray_step_time_p50_s", "ray_step_time_p95_s", "ray_allreduce_fraction",
