@@ -63,3 +63,17 @@ def test_alert_recipients_come_from_the_environment_with_a_documented_default():
     for bad in ("", " , ", "oncall", "a@corp.com, b corp.com"):
         with pytest.raises(ValueError, match=rf"{ALERT_EMAILS_ENV}=.* is invalid: set it to comma-separated email addresses"):
             alert_recipients({ALERT_EMAILS_ENV: bad})
+
+
+
+def test_every_launch_plan_is_addressed_by_its_variable_name(tmp_path, subprocess_env):
+    # weekly_tuning and scaling_benchmark also run end to end this way (a one-trial search, one worker count),
+    # but take minutes each; their workflows' owners test them, and test_packaging checks their launch plans.
+    subprocess_env["COLUMNS"] = "400"
+    result = subprocess.run(
+        [str(VENV_BIN / "pyflyte"), "run", LAUNCH_PLANS, "--help"], cwd=tmp_path, env=subprocess_env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    listed = _squashed(result.stdout)
+    for name in ("nightly_training", "weekly_tuning", "scaling_benchmark"):
+        assert _squashed(f"{name} launch plan (workflows.launch_plans.{name}) (LP Name: {name})") in listed, name
