@@ -46,7 +46,7 @@ from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 from google.protobuf.message import Message
 
-from training_core.config import _merge as merge_mappings
+from training_core.config import merge as merge_mappings
 
 Report = Callable[[str], None]
 

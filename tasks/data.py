@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 from flytekit import Cache, Resources, current_context, task
 
@@ -17,6 +18,8 @@ PREPARE_DATA_CACHE_VERSION = "1"
 @task(
     cache=Cache(version=PREPARE_DATA_CACHE_VERSION),
     retries=2,
+    interruptible=True,  # idempotent and cached: a preempted attempt is simply redone
+    timeout=timedelta(hours=2),
     requests=Resources(cpu="1", mem="2Gi"),
     limits=Resources(cpu="2", mem="8Gi"),
 )

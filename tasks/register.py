@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from flytekit import Resources, task
 
 from tasks.types import Evaluation, Registration, TrainedModel
 from training_core.config import TrackingConfig
 
 
-@task(retries=3, requests=Resources(cpu="500m", mem="1Gi"), limits=Resources(cpu="1", mem="2Gi"))
+# Not interruptible: it writes to the Model Registry (a new version, maybe an alias move), and a preemption
+# between the two would leave a version registered twice on the retry.
+@task(
+    retries=3, interruptible=False, timeout=timedelta(minutes=30), requests=Resources(cpu="500m", mem="1Gi"),
+    limits=Resources(cpu="1", mem="2Gi"),
+)
 def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Evaluation) -> Registration:
     """Register the trained model as a new version; move the champion alias to it only if its test
     accuracy clears ``tracking.promotion_min_accuracy`` and beats the current champion.

@@ -488,11 +488,11 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     return overrides
 
 
-def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+def merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     merged = dict(base)
     for key, value in top.items():
         if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = _merge(dict(merged[key]), value)
+            merged[key] = merge(dict(merged[key]), value)
         else:
             merged[key] = value
     return merged
@@ -509,5 +509,5 @@ def load_config(path: str | os.PathLike[str] | None = None, *, environ: Mapping[
         if not isinstance(loaded, Mapping):
             raise ValueError(f"config file {os.fspath(path)!r} must hold a mapping of sections, got {type(loaded).__name__}")
         raw = dict(loaded)
-    raw = _merge(raw, env_overrides(os.environ if environ is None else environ))
+    raw = merge(raw, env_overrides(os.environ if environ is None else environ))
     return TrainingConfig.from_dict(raw)

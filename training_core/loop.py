@@ -554,7 +554,10 @@ def run_worker(loop_config: dict[str, Any], runtime: WorkerRuntime) -> None:
         partial = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0}
         done = global_step >= total_steps or epoch == end_epoch - 1
         if done:
-            model_uri = _log_model_to_mlflow(model, manifest, mlflow_info) if rank == 0 and mlflow_info else ""
+            # A slice that stops before the full budget (a tuning rung) logs no model: only a trial that
+            # finishes can be registered, and logging one costs seconds per slice.
+            full_budget = global_step >= total_steps or epoch == cfg.loop.epochs - 1
+            model_uri = _log_model_to_mlflow(model, manifest, mlflow_info) if rank == 0 and mlflow_info and full_budget else ""
             save_checkpoint(epoch=epoch + 1, step_in_epoch=0, metric=metric, mlflow_model_uri=model_uri)
         elif cfg.checkpoint.at_epoch_end or (interval and global_step % interval == 0):
             save_checkpoint(epoch=epoch + 1, step_in_epoch=0, metric=metric)

@@ -35,7 +35,7 @@ from training_core.config import (
     TrainingConfig,
     _build,
     _fail,
-    _merge,
+    merge,
     env_overrides,
 )
 
@@ -263,7 +263,7 @@ class TuningConfig:
         tuning = _build(cls, raw, prefix="")
         if base is not None:
             # A partial base overrides the tuning defaults (small trials), not the pipeline's.
-            tuning = dataclasses.replace(tuning, base=TrainingConfig.from_dict(_merge(tuning.base.to_dict(), base)))
+            tuning = dataclasses.replace(tuning, base=TrainingConfig.from_dict(merge(tuning.base.to_dict(), base)))
         return tuning
 
 
@@ -281,7 +281,7 @@ def load_tuning_config(path: str | None = None, *, environ: Mapping[str, str] | 
             raise ValueError(f"tuning config file {path!r} must hold a mapping, got {type(raw).__name__}")
     env = os.environ if environ is None else environ
     renamed = {"TRAINING_CORE__" + k[len(TUNING_ENV_PREFIX):]: v for k, v in env.items() if k.startswith(TUNING_ENV_PREFIX)}
-    return TuningConfig.from_dict(_merge(dict(raw), env_overrides(renamed)))
+    return TuningConfig.from_dict(merge(dict(raw), env_overrides(renamed)))
 
 
 def _field_type(path: str) -> type:

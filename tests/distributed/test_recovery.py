@@ -109,3 +109,30 @@ def test_training_in_slices_with_stop_at_epoch_equals_one_uninterrupted_run(ray_
     with pytest.raises(Exception, match="stop_at_epoch"):
         fit(first, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "s3"), run_name="slice-3",
             storage_path=str(tmp_path / "runs"), resume_from=slice_1.checkpoint_dir)
+
+
+def test_a_resumed_slice_follows_the_configs_new_learning_rate_and_weight_decay(ray_session, digits_dir, tmp_path):
+    """PBT continues a copied checkpoint with perturbed hyperparameters: the optimizer moments and the
+    schedule position come from the checkpoint, the peak LR and weight decay from the new config."""
+    from training_core.loop import lr_factor
+
+    base = TrainingConfig.from_dict({
+        "model": {"name": "small_cnn"}, "loop": {"epochs": 2, "batch_size": 64, "log_interval_steps": 1, "stop_at_epoch": 1},
+        "optimizer": {"lr": 0.002, "weight_decay": 0.01},
+    })
+    first = fit(base, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "s1"), run_name="pbt-1", storage_path=str(tmp_path / "runs"))
+    raw = base.to_dict()
+    raw["optimizer"].update(lr=0.005, weight_decay=0.05)
+    raw["loop"]["stop_at_epoch"] = 0
+    perturbed = TrainingConfig.from_dict(raw)
+    second = fit(perturbed, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "s2"), run_name="pbt-2",
+                 storage_path=str(tmp_path / "runs"), resume_from=first.checkpoint_dir)
+    total_steps = second.meta.global_step
+    resumed = [r for r in second.meta.step_log if r["step"] > first.meta.global_step]
+    assert resumed, "the second slice logged its steps"
+    for record in resumed:
+        step = int(record["step"]) - 1  # the LR a step used is set before the scheduler advances
+        assert record["lr"] == pytest.approx(0.005 * lr_factor(step, cfg=perturbed.schedule, total_steps=total_steps), rel=1e-9)
+    trainer_state = torch.load(Path(second.checkpoint_dir) / ckpt.TRAINER_STATE_FILE, weights_only=True)
+    assert {g["weight_decay"] for g in trainer_state["optimizer"]["param_groups"]} == {0.05}
+    assert trainer_state["scheduler"]["base_lrs"] == [0.005]

@@ -144,11 +144,6 @@ def test_train_and_trials_are_interruptible_with_a_timeout(package):
         assert metadata.timeout.ToTimedelta() == TRAIN_TIMEOUT, name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="prepare_data, evaluate and register_model set no timeout and no explicit interruptible yet (owner of "
-    "tasks/ to add them); when they do, this XPASSes: drop the marker",
-)
 def test_every_training_task_sets_a_timeout_and_an_explicit_interruptible_choice(package):
     missing = [
         name for name in TRAINING_TASKS

@@ -186,3 +186,63 @@ def test_ray_tune_strategy_runs_asha_on_one_cluster_with_mlflow_children(ray_ses
     children = MlflowClient(tracking_uri).search_runs(
         [MlflowClient(tracking_uri).get_experiment_by_name("tuning").experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent}'")
     assert sorted(c.info.run_id for c in children) == sorted(o.mlflow_run_id for o in outcomes)
+
+
+def _trained(tmp_path: Path, trial_id: int, epochs: int, accuracy: float):
+    """A real ``TrainedModel`` value (its files exist) with the given figures, as a trial node returns it."""
+    from flytekit.types.directory import FlyteDirectory
+    from flytekit.types.file import FlyteFile
+
+    from tasks.types import TrainedModel, TrainMetrics
+
+    checkpoint = tmp_path / f"ckpt-{trial_id}-{epochs}"
+    checkpoint.mkdir()
+    (checkpoint / "meta.json").write_text("{}")
+    report = tmp_path / f"report-{trial_id}-{epochs}.html"
+    report.write_text("<html></html>")
+    metrics = TrainMetrics(epochs=epochs, global_step=10 * epochs, train_loss=1.0, train_accuracy=accuracy,
+                           val_loss=1.0 - accuracy, val_accuracy=accuracy, samples_per_s=100.0)
+    return TrainedModel(checkpoint=FlyteDirectory(str(checkpoint)), model_name="small_cnn", metrics=metrics, tracking_uri="sqlite:///m.db",
+                        mlflow_run_id=f"run-{trial_id}", mlflow_model_uri="", report=FlyteFile(str(report)))
+
+
+def test_pbt_round_copies_the_top_trials_checkpoint_into_the_bottom_one_with_perturbed_params(tmp_path):
+    """``record_round`` (run as a Flyte task, in process) makes PBT's exploit/explore decision, and the next
+    round's plan resumes the copy from the winner's checkpoint in a new MLflow run."""
+    from tasks.tuning import SearchState, Trial, plan_round, record_round
+    from training_core import tuning
+
+    config = TuningConfig.from_dict({**SEARCH, "algorithm": "pbt", "num_trials": 4, "base": {**SEARCH["base"], "loop": {"epochs": 2}},
+                                     "pbt": {"interval_epochs": 1, "quantile": 0.25, "resample_probability": 0.0}})
+    trials = [Trial(trial_id=i, params=p) for i, p in enumerate(tuning.initial_params(config))]
+    state = SearchState(round_index=0, trials=trials, tracking_uri="sqlite:///m.db", parent_run_id="parent")
+    assert [s.config.loop.stop_at_epoch for s in plan_round(config, state)] == [1, 1, 1, 1]
+    accuracies = [0.5, 0.9, 0.2, 0.7]
+    state = record_round(config=config, state=state, trial_ids=[0, 1, 2, 3],
+                         models=[_trained(tmp_path, i, 1, a) for i, a in enumerate(accuracies)])
+    loser, winner = state.trials[2], state.trials[1]
+    assert loser.lineage == [1] and all(not t.lineage for t in state.trials if t.trial_id != 2)
+    assert loser.checkpoint.path == winner.checkpoint.path and loser.mlflow_run_id == ""
+    ratio = float(loser.params["optimizer.lr"]) / float(winner.params["optimizer.lr"])
+    assert ratio == pytest.approx(0.8, rel=1e-3) or ratio == pytest.approx(1.25, rel=1e-3)
+    assert {k: v for k, v in loser.params.items() if k in ("optimizer.name", "loop.batch_size")} == {
+        k: v for k, v in winner.params.items() if k in ("optimizer.name", "loop.batch_size")}
+    plan = {s.trial_id: s for s in plan_round(config, state)}
+    assert len(plan) == 4 and all(s.config.loop.stop_at_epoch == 0 for s in plan.values())  # round 2 ends at the budget
+    assert plan[2].resume_from.path == winner.checkpoint.path and plan[2].config.tracking.run_id == ""
+    assert plan[1].config.tracking.run_id == "run-1" and plan[1].config.tracking.parent_run_id == "parent"
+    assert plan[2].config.optimizer.lr == pytest.approx(float(loser.params["optimizer.lr"]))
+
+
+def test_bayesian_round_two_is_what_tpe_suggests_from_round_one(tmp_path):
+    from tasks.tuning import SearchState, Trial, plan_round, record_round
+    from training_core import tuning
+
+    config = TuningConfig.from_dict({**SEARCH, "algorithm": "bayesian", "num_trials": 5, "bayesian": {"num_rounds": 2}})
+    first = tuning.initial_params(config)
+    assert len(first) == 3  # 5 trials over 2 rounds: 3 then 2
+    state = SearchState(round_index=0, trials=[Trial(trial_id=i, params=p) for i, p in enumerate(first)], tracking_uri="sqlite:///m.db", parent_run_id="p")
+    state = record_round(config=config, state=state, trial_ids=[0, 1, 2], models=[_trained(tmp_path, i, 4, 0.3 * (i + 1)) for i in range(3)])
+    expected = tuning.suggest(config, finished=[(p, 0.3 * (i + 1)) for i, p in enumerate(first)], count=2, round_index=1)
+    assert [t.params for t in state.trials[3:]] == expected
+    assert [s.trial_id for s in plan_round(config, state)] == [3, 4], "only the new trials train in round 2"
