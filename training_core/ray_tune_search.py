@@ -67,7 +67,7 @@ def _params(space: list[ParamSpec], tune_config: dict[str, Any]) -> dict[str, st
     from training_core.tuning import _format
 
     return {
-        spec.path: str(tune_config[_key(spec.path)]) if spec.kind == "choice" else _format(float(tune_config[_key(spec.path)]), spec.kind)
+        spec.path: str(tune_config[_key(spec.path)]) if spec.kind == "choice" else _format(float(tune_config[_key(spec.path)]), spec)
         for spec in space
     }
 

@@ -34,6 +34,7 @@ from training_core.config import (
     TrackingConfig,
     TrainingConfig,
     _build,
+    _coerce,
     _fail,
     merge,
     env_overrides,
@@ -82,7 +83,7 @@ class ParamSpec:
             if not self.choices:
                 _fail(f"{where}.choices", self.choices, "a choice needs at least one value")
             for value in self.choices:
-                apply_params(TrainingConfig(), {self.path: value})  # each value must be valid for the field
+                _coerce(self.path, value, _field_type(self.path))  # each value must have the field's type
         else:
             if not self.low < self.high:
                 _fail(f"{where}.low", self.low, f"it must be below high={self.high}")
@@ -228,8 +229,19 @@ class TuningConfig:
         if not self.search_space:
             _fail("search_space", self.search_space, "name at least one field to search")
         paths = [p.path for p in self.search_space]
+        sized = [path for path in paths if path.startswith("scaling.")]
+        if sized:
+            # flytekit applies a node's task_config override to the shared task object, so every trial node of
+            # a round would get the RayJob shape of the last one: the cluster shape is one per search.
+            _fail("search_space.path", sized[0], "the RayJob shape is one per search: set base.scaling instead of searching it")
         if len(set(paths)) != len(paths):
             _fail("search_space", paths, "each path may appear once")
+        for spec in self.search_space:
+            # Every value a trial can take must make a valid config on this base, so a bad range fails here
+            # rather than in the middle of a search.
+            values = spec.choices if spec.kind == "choice" else [_format(spec.low, spec), _format(spec.high, spec)]
+            for value in values:
+                apply_params(self.base, {spec.path: value})
         if self.algorithm == "grid" and len(grid_points(self.search_space)) > self.num_trials:
             size = len(grid_points(self.search_space))
             _fail("num_trials", self.num_trials, f"the grid has {size} points: raise num_trials to {size} or use fewer grid_points/choices")
@@ -259,12 +271,12 @@ class TuningConfig:
                 {**spec, "choices": [str(c) for c in spec.get("choices", [])]} if isinstance(spec, Mapping) else spec
                 for spec in raw["search_space"]
             ]
-        base = raw.pop("base", None)
-        tuning = _build(cls, raw, prefix="")
-        if base is not None:
+        if "base" in raw:
             # A partial base overrides the tuning defaults (small trials), not the pipeline's.
-            tuning = dataclasses.replace(tuning, base=TrainingConfig.from_dict(merge(tuning.base.to_dict(), base)))
-        return tuning
+            if not isinstance(raw["base"], Mapping):
+                _fail("base", raw["base"], "expected a mapping of TrainingConfig sections")
+            raw["base"] = merge(default_base().to_dict(), raw["base"])
+        return _build(cls, raw, prefix="")
 
 
 def load_tuning_config(path: str | None = None, *, environ: Mapping[str, str] | None = None) -> TuningConfig:
@@ -313,8 +325,13 @@ def apply_params(base: TrainingConfig, params: Mapping[str, str]) -> TrainingCon
     return TrainingConfig.from_dict(tree)
 
 
-def _format(value: float, kind: str) -> str:
-    return str(int(round(value))) if kind == "int" else f"{float(value):.4g}"
+def _format(value: float, spec: ParamSpec) -> str:
+    """A value as param text: ints as ints, floats to 4 significant digits unless that would leave the range
+    (a narrow range keeps full precision), so every text lies in ``[low, high]``."""
+    if spec.kind == "int":
+        return str(min(int(spec.high), max(int(spec.low), int(round(value)))))
+    short = f"{float(value):.4g}"
+    return short if spec.low <= float(short) <= spec.high else repr(min(spec.high, max(spec.low, float(value))))
 
 
 def sample(space: Sequence[ParamSpec], rng: random.Random) -> Params:
@@ -324,9 +341,9 @@ def sample(space: Sequence[ParamSpec], rng: random.Random) -> Params:
         if spec.kind == "choice":
             params[spec.path] = rng.choice(spec.choices)
         elif spec.kind == "log_uniform":
-            params[spec.path] = _format(math.exp(rng.uniform(math.log(spec.low), math.log(spec.high))), spec.kind)
+            params[spec.path] = _format(math.exp(rng.uniform(math.log(spec.low), math.log(spec.high))), spec)
         elif spec.kind == "uniform":
-            params[spec.path] = _format(rng.uniform(spec.low, spec.high), spec.kind)
+            params[spec.path] = _format(rng.uniform(spec.low, spec.high), spec)
         else:
             params[spec.path] = str(rng.randint(int(spec.low), int(spec.high)))
     return params
@@ -347,7 +364,7 @@ def _axis(spec: ParamSpec) -> list[str]:
         points = [spec.low * ratio**i for i in range(n)]
     else:
         points = [spec.low + (spec.high - spec.low) * i / (n - 1) for i in range(n)]
-    return list(dict.fromkeys(_format(p, spec.kind) for p in points))
+    return list(dict.fromkeys(_format(p, spec) for p in points))
 
 
 def grid_points(space: Sequence[ParamSpec]) -> list[Params]:
@@ -406,7 +423,7 @@ def suggest(cfg: TuningConfig, *, finished: Sequence[tuple[Params, float]], coun
     suggestions = []
     for _ in range(count):
         trial = study.ask(distributions)
-        suggestions.append({spec.path: (str(trial.params[spec.path]) if spec.kind == "choice" else _format(trial.params[spec.path], spec.kind)) for spec in cfg.search_space})
+        suggestions.append({spec.path: (str(trial.params[spec.path]) if spec.kind == "choice" else _format(trial.params[spec.path], spec)) for spec in cfg.search_space})
     return suggestions
 
 
@@ -483,5 +500,5 @@ def perturb(params: Params, space: Sequence[ParamSpec], *, factors: Sequence[flo
             out[spec.path] = sample([spec], rng)[spec.path]
             continue
         value = min(spec.high, max(spec.low, float(params[spec.path]) * rng.choice(list(factors))))
-        out[spec.path] = _format(value, spec.kind)
+        out[spec.path] = _format(value, spec)
     return out

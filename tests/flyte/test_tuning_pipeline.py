@@ -57,6 +57,7 @@ def _children(tracking_uri: str, parent_run_id: str) -> list:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 def test_asha_uses_half_the_epochs_of_full_trials_finds_their_best_and_reuses_cached_trials(ray_address, tmp_path):
     env = dict(os.environ, HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1", RAY_ADDRESS=ray_address, COLUMNS="400")
     (tmp_path / "home").mkdir()
