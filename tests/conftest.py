@@ -30,6 +30,9 @@ os.environ["RAY_TMPDIR"] = str(_SESSION_ROOT)
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+# Ray Train's controller polls its workers every 2 s by default; the suite runs ~60 short Train runs, each
+# waiting up to two polls to notice its start and end. A shorter interval only costs idle polling.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 # Pin gloo to loopback so DDP tests never depend on the machine's network interfaces.
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 tempfile.tempdir = None
