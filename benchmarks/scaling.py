@@ -10,8 +10,15 @@ state, over all workers: the first ``--warmup-steps`` steps and epoch boundaries
 - ``parity_n`` = Ray Train's throughput / plain ``torch.distributed``'s at ``n`` workers.
 
 Small shared machines drift by 10-20% within minutes, so each round measures every point once, and the
-rounds alternate direction (1w ray, 1w torch, 2w ray, 2w torch, then 2w torch, 2w ray, 1w torch, 1w ray):
-a linear drift then weighs every point equally. Figures are per-round ratios, averaged over rounds.
+rounds alternate direction (1w ray, 1w torch, 1w independent, 2w ray, ..., then the same backwards): a linear
+drift then weighs every point equally. Efficiency and parity are computed within each round and
+the median over rounds is reported (a burst of load from another process spoils one round, not the figure);
+throughputs and step times are means over rounds.
+
+As a reference for what this machine can give ``n`` workers at all, each round also runs ``n`` independent
+copies of ``loop_overhead.py``'s bare PyTorch loop at once (one thread each, no communication): their summed
+throughput over ``n`` times one copy's is ``independent_efficiency_n``. DDP can only lose to it: ranks wait for
+each other at every all-reduce, so whatever delays one rank (another process taking its core) stalls all.
 
 Ray starts worker processes at nice 15 (``RAY_worker_niceness``), below the nice-0 Ray daemons, while the
 plain launcher's ranks run at this script's nice 0. ``--ray-worker-niceness`` (default 0) sets the priority
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -56,9 +64,24 @@ def run_point(launcher: str, cfg, *, data_dir: str, workdir: str, warmup_steps: 
     ), int(m["steady_steps"])
 
 
+def _bare_copy(job: tuple[str, int, int, int]) -> float:
+    from loop_overhead import bare_loop
+
+    data_dir, batch_size, warmup_steps, seed = job
+    return bare_loop(data_dir, model_name="small_cnn", batch_size=batch_size, epochs=1, threads=1, warmup_steps=warmup_steps, seed=seed)["samples_per_s"]
+
+
+def independent_copies(num_copies: int, *, data_dir: str, batch_size: int, warmup_steps: int) -> float:
+    """Summed steady-state throughput of ``num_copies`` bare single-threaded loops running at once."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(num_copies) as pool:
+        return sum(pool.map(_bare_copy, [(data_dir, batch_size, warmup_steps, seed) for seed in range(num_copies)]))
+
+
 def round_order(worker_counts: list[int], round_index: int) -> list[tuple[int, str]]:
     """Every point once; odd rounds run the even rounds' order backwards."""
-    order = [(n, launcher) for n in sorted(worker_counts) for launcher in ("ray", "torch")]
+    order = [(n, launcher) for n in sorted(worker_counts) for launcher in ("ray", "torch", "independent")]
     return order if round_index % 2 == 0 else order[::-1]
 
 
@@ -71,7 +94,7 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--samples", type=int, default=16384, help="synthetic dataset size")
     parser.add_argument("--image-size", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=2, help="times every point is measured")
+    parser.add_argument("--rounds", type=int, default=3, help="times every point is measured")
     parser.add_argument("--ray-worker-niceness", type=int, default=0, help="nice value of the benchmark's Ray workers")
     args = parser.parse_args()
     worker_counts = [int(n) for n in args.worker_counts.split(",")]
@@ -90,7 +113,8 @@ def main() -> None:
     check_plan(base, worker_counts, [args.model])
     load_before = os.getloadavg()
 
-    rounds: list[list] = []
+    tables: list = []
+    runs: list[dict] = []
     steady_steps: dict[int, int] = {}
     with tempfile.TemporaryDirectory(prefix="scaling-") as workdir:
         data_dir = os.path.join(workdir, "data")
@@ -103,25 +127,38 @@ def main() -> None:
             # One CPU per worker for the largest count; Ray Train's controller takes none.
             ray.init(num_cpus=max(worker_counts), include_dashboard=False, log_to_driver=False)
         for round_index in range(args.rounds):
-            points = []
+            points, independent = [], {}
             for n, launcher in round_order(worker_counts, round_index):
-                cfg = point_config(base, model=args.model, num_workers=n)
-                point, steady_steps[n] = run_point(launcher, cfg, data_dir=data_dir, workdir=os.path.join(workdir, f"round{round_index}"), warmup_steps=args.warmup_steps)
-                print(f"round {round_index} {launcher:>5} {n}w: {point.samples_per_s:.1f} samples/s, all-reduce {point.allreduce_fraction:.3f}", flush=True)
-                points.append(point)
-            rounds.append(points)
+                if launcher == "independent":
+                    samples_per_s = independent[n] = independent_copies(n, data_dir=data_dir, batch_size=args.batch_size, warmup_steps=args.warmup_steps)
+                    allreduce_fraction = 0.0
+                else:
+                    cfg = point_config(base, model=args.model, num_workers=n)
+                    point, steady_steps[n] = run_point(launcher, cfg, data_dir=data_dir, workdir=os.path.join(workdir, f"round{round_index}"), warmup_steps=args.warmup_steps)
+                    points.append(point)
+                    samples_per_s, allreduce_fraction = point.samples_per_s, point.allreduce_fraction
+                runs.append({"round": round_index, "launcher": launcher, "num_workers": n, "samples_per_s": samples_per_s, "load_average_1m_after": os.getloadavg()[0]})
+                print(f"round {round_index} {launcher:>11} {n}w: {samples_per_s:.1f} samples/s, all-reduce {allreduce_fraction:.3f}, load {runs[-1]['load_average_1m_after']:.2f}", flush=True)
+            table = efficiency_table(points).set_index("num_workers")
+            smallest = min(worker_counts)
+            table["independent_samples_per_s"] = [independent[n] for n in table.index]
+            table["independent_efficiency"] = [(independent[n] / n) / (independent[smallest] / smallest) for n in table.index]
+            tables.append(table)
         ray.shutdown()
 
-    tables = [efficiency_table(points).set_index("num_workers") for points in rounds]
-
     def mean(column: str, n: int) -> float:
-        return sum(float(t.loc[n, column]) for t in tables) / len(tables)
+        return statistics.fmean(float(t.loc[n, column]) for t in tables)
+
+    def median(column: str, n: int) -> float:
+        return statistics.median(float(t.loc[n, column]) for t in tables)
 
     per_count = {
         str(n): {
             **{f"{launcher}_{figure}": mean(f"{launcher}_{figure}", n) for launcher in ("ray", "torch") for figure in FIGURES},
-            "ray_efficiency": mean("ray_efficiency", n), "torch_efficiency": mean("torch_efficiency", n),
-            "parity": mean("parity", n), "steady_steps": steady_steps[n],
+            "independent_samples_per_s": mean("independent_samples_per_s", n),
+            "ray_efficiency": median("ray_efficiency", n), "torch_efficiency": median("torch_efficiency", n),
+            "independent_efficiency": median("independent_efficiency", n), "parity": median("parity", n),
+            "steady_steps": steady_steps[n],
         }
         for n in sorted(worker_counts)
     }
@@ -129,13 +166,17 @@ def main() -> None:
         "benchmark": "scaling",
         "efficiency_2": per_count["2"]["ray_efficiency"] if "2" in per_count else None,
         "torch_efficiency_2": per_count["2"]["torch_efficiency"] if "2" in per_count else None,
+        "independent_efficiency_2": per_count["2"]["independent_efficiency"] if "2" in per_count else None,
         "parity": {n: figures["parity"] for n, figures in per_count.items()},
         "per_count": per_count,
         "round_ray_efficiency": [[float(t.loc[n, "ray_efficiency"]) for n in sorted(worker_counts)] for t in tables],
+        "round_torch_efficiency": [[float(t.loc[n, "torch_efficiency"]) for n in sorted(worker_counts)] for t in tables],
+        "round_independent_efficiency": [[float(t.loc[n, "independent_efficiency"]) for n in sorted(worker_counts)] for t in tables],
         "round_parity": [[float(t.loc[n, "parity"]) for n in sorted(worker_counts)] for t in tables],
         "ray_worker_niceness": "external cluster" if external_cluster else args.ray_worker_niceness,
         "torch_worker_niceness": os.nice(0),
         "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]],
+        "runs": runs,
         "goal": "efficiency_2 >= 0.90",
         "config": vars(args),
     }
