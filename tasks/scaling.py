@@ -9,12 +9,14 @@ from __future__ import annotations
 import html
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 from flytekit import FlyteContextManager, Resources, current_context, task
 from flytekit.types.file import FlyteFile
 from flytekit.types.structured import StructuredDataset
 
 from tasks.artifacts import publish_report
+from tasks.train import TRAIN_TIMEOUT
 from tasks.types import PreparedData, TrainMetrics
 from training_core.config import ScalingConfig, TrainingConfig
 
@@ -42,6 +44,9 @@ def baseline_resources(scaling: ScalingConfig) -> Resources:
 
 @task(
     retries=1,
+    # A preempted measurement is simply taken again; it may run as long as the Ray run it is compared with.
+    interruptible=True,
+    timeout=TRAIN_TIMEOUT,
     # One worker's share; the scaling workflow overrides requests and limits per node with ``baseline_resources``.
     requests=baseline_resources(ScalingConfig(num_workers=1)),
     limits=baseline_resources(ScalingConfig(num_workers=1)),
@@ -80,7 +85,10 @@ def torch_baseline(config: TrainingConfig, data: PreparedData) -> TrainMetrics:
     )
 
 
-@task(requests=Resources(cpu="500m", mem="1Gi"), limits=Resources(cpu="1", mem="2Gi"), enable_deck=True)
+@task(
+    retries=1, interruptible=True, timeout=timedelta(minutes=30), requests=Resources(cpu="500m", mem="1Gi"),
+    limits=Resources(cpu="1", mem="2Gi"), enable_deck=True,
+)
 def scaling_report(models: list[str], worker_counts: list[int], ray_runs: list[TrainMetrics], torch_runs: list[TrainMetrics]) -> ScalingReport:
     """Tabulate scaling efficiency and Ray-vs-plain parity, and publish the table, plots and CSV.
 

@@ -14,7 +14,9 @@ from training_core.config import TrainingConfig
 from training_core.scaling import DEFAULT_WORKER_COUNTS, check_plan, point_config, point_name, scaling_preset
 
 
-@dynamic
+# A dynamic node only compiles its graph; its sub-nodes carry their own timeouts. Interruptible here is also the
+# default of those sub-nodes.
+@dynamic(interruptible=True)
 def ray_point(config: TrainingConfig, data: PreparedData) -> TrainMetrics:
     """One Ray Train point: the ``train`` task on a RayJob with ``config.scaling.num_workers`` worker replicas.
 
@@ -33,7 +35,7 @@ def ray_point(config: TrainingConfig, data: PreparedData) -> TrainMetrics:
     return trained.metrics
 
 
-@dynamic
+@dynamic(interruptible=True)
 def scaling_benchmark(
     config: TrainingConfig = scaling_preset(),
     worker_counts: list[int] = list(DEFAULT_WORKER_COUNTS),
