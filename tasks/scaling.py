@@ -70,19 +70,7 @@ def torch_baseline(config: TrainingConfig, data: PreparedData) -> TrainMetrics:
         run_name="torch-baseline",
         storage_path=os.path.join(workdir, "runs"),
     )
-    meta, last = result.meta, result.metrics
-    return TrainMetrics(
-        epochs=meta.epoch,
-        global_step=meta.global_step,
-        train_loss=last["train_loss"],
-        train_accuracy=last["train_accuracy"],
-        val_loss=last["val_loss"],
-        val_accuracy=last["val_accuracy"],
-        samples_per_s=float(last["steady_samples_per_s"]),
-        step_time_p50_s=float(last["step_time_p50_s"]),
-        step_time_p95_s=float(last["step_time_p95_s"]),
-        allreduce_fraction=float(last["allreduce_fraction"]),
-    )
+    return TrainMetrics.from_record(epochs=result.meta.epoch, global_step=result.meta.global_step, record=result.metrics)
 
 
 @task(

@@ -112,18 +112,7 @@ def trained_model(config: TrainingConfig, result, *, tracking_uri: str, run_id: 
     from tasks import reports
 
     meta, last = result.meta, result.meta.history[-1]
-    metrics = TrainMetrics(
-        epochs=meta.epoch,
-        global_step=meta.global_step,
-        train_loss=last["train_loss"],
-        train_accuracy=last["train_accuracy"],
-        val_loss=last["val_loss"],
-        val_accuracy=last["val_accuracy"],
-        samples_per_s=float(result.metrics.get("steady_samples_per_s", last["samples_per_s"])),
-        step_time_p50_s=float(last.get("step_time_p50_s", 0.0)),
-        step_time_p95_s=float(last.get("step_time_p95_s", 0.0)),
-        allreduce_fraction=float(last.get("allreduce_fraction", 0.0)),
-    )
+    metrics = TrainMetrics.from_record(epochs=meta.epoch, global_step=meta.global_step, record={**last, **result.metrics})
     summary = reports.table([
         ("model", meta.model_name), ("epochs", meta.epoch), ("optimizer steps", meta.global_step),
         ("workers", config.scaling.num_workers), ("final train loss", metrics.train_loss),

@@ -48,6 +48,18 @@ class TrainMetrics:
     allreduce_fraction: float = 0.0
     """Share of the steady-state step time during which gradient all-reduces were in flight (0 on 1 worker)."""
 
+    @classmethod
+    def from_record(cls, *, epochs: int, global_step: int, record: dict[str, float]) -> "TrainMetrics":
+        """The figures of a run's last epoch record (see ``training_core.loop``)."""
+        return cls(
+            epochs=epochs, global_step=global_step, train_loss=record["train_loss"],
+            train_accuracy=record["train_accuracy"], val_loss=record["val_loss"], val_accuracy=record["val_accuracy"],
+            samples_per_s=float(record.get("steady_samples_per_s") or record["samples_per_s"]),
+            step_time_p50_s=float(record.get("step_time_p50_s", 0.0)),
+            step_time_p95_s=float(record.get("step_time_p95_s", 0.0)),
+            allreduce_fraction=float(record.get("allreduce_fraction", 0.0)),
+        )
+
 
 @dataclass
 class TrainedModel:

@@ -13,16 +13,14 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import socket
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Iterator
 
-from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
-from training_core.trainer import FitResult, checkpoint_root
+from training_core.trainer import FitResult, checkpoint_root, collect_final
 
 if TYPE_CHECKING:
     import torch
@@ -186,11 +184,4 @@ def launch(
             mp.spawn(_worker_main, args=(spec,), nprocs=cfg.scaling.num_workers, join=True)
         with open(spec.records_path, encoding="utf-8") as f:
             records = [json.loads(line) for line in f if line.strip()]
-    storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options(root))
-    final = ckpt.load_latest_valid(storage)
-    if final is None:
-        raise RuntimeError(f"plain torch.distributed run {run_name!r} left no valid checkpoint under {root}; see the rank logs above")
-    if os.path.exists(checkpoint_dir):
-        shutil.rmtree(checkpoint_dir)
-    storage.fs.get(f"{storage.path}/{final.name}/", checkpoint_dir.rstrip("/") + "/", recursive=True)
-    return FitResult(checkpoint_dir=checkpoint_dir, checkpoint_uri=final.uri, metrics=records[-1], meta=final.meta)
+    return collect_final(cfg, root, checkpoint_dir, what=f"plain torch.distributed run {run_name!r}", metrics=records[-1])

@@ -116,12 +116,19 @@ def fit(
         ),
     )
     trainer.fit()
+    return collect_final(cfg, root, checkpoint_dir, what=f"Ray Train run {run_name!r}")
+
+
+def collect_final(cfg: TrainingConfig, root: str, checkpoint_dir: str, *, what: str, metrics: dict[str, Any] | None = None) -> FitResult:
+    """The newest valid checkpoint under ``root``, copied to local ``checkpoint_dir``; ``metrics`` default to
+    its last epoch record."""
     storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options(root))
     final = ckpt.load_latest_valid(storage)
     if final is None:
-        raise RuntimeError(f"Ray Train run {run_name!r} left no valid checkpoint under {root}; see the worker logs above")
+        raise RuntimeError(f"{what} left no valid checkpoint under {root}; see the worker logs above")
     if os.path.exists(checkpoint_dir):
         shutil.rmtree(checkpoint_dir)
     storage.fs.get(f"{storage.path}/{final.name}/", checkpoint_dir.rstrip("/") + "/", recursive=True)
-    metrics = dict(final.meta.history[-1]) if final.meta.history else {}
+    if metrics is None:
+        metrics = dict(final.meta.history[-1]) if final.meta.history else {}
     return FitResult(checkpoint_dir=checkpoint_dir, checkpoint_uri=final.uri, metrics=metrics, meta=final.meta)
