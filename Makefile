@@ -17,13 +17,23 @@ PACKAGE ?= dist/flyte-package.tgz
 # need no image rebuild; the image still needs the dependencies.
 COPY ?= none
 
-.PHONY: run test venv benchmarks clean package
+# Debian packages the tests run for real: Prometheus + promtool + Pushgateway (metrics and alert-rule tests) and
+# headless Chromium (Deck screenshots). Installed only when a binary is missing.
+SYSTEM_PACKAGES := prometheus prometheus-pushgateway chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: run test venv benchmarks clean package system-packages
 
 run: $(STAMP)
 	$(BIN)/pyflyte run workflows/training.py training_pipeline
 
-test: $(STAMP)
+test: $(STAMP) system-packages
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+system-packages:
+	@if ! command -v promtool >/dev/null || ! command -v prometheus-pushgateway >/dev/null || ! command -v chromium >/dev/null; then \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES); \
+	fi
 
 venv: $(STAMP)
 
