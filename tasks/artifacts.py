@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import glob
+import html
 import os
+from typing import Sequence
 
 from flytekit import Deck, FlyteContextManager, current_context
+from flytekit.deck.deck import DECK_FILE_NAME
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
+
+from tasks import reports
 
 
 def tracked_directory(local_path: str) -> FlyteDirectory:
@@ -18,15 +24,39 @@ def tracked_directory(local_path: str) -> FlyteDirectory:
     return FlyteDirectory(local_path, remote_directory=remote)
 
 
-def publish_report(title: str, html_page: str, deck_html: str) -> FlyteFile:
-    """Show ``deck_html`` as a Deck and return the standalone page as a tracked HTML file.
+def publish_report(title: str, sections: Sequence[str]) -> FlyteFile:
+    """Show ``sections`` as a Deck and return them as a standalone HTML page, a tracked task output.
 
     pyflyte does not say where a local Deck lands, so the same content also travels as an output whose
-    path the pipeline prints.
+    path the pipeline prints; the Deck carries that path so ``local_deck_path`` can find it.
     """
-    Deck(title, deck_html)
-    directory = current_context().working_directory
-    path = os.path.join(directory, f"{title.lower().replace(' ', '_')}.html")
+    file_access = FlyteContextManager.current_context().file_access
+    name = f"{title.lower().replace(' ', '_')}.html"
+    remote_path = file_access.get_random_remote_path(name)
+    Deck(title, reports.deck(sections, marker=remote_path))
+    path = os.path.join(current_context().working_directory, name)
     with open(path, "w", encoding="utf-8") as f:
-        f.write(html_page)
-    return FlyteFile(path, remote_path=FlyteContextManager.current_context().file_access.get_random_remote_path(os.path.basename(path)))
+        f.write(reports.page(title, sections))
+    return FlyteFile(path, remote_path=remote_path)
+
+
+def report_location(report: FlyteFile) -> str:
+    """Where a report from ``publish_report`` lives, as a downstream task sees it."""
+    return str(report.remote_source or report.path)
+
+
+def local_deck_path(report: FlyteFile) -> str | None:
+    """The deck.html that shows ``report``, when the task that published it ran in this process.
+
+    flytekit writes a locally executed task's Deck to ``<local sandbox>/<random>/deck.html``
+    (``flytekit.deck.deck._output_deck``) and tells nobody the path; on a cluster each task is its own pod
+    and the Deck goes to ``<output metadata prefix>/deck.html``, shown by FlyteConsole, so this finds nothing
+    there. The Deck is recognised by the report path ``publish_report`` put into it.
+    """
+    sandbox = FlyteContextManager.current_context().file_access.local_sandbox_dir
+    marker = f"data-report='{html.escape(report_location(report), quote=True)}'"
+    for path in glob.glob(os.path.join(os.fspath(sandbox), "*", DECK_FILE_NAME)):
+        with open(path, encoding="utf-8") as f:
+            if marker in f.read():
+                return path
+    return None

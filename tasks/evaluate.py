@@ -32,13 +32,5 @@ def evaluate(data: PreparedData, model: TrainedModel) -> Evaluation:
         model.mlflow_run_id,
         {"test_loss": result.loss, "test_accuracy": result.accuracy, "test_top5_accuracy": result.top5_accuracy},
     )
-    summary = reports.table([
-        ("test samples", result.num_samples), ("test loss", result.loss), ("top-1 accuracy", result.accuracy),
-        ("top-5 accuracy", result.top5_accuracy),
-    ])
-    body = [
-        reports.section("Test metrics", summary, section_id="metrics"),
-        reports.section("Confusion matrix", reports.confusion_matrix(result.confusion, result.classes), section_id="confusion"),
-    ]
-    report = publish_report("Evaluation report", reports.page("Evaluation report", body), "".join(body))
+    report = publish_report("Evaluation report", reports.evaluation_sections(result))
     return Evaluation(metrics=result, report=report)

@@ -1,36 +1,77 @@
-"""Self-contained HTML for the Decks: static PNG plots inlined as base64, no scripts, no network."""
+"""Self-contained HTML for the Decks: static PNG plots inlined as base64, no scripts, no fonts, no network.
+
+The tasks build their reports only through the ``*_sections`` functions here, so a test can build the same
+pages from hand-made records without training anything.
+"""
 
 from __future__ import annotations
 
 import base64
 import html
 import io
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
-PAGE_STYLE = (
-    "body{font-family:system-ui,sans-serif;margin:16px;color:#222}"
-    "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
-    "h2{margin-top:24px}"
+STYLE = (
+    ".report{font-family:system-ui,sans-serif;color:#222;max-width:1100px}"
+    ".report section{margin:0 0 28px}.report h2{margin:0 0 8px;font-size:1.25em}"
+    ".report p.note{color:#555;margin:4px 0 8px}"
+    ".report table{border-collapse:collapse}"
+    ".report td,.report th{border:1px solid #ccc;padding:4px 10px;text-align:right}"
+    ".report th{background:#f4f4f4}.report th.key{text-align:left}"
+    ".report img{max-width:100%;height:auto}"
+    ".report .tiles{display:flex;flex-wrap:wrap;gap:12px}"
+    ".report .tile{border:1px solid #ccc;border-radius:6px;padding:10px 16px;min-width:130px}"
+    ".report .tile b{display:block;font-size:1.6em}.report .tile span{color:#555}"
 )
 
 
 def page(title: str, sections: Sequence[str]) -> str:
-    """A standalone HTML page, the same content the Deck shows."""
+    """A standalone HTML page with ``sections``: the same content the Deck shows, readable without Flyte."""
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-        f"<style>{PAGE_STYLE}</style></head><body><h1>{html.escape(title)}</h1>{''.join(sections)}</body></html>"
+        f"<style>body{{margin:16px}}{STYLE}</style></head><body><div class='report'>"
+        f"<h1>{html.escape(title)}</h1>{''.join(sections)}</div></body></html>"
     )
+
+
+def deck(sections: Sequence[str], *, marker: str = "") -> str:
+    """The Deck body: ``sections`` with their style, inside flytekit's own page template.
+
+    ``marker`` goes into a ``data-report`` attribute, so the deck.html flytekit writes can be found again
+    by content (``tasks.artifacts.local_deck_path``).
+    """
+    return f"<div class='report' data-report='{html.escape(marker, quote=True)}'><style>{STYLE}</style>{''.join(sections)}</div>"
 
 
 def section(heading: str, body: str, *, section_id: str) -> str:
     return f"<section id='{section_id}'><h2>{html.escape(heading)}</h2>{body}</section>"
 
 
+def note(text: str) -> str:
+    return f"<p class='note'>{html.escape(text)}</p>"
+
+
 def table(rows: Sequence[tuple[str, object]]) -> str:
-    cells = "".join(
-        f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>" for k, v in rows
-    )
+    """A two-column table: one name and one value per row."""
+    cells = "".join(f"<tr><th class='key'>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>" for k, v in rows)
     return f"<table>{cells}</table>"
+
+
+def grid(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A table with a header row; the first column names the row."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join(
+        "<tr>" + f"<th class='key'>{html.escape(_fmt(row[0]))}</th>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row[1:]) + "</tr>"
+        for row in rows
+    )
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def tiles(items: Sequence[tuple[str, str]]) -> str:
+    """Headline figures, large: (label, formatted value) pairs."""
+    return "<div class='tiles'>" + "".join(
+        f"<div class='tile'><b>{html.escape(value)}</b><span>{html.escape(label)}</span></div>" for label, value in items
+    ) + "</div>"
 
 
 def _fmt(value: object) -> str:
@@ -55,48 +96,209 @@ def _pyplot():
     return plt
 
 
-def training_curves(history: Sequence[dict[str, float]], step_log: Sequence[dict[str, float]]) -> str:
-    """Loss, accuracy, LR and throughput against optimizer steps."""
+def _percent_axis(ax) -> None:
+    """Plot ratios (0-1) and label the axis in percent."""
+    from matplotlib.ticker import PercentFormatter
+
+    ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
+
+
+def _axes(title: str, *, xlabel: str, ylabel: str, ncols: int = 1):
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 4, figsize=(18, 3.6))
-    steps = [r["step"] for r in step_log]
-    epoch_steps = [r["global_step"] for r in history]
-    axes[0].plot(steps, [r["train_loss"] for r in step_log], label="train (logged steps)")
-    axes[0].plot(epoch_steps, [r["val_loss"] for r in history], "o-", label="val (epoch end)")
-    axes[0].set_title("loss")
-    axes[1].plot(steps, [r["train_accuracy"] for r in step_log], label="train")
-    axes[1].plot(epoch_steps, [r["val_accuracy"] for r in history], "o-", label="val")
-    axes[1].set_title("accuracy")
-    axes[2].plot(steps, [r["lr"] for r in step_log])
-    axes[2].set_title("learning rate")
-    axes[3].plot(steps, [r["samples_per_s"] for r in step_log])
-    axes[3].set_title("throughput (samples/s)")
-    for ax in axes:
-        ax.set_xlabel("optimizer step")
+    fig, axes = plt.subplots(1, ncols, figsize=(7.5 * ncols if ncols > 1 else 8, 3.4), squeeze=False)
+    for ax in axes[0]:
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    axes[0].legend()
-    axes[1].legend()
+    axes[0][0].set_title(title)
+    return fig, list(axes[0])
+
+
+# --- training -------------------------------------------------------------------------------------------------
+
+
+def training_sections(
+    *,
+    summary: Sequence[tuple[str, object]],
+    history: Sequence[Mapping[str, float]],
+    step_log: Sequence[Mapping[str, float]],
+    telemetry: Mapping[str, Any],
+) -> list[str]:
+    """The training report: summary, loss, accuracy, LR, throughput, GPU (or host CPU) timeline, cost.
+
+    :param summary: (name, value) rows for the summary table.
+    :param history: One record per epoch (``global_step``, ``train_loss``, ``val_loss``, ``val_accuracy``...).
+    :param step_log: One record per logged step window (``step``, ``train_loss``, ``train_accuracy``, ``lr``,
+        ``samples_per_s`` and, when recorded, ``elapsed_s`` since training started).
+    :param telemetry: The final checkpoint's telemetry: ``samples`` (``elapsed_s``, ``cpu_utilization`` 0-1,
+        ``memory_used_bytes``, ``gpu_utilization`` {gpu: 0-1}, ``gpu_memory_used_bytes`` {gpu: bytes}) and
+        ``cost`` (``gpu_hours``, ``cpu_hours``, ``gpu_hour_usd``, ``cpu_hour_usd``, ``cost_usd``); either may
+        be missing.
+    """
+    samples = list(telemetry.get("samples") or [])
+    return [
+        section("Summary", table(summary), section_id="summary"),
+        section("Loss", _epoch_and_step_curve(history, step_log, "loss", ylabel="cross-entropy loss"), section_id="loss"),
+        section("Accuracy", _epoch_and_step_curve(history, step_log, "accuracy", ylabel="accuracy"), section_id="accuracy"),
+        section("Learning rate", _learning_rate(step_log), section_id="learning-rate"),
+        section("Throughput", _throughput(step_log), section_id="throughput"),
+        section("GPU utilisation", _gpu_timeline(samples), section_id="gpu"),
+        section("Cost", _cost(telemetry.get("cost") or {}), section_id="cost"),
+    ]
+
+
+def _epoch_and_step_curve(history, step_log, metric: str, *, ylabel: str) -> str:
+    """Train ``metric`` per logged step window and validation ``metric`` at each epoch end."""
+    train = [(r["step"], r[f"train_{metric}"]) for r in step_log if f"train_{metric}" in r]
+    val = [(r["global_step"], r[f"val_{metric}"]) for r in history if f"val_{metric}" in r]
+    if not train and not val:
+        return note(f"No {metric} was recorded.")
+    fig, (ax,) = _axes(f"{metric}: train and validation", xlabel="optimizer step", ylabel=ylabel)
+    if train:
+        ax.plot(*zip(*train), label="train (logged step windows)")
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation (epoch end)")
+    if metric == "accuracy":
+        _percent_axis(ax)
+    ax.legend()
     return _png(fig)
+
+
+def _learning_rate(step_log) -> str:
+    points = [(r["step"], r["lr"]) for r in step_log if "lr" in r]
+    if not points:
+        return note("No learning rate was recorded.")
+    fig, (ax,) = _axes("learning rate schedule", xlabel="optimizer step", ylabel="learning rate")
+    ax.plot(*zip(*points))
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    return _png(fig)
+
+
+def _throughput(step_log) -> str:
+    """Samples/s against elapsed seconds; against the step when the records have no ``elapsed_s``."""
+    records = [r for r in step_log if "samples_per_s" in r]
+    if not records:
+        return note("No throughput was recorded.")
+    timed = all("elapsed_s" in r for r in records)
+    xlabel = "elapsed time (s)" if timed else "optimizer step"
+    fig, (ax,) = _axes("throughput, all workers", xlabel=xlabel, ylabel="samples/s")
+    ax.plot([r["elapsed_s"] if timed else r["step"] for r in records], [r["samples_per_s"] for r in records], "-")
+    ax.set_ylim(bottom=0)
+    return _png(fig)
+
+
+def _gpu_timeline(samples: Sequence[Mapping[str, Any]]) -> str:
+    """Per-GPU utilisation and memory over time; the host's CPU and memory instead when there was no GPU."""
+    gpus = sorted({gpu for s in samples for gpu in (s.get("gpu_utilization") or {})}, key=_gpu_order)
+    if not samples:
+        return note("No GPU was present, or no telemetry was recorded for this run: there is no utilisation timeline.")
+    elapsed = [s["elapsed_s"] for s in samples]
+    if gpus:
+        fig, (util_ax, mem_ax) = _axes("GPU utilisation", xlabel="elapsed time (s)", ylabel="utilisation", ncols=2)
+        for gpu in gpus:
+            util_ax.plot(elapsed, [(s.get("gpu_utilization") or {}).get(gpu) for s in samples], label=f"GPU {gpu}")
+            mem_ax.plot(elapsed, [_gib((s.get("gpu_memory_used_bytes") or {}).get(gpu)) for s in samples], label=f"GPU {gpu}")
+        mem_ax.set_title("GPU memory used")
+        mem_ax.set_ylabel("memory used (GiB)")
+        for ax in (util_ax, mem_ax):
+            ax.legend(fontsize=8)
+        text = ""
+    else:
+        fig, (util_ax, mem_ax) = _axes("host CPU utilisation", xlabel="elapsed time (s)", ylabel="utilisation", ncols=2)
+        util_ax.plot(elapsed, [s.get("cpu_utilization") for s in samples], color="tab:orange")
+        mem_ax.plot(elapsed, [_gib(s.get("memory_used_bytes")) for s in samples], color="tab:orange")
+        mem_ax.set_title("host memory used")
+        mem_ax.set_ylabel("memory used (GiB)")
+        text = note("No GPU was present on this run: it trained on CPU. The host's CPU and memory use are shown instead.")
+    util_ax.set_ylim(0, 1.05)
+    _percent_axis(util_ax)
+    mem_ax.set_ylim(bottom=0)
+    return text + _png(fig)
+
+
+def _gpu_order(gpu: str) -> tuple[int, str]:
+    return (int(gpu), "") if gpu.isdigit() else (10**9, gpu)
+
+
+def _gib(value_bytes: float | None) -> float | None:
+    return None if value_bytes is None else value_bytes / 2**30
+
+
+def _cost(cost: Mapping[str, float]) -> str:
+    if not cost:
+        return note("No cost was recorded for this run.")
+    gpu_hours, cpu_hours = float(cost.get("gpu_hours", 0.0)), float(cost.get("cpu_hours", 0.0))
+    gpu_price, cpu_price = float(cost.get("gpu_hour_usd", 0.0)), float(cost.get("cpu_hour_usd", 0.0))
+    total = float(cost.get("cost_usd", gpu_hours * gpu_price + cpu_hours * cpu_price))
+    return grid(
+        ["resource", "hours", "price (USD per hour)", "cost (USD)"],
+        [
+            ("GPU", f"{gpu_hours:.4f}", f"{gpu_price:.2f}", f"{gpu_hours * gpu_price:.4f}"),
+            ("CPU", f"{cpu_hours:.4f}", f"{cpu_price:.2f}", f"{cpu_hours * cpu_price:.4f}"),
+            ("total", "", "", f"{total:.4f}"),
+        ],
+    ) + note("Hours are summed over all workers and attempts; prices come from observability.gpu_hour_usd and cpu_hour_usd.")
+
+
+# --- evaluation -----------------------------------------------------------------------------------------------
+
+
+def evaluation_sections(result) -> list[str]:
+    """The evaluation report of a ``training_core.evaluation.EvalReport``: headline metrics, the confusion
+    matrix as a heatmap, and precision/recall/F1 per class."""
+    per_class = class_metrics(result.confusion)
+    macro_f1 = sum(f1 for _, _, f1, _ in per_class) / max(1, len(per_class))
+    headline = tiles([
+        ("top-1 accuracy", f"{result.accuracy:.2%}"), ("top-5 accuracy", f"{result.top5_accuracy:.2%}"),
+        ("macro F1", f"{macro_f1:.4f}"), ("test loss", f"{result.loss:.4f}"), (f"{result.split} samples", str(result.num_samples)),
+    ])
+    rows = [(name, f"{p:.4f}", f"{r:.4f}", f"{f1:.4f}", support) for name, (p, r, f1, support) in zip(result.classes, per_class)]
+    return [
+        section("Test metrics", headline, section_id="metrics"),
+        section("Confusion matrix", confusion_matrix(result.confusion, result.classes), section_id="confusion"),
+        section("Per class", grid(["class", "precision", "recall", "F1", "support"], rows), section_id="per-class"),
+    ]
+
+
+def class_metrics(confusion: Sequence[Sequence[int]]) -> list[tuple[float, float, float, int]]:
+    """(precision, recall, F1, support) per class of ``confusion[true][predicted]``; 0 where undefined."""
+    n = len(confusion)
+    out = []
+    for c in range(n):
+        hits = confusion[c][c]
+        predicted = sum(confusion[t][c] for t in range(n))
+        support = sum(confusion[c])
+        precision = hits / predicted if predicted else 0.0
+        recall = hits / support if support else 0.0
+        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+        out.append((precision, recall, f1, support))
+    return out
 
 
 def confusion_matrix(confusion: Sequence[Sequence[int]], classes: Sequence[str]) -> str:
     plt = _pyplot()
     n = len(classes)
-    size = min(12, 2 + 0.45 * n)
-    fig, ax = plt.subplots(figsize=(size, size))
+    size = min(12, 3 + 0.45 * n)
+    fig, ax = plt.subplots(figsize=(size + 1, size))
     image = ax.imshow(confusion, cmap="Blues")
-    fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.colorbar(image, ax=ax, fraction=0.046, label="test samples")
     if n <= 30:
-        ax.set_xticks(range(n), labels=classes, rotation=90)
+        ax.set_xticks(range(n), labels=classes, rotation=90 if max(map(len, classes), default=0) > 3 else 0)
         ax.set_yticks(range(n), labels=classes)
+        darkest = max((v for row in confusion for v in row), default=0)
         for i in range(n):
             for j in range(n):
                 if confusion[i][j]:
-                    ax.text(j, i, str(confusion[i][j]), ha="center", va="center", fontsize=7)
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
-    ax.set_title("confusion matrix (test)")
+                    # White on the dark cells, black on the light ones, so every count stays readable.
+                    color = "white" if confusion[i][j] > darkest / 2 else "black"
+                    ax.text(j, i, str(confusion[i][j]), ha="center", va="center", fontsize=8, color=color)
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title("confusion matrix (counts)")
     return _png(fig)
+
+
+# --- tuning ---------------------------------------------------------------------------------------------------
 
 
 def metric_vs_epochs(curves: dict[int, tuple[Sequence[int], Sequence[float]]], *, metric: str, best: int) -> str:
@@ -109,6 +311,7 @@ def metric_vs_epochs(curves: dict[int, tuple[Sequence[int], Sequence[float]]], *
         highlight = trial_id == best
         ax.plot(epochs, scores, "o-", linewidth=2.5 if highlight else 1, alpha=1 if highlight else 0.6,
                 label=f"trial {trial_id}" + (" (best)" if highlight else ""))
+    ax.set_title(f"{metric} of each trial")
     ax.set_xlabel("epochs trained")
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)

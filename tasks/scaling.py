@@ -128,7 +128,7 @@ def _publish(table) -> FlyteFile:
         reports.section("Results", table.to_html(index=False, float_format=lambda v: f"{v:.4f}", border=0), section_id="results"),
         reports.section("Throughput and efficiency", _plots(table), section_id="plots"),
     ]
-    return publish_report("Scaling report", reports.page("Scaling report", body), "".join(body))
+    return publish_report("Scaling report", body)
 
 
 def _plots(table) -> str:

@@ -113,18 +113,18 @@ def trained_model(config: TrainingConfig, result, *, tracking_uri: str, run_id: 
 
     meta, last = result.meta, result.meta.history[-1]
     metrics = TrainMetrics.from_record(epochs=meta.epoch, global_step=meta.global_step, record={**last, **result.metrics})
-    summary = reports.table([
+    summary = [
         ("model", meta.model_name), ("epochs", meta.epoch), ("optimizer steps", meta.global_step),
         ("workers", config.scaling.num_workers), ("final train loss", metrics.train_loss),
         ("final val loss", metrics.val_loss), ("final val accuracy", metrics.val_accuracy),
         ("throughput (samples/s)", metrics.samples_per_s), ("step time p50 / p95 (s)", f"{metrics.step_time_p50_s:.4f} / {metrics.step_time_p95_s:.4f}"),
         ("all-reduce share of step time", metrics.allreduce_fraction), ("MLflow run", run_id),
-    ])
-    body = [
-        reports.section("Summary", summary, section_id="summary"),
-        reports.section("Curves", reports.training_curves(meta.history, meta.step_log), section_id="curves"),
     ]
-    report = publish_report("Training report", reports.page("Training report", body), "".join(body))
+    # The telemetry field is newer than some checkpoints' meta: a missing one draws "not recorded" sections.
+    sections = reports.training_sections(
+        summary=summary, history=meta.history, step_log=meta.step_log, telemetry=getattr(meta, "telemetry", None) or {},
+    )
+    report = publish_report("Training report", sections)
     # A checkpoint already on object storage is returned where it lives; a local one is uploaded.
     remote = "://" in result.checkpoint_uri and not result.checkpoint_uri.startswith("file://")
     return TrainedModel(

@@ -320,7 +320,7 @@ def _finish(config: TuningConfig, state: SearchState) -> TuningOutputs:
         ), section_id="curves"),
         reports.section("Trials", frame.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep=""), section_id="trials"),
     ]
-    report = publish_report("Tuning report", reports.page("Tuning report", body), "".join(body))
+    report = publish_report("Tuning report", body)
     from flytekit import FlyteContextManager
 
     table = FlyteFile(csv_path, remote_path=FlyteContextManager.current_context().file_access.get_random_remote_path("trials.csv"))
