@@ -6,6 +6,7 @@ from datetime import timedelta
 
 from flytekit import Resources, task
 
+from tasks.artifacts import local_deck_path, report_location
 from tasks.types import Evaluation, Registration, TrainedModel
 from training_core.config import TrackingConfig
 
@@ -30,8 +31,10 @@ def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Ev
     promotion = register_and_promote(
         tracking, model_uri=model.mlflow_model_uri, run_id=model.mlflow_run_id, test_accuracy=evaluation.metrics.accuracy
     )
-    reports = [model.report.remote_source or model.report.path, evaluation.report.remote_source or evaluation.report.path]
-    # pyflyte prints outputs as literals; a person wants these four facts in plain words.
+    reports = [report_location(model.report), report_location(evaluation.report)]
+    # Only Decks that exist are listed: on a cluster (each task in its own pod) FlyteConsole shows them.
+    decks = [(label, local_deck_path(report)) for label, report in (("training", model.report), ("evaluation", evaluation.report))]
+    # pyflyte prints outputs as literals, and no Deck path at all; a person wants these facts in plain words.
     print(
         "\n".join([
             "",
@@ -44,6 +47,7 @@ def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Ev
             f"browse with      : {ui_command(model.tracking_uri)}",
             f"training report  : {reports[0]}",
             f"evaluation report: {reports[1]}",
+            *[f"{label + ' deck':<17}: {path}" for label, path in decks if path],
             "",
         ]),
         flush=True,

@@ -121,14 +121,18 @@ METHOD_NOTE = (
 
 
 def _publish(table) -> FlyteFile:
+    return publish_report("Scaling report", report_sections(table))
+
+
+def report_sections(table) -> list[str]:
+    """The scaling report of an ``efficiency_table``: how it was measured, the table, throughput and efficiency."""
     from tasks import reports
 
-    body = [
+    return [
         reports.section("How it was measured", f"<p>{html.escape(METHOD_NOTE)}</p>", section_id="method"),
         reports.section("Results", table.to_html(index=False, float_format=lambda v: f"{v:.4f}", border=0), section_id="results"),
         reports.section("Throughput and efficiency", _plots(table), section_id="plots"),
     ]
-    return publish_report("Scaling report", body)
 
 
 def _plots(table) -> str:
