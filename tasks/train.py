@@ -95,6 +95,7 @@ def run_training(config: TrainingConfig, data: PreparedData, resume_from: Option
             mlflow_run=MlflowRun(tracking_uri=tracking_uri, run_id=run_id),
             resume_from=(resume_from.remote_source or resume_from.path) if resume_from is not None else None,
             log_params=log_params,
+            job_labels=_job_labels(),
         )
     except Exception as exc:
         tracking.finish_run(tracking_uri, run_id, status="FAILED")
@@ -136,6 +137,26 @@ def trained_model(config: TrainingConfig, result, *, tracking_uri: str, run_id: 
         mlflow_model_uri=meta.mlflow_model_uri,
         report=report,
     )
+
+
+def _job_labels() -> dict[str, str]:
+    """Which Flyte execution, node and attempt this is, for the workers' metric labels.
+
+    On a cluster the task pod is named ``<execution>-<node id>-<attempt>`` and gets ``FLYTE_ATTEMPT_NUMBER``;
+    where those are missing (a local run) the node falls back to the task's name and the attempt to 0.
+    """
+    ctx = current_context()
+    execution = ctx.execution_id.name or "local"
+    attempt = os.environ.get("FLYTE_ATTEMPT_NUMBER", "0")
+    node = ""
+    pod = os.environ.get("HOSTNAME", "")
+    prefix, suffix = f"{execution}-", f"-{attempt}"
+    if pod.startswith(prefix) and pod.endswith(suffix) and len(pod) > len(prefix) + len(suffix):
+        node = pod[len(prefix):-len(suffix)]
+    if not node:
+        task_name = ctx.task_id.name if ctx.task_id is not None else ""
+        node = task_name.rsplit(".", 1)[-1] or "local"
+    return {"execution": execution, "node": node, "attempt": attempt}
 
 
 def _require_prepared_data(data_dir: str) -> None:

@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 log = logging.getLogger("training_core")
 
@@ -73,6 +73,12 @@ class CheckpointMeta:
     """Loss, correct and sample sums of ``epoch`` so far, so a resumed epoch reports the same record."""
     mlflow_model_uri: str = ""
     mlflow_run_id: str = ""
+    elapsed_s: float = 0.0
+    """Seconds the run has trained so far, across resumes (the clock of ``step_log``'s ``elapsed_s``)."""
+    telemetry: dict[str, Any] = field(default_factory=dict)
+    """Rank 0's telemetry for the Deck: ``samples`` (a bounded timeline of ``elapsed_s``, ``cpu_utilization``
+    and ``gpu_utilization`` per GPU as ratios 0-1, ``memory_used_bytes`` and ``gpu_memory_used_bytes`` per GPU)
+    and ``cost`` (``gpu_hours``, ``cpu_hours``, ``cost_usd`` and the prices). Empty with observability off."""
 
 
 class CheckpointError(RuntimeError):
@@ -287,13 +293,21 @@ def load_latest_valid(storage: CheckpointStorage) -> LoadedCheckpoint | None:
     return None
 
 
+class SaveObserver(Protocol):
+    """Told the real outcome of each write (from the writer thread when saves are asynchronous)."""
+
+    def checkpoint_saved(self, *, duration_s: float, bytes_written: int) -> None: ...
+
+    def checkpoint_failed(self) -> None: ...
+
+
 class Checkpointer:
     """Asynchronous, verified checkpoints with retention (keep the last ``keep_last`` and, when a metric
     ranks them, the best one)."""
 
     def __init__(
         self, storage: CheckpointStorage, *, keep_last: int, keep_best: bool = False, best_mode: str = "max",
-        async_save: bool = True, max_consecutive_failures: int = 1,
+        async_save: bool = True, max_consecutive_failures: int = 1, observer: SaveObserver | None = None,
     ) -> None:
         assert keep_last >= 1 and max_consecutive_failures >= 1, "validated by CheckpointConfig"
         self.storage = storage
@@ -310,12 +324,17 @@ class Checkpointer:
         self.num_failed = 0
         self.bytes_written = 0
         self.last_save_s = 0.0
+        self.observer = observer
+        self._last_stage_s = 0.0
 
     def stage(self, **snapshot_args: Any) -> dict[str, Any]:
         """:func:`snapshot` into buffers reused from save to save. It first lets the write in flight finish
         (it reads those buffers), so with saves spaced wider than a write it costs a memory copy only."""
         self._settle()
-        return snapshot(**snapshot_args, staging=self._staging if self.async_save else None)
+        start = time.perf_counter()
+        state = snapshot(**snapshot_args, staging=self._staging if self.async_save else None)
+        self._last_stage_s = time.perf_counter() - start
+        return state
 
     def save(self, global_step: int, state: dict[str, Any], *, metric: float | None = None) -> float:
         """Queue ``state`` (from :func:`snapshot`) for writing; returns the seconds the caller was blocked.
@@ -371,11 +390,16 @@ class Checkpointer:
         except BaseException:
             self.num_failed += 1
             self.consecutive_failures += 1
+            if self.observer is not None:
+                self.observer.checkpoint_failed()
             raise
         self.num_saved += 1
         self.consecutive_failures = 0
-        self.bytes_written += sum(len(d) for d in files.values()) + len(manifest)
+        num_bytes = sum(len(d) for d in files.values()) + len(manifest)
+        self.bytes_written += num_bytes
         self.last_save_s = time.perf_counter() - start
+        if self.observer is not None:
+            self.observer.checkpoint_saved(duration_s=self._last_stage_s + self.last_save_s, bytes_written=num_bytes)
         log.info("checkpoint %s written in %.2fs", self.storage.uri(name), self.last_save_s)
         self._prune(keep=name)
 

@@ -360,10 +360,80 @@ class TrackingConfig:
         _fraction("tracking.promotion_min_accuracy", self.promotion_min_accuracy, upper_inclusive=True)
 
 
+PUSHGATEWAY_URL_ENV = "TRAINING_PUSHGATEWAY_URL"
+"""Environment variable the driver reads when ``observability.pushgateway_url`` is empty (see
+:meth:`ObservabilityConfig.resolved`); workers then get the URL through the config."""
+
+
+@dataclass
+class ObservabilityConfig:
+    enabled: bool = True
+    """Export Prometheus metrics from every rank (training progress, checkpoints, GPUs, host, cost). False turns
+    all of it off, samplers and pushes included."""
+
+    pushgateway_url: str = ""
+    """Prometheus Pushgateway to push to, e.g. ``http://pushgateway:9091``. Empty: the driver uses the
+    ``TRAINING_PUSHGATEWAY_URL`` environment variable if set, else nothing is pushed (and nothing fails)."""
+
+    push_interval_s: float = 15.0
+    """Seconds between pushes from each rank's background thread; one more push follows at the end."""
+
+    push_timeout_s: float = 5.0
+    """Seconds one push may take before it is given up (logged as a warning; training goes on)."""
+
+    http_port: int = 0
+    """Serve each rank's metrics over HTTP for a long-running scrape setup: rank ``r`` listens on
+    ``http_port + r``. 0 serves nothing."""
+
+    nvml: bool = True
+    """Sample every visible GPU through NVML (utilisation, memory, temperature, power, throttling, XID
+    errors). Without a GPU or the NVML library this turns itself off with one info log."""
+
+    host: bool = True
+    """Sample the host with psutil: CPU, memory, network and disk I/O bytes."""
+
+    sample_interval_s: float = 5.0
+    """Seconds between GPU and host samples (they also go to MLflow's system metrics on rank 0)."""
+
+    mlflow_system_metrics: bool = True
+    """Rank 0 logs each sample to the MLflow run as ``system/...`` metrics (MLflow's System Metrics tab)."""
+
+    timeline_max_samples: int = 720
+    """Samples rank 0 keeps for the training Deck's timeline (an hour at 5 s); when full, every other one is
+    dropped and the interval they cover doubles."""
+
+    gpu_hour_usd: float = 2.5
+    """Price of one GPU-hour in USD, for ``training_job_cost_usd`` and the cost logged to MLflow."""
+
+    cpu_hour_usd: float = 0.05
+    """Price of one CPU-hour (a vCPU reserved for a worker) in USD."""
+
+    def __post_init__(self) -> None:
+        if self.pushgateway_url and not self.pushgateway_url.startswith(("http://", "https://")):
+            _fail("observability.pushgateway_url", self.pushgateway_url, "give a full URL such as http://pushgateway:9091, or leave it empty")
+        _positive("observability.push_interval_s", self.push_interval_s)
+        _positive("observability.push_timeout_s", self.push_timeout_s)
+        if not 0 <= self.http_port <= 65535:
+            _fail("observability.http_port", self.http_port, "use a TCP port in 1-65535, or 0 for no HTTP endpoint")
+        _positive("observability.sample_interval_s", self.sample_interval_s)
+        if self.timeline_max_samples < 2:
+            _fail("observability.timeline_max_samples", self.timeline_max_samples, "it must be >= 2")
+        _non_negative("observability.gpu_hour_usd", self.gpu_hour_usd)
+        _non_negative("observability.cpu_hour_usd", self.cpu_hour_usd)
+
+    def resolved(self, environ: Mapping[str, str] | None = None) -> "ObservabilityConfig":
+        """This config with ``pushgateway_url`` taken from ``TRAINING_PUSHGATEWAY_URL`` when it is empty. The
+        driver calls it, so Ray workers (which may not share the driver's environment) get the URL in the config."""
+        url = (os.environ if environ is None else environ).get(PUSHGATEWAY_URL_ENV, "")
+        if self.pushgateway_url or not url:
+            return self
+        return dataclasses.replace(self, pushgateway_url=url)
+
+
 @dataclass
 class TrainingConfig:
     """A whole training run: data, model, optimizer and schedule, loop, scaling, precision, checkpoints,
-    tracking."""
+    tracking, observability."""
 
     data: DataConfig = field(default_factory=DataConfig)
     """What to train on and how it is sharded."""
@@ -391,6 +461,9 @@ class TrainingConfig:
 
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """MLflow tracking and the Model Registry."""
+
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    """Prometheus metrics (training, GPUs, host, cost), their delivery, and MLflow system metrics."""
 
     def __post_init__(self) -> None:
         if self.data.num_shards < self.scaling.num_workers:

@@ -20,7 +20,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Iterator
 
 from training_core.config import TrainingConfig
-from training_core.trainer import FitResult, checkpoint_root, collect_final
+from training_core.trainer import FitResult, checkpoint_root, collect_final, worker_loop_config
 
 if TYPE_CHECKING:
     import torch
@@ -152,6 +152,7 @@ def launch(
     run_name: str,
     storage_path: str,
     warmup_steps_excluded: int | None = None,
+    job_labels: dict[str, str] | None = None,
 ) -> FitResult:
     """Train ``cfg`` on ``cfg.scaling.num_workers`` local processes with plain ``torch.distributed``.
 
@@ -171,7 +172,7 @@ def launch(
                 f"{torch.cuda.device_count()} GPU(s) and each worker needs one; lower scaling.num_workers"
             )
     root = checkpoint_root(storage_path, run_name)
-    loop_config: dict[str, Any] = {"config": cfg.to_dict(), "data_dir": data_dir, "checkpoint_root": root}
+    loop_config = worker_loop_config(cfg, data_dir=data_dir, root=root, run_name=run_name, job_labels=job_labels)
     if warmup_steps_excluded is not None:
         loop_config["warmup_steps_excluded"] = warmup_steps_excluded
     with tempfile.TemporaryDirectory(prefix="launch-") as scratch:

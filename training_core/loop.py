@@ -26,8 +26,9 @@ from torch import nn
 from training_core import checkpoint as ckpt
 from training_core.config import OptimizerConfig, ScheduleConfig, TrainingConfig
 from training_core.data import Manifest, ShardStream
-from training_core.metrics import build_sink, flatten
+from training_core.metrics import MlflowSink, build_sink, flatten
 from training_core.models import build_model
+from training_core.telemetry import JobLabels, build_telemetry
 
 log = logging.getLogger("training_core")
 
@@ -352,8 +353,9 @@ def run_worker(loop_config: dict[str, Any], runtime: WorkerRuntime) -> None:
     (where this run's checkpoints live; the loop resumes from the newest valid one there), optional
     ``resume_from`` (a checkpoint directory URI to continue from when the root holds none), ``mlflow``
     (``tracking_uri``, ``run_id``), ``log_params`` (log the config as MLflow params; default: when not
-    resuming) and ``warmup_steps_excluded`` (steps left out of steady-state throughput and step-time
-    percentiles).
+    resuming), ``warmup_steps_excluded`` (steps left out of steady-state throughput and step-time
+    percentiles) and ``job_labels`` (``execution``, ``node``, ``attempt`` of the Flyte task, for the metrics'
+    labels; see :mod:`training_core.telemetry`).
     """
     cfg = TrainingConfig.from_dict(loop_config["config"])
     rank, world_size, device = runtime.rank, runtime.world_size, runtime.device
@@ -381,194 +383,219 @@ def run_worker(loop_config: dict[str, Any], runtime: WorkerRuntime) -> None:
     train_stream = ShardStream(manifest, "train", rank=rank, world_size=world_size)
     val_stream = ShardStream(manifest, "val", rank=rank, world_size=world_size)
 
-    root = loop_config["checkpoint_root"]
-    storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options(root))
-    checkpointer = ckpt.Checkpointer(
-        storage, keep_last=cfg.checkpoint.keep_last, keep_best=cfg.checkpoint.keep_best,
-        best_mode="max" if cfg.checkpoint.best_metric == "val_accuracy" else "min", async_save=cfg.checkpoint.async_save,
-        max_consecutive_failures=cfg.checkpoint.max_consecutive_save_failures,
-    )
     mlflow_info = loop_config.get("mlflow") or {}
-    sink = build_sink(rank=rank, tracking_uri=mlflow_info.get("tracking_uri"), run_id=mlflow_info.get("run_id"))
-
-    # Position: epoch index, steps already taken in it, and what the epoch's record has accumulated so far.
-    start_epoch, start_step_in_epoch, global_step = 0, 0, 0
-    history: list[dict[str, float]] = []
-    step_log: list[dict[str, float]] = []
-    best_metric: float | None = None
-    resumed_from_steps: list[int] = []
-    resume_timings: list[dict[str, float]] = []
-    awaiting_first_step = False
-    partial = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0}
-    loaded = ckpt.load_latest_valid(storage)
-    if loaded is None and loop_config.get("resume_from"):
-        loaded = ckpt.load_directory(loop_config["resume_from"])
-    if loaded is not None:
-        ckpt.restore(loaded, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-        apply_hyperparameters(cfg, optimizer, scheduler)
-        meta = loaded.meta
-        start_epoch, start_step_in_epoch, global_step = meta.epoch, meta.step_in_epoch, meta.global_step
-        history, step_log, best_metric = list(meta.history), list(meta.step_log), meta.best_metric
-        partial = dict(meta.epoch_partial or partial)
-        resumed_from_steps = [*meta.resumed_from_steps, global_step]
-        resume_timings = [*meta.resume_timings, {"from_step": float(global_step), "restored_unix": time.time()}]
-        awaiting_first_step = True
-        _restore_rng(rank, meta.rng, loaded.trainer.get("rng", {}))
-        if rank == 0:
-            log.warning("resumed from %s: epoch %d, step %d of it, global step %d", loaded.uri, start_epoch, start_step_in_epoch, global_step)
-    if start_epoch >= end_epoch:
-        raise ValueError(
-            f"loop.stop_at_epoch={cfg.loop.stop_at_epoch} (loop.epochs={cfg.loop.epochs}) is not past the checkpoint's "
-            f"epoch {start_epoch}: there is nothing to train; raise loop.stop_at_epoch"
+    telemetry = build_telemetry(
+        cfg.observability, scaling=cfg.scaling, world_size=world_size,
+        labels=JobLabels(**loop_config.get("job_labels", {}), rank=str(rank), model=cfg.model.name),
+        system_sink=MlflowSink(tracking_uri=mlflow_info["tracking_uri"], run_id=mlflow_info["run_id"]) if rank == 0 and mlflow_info else None,
+    )
+    finished = False
+    # The telemetry threads stop, and the last push says whether training finished, however the loop ends.
+    try:
+        root = loop_config["checkpoint_root"]
+        storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options(root))
+        checkpointer = ckpt.Checkpointer(
+            storage, keep_last=cfg.checkpoint.keep_last, keep_best=cfg.checkpoint.keep_best,
+            best_mode="max" if cfg.checkpoint.best_metric == "val_accuracy" else "min", async_save=cfg.checkpoint.async_save,
+            max_consecutive_failures=cfg.checkpoint.max_consecutive_save_failures, observer=telemetry,
         )
-    if loop_config.get("log_params", loaded is None):
-        sink.log_params(flatten(cfg.to_dict()) | {"world_size": world_size, "steps_per_epoch": steps_per_epoch, "device": device.type})
-        sink.log_dict(cfg.to_dict(), "config.json")
+        sink = build_sink(rank=rank, tracking_uri=mlflow_info.get("tracking_uri"), run_id=mlflow_info.get("run_id"))
 
-    def save_checkpoint(*, epoch: int, step_in_epoch: int, metric: float | None, mlflow_model_uri: str = "") -> None:
-        """Every rank calls this at the same steps (the RNG gather is a collective); rank 0 writes."""
-        json_rng, torch_rng = _gather_rng_states(world_size)
-        if rank != 0:
-            return
-        started = time.perf_counter()
-        meta = ckpt.CheckpointMeta(
-            model_name=cfg.model.name, classes=manifest.classes, input_shape=manifest.input_shape, mean=manifest.mean,
-            std=manifest.std, epoch=epoch, step_in_epoch=step_in_epoch, global_step=global_step, config=cfg.to_dict(),
-            best_metric=best_metric, metric=metric, history=history, step_log=step_log, rng=json_rng,
-            resumed_from_steps=resumed_from_steps, resume_timings=resume_timings,
-            epoch_partial=dict(partial), mlflow_run_id=mlflow_info.get("run_id", ""), mlflow_model_uri=mlflow_model_uri,
-        )
-        state = checkpointer.stage(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, meta=meta, torch_rng=torch_rng)
-        checkpointer.save(global_step, state, metric=metric)
-        sink.log_metrics({"checkpoint_stall_s": time.perf_counter() - started}, step=global_step)
-
-    warmup_excluded = loop_config.get("warmup_steps_excluded", min(5, total_steps // 4))
-    global_batch = cfg.loop.batch_size * cfg.loop.grad_accum_steps * world_size
-    interval = cfg.checkpoint.interval_steps
-    steady_time_s, steady_steps = 0.0, 0
-    # Steady-state step times and their all-reduce seconds, for percentiles and the communication share.
-    steady_step_times_s: list[float] = []
-    steady_comm_s = 0.0
-    for epoch in range(start_epoch, end_epoch):
-        if global_step >= total_steps:
-            break
-        first_step = start_step_in_epoch if epoch == start_epoch else 0
-        steps_this_epoch = min(steps_per_epoch, first_step + total_steps - global_step)
-        batches = train_stream.train_batches(
-            epoch=epoch, seed=cfg.loop.seed, batch_size=cfg.loop.batch_size,
-            num_batches=steps_this_epoch * cfg.loop.grad_accum_steps, start_batch=first_step * cfg.loop.grad_accum_steps,
-        )
-        if epoch != start_epoch:
-            partial = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0}
-        window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0, "data_s": 0.0, "comm_s": 0.0, "steps": 0}
-        # A step's wall time runs from the previous step's end, so logging and all-reduces of metrics count
-        # against throughput; only the epoch boundary (validation, checkpoint) is left out.
-        last_step_end = time.perf_counter()
-        for step_in_epoch in range(first_step, steps_this_epoch):
-            step_start = time.perf_counter()
-            micro_batches = [normalize(*next(batches)) for _ in range(cfg.loop.grad_accum_steps)]
-            data_wait_s = time.perf_counter() - step_start
-            result = train_step(
-                model=model, optimizer=optimizer, scaler=scaler, micro_batches=micro_batches,
-                autocast_dtype=autocast_dtype, max_grad_norm=cfg.optimizer.max_grad_norm,
-            )
-            lr = optimizer.param_groups[0]["lr"]
-            scheduler.step()
-            global_step += 1
-            if awaiting_first_step:
-                resume_timings[-1]["first_step_unix"] = time.time()
-                awaiting_first_step = False
-            is_epoch_end = step_in_epoch == steps_this_epoch - 1
-            save_now = bool(interval) and global_step % interval == 0 and not is_epoch_end
-            # Reading the loss synchronises with the device; on GPU that happens once per log window only. An
-            # epoch's last step and a checkpoint step close the window, so every step is in one logged record
-            # and a checkpoint never holds half a window.
-            is_log_step = global_step % cfg.loop.log_interval_steps == 0 or is_epoch_end or save_now
-            window["loss"] += result.loss
-            window["correct"] += result.num_correct
-            window["samples"] += result.num_samples
-            if device.type == "cuda" and is_log_step:
-                torch.cuda.synchronize()  # queued kernels belong to this window's time, not the next one's
-            step_end = time.perf_counter()
-            step_time_s, last_step_end = step_end - last_step_end, step_end
-            window["time_s"] += step_time_s
-            window["data_s"] += data_wait_s
-            window["steps"] += 1
-            comm_s = comm_timer.take_step_seconds()
-            window["comm_s"] += comm_s
-            if global_step > warmup_excluded:
-                steady_time_s += step_time_s
-                steady_steps += 1
-                steady_comm_s += comm_s
-                if len(steady_step_times_s) < MAX_STEP_TIMES_KEPT:
-                    steady_step_times_s.append(step_time_s)
-            if is_log_step:
-                loss_sum, correct, samples = _all_reduce_sum(
-                    [float(window["loss"]), float(window["correct"]), float(window["samples"])], device
-                )
-                steps = window["steps"]
-                record = {
-                    "train_loss": loss_sum / (steps * world_size),
-                    "train_accuracy": correct / samples,
-                    "lr": lr,
-                    "grad_norm": float(result.grad_norm),
-                    "samples_per_s": samples / window["time_s"] if window["time_s"] else 0.0,
-                    "step_time_s": window["time_s"] / steps,
-                    "data_wait_s": window["data_s"] / steps,
-                    "allreduce_fraction": window["comm_s"] / window["time_s"] if window["time_s"] else 0.0,
-                    "epoch": float(epoch),
-                }
-                partial["loss"] += loss_sum
-                partial["correct"] += correct
-                partial["samples"] += samples
-                partial["time_s"] += window["time_s"]
-                step_log.append({"step": float(global_step), **record})
-                sink.log_metrics(record, step=global_step)
-                window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0, "data_s": 0.0, "comm_s": 0.0, "steps": 0}
-            if save_now:
-                save_checkpoint(epoch=epoch, step_in_epoch=step_in_epoch + 1, metric=None)
-                last_step_end = time.perf_counter()  # the stall is measured on its own, not as step time
-
-        _broadcast_buffers_from_rank0(model)
-        val = evaluate(model, val_stream.eval_batches(batch_size=256), normalize=normalize, num_classes=manifest.num_classes, autocast_dtype=autocast_dtype, all_reduce=True)
-        epoch_record = {
-            "epoch": float(epoch + 1),
-            "global_step": float(global_step),
-            "train_loss": partial["loss"] / max(1, steps_this_epoch * world_size),
-            "train_accuracy": partial["correct"] / max(1, partial["samples"]),
-            "val_loss": val.loss,
-            "val_accuracy": val.accuracy,
-            "lr": optimizer.param_groups[0]["lr"],
-            "samples_per_s": partial["samples"] / partial["time_s"] if partial["time_s"] else 0.0,
-            "steady_samples_per_s": global_batch * steady_steps / steady_time_s if steady_time_s else 0.0,
-            "steady_steps": float(steady_steps),
-            "step_time_p50_s": _percentile(steady_step_times_s, 50),
-            "step_time_p95_s": _percentile(steady_step_times_s, 95),
-            "allreduce_fraction": steady_comm_s / steady_time_s if steady_time_s else 0.0,
-        }
-        history.append(epoch_record)
-        sink.log_metrics({k: v for k, v in epoch_record.items() if k.startswith("val_")}, step=global_step)
-        metric = epoch_record[cfg.checkpoint.best_metric]
-        if best_metric is None or (metric > best_metric if cfg.checkpoint.best_metric == "val_accuracy" else metric < best_metric):
-            best_metric = metric
+        # Position: epoch index, steps already taken in it, and what the epoch's record has accumulated so far.
+        start_epoch, start_step_in_epoch, global_step = 0, 0, 0
+        history: list[dict[str, float]] = []
+        step_log: list[dict[str, float]] = []
+        best_metric: float | None = None
+        resumed_from_steps: list[int] = []
+        resume_timings: list[dict[str, float]] = []
+        awaiting_first_step = False
+        elapsed_before_s = 0.0  # the run's seconds before this resume: step_log's clock continues from there
         partial = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0}
-        done = global_step >= total_steps or epoch == end_epoch - 1
-        if done:
-            # A slice that stops before the full budget (a tuning rung) logs no model: only a trial that
-            # finishes can be registered, and logging one costs seconds per slice.
-            full_budget = global_step >= total_steps or epoch == cfg.loop.epochs - 1
-            model_uri = _log_model_to_mlflow(model, manifest, mlflow_info) if rank == 0 and mlflow_info and full_budget else ""
-            save_checkpoint(epoch=epoch + 1, step_in_epoch=0, metric=metric, mlflow_model_uri=model_uri)
-        elif cfg.checkpoint.at_epoch_end or (interval and global_step % interval == 0):
-            save_checkpoint(epoch=epoch + 1, step_in_epoch=0, metric=metric)
-        if done and rank == 0:
-            checkpointer.wait()  # the final checkpoint is the task's output: it must be on storage
-        runtime.report(epoch_record)
-        if done:
-            break
-    if rank == 0:
-        checkpointer.wait()
-    sink.close()
+        loaded = ckpt.load_latest_valid(storage)
+        is_restart = loaded is not None  # this run's own checkpoint: a worker restart or a task retry
+        if loaded is None and loop_config.get("resume_from"):
+            loaded = ckpt.load_directory(loop_config["resume_from"])
+        if loaded is not None:
+            ckpt.restore(loaded, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+            apply_hyperparameters(cfg, optimizer, scheduler)
+            meta = loaded.meta
+            start_epoch, start_step_in_epoch, global_step = meta.epoch, meta.step_in_epoch, meta.global_step
+            history, step_log, best_metric = list(meta.history), list(meta.step_log), meta.best_metric
+            partial = dict(meta.epoch_partial or partial)
+            resumed_from_steps = [*meta.resumed_from_steps, global_step]
+            resume_timings = [*meta.resume_timings, {"from_step": float(global_step), "restored_unix": time.time()}]
+            awaiting_first_step = True
+            if is_restart:  # a fine-tune from another run starts its own clock, cost and restart count
+                elapsed_before_s = meta.elapsed_s
+                telemetry.resumed(meta.telemetry, global_step=global_step, elapsed_s=elapsed_before_s, num_restarts=len(resumed_from_steps))
+            _restore_rng(rank, meta.rng, loaded.trainer.get("rng", {}))
+            if rank == 0:
+                log.warning("resumed from %s: epoch %d, step %d of it, global step %d", loaded.uri, start_epoch, start_step_in_epoch, global_step)
+        if start_epoch >= end_epoch:
+            raise ValueError(
+                f"loop.stop_at_epoch={cfg.loop.stop_at_epoch} (loop.epochs={cfg.loop.epochs}) is not past the checkpoint's "
+                f"epoch {start_epoch}: there is nothing to train; raise loop.stop_at_epoch"
+            )
+        run_clock_start = time.monotonic() - elapsed_before_s
+        if loop_config.get("log_params", loaded is None):
+            sink.log_params(flatten(cfg.to_dict()) | {"world_size": world_size, "steps_per_epoch": steps_per_epoch, "device": device.type})
+            sink.log_dict(cfg.to_dict(), "config.json")
+
+        def save_checkpoint(*, epoch: int, step_in_epoch: int, metric: float | None, mlflow_model_uri: str = "") -> None:
+            """Every rank calls this at the same steps (the RNG gather is a collective); rank 0 writes."""
+            json_rng, torch_rng = _gather_rng_states(world_size)
+            if rank != 0:
+                return
+            started = time.perf_counter()
+            meta = ckpt.CheckpointMeta(
+                model_name=cfg.model.name, classes=manifest.classes, input_shape=manifest.input_shape, mean=manifest.mean,
+                std=manifest.std, epoch=epoch, step_in_epoch=step_in_epoch, global_step=global_step, config=cfg.to_dict(),
+                best_metric=best_metric, metric=metric, history=history, step_log=step_log, rng=json_rng,
+                resumed_from_steps=resumed_from_steps, resume_timings=resume_timings,
+                epoch_partial=dict(partial), mlflow_run_id=mlflow_info.get("run_id", ""), mlflow_model_uri=mlflow_model_uri,
+                elapsed_s=time.monotonic() - run_clock_start, telemetry=telemetry.snapshot(),
+            )
+            state = checkpointer.stage(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, meta=meta, torch_rng=torch_rng)
+            checkpointer.save(global_step, state, metric=metric)
+            sink.log_metrics({"checkpoint_stall_s": time.perf_counter() - started}, step=global_step)
+
+        warmup_excluded = loop_config.get("warmup_steps_excluded", min(5, total_steps // 4))
+        global_batch = cfg.loop.batch_size * cfg.loop.grad_accum_steps * world_size
+        interval = cfg.checkpoint.interval_steps
+        steady_time_s, steady_steps = 0.0, 0
+        # Steady-state step times and their all-reduce seconds, for percentiles and the communication share.
+        steady_step_times_s: list[float] = []
+        steady_comm_s = 0.0
+        for epoch in range(start_epoch, end_epoch):
+            if global_step >= total_steps:
+                break
+            first_step = start_step_in_epoch if epoch == start_epoch else 0
+            steps_this_epoch = min(steps_per_epoch, first_step + total_steps - global_step)
+            batches = train_stream.train_batches(
+                epoch=epoch, seed=cfg.loop.seed, batch_size=cfg.loop.batch_size,
+                num_batches=steps_this_epoch * cfg.loop.grad_accum_steps, start_batch=first_step * cfg.loop.grad_accum_steps,
+            )
+            if epoch != start_epoch:
+                partial = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0}
+            window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0, "data_s": 0.0, "comm_s": 0.0, "steps": 0}
+            # A step's wall time runs from the previous step's end, so logging and all-reduces of metrics count
+            # against throughput; only the epoch boundary (validation, checkpoint) is left out.
+            last_step_end = time.perf_counter()
+            for step_in_epoch in range(first_step, steps_this_epoch):
+                step_start = time.perf_counter()
+                micro_batches = [normalize(*next(batches)) for _ in range(cfg.loop.grad_accum_steps)]
+                data_wait_s = time.perf_counter() - step_start
+                try:
+                    result = train_step(
+                        model=model, optimizer=optimizer, scaler=scaler, micro_batches=micro_batches,
+                        autocast_dtype=autocast_dtype, max_grad_norm=cfg.optimizer.max_grad_norm,
+                    )
+                except torch.cuda.OutOfMemoryError:
+                    telemetry.gpu_oom()
+                    raise
+                lr = optimizer.param_groups[0]["lr"]
+                scheduler.step()
+                global_step += 1
+                if awaiting_first_step:
+                    resume_timings[-1]["first_step_unix"] = time.time()
+                    awaiting_first_step = False
+                is_epoch_end = step_in_epoch == steps_this_epoch - 1
+                save_now = bool(interval) and global_step % interval == 0 and not is_epoch_end
+                # Reading the loss synchronises with the device; on GPU that happens once per log window only. An
+                # epoch's last step and a checkpoint step close the window, so every step is in one logged record
+                # and a checkpoint never holds half a window.
+                is_log_step = global_step % cfg.loop.log_interval_steps == 0 or is_epoch_end or save_now
+                window["loss"] += result.loss
+                window["correct"] += result.num_correct
+                window["samples"] += result.num_samples
+                if device.type == "cuda" and is_log_step:
+                    torch.cuda.synchronize()  # queued kernels belong to this window's time, not the next one's
+                step_end = time.perf_counter()
+                step_time_s, last_step_end = step_end - last_step_end, step_end
+                window["time_s"] += step_time_s
+                window["data_s"] += data_wait_s
+                window["steps"] += 1
+                comm_s = comm_timer.take_step_seconds()
+                window["comm_s"] += comm_s
+                telemetry.step(duration_s=step_time_s, num_samples=result.num_samples, data_wait_s=data_wait_s, comm_s=comm_s)
+                if global_step > warmup_excluded:
+                    steady_time_s += step_time_s
+                    steady_steps += 1
+                    steady_comm_s += comm_s
+                    if len(steady_step_times_s) < MAX_STEP_TIMES_KEPT:
+                        steady_step_times_s.append(step_time_s)
+                if is_log_step:
+                    loss_sum, correct, samples = _all_reduce_sum(
+                        [float(window["loss"]), float(window["correct"]), float(window["samples"])], device
+                    )
+                    steps = window["steps"]
+                    record = {
+                        "train_loss": loss_sum / (steps * world_size),
+                        "train_accuracy": correct / samples,
+                        "lr": lr,
+                        "grad_norm": float(result.grad_norm),
+                        "samples_per_s": samples / window["time_s"] if window["time_s"] else 0.0,
+                        "step_time_s": window["time_s"] / steps,
+                        "data_wait_s": window["data_s"] / steps,
+                        "allreduce_fraction": window["comm_s"] / window["time_s"] if window["time_s"] else 0.0,
+                        "epoch": float(epoch),
+                    }
+                    partial["loss"] += loss_sum
+                    partial["correct"] += correct
+                    partial["samples"] += samples
+                    partial["time_s"] += window["time_s"]
+                    step_log.append({"step": float(global_step), **record, "elapsed_s": time.monotonic() - run_clock_start})
+                    sink.log_metrics(record, step=global_step)
+                    telemetry.window(record, global_step=global_step)
+                    window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0, "data_s": 0.0, "comm_s": 0.0, "steps": 0}
+                if save_now:
+                    save_checkpoint(epoch=epoch, step_in_epoch=step_in_epoch + 1, metric=None)
+                    last_step_end = time.perf_counter()  # the stall is measured on its own, not as step time
+
+            _broadcast_buffers_from_rank0(model)
+            val = evaluate(model, val_stream.eval_batches(batch_size=256), normalize=normalize, num_classes=manifest.num_classes, autocast_dtype=autocast_dtype, all_reduce=True)
+            epoch_record = {
+                "epoch": float(epoch + 1),
+                "global_step": float(global_step),
+                "train_loss": partial["loss"] / max(1, steps_this_epoch * world_size),
+                "train_accuracy": partial["correct"] / max(1, partial["samples"]),
+                "val_loss": val.loss,
+                "val_accuracy": val.accuracy,
+                "lr": optimizer.param_groups[0]["lr"],
+                "samples_per_s": partial["samples"] / partial["time_s"] if partial["time_s"] else 0.0,
+                "steady_samples_per_s": global_batch * steady_steps / steady_time_s if steady_time_s else 0.0,
+                "steady_steps": float(steady_steps),
+                "step_time_p50_s": _percentile(steady_step_times_s, 50),
+                "step_time_p95_s": _percentile(steady_step_times_s, 95),
+                "allreduce_fraction": steady_comm_s / steady_time_s if steady_time_s else 0.0,
+            }
+            history.append(epoch_record)
+            telemetry.validation(loss=val.loss, accuracy=val.accuracy)
+            sink.log_metrics({k: v for k, v in epoch_record.items() if k.startswith("val_")}, step=global_step)
+            metric = epoch_record[cfg.checkpoint.best_metric]
+            if best_metric is None or (metric > best_metric if cfg.checkpoint.best_metric == "val_accuracy" else metric < best_metric):
+                best_metric = metric
+            partial = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0}
+            done = global_step >= total_steps or epoch == end_epoch - 1
+            if done:
+                # A slice that stops before the full budget (a tuning rung) logs no model: only a trial that
+                # finishes can be registered, and logging one costs seconds per slice.
+                full_budget = global_step >= total_steps or epoch == cfg.loop.epochs - 1
+                model_uri = _log_model_to_mlflow(model, manifest, mlflow_info) if rank == 0 and mlflow_info and full_budget else ""
+                save_checkpoint(epoch=epoch + 1, step_in_epoch=0, metric=metric, mlflow_model_uri=model_uri)
+            elif cfg.checkpoint.at_epoch_end or (interval and global_step % interval == 0):
+                save_checkpoint(epoch=epoch + 1, step_in_epoch=0, metric=metric)
+            if done and rank == 0:
+                checkpointer.wait()  # the final checkpoint is the task's output: it must be on storage
+            runtime.report(epoch_record)
+            if done:
+                break
+        if rank == 0:
+            checkpointer.wait()
+        sink.close()
+        finished = True
+    finally:
+        telemetry.close(finished=finished)
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -6,11 +6,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
@@ -75,13 +76,15 @@ def fit(
     resume_from: str | None = None,
     warmup_steps_excluded: int | None = None,
     log_params: bool | None = None,
+    job_labels: Mapping[str, str] | None = None,
 ) -> FitResult:
     """Train ``cfg`` on the prepared data at ``data_dir``; copy the final checkpoint to local ``checkpoint_dir``.
 
     Checkpoints go to :func:`checkpoint_root` of ``storage_path``/``run_name``, and training resumes from
     the newest valid one there (after a worker restart inside this call, or on a new call with the same
     names). ``resume_from`` is a checkpoint directory to continue from when there is none yet. ``log_params``
-    says whether the config goes to the MLflow run as params (default: unless resuming). Raises what
+    says whether the config goes to the MLflow run as params (default: unless resuming). ``job_labels``
+    (``execution``, ``node``, ``attempt``) label the workers' metrics; see :func:`worker_job_labels`. Raises what
     the training function raised, wrapped by Ray Train, once ``checkpoint.max_worker_restarts`` is spent.
     """
     import ray
@@ -95,7 +98,7 @@ def fit(
         _check_slice(cfg, root, resume_from)
     if not ray.is_initialized():
         ray.init()
-    loop_config: dict[str, Any] = {"config": cfg.to_dict(), "data_dir": data_dir, "checkpoint_root": root}
+    loop_config = worker_loop_config(cfg, data_dir=data_dir, root=root, run_name=run_name, job_labels=job_labels)
     if mlflow_run is not None:
         loop_config["mlflow"] = {"tracking_uri": mlflow_run.tracking_uri, "run_id": mlflow_run.run_id}
     if resume_from:
@@ -117,6 +120,26 @@ def fit(
     )
     trainer.fit()
     return collect_final(cfg, root, checkpoint_dir, what=f"Ray Train run {run_name!r}")
+
+
+def worker_job_labels(run_name: str, job_labels: Mapping[str, str] | None) -> dict[str, str]:
+    """``execution``, ``node`` and ``attempt`` for the workers' metrics: the caller's (the Flyte task knows
+    them), else the run name as the execution, ``local`` and attempt 0 (tuning, benchmarks, tests)."""
+    labels = {"execution": run_name, "node": "local", "attempt": "0"}
+    labels.update({k: str(v) for k, v in (job_labels or {}).items() if k in labels and str(v)})
+    return labels
+
+
+def worker_loop_config(
+    cfg: TrainingConfig, *, data_dir: str, root: str, run_name: str, job_labels: Mapping[str, str] | None,
+) -> dict[str, Any]:
+    """What every worker's loop receives. The Pushgateway URL is resolved here, on the driver, from
+    ``TRAINING_PUSHGATEWAY_URL`` when the config has none: workers may not share the driver's environment."""
+    cfg = dataclasses.replace(cfg, observability=cfg.observability.resolved())
+    return {
+        "config": cfg.to_dict(), "data_dir": data_dir, "checkpoint_root": root,
+        "job_labels": worker_job_labels(run_name, job_labels),
+    }
 
 
 def collect_final(cfg: TrainingConfig, root: str, checkpoint_dir: str, *, what: str, metrics: dict[str, Any] | None = None) -> FitResult:
