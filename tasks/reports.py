@@ -15,7 +15,8 @@ STYLE = (
     ".report{font-family:system-ui,sans-serif;color:#222;max-width:1100px}"
     ".report section{margin:0 0 28px}.report h2{margin:0 0 8px;font-size:1.25em}"
     ".report p.note{color:#555;margin:4px 0 8px}"
-    ".report table{border-collapse:collapse}"
+    # Wide tables (a trial per row, a column per param) scroll inside the page instead of widening it.
+    ".report table{border-collapse:collapse;display:block;max-width:100%;overflow-x:auto}"
     ".report td,.report th{border:1px solid #ccc;padding:4px 10px;text-align:right}"
     ".report th{background:#f4f4f4}.report th.key{text-align:left}"
     ".report img{max-width:100%;height:auto}"
@@ -311,7 +312,10 @@ def metric_vs_epochs(curves: dict[int, tuple[Sequence[int], Sequence[float]]], *
         highlight = trial_id == best
         ax.plot(epochs, scores, "o-", linewidth=2.5 if highlight else 1, alpha=1 if highlight else 0.6,
                 label=f"trial {trial_id}" + (" (best)" if highlight else ""))
+    from matplotlib.ticker import MaxNLocator
+
     ax.set_title(f"{metric} of each trial")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("epochs trained")
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)

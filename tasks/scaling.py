@@ -149,8 +149,10 @@ def _plots(table) -> str:
         throughput_ax.plot(counts, [base_ray * n / base_count for n in counts], ":", color="gray", label=f"{model} linear")
         efficiency_ax.plot(counts, rows["ray_efficiency"], "o-", label=f"{model} Ray Train")
         efficiency_ax.plot(counts, rows["torch_efficiency"], "s--", label=f"{model} plain torch")
-    throughput_ax.set_title("throughput (samples/s, all workers)")
+    throughput_ax.set_title("throughput, all workers")
+    throughput_ax.set_ylabel("samples/s")
     efficiency_ax.set_title("scaling efficiency")
+    efficiency_ax.set_ylabel("efficiency (1 = linear)")
     efficiency_ax.axhline(1.0, color="gray", linestyle=":")
     efficiency_ax.set_ylim(0, 1.1)
     for ax in (throughput_ax, efficiency_ax):
