@@ -1,0 +1,293 @@
+"""The per-worker exporter: catalogue, labels, NVML fallback, host counters, cost, delivery, config."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from training_core import checkpoint as ckpt
+from training_core.config import ObservabilityConfig, ScalingConfig, TrainingConfig
+from training_core.telemetry import (
+    GpuReading, HostReading, HostSampler, JobLabels, NullTelemetry, NvmlGpus, PrometheusTelemetry, Timeline, build_telemetry,
+    job_cost, mlflow_system_metrics,
+)
+from training_core.telemetry_catalog import BY_NAME, JOB_LABELS, METRICS, PUSHGATEWAY_JOB, series_names
+
+LABELS = JobLabels(execution="exec-1", node="n0", attempt="1", rank="0", model="small_cnn")
+RECORD = {
+    "train_loss": 1.5, "train_accuracy": 0.25, "lr": 0.01, "grad_norm": 2.0, "samples_per_s": 640.0,
+    "step_time_s": 0.1, "data_wait_s": 0.01, "allreduce_fraction": 0.2, "epoch": 0.0,
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _telemetry(labels: JobLabels = LABELS, **cfg) -> PrometheusTelemetry:
+    return PrometheusTelemetry(ObservabilityConfig(**cfg), scaling=ScalingConfig(), labels=labels, world_size=2, start_threads=False)
+
+
+def _value(telemetry: PrometheusTelemetry, name: str, **extra: str) -> float | None:
+    return telemetry.registry.get_sample_value(name, {**telemetry.labels.as_dict(), **extra})
+
+
+def test_the_registry_exports_exactly_the_catalogues_series_each_with_the_job_labels():
+    telemetry = _telemetry()
+    telemetry.step(duration_s=0.1, num_samples=32, data_wait_s=0.01, comm_s=0.02)
+    telemetry.window(RECORD, global_step=1)
+    telemetry.validation(loss=1.2, accuracy=0.5)
+    telemetry.checkpoint_saved(duration_s=0.3, bytes_written=1000)
+    telemetry.sample()
+
+    families = {family.name: family for family in telemetry.registry.collect()}
+    exported = {sample.name for family in families.values() for sample in family.samples}
+    assert exported <= series_names()
+    # Every metric of the catalogue is registered, with its kind and help; only GPU series lack samples here.
+    assert {f.name + ("_total" if f.type == "counter" else "") for f in families.values()} == set(BY_NAME)
+    for family in families.values():
+        spec = BY_NAME[family.name + ("_total" if family.type == "counter" else "")]
+        assert (family.type, family.documentation) == (spec.kind, spec.help)
+    without_gpu = {name for spec in METRICS if "gpu" not in spec.extra_labels for name in spec.series}
+    assert exported == without_gpu
+    for family in families.values():
+        for sample in family.samples:
+            assert {k: sample.labels[k] for k in JOB_LABELS} == LABELS.as_dict(), sample
+    assert _value(telemetry, "training_step_duration_seconds_count") == 1
+    assert _value(telemetry, "training_samples_total") == 32
+    assert _value(telemetry, "training_loss", split="val") == 1.2
+    assert _value(telemetry, "training_data_wait_ratio") == pytest.approx(0.1)
+    assert _value(telemetry, "training_checkpoint_written_bytes_total") == 1000
+    assert _value(telemetry, "training_world_size") == 2
+    telemetry.close(finished=True)
+    assert _value(telemetry, "training_run_finished") == 1
+
+
+def test_without_a_gpu_nvml_turns_off_with_one_info_log_and_training_gpus_is_zero(caplog):
+    with caplog.at_level(logging.INFO, logger="training_core"):
+        telemetry = _telemetry()
+        telemetry.sample()
+        telemetry.sample()
+        telemetry.close(finished=True)
+    nvml_logs = [r for r in caplog.records if "GPU metrics off" in r.getMessage()]
+    assert len(nvml_logs) == 1 and nvml_logs[0].levelno == logging.INFO
+    assert telemetry.gpus is None
+    assert _value(telemetry, "training_gpus") == 0
+
+
+def test_every_nvml_call_path_survives_nvmls_real_error_returns():
+    from training_core.telemetry import _import_pynvml
+
+    pynvml = _import_pynvml()
+    # A handle on an uninitialised NVML: each call below reaches the real library binding and gets its error.
+    gpus = NvmlGpus(pynvml, {"0": None})
+    gpus.watch_xid_errors()
+    (reading,) = gpus.read()
+    assert reading == GpuReading(gpu="0")  # every figure left out, nothing raised
+    assert gpus.take_xid_errors() == {}
+    gpus.close()
+    assert NvmlGpus.open() is None
+
+
+def test_gpu_and_host_readings_go_to_mlflow_under_mlflows_system_metric_names():
+    host = HostReading(
+        cpu_utilization_ratio=0.5, memory_used_bytes=2e9, memory_total_bytes=8e9, network_received_bytes=3e6,
+        network_transmitted_bytes=1e6, disk_read_bytes=0.0, disk_written_bytes=0.0,
+    )
+    gpu = GpuReading(gpu="1", utilization_ratio=0.9, memory_used_bytes=4e9, memory_total_bytes=16e9, power_watts=250.0)
+    metrics = mlflow_system_metrics(host, [gpu])
+    assert metrics == pytest.approx({
+        "system/cpu_utilization_percentage": 50.0, "system/system_memory_usage_megabytes": 2000.0,
+        "system/system_memory_usage_percentage": 25.0, "system/network_receive_megabytes": 3.0,
+        "system/network_transmit_megabytes": 1.0, "system/gpu_1_utilization_percentage": 90.0,
+        "system/gpu_1_memory_usage_megabytes": 4000.0, "system/gpu_1_memory_usage_percentage": 25.0,
+        "system/gpu_1_power_usage_watts": 250.0,
+    })
+
+
+def test_host_byte_counters_grow_with_network_and_disk_traffic(tmp_path):
+    telemetry = _telemetry()
+    telemetry.sample()
+    before = {name: _value(telemetry, name) for name in ("training_host_network_received_bytes_total", "training_host_disk_written_bytes_total")}
+    payload = os.urandom(1 << 20)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = threading.Thread(target=lambda: socket.create_connection(server.getsockname()).sendall(payload))
+        sender.start()
+        connection, _ = server.accept()
+        received = 0
+        while received < len(payload):
+            received += len(connection.recv(1 << 16))
+        connection.close()
+        sender.join()
+    with open(tmp_path / "blob", "wb") as f:
+        f.write(payload * 4)
+        f.flush()
+        os.fsync(f.fileno())
+    telemetry.sample()
+    assert _value(telemetry, "training_host_network_received_bytes_total") >= before["training_host_network_received_bytes_total"] + len(payload)
+    assert _value(telemetry, "training_host_disk_written_bytes_total") > before["training_host_disk_written_bytes_total"]
+    assert 0 <= _value(telemetry, "training_host_cpu_utilization_ratio") <= 1
+    assert 0 < _value(telemetry, "training_host_memory_used_bytes") < _value(telemetry, "training_host_memory_total_bytes")
+    reading = HostSampler().read()
+    assert reading.network_received_bytes >= 0 and reading.disk_read_bytes >= 0
+
+
+def test_job_cost_is_world_size_times_resources_times_wall_time_at_the_configured_prices():
+    prices = ObservabilityConfig(gpu_hour_usd=2.0, cpu_hour_usd=0.1)
+    gpu_job = ScalingConfig(num_workers=4, use_gpu=True, gpus_per_worker=2, cpus_per_worker=8)
+    cost = job_cost(gpu_job, prices, wall_s=1800, prior={"gpu_hours": 1.0, "cpu_hours": 10.0})
+    assert cost.gpu_seconds == 3600 + 4 * 2 * 1800
+    assert cost.cpu_seconds == 36000 + 4 * 8 * 1800
+    assert cost.summary() == pytest.approx({"gpu_hours": 5.0, "cpu_hours": 26.0, "cost_usd": 5 * 2.0 + 26 * 0.1, "gpu_hour_usd": 2.0, "cpu_hour_usd": 0.1})
+    cpu_only = job_cost(ScalingConfig(num_workers=2, cpus_per_worker=1.5), prices, wall_s=3600)
+    assert (cpu_only.gpu_seconds, cpu_only.cpu_seconds, cpu_only.cost_usd) == (0.0, 3 * 3600, pytest.approx(0.3))
+
+
+def test_cost_and_timeline_carry_over_a_restart_through_the_checkpoint_meta():
+    first = _telemetry()
+    first.sample()
+    saved = first.snapshot()
+    first.close(finished=False)
+    assert set(saved) == {"samples", "cost"} and len(saved["samples"]) == 1
+    sample = saved["samples"][0]
+    assert set(sample) == {"elapsed_s", "cpu_utilization", "memory_used_bytes", "gpu_utilization", "gpu_memory_used_bytes"}
+    assert sample["gpu_utilization"] == {} and sample["gpu_memory_used_bytes"] == {}
+    # Pretend the first attempt held its 2 workers for an hour: the next one starts from there.
+    saved = {**saved, "cost": job_cost(ScalingConfig(), ObservabilityConfig(), wall_s=3600).summary()}
+    meta = json.loads(json.dumps(saved))  # as it travels in meta.json
+    second = _telemetry()
+    second.resumed(meta, global_step=40, elapsed_s=100.0, num_restarts=1)
+    second.sample()
+    after = second.snapshot()
+    assert after["cost"]["cpu_hours"] >= 2.0 and after["cost"]["cost_usd"] >= 2.0 * 0.05
+    assert _value(second, "training_job_cpu_seconds_total") >= 7200
+    assert _value(second, "training_job_cost_usd") == pytest.approx(after["cost"]["cost_usd"], rel=1e-3)
+    assert after["samples"][:1] == saved["samples"] and after["samples"][-1]["elapsed_s"] >= 100.0
+    assert _value(second, "training_steps_total") == 40 and _value(second, "training_worker_restarts_total") == 1
+    second.close(finished=True)
+    other_rank = _telemetry(dataclasses.replace(LABELS, rank="1"))
+    assert other_rank.snapshot() == {}  # rank 0 alone records the job's cost and timeline
+    other_rank.close(finished=True)
+
+
+def test_the_timeline_stays_bounded_and_spans_the_whole_run():
+    timeline = Timeline(10)
+    for i in range(1000):
+        timeline.add({"elapsed_s": float(i)})
+    times = [s["elapsed_s"] for s in timeline.samples]
+    assert 4 <= len(times) < 10 and times[0] == 0.0 and times[-1] >= 800 and times == sorted(times)
+
+
+def test_pushing_to_an_unreachable_gateway_warns_once_and_never_raises(caplog):
+    telemetry = _telemetry(pushgateway_url=f"http://127.0.0.1:{_free_port()}", push_timeout_s=1.0)
+    with caplog.at_level(logging.WARNING, logger="training_core"):
+        assert telemetry.push() is False
+        assert telemetry.push() is False
+        telemetry.close(finished=True)
+    assert len([r for r in caplog.records if "pushing metrics" in r.getMessage()]) == 1
+
+
+def test_nothing_is_pushed_without_a_url_and_disabled_observability_is_a_no_op():
+    telemetry = _telemetry()
+    assert telemetry.push() is False
+    telemetry.close(finished=True)
+    off = build_telemetry(ObservabilityConfig(enabled=False), scaling=ScalingConfig(), labels=LABELS, world_size=1)
+    assert isinstance(off, NullTelemetry) and off.snapshot() == {}
+
+
+def test_the_http_endpoint_serves_this_ranks_metrics_on_port_plus_rank():
+    import urllib.request
+
+    port = _free_port() - 1  # rank 1 serves port + 1
+    telemetry = _telemetry(dataclasses.replace(LABELS, rank="1"), http_port=port)
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/metrics", timeout=5).read().decode()
+    finally:
+        telemetry.close(finished=True)
+    assert 'training_world_size{attempt="1",execution="exec-1",model="small_cnn",node="n0",rank="1"} 2.0' in body
+    assert "_created" not in body
+
+
+def test_the_pushgateway_url_falls_back_to_the_drivers_environment_and_travels_in_the_loop_config():
+    from training_core.trainer import worker_loop_config
+
+    environ = {"TRAINING_PUSHGATEWAY_URL": "http://gateway:9091"}
+    assert ObservabilityConfig().resolved(environ).pushgateway_url == "http://gateway:9091"
+    assert ObservabilityConfig(pushgateway_url="http://mine:9091").resolved(environ).pushgateway_url == "http://mine:9091"
+    assert ObservabilityConfig().resolved({}).pushgateway_url == ""
+    os.environ["TRAINING_PUSHGATEWAY_URL"] = "http://gateway:9091"
+    try:
+        loop_config = worker_loop_config(TrainingConfig(), data_dir="d", root="r", run_name="run-7", job_labels=None)
+    finally:
+        del os.environ["TRAINING_PUSHGATEWAY_URL"]
+    assert loop_config["config"]["observability"]["pushgateway_url"] == "http://gateway:9091"
+    assert loop_config["job_labels"] == {"execution": "run-7", "node": "local", "attempt": "0"}
+    assert PUSHGATEWAY_JOB == "flyte_ray_training"
+
+
+@pytest.mark.parametrize(("field", "value", "fix"), [
+    ("pushgateway_url", "gateway:9091", "http://pushgateway:9091"),
+    ("push_interval_s", 0.0, "> 0"),
+    ("push_timeout_s", -1.0, "> 0"),
+    ("http_port", 70000, "1-65535"),
+    ("sample_interval_s", 0.0, "> 0"),
+    ("timeline_max_samples", 1, ">= 2"),
+    ("gpu_hour_usd", -0.5, ">= 0"),
+    ("cpu_hour_usd", -0.1, ">= 0"),
+])
+def test_invalid_observability_settings_name_the_field_the_value_and_the_fix(field, value, fix):
+    with pytest.raises(ValueError) as error:
+        TrainingConfig.from_dict({"observability": {field: value}})
+    message = str(error.value)
+    assert message.startswith(f"observability.{field}={value!r} is invalid") and fix in message
+
+
+def test_a_checkpointers_real_outcomes_reach_the_save_counters(tmp_path):
+    import torch
+
+    telemetry = _telemetry()
+    model = torch.nn.Linear(4, 2)
+    meta = ckpt.CheckpointMeta(model_name="m", classes=["a", "b"], input_shape=[4], mean=[0.0], std=[1.0], epoch=0, global_step=1, config={})
+    good = ckpt.Checkpointer(ckpt.CheckpointStorage(str(tmp_path / "ok")), keep_last=1, observer=telemetry)
+    good.save(1, good.stage(model=model, meta=meta))
+    good.wait()
+    (tmp_path / "blocked").write_text("a file where the checkpoint directory should go")
+    bad = ckpt.Checkpointer(ckpt.CheckpointStorage(str(tmp_path / "blocked")), keep_last=1, observer=telemetry, max_consecutive_failures=5)
+    bad.save(2, bad.stage(model=model, meta=meta))
+    with pytest.raises(ckpt.CheckpointError):
+        bad.wait()
+    assert _value(telemetry, "training_checkpoint_saves_total") == 1
+    assert _value(telemetry, "training_checkpoint_save_failures_total") == 1
+    assert _value(telemetry, "training_checkpoint_written_bytes_total") == good.bytes_written > 0
+    assert _value(telemetry, "training_checkpoint_save_duration_seconds_count") == 1
+    telemetry.close(finished=True)
+
+
+def test_checkpoint_meta_written_before_telemetry_existed_still_loads():
+    old = {
+        "model_name": "m", "classes": ["a"], "input_shape": [1], "mean": [0.0], "std": [1.0], "epoch": 0,
+        "global_step": 3, "config": {},
+    }
+    meta = ckpt.CheckpointMeta(**old)
+    assert (meta.telemetry, meta.elapsed_s) == ({}, 0.0)
+
+
+def test_a_step_observation_costs_microseconds():
+    telemetry = _telemetry()
+    num_steps = 20_000
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        telemetry.step(duration_s=0.05, num_samples=64, data_wait_s=0.001, comm_s=0.01)
+    per_step_s = (time.perf_counter() - start) / num_steps
+    telemetry.close(finished=True)
+    # A training step on this machine takes milliseconds; 1% of the smallest (~5 ms) is 50 us.
+    assert per_step_s < 50e-6, per_step_s
