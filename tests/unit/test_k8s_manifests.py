@@ -45,9 +45,6 @@ HARDENING_EXCEPTIONS: dict[tuple[str, str, str], dict[str, str]] = {
         "capabilities.add": "the same counters need CAP_SYS_ADMIN; everything else is dropped",
         "readOnlyRootFilesystem": "the embedded nv-hostengine writes its state and logs inside the image",
     },
-    ("training", "PodTemplate", "flyte-template"): {
-        "readOnlyRootFilesystem": "fast registration unpacks the task's code into the image's working directory",
-    },
 }
 
 # Names of settings whose values are credentials: they may only come from a Secret.
@@ -100,8 +97,6 @@ def pod_specs(obj: dict) -> Iterator[tuple[str, dict]]:
         yield "jobTemplate", spec["jobTemplate"]["spec"]["template"]["spec"]
     elif kind == "Pod":
         yield "pod", spec
-    elif kind == "PodTemplate":
-        yield "template", obj["template"]["spec"]
     elif kind == "RayCluster":
         yield from _ray_cluster_pod_specs(spec, "")
     elif kind == "RayJob":
@@ -303,8 +298,8 @@ def test_every_pod_spec_is_hardened_except_the_listed_exceptions():
                 else:
                     violations.append(f"{target}: {ident(obj)} {where}: {detail}")
     assert not violations, "\n".join(violations)
-    # RayCluster and RayJob heads and workers (4); each overlay's Deployments, StatefulSet, DaemonSet, PodTemplate (9).
-    assert checked >= 13, f"only {checked} pod specs were checked"
+    # RayCluster and RayJob heads and workers (4), and each overlay's Deployments, StatefulSet and DaemonSet (7).
+    assert checked >= 11, f"only {checked} pod specs were checked"
     unused = {(key, rule) for key, rules in HARDENING_EXCEPTIONS.items() for rule in rules} - used_exceptions
     assert not unused, f"exceptions that no pod needs any more (remove them): {sorted(unused)}"
 
@@ -393,13 +388,29 @@ def test_project_image_follows_the_makefile_image_setting():
         kustomization = yaml.safe_load((KUSTOMIZE_DIR / target / "kustomization.yaml").read_text(encoding="utf-8"))
         image = next(i for i in kustomization["images"] if i["name"] == PROJECT_IMAGE)
         assert (image["newName"], image["newTag"]) == match.groups(), f"{target} sets another image than the Makefile's IMAGE"
+    image_user, project_containers = _dockerfile_user(), 0
     for target, obj in all_rendered():
-        if obj["kind"] == "PodTemplate":
-            continue  # Flyte fills in each task's image.
         for where, pod in pod_specs(obj):
             for container in pod["containers"]:
+                if f"/{PROJECT_IMAGE}:" in container["image"]:
+                    project_containers += 1
+                    user = container.get("securityContext", {}).get("runAsUser", pod.get("securityContext", {}).get("runAsUser"))
+                    assert str(user) == image_user, f"{target}: {ident(obj)} {where}: runAsUser {user}, the image's USER is {image_user}"
                 assert container["image"] != PROJECT_IMAGE, f"{target}: {ident(obj)} {where}: image placeholder not replaced"
                 assert ":" in container["image"].rsplit("/", 1)[-1], f"{target}: {ident(obj)}: {container['image']} has no tag"
+    # MLflow in both overlays, the RayCluster's and the RayJob's heads and workers.
+    assert project_containers == 6
+
+
+def _dockerfile_user() -> str:
+    """The final stage's USER of the project's Dockerfile: pods of the project image run as that UID, so files the
+    image gives to it (its working directory) stay writable where the root filesystem is."""
+    from dockerfile_parse import DockerfileParser
+
+    parser = DockerfileParser(path=str(REPO_ROOT / "Dockerfile"))
+    users = [instruction["value"] for instruction in parser.structure if instruction["instruction"] == "USER"]
+    assert users and users[-1].isdigit(), f"the Dockerfile's final USER should be a numeric UID, found {users}"
+    return users[-1]
 
 
 def _service_url(objects: list[dict], name: str, namespace: str) -> str:
