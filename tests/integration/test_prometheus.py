@@ -1,0 +1,164 @@
+"""A real 2-worker training run pushes its metrics to a real Pushgateway, which a real Prometheus scrapes.
+
+Both servers are Debian's binaries (``make system-packages``) on free 127.0.0.1 ports, with their data under
+the session directory; the assertions go through Prometheus's HTTP query API, as a dashboard's would.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from training_core.config import DataConfig, TrainingConfig
+from training_core.data import Manifest, prepare
+from training_core.telemetry_catalog import PUSHGATEWAY_JOB, STEP_DURATION_BUCKETS_S
+
+EXECUTION = "it-prometheus-exec"
+JOB = {"execution": EXECUTION, "node": "n-train", "attempt": "0"}
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("prometheus") and shutil.which("prometheus-pushgateway")),
+    reason="needs Debian's prometheus and prometheus-pushgateway: run `make system-packages`",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if urllib.request.urlopen(url, timeout=1).status == 200:
+                return
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"{url} did not become ready:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def prometheus_stack(session_root: Path, request):
+    """A Pushgateway and a Prometheus that scrapes it every second (``honor_labels``: the pushed labels win)."""
+    root = session_root / f"prometheus-{_free_port()}"
+    root.mkdir()
+    gateway_port, prometheus_port = _free_port(), _free_port()
+    gateway_log = root / "pushgateway.log"
+    gateway = subprocess.Popen(
+        ["prometheus-pushgateway", f"--web.listen-address=127.0.0.1:{gateway_port}", f"--persistence.file={root / 'pushgateway.data'}"],
+        stdout=gateway_log.open("w"), stderr=subprocess.STDOUT,
+    )
+    request.addfinalizer(lambda: _stop(gateway))
+    _wait_ready(f"http://127.0.0.1:{gateway_port}/-/ready", gateway, gateway_log)
+    config = root / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - job_name: pushgateway\n    honor_labels: true\n    static_configs: [{{targets: ['127.0.0.1:{gateway_port}']}}]\n"
+    )
+    prometheus_log = root / "prometheus.log"
+    prometheus = subprocess.Popen(
+        [
+            "prometheus", f"--config.file={config}", f"--storage.tsdb.path={root / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{prometheus_port}",
+        ],
+        stdout=prometheus_log.open("w"), stderr=subprocess.STDOUT,
+    )
+    request.addfinalizer(lambda: _stop(prometheus))
+    _wait_ready(f"http://127.0.0.1:{prometheus_port}/-/ready", prometheus, prometheus_log)
+    return {"pushgateway": f"http://127.0.0.1:{gateway_port}", "prometheus": f"http://127.0.0.1:{prometheus_port}"}
+
+
+def _query(prometheus: str, expr: str) -> list[dict]:
+    url = f"{prometheus}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
+    body = json.loads(urllib.request.urlopen(url, timeout=5).read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def _by_rank(prometheus: str, expr: str) -> dict[str, float]:
+    return {r["metric"]["rank"]: float(r["value"][1]) for r in _query(prometheus, expr)}
+
+
+def test_a_two_worker_run_pushes_step_checkpoint_and_host_metrics_that_prometheus_serves_with_the_execution_labels(
+    prometheus_stack, ray_session, tmp_path,
+):
+    from training_core.trainer import fit
+
+    data_dir = str(tmp_path / "data")
+    prepare(DataConfig(dataset="synthetic", synthetic_num_samples=512, synthetic_image_size=8, num_shards=2), data_dir)
+    cfg = TrainingConfig.from_dict({
+        "data": {"dataset": "synthetic", "synthetic_num_samples": 512, "synthetic_image_size": 8, "num_shards": 2},
+        "model": {"name": "small_cnn"},
+        "loop": {"epochs": 1, "batch_size": 16, "log_interval_steps": 2},
+        "schedule": {"warmup_steps": 1},
+        "checkpoint": {"interval_steps": 4},
+        "observability": {"pushgateway_url": prometheus_stack["pushgateway"], "push_interval_s": 1.0, "sample_interval_s": 0.5},
+    })
+    result = fit(
+        cfg, data_dir=data_dir, checkpoint_dir=str(tmp_path / "final"), run_name="prometheus-it",
+        storage_path=str(tmp_path / "ray"), job_labels=JOB,
+    )
+    steps = result.meta.global_step
+    assert steps == Manifest.load(data_dir).steps_per_epoch(world_size=2, batch_size=16, grad_accum_steps=1)
+
+    prometheus = prometheus_stack["prometheus"]
+    selector = f'job="{PUSHGATEWAY_JOB}",execution="{EXECUTION}",node="n-train",attempt="0",model="small_cnn"'
+    # The final push lands in the Pushgateway at once; Prometheus has it after its next scrape.
+    deadline = time.monotonic() + 30
+    while _by_rank(prometheus, f"training_run_finished{{{selector}}}") != {"0": 1.0, "1": 1.0}:
+        assert time.monotonic() < deadline, _query(prometheus, f"training_run_finished{{{selector}}}")
+        time.sleep(0.5)
+
+    both = {"0", "1"}
+    assert _by_rank(prometheus, f"training_steps_total{{{selector}}}") == {"0": steps, "1": steps}
+    assert _by_rank(prometheus, f"training_step_duration_seconds_count{{{selector}}}") == {"0": steps, "1": steps}
+    sums = _by_rank(prometheus, f"training_step_duration_seconds_sum{{{selector}}}")
+    assert set(sums) == both and all(v > 0 for v in sums.values())
+    buckets = _query(prometheus, f'training_step_duration_seconds_bucket{{{selector},rank="0"}}')
+    assert sorted(float(r["metric"]["le"]) for r in buckets) == [*STEP_DURATION_BUCKETS_S, float("inf")]
+    assert max(float(r["value"][1]) for r in buckets) == steps  # the +Inf bucket holds every step
+    throughput = _by_rank(prometheus, f"training_samples_per_second{{{selector}}}")
+    assert set(throughput) == both and all(v > 0 for v in throughput.values())
+    assert _by_rank(prometheus, f"training_samples_total{{{selector}}}") == {"0": steps * 16, "1": steps * 16}
+    assert _by_rank(prometheus, f"training_world_size{{{selector}}}") == {"0": 2, "1": 2}
+
+    # Rank 0 writes the checkpoints: every 4 steps and at the end of the epoch.
+    saves = _by_rank(prometheus, f"training_checkpoint_saves_total{{{selector}}}")
+    assert saves["0"] >= 2 and saves["1"] == 0
+    assert _by_rank(prometheus, f"training_checkpoint_written_bytes_total{{{selector}}}")["0"] > 0
+    assert _by_rank(prometheus, f"training_checkpoint_save_failures_total{{{selector}}}") == {"0": 0, "1": 0}
+    assert _by_rank(prometheus, f"training_checkpoint_save_duration_seconds_count{{{selector}}}")["0"] == saves["0"]
+
+    assert _by_rank(prometheus, f"training_gpus{{{selector}}}") == {"0": 0, "1": 0}
+    for name in ("training_host_cpu_utilization_ratio", "training_host_memory_used_bytes", "training_host_network_received_bytes_total"):
+        assert set(_by_rank(prometheus, f"{name}{{{selector}}}")) == both, name
+    assert _by_rank(prometheus, f"training_job_cost_usd{{{selector}}}")["0"] > 0
+    assert set(_by_rank(prometheus, f'training_accuracy{{{selector},split="val"}}')) == both
+
+    # The same run's timeline and cost went into the final checkpoint for the Deck.
+    telemetry = result.meta.telemetry
+    assert telemetry["samples"] and telemetry["cost"]["cpu_hours"] > 0 and telemetry["cost"]["gpu_hours"] == 0
+    assert all(r["elapsed_s"] > 0 for r in result.meta.step_log)
