@@ -134,6 +134,8 @@ def test_flyte_runs_ray_tasks_through_the_ray_plugin():
     assert ray["shutdownAfterJobFinishes"] is True
     assert isinstance(ray["ttlSecondsAfterFinished"], int) and 0 < ray["ttlSecondsAfterFinished"] <= 24 * 3600
     assert ray["serviceType"] == "ClusterIP"
+    # A finished task's RayJob, and the RayCluster KubeRay keeps for the TTL, go when Flyte finalizes the task.
+    assert values["configuration"]["inline"]["plugins"]["k8s"]["delete-resource-on-finalize"] is True
     rules = values["rbac"]["extraRules"]
     assert any("ray.io" in r["apiGroups"] and "rayjobs" in r["resources"] and "create" in r["verbs"] for r in rules)
 
