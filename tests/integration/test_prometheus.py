@@ -105,7 +105,11 @@ def _by_rank(prometheus: str, expr: str) -> dict[str, float]:
 def test_a_two_worker_run_pushes_step_checkpoint_and_host_metrics_that_prometheus_serves_with_the_execution_labels(
     prometheus_stack, ray_session, tmp_path,
 ):
-    from training_core.trainer import fit
+    from mlflow.tracking import MlflowClient
+
+    from training_core import tracking
+    from training_core.config import TrackingConfig
+    from training_core.trainer import MlflowRun, fit
 
     data_dir = str(tmp_path / "data")
     prepare(DataConfig(dataset="synthetic", synthetic_num_samples=512, synthetic_image_size=8, num_shards=2), data_dir)
@@ -117,9 +121,10 @@ def test_a_two_worker_run_pushes_step_checkpoint_and_host_metrics_that_prometheu
         "checkpoint": {"interval_steps": 4},
         "observability": {"pushgateway_url": prometheus_stack["pushgateway"], "push_interval_s": 1.0, "sample_interval_s": 0.5},
     })
+    tracking_uri, run_id = tracking.create_run(TrackingConfig(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db"), run_name="prometheus-it")
     result = fit(
         cfg, data_dir=data_dir, checkpoint_dir=str(tmp_path / "final"), run_name="prometheus-it",
-        storage_path=str(tmp_path / "ray"), job_labels=JOB,
+        storage_path=str(tmp_path / "ray"), job_labels=JOB, mlflow_run=MlflowRun(tracking_uri=tracking_uri, run_id=run_id),
     )
     steps = result.meta.global_step
     assert steps == Manifest.load(data_dir).steps_per_epoch(world_size=2, batch_size=16, grad_accum_steps=1)
@@ -155,10 +160,21 @@ def test_a_two_worker_run_pushes_step_checkpoint_and_host_metrics_that_prometheu
     assert _by_rank(prometheus, f"training_gpus{{{selector}}}") == {"0": 0, "1": 0}
     for name in ("training_host_cpu_utilization_ratio", "training_host_memory_used_bytes", "training_host_network_received_bytes_total"):
         assert set(_by_rank(prometheus, f"{name}{{{selector}}}")) == both, name
-    assert _by_rank(prometheus, f"training_job_cost_usd{{{selector}}}")["0"] > 0
+    cost_usd = _by_rank(prometheus, f"training_job_cost_usd{{{selector}}}")["0"]
+    assert cost_usd > 0
     assert set(_by_rank(prometheus, f'training_accuracy{{{selector},split="val"}}')) == both
 
     # The same run's timeline and cost went into the final checkpoint for the Deck.
     telemetry = result.meta.telemetry
     assert telemetry["samples"] and telemetry["cost"]["cpu_hours"] > 0 and telemetry["cost"]["gpu_hours"] == 0
     assert all(r["elapsed_s"] > 0 for r in result.meta.step_log)
+
+    # Rank 0 sent the same samples to MLflow's System Metrics, under MLflow's names, and the cost at the end.
+    client = MlflowClient(tracking_uri)
+    logged = client.get_run(run_id).data.metrics
+    assert logged["cost_usd"] == pytest.approx(cost_usd, rel=1e-9) and logged["cpu_hours"] > 0 and logged["gpu_hours"] == 0
+    cpu_history = client.get_metric_history(run_id, "system/cpu_utilization_percentage")
+    assert len(cpu_history) >= 2
+    host_cpu = _by_rank(prometheus, f'training_host_cpu_utilization_ratio{{{selector},rank="0"}}')["0"]
+    assert max(cpu_history, key=lambda m: m.step).value == pytest.approx(host_cpu * 100, rel=1e-9)
+    assert "system/system_memory_usage_megabytes" in logged and "system/network_receive_megabytes" in logged
