@@ -42,11 +42,12 @@ FROM python AS runtime
 COPY --from=builder /opt/venv /opt/venv
 # /root is flytekit's default in-container source path: `make package` (`--copy none`) imports the code baked in
 # here, and `--copy all` makes pyflyte-fast-execute unpack the registered code into it, so the runtime user must be
-# able to write there. Group 0 owns it too, for clusters that run images under an arbitrary UID in group 0.
+# able to write there. Group 0 gets the owner's rights, for clusters that run images under an arbitrary UID in
+# group 0.
 COPY --chown=10001:0 training_core /root/training_core
 COPY --chown=10001:0 tasks /root/tasks
 COPY --chown=10001:0 workflows /root/workflows
-RUN chown 10001:0 /root && chmod 0775 /root \
+RUN chown -R 10001:0 /root && chmod -R g=u /root \
  && useradd --uid 10001 --gid 0 --home-dir /root --no-create-home --shell /bin/bash flyte
 ENV PATH=/opt/venv/bin:$PATH \
     VIRTUAL_ENV=/opt/venv \

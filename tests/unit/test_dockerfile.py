@@ -113,8 +113,13 @@ def test_the_final_stage_runs_as_a_numeric_non_root_user(stages):
     # HOME and TMPDIR point at directories that user can write (HOME is chowned to it in the final stage).
     env = final_env(stages)
     assert env.get("TMPDIR") == "/tmp"
-    runs = " ".join(stages[-1].values("RUN"))
-    assert f"chown {user}" in runs and env["HOME"] in runs, "HOME is not made writable for the runtime user"
+    chowns = [
+        shlex.split(command) for run in stages[-1].values("RUN") for command in re.split(r"&&|;", run)
+        if shlex.split(command)[:1] == ["chown"]
+    ]
+    assert any(any(w.split(":")[0] == user for w in words) and env["HOME"] in words for words in chowns), (
+        f"HOME ({env['HOME']}) is not chowned to the runtime user {user}"
+    )
 
 
 def test_the_builder_installs_exactly_the_committed_lock(stages):
