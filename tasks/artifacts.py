@@ -46,16 +46,18 @@ def report_location(report: FlyteFile) -> str:
 
 
 def local_deck_path(report: FlyteFile) -> str | None:
-    """The deck.html that shows ``report``, when the task that published it ran in this process.
+    """The deck.html of the task that published ``report``, when that task ran in this process.
 
     flytekit writes a locally executed task's Deck to ``<local sandbox>/<random>/deck.html``
     (``flytekit.deck.deck._output_deck``) and tells nobody the path; on a cluster each task is its own pod
     and the Deck goes to ``<output metadata prefix>/deck.html``, shown by FlyteConsole, so this finds nothing
-    there. The Deck is recognised by the report path ``publish_report`` put into it.
+    there. The Deck is recognised by the report path ``publish_report`` put into it. A local run shares one
+    list of Decks across its tasks, so later tasks' deck.html files show this report too: the first one
+    written is the publishing task's.
     """
     sandbox = FlyteContextManager.current_context().file_access.local_sandbox_dir
     marker = f"data-report='{html.escape(report_location(report), quote=True)}'"
-    for path in glob.glob(os.path.join(os.fspath(sandbox), "*", DECK_FILE_NAME)):
+    for path in sorted(glob.glob(os.path.join(os.fspath(sandbox), "*", DECK_FILE_NAME)), key=os.path.getmtime):
         with open(path, encoding="utf-8") as f:
             if marker in f.read():
                 return path

@@ -190,9 +190,9 @@ def _throughput(step_log) -> str:
 
 def _gpu_timeline(samples: Sequence[Mapping[str, Any]]) -> str:
     """Per-GPU utilisation and memory over time; the host's CPU and memory instead when there was no GPU."""
-    gpus = sorted({gpu for s in samples for gpu in (s.get("gpu_utilization") or {})}, key=_gpu_order)
     if not samples:
         return note("No GPU was present, or no telemetry was recorded for this run: there is no utilisation timeline.")
+    gpus = sorted({gpu for s in samples for gpu in (s.get("gpu_utilization") or {})}, key=_gpu_order)
     elapsed = [s["elapsed_s"] for s in samples]
     if gpus:
         fig, (util_ax, mem_ax) = _axes("GPU utilisation", xlabel="elapsed time (s)", ylabel="utilisation", ncols=2)
