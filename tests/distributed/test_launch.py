@@ -11,7 +11,7 @@ from training_core.data import prepare
 from training_core.launch import launch
 
 # Figures that depend on the clock; everything else in an epoch record is a function of the computation.
-TIMING_KEYS = {"samples_per_s", "steady_samples_per_s", "step_time_p50_s", "step_time_p95_s", "allreduce_fraction", "step_time_s", "data_wait_s"}
+TIMING_KEYS = {"samples_per_s", "steady_samples_per_s", "step_time_p50_s", "step_time_p95_s", "allreduce_fraction", "step_time_s", "data_wait_s", "elapsed_s"}
 
 
 @pytest.fixture(scope="module")
