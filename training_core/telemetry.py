@@ -18,6 +18,10 @@ holding exactly the metrics of :mod:`training_core.telemetry_catalog`, every ser
   time, with ``training_run_finished`` = 1 when training returned normally.
 
 Delivery never fails training: a failed push is a (rate-limited) warning.
+
+MLflow's own ``SystemMetricsMonitor`` is not reused: it samples on a thread of its own (its numbers would
+differ from what Prometheus gets), logs through the fluent API's active run, which Ray Train workers do not
+have, and knows no throttling, XID or disk I/O. Here one sample feeds both, under MLflow's metric names.
 """
 
 from __future__ import annotations
