@@ -105,11 +105,32 @@ def test_default_run_logs_params_metrics_config_and_model_to_mlflow(default_run)
     assert logged.source_run_id == run.info.run_id
 
 
+SECTIONS = {
+    "training": ["summary", "loss", "accuracy", "learning-rate", "throughput", "gpu", "cost"],
+    "evaluation": ["metrics", "confusion", "per-class"],
+}
+
+
 @pytest.mark.slow
-def test_decks_of_train_and_evaluate_hold_curves_and_confusion_matrix(default_run, session_root):
-    decks = [p.read_text() for p in session_root.rglob("deck.html")]
-    assert any("id='curves'" in d for d in decks), "no training deck with curves"
-    assert any("id='confusion'" in d for d in decks), "no evaluation deck with a confusion matrix"
+def test_the_pipeline_prints_each_tasks_deck_and_report_and_every_printed_file_shows_its_sections(default_run):
+    _, _, output = default_run
+    decks = {}
+    for name, ids in SECTIONS.items():
+        report = Path(re.search(rf"^{name} report\s*: (\S+)", output, re.MULTILINE).group(1))
+        deck = decks[name] = Path(re.search(rf"^{name} deck\s*: (\S+)", output, re.MULTILINE).group(1))
+        assert deck.name == "deck.html"
+        for path in (report, deck):
+            text = path.read_text(encoding="utf-8")
+            assert text.lstrip().lower().startswith("<!doctype html>"), path
+            assert set(ids) <= set(re.findall(r"<section id='([^']+)'>", text)), path
+        assert re.findall(r"<section id='([^']+)'>", report.read_text(encoding="utf-8")) == ids
+        # The Deck carries the report it shows; the standalone page loads nothing from the network.
+        assert f"data-report='{report}'" in deck.read_text(encoding="utf-8")
+        assert not re.search(r"(src|href)=['\"]?https?://", report.read_text(encoding="utf-8"))
+    # A local run shares one list of Decks across its tasks, so evaluate's deck.html shows train's report
+    # too; the printed training deck is train's own, written before evaluate ran.
+    assert decks["training"] != decks["evaluation"]
+    assert "id='confusion'" not in decks["training"].read_text(encoding="utf-8")
 
 
 @pytest.mark.slow
