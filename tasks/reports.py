@@ -217,8 +217,10 @@ def _gpu_timeline(samples: Sequence[Mapping[str, Any]]) -> str:
     return text + _png(fig)
 
 
-def _gpu_order(gpu: str) -> tuple[int, str]:
-    return (int(gpu), "") if gpu.isdigit() else (10**9, gpu)
+def _gpu_order(gpu: object) -> tuple[int, str]:
+    """GPU 2 before GPU 10; ids that are not indices (a UUID) after them."""
+    text = str(gpu)
+    return (int(text), "") if text.isdigit() else (10**9, text)
 
 
 def _gib(value_bytes: float | None) -> float | None:
