@@ -134,7 +134,10 @@ def test_host_byte_counters_grow_with_network_and_disk_traffic(tmp_path):
         os.fsync(f.fileno())
     telemetry.sample()
     assert _value(telemetry, "training_host_network_received_bytes_total") >= before["training_host_network_received_bytes_total"] + len(payload)
-    assert _value(telemetry, "training_host_disk_written_bytes_total") > before["training_host_disk_written_bytes_total"]
+    import psutil
+
+    if psutil.disk_io_counters() is not None:  # some containers expose no disk statistics: the counter stays 0
+        assert _value(telemetry, "training_host_disk_written_bytes_total") > before["training_host_disk_written_bytes_total"]
     assert 0 <= _value(telemetry, "training_host_cpu_utilization_ratio") <= 1
     assert 0 < _value(telemetry, "training_host_memory_used_bytes") < _value(telemetry, "training_host_memory_total_bytes")
     reading = HostSampler().read()
