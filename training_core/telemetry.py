@@ -466,6 +466,9 @@ class PrometheusTelemetry:
         self._job = job
         self._m["training_world_size"].set(world_size)
         self._m["training_run_finished"].set(0)
+        # Until the first logged step the clock reads the start: a rank stuck before any step (a hung collective,
+        # unreadable data) then trips TrainingStalled like one stuck later.
+        self._m["training_last_step_timestamp_seconds"].set(time.time())
 
         self._lock = threading.Lock()
         self._started = time.monotonic()

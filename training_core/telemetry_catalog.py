@@ -61,7 +61,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("training_data_wait_ratio", "gauge", "Share of step time spent waiting for input over the last log window."),
     MetricSpec("training_epoch", "gauge", "Current epoch (0-based) of the run."),
     MetricSpec("training_global_step", "gauge", "Optimizer steps taken by the run so far, across restarts."),
-    MetricSpec("training_last_step_timestamp_seconds", "gauge", "Unix time at which this rank finished its last step."),
+    MetricSpec("training_last_step_timestamp_seconds", "gauge", "Unix time of this rank's last logged step; its start time until the first, so a hang before any step still shows."),
     MetricSpec("training_last_push_timestamp_seconds", "gauge", "Unix time of this rank's latest push or scrape; stale while the rank is gone."),
     MetricSpec("training_run_finished", "gauge", "1 once this rank's training loop has returned, else 0."),
     MetricSpec("training_worker_restarts_total", "counter", "Times the run resumed from a checkpoint after its workers restarted."),
