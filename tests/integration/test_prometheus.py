@@ -7,6 +7,7 @@ the session directory; the assertions go through Prometheus's HTTP query API, as
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -17,13 +18,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from training_core.config import DataConfig, TrainingConfig
 from training_core.data import Manifest, prepare
 from training_core.telemetry_catalog import PUSHGATEWAY_JOB, STEP_DURATION_BUCKETS_S
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EXECUTION = "it-prometheus-exec"
 JOB = {"execution": EXECUTION, "node": "n-train", "attempt": "0"}
+SELECTOR = f'job="{PUSHGATEWAY_JOB}",execution="{EXECUTION}",node="n-train",attempt="0",model="small_cnn"'
 
 pytestmark = pytest.mark.skipif(
     not (shutil.which("prometheus") and shutil.which("prometheus-pushgateway")),
@@ -61,7 +65,8 @@ def _stop(process: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def prometheus_stack(session_root: Path, request):
-    """A Pushgateway and a Prometheus that scrapes it every second (``honor_labels``: the pushed labels win)."""
+    """A Pushgateway and a Prometheus that scrapes it every second (``honor_labels``: the pushed labels win) and
+    evaluates the committed alert rules every second."""
     root = session_root / f"prometheus-{_free_port()}"
     root.mkdir()
     gateway_port, prometheus_port = _free_port(), _free_port()
@@ -75,6 +80,7 @@ def prometheus_stack(session_root: Path, request):
     config = root / "prometheus.yml"
     config.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: ['{REPO_ROOT / 'dashboards' / 'alerts.rules.yml'}']\n"
         "scrape_configs:\n"
         f"  - job_name: pushgateway\n    honor_labels: true\n    static_configs: [{{targets: ['127.0.0.1:{gateway_port}']}}]\n"
     )
@@ -91,8 +97,9 @@ def prometheus_stack(session_root: Path, request):
     return {"pushgateway": f"http://127.0.0.1:{gateway_port}", "prometheus": f"http://127.0.0.1:{prometheus_port}"}
 
 
-def _query(prometheus: str, expr: str) -> list[dict]:
-    url = f"{prometheus}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
+def _query(prometheus: str, expr: str, *, at_unix: float | None = None) -> list[dict]:
+    params = {"query": expr} if at_unix is None else {"query": expr, "time": f"{at_unix:.3f}"}
+    url = f"{prometheus}/api/v1/query?{urllib.parse.urlencode(params)}"
     body = json.loads(urllib.request.urlopen(url, timeout=5).read())
     assert body["status"] == "success", body
     return body["data"]["result"]
@@ -102,15 +109,14 @@ def _by_rank(prometheus: str, expr: str) -> dict[str, float]:
     return {r["metric"]["rank"]: float(r["value"][1]) for r in _query(prometheus, expr)}
 
 
-def test_a_two_worker_run_pushes_step_checkpoint_and_host_metrics_that_prometheus_serves_with_the_execution_labels(
-    prometheus_stack, ray_session, tmp_path,
-):
-    from mlflow.tracking import MlflowClient
-
+@pytest.fixture(scope="module")
+def pushed_run(prometheus_stack, ray_session, tmp_path_factory) -> dict:
+    """One short 2-worker training that pushes to the stack every second; Prometheus holds its final push."""
     from training_core import tracking
     from training_core.config import TrackingConfig
     from training_core.trainer import MlflowRun, fit
 
+    tmp_path = tmp_path_factory.mktemp("pushed-run")
     data_dir = str(tmp_path / "data")
     prepare(DataConfig(dataset="synthetic", synthetic_num_samples=512, synthetic_image_size=8, num_shards=2), data_dir)
     cfg = TrainingConfig.from_dict({
@@ -122,21 +128,34 @@ def test_a_two_worker_run_pushes_step_checkpoint_and_host_metrics_that_prometheu
         "observability": {"pushgateway_url": prometheus_stack["pushgateway"], "push_interval_s": 1.0, "sample_interval_s": 0.5},
     })
     tracking_uri, run_id = tracking.create_run(TrackingConfig(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db"), run_name="prometheus-it")
+    started_unix = time.time()
     result = fit(
         cfg, data_dir=data_dir, checkpoint_dir=str(tmp_path / "final"), run_name="prometheus-it",
         storage_path=str(tmp_path / "ray"), job_labels=JOB, mlflow_run=MlflowRun(tracking_uri=tracking_uri, run_id=run_id),
     )
+    prometheus = prometheus_stack["prometheus"]
+    # The final push lands in the Pushgateway at once; Prometheus has it after its next scrape.
+    deadline = time.monotonic() + 30
+    while _by_rank(prometheus, f"training_run_finished{{{SELECTOR}}}") != {"0": 1.0, "1": 1.0}:
+        assert time.monotonic() < deadline, _query(prometheus, f"training_run_finished{{{SELECTOR}}}")
+        time.sleep(0.5)
+    return {
+        "result": result, "data_dir": data_dir, "tracking_uri": tracking_uri, "run_id": run_id,
+        "started_unix": started_unix, "finished_unix": time.time(),
+    }
+
+
+def test_a_two_worker_run_pushes_step_checkpoint_and_host_metrics_that_prometheus_serves_with_the_execution_labels(
+    prometheus_stack, pushed_run,
+):
+    from mlflow.tracking import MlflowClient
+
+    result, data_dir, tracking_uri, run_id = (pushed_run[k] for k in ("result", "data_dir", "tracking_uri", "run_id"))
+    selector = SELECTOR
     steps = result.meta.global_step
     assert steps == Manifest.load(data_dir).steps_per_epoch(world_size=2, batch_size=16, grad_accum_steps=1)
 
     prometheus = prometheus_stack["prometheus"]
-    selector = f'job="{PUSHGATEWAY_JOB}",execution="{EXECUTION}",node="n-train",attempt="0",model="small_cnn"'
-    # The final push lands in the Pushgateway at once; Prometheus has it after its next scrape.
-    deadline = time.monotonic() + 30
-    while _by_rank(prometheus, f"training_run_finished{{{selector}}}") != {"0": 1.0, "1": 1.0}:
-        assert time.monotonic() < deadline, _query(prometheus, f"training_run_finished{{{selector}}}")
-        time.sleep(0.5)
-
     both = {"0", "1"}
     assert _by_rank(prometheus, f"training_steps_total{{{selector}}}") == {"0": steps, "1": steps}
     assert _by_rank(prometheus, f"training_step_duration_seconds_count{{{selector}}}") == {"0": steps, "1": steps}
@@ -178,3 +197,74 @@ def test_a_two_worker_run_pushes_step_checkpoint_and_host_metrics_that_prometheu
     host_cpu = _by_rank(prometheus, f'training_host_cpu_utilization_ratio{{{selector},rank="0"}}')["0"]
     assert max(cpu_history, key=lambda m: m.step).value == pytest.approx(host_cpu * 100, rel=1e-9)
     assert "system/system_memory_usage_megabytes" in logged and "system/network_receive_megabytes" in logged
+
+
+def _dashboard_queries() -> list[tuple[str, str, str]]:
+    """(row title, panel title, PromQL) of every panel target in every committed dashboard."""
+    queries = []
+    for path in sorted((REPO_ROOT / "dashboards").glob("*.json")):
+        row_title = ""
+        # A row is followed by its panels (an expanded row) or holds them (a collapsed one).
+        for item in json.loads(path.read_text())["panels"]:
+            if item.get("type") == "row":
+                row_title = item["title"]
+            for panel in [item, *item.get("panels", [])]:
+                queries += [(row_title, panel["title"], target["expr"]) for target in panel.get("targets", [])]
+    return queries
+
+
+def _as_grafana_would(expr: str) -> str:
+    """The query Grafana sends with this run selected in the variables and a 1-minute rate window."""
+    return (expr.replace("$execution", EXECUTION).replace("$model", ".*").replace("$rank", ".*")
+            .replace("$__rate_interval", "1m"))
+
+
+def test_every_dashboard_query_and_alert_rule_evaluates_on_the_pushed_run_and_no_alert_fires_for_it(prometheus_stack, pushed_run):
+    prometheus = prometheus_stack["prometheus"]
+    # A moment while both ranks were pushing and not yet finished, as a dashboard opened mid-run would see.
+    both_running = f"count(training_run_finished{{{SELECTOR}}} == 0) == 2"
+    params = {"query": both_running, "start": f"{pushed_run['started_unix']:.3f}", "end": f"{pushed_run['finished_unix']:.3f}", "step": "0.5"}
+    body = json.loads(urllib.request.urlopen(f"{prometheus}/api/v1/query_range?{urllib.parse.urlencode(params)}", timeout=5).read())
+    assert body["status"] == "success" and body["data"]["result"], f"Prometheus never saw both ranks running: {body}"
+    mid_run_unix = float(body["data"]["result"][0]["values"][-1][0])
+
+    queries = _dashboard_queries()
+    assert len(queries) > 30
+    rows = {row for row, _, _ in queries}
+    for row, panel, expr in queries:
+        expr = _as_grafana_would(expr)
+        if row.startswith("GPU"):
+            # No GPU on this machine: the panels must be empty, not fed by some other series.
+            assert _query(prometheus, expr) == [], (panel, expr)
+        elif row == "Cluster overview":
+            # Running workers and jobs: present mid-run, gone once both ranks said they finished.
+            assert _query(prometheus, expr, at_unix=mid_run_unix), (panel, expr, mid_run_unix)
+            assert all(float(r["value"][1]) == 0 for r in _query(prometheus, expr)), (panel, expr)
+        else:
+            assert _query(prometheus, expr), (row, panel, expr)
+    assert {"Cluster overview", "Training progress", "Communication and data wait"} <= rows
+
+    workers_up = next(expr for _, panel, expr in queries if panel == "Workers up")
+    assert float(_query(prometheus, _as_grafana_would(workers_up), at_unix=mid_run_unix)[0]["value"][1]) == 2
+
+    # The template variables' label_values() list this run.
+    dashboard = json.loads((REPO_ROOT / "dashboards" / "training.json").read_text())
+    for variable in dashboard["templating"]["list"]:
+        match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", str(variable.get("query", "")).strip())
+        if match:
+            values = {r["metric"].get(match[2]) for r in _query(prometheus, _as_grafana_would(match[1]))}
+            assert {"execution": EXECUTION, "model": "small_cnn", "rank": "0"}[match[2]] in values, variable["name"]
+
+    # Prometheus loaded the committed alert rules and evaluated each without error; a healthy run fires none.
+    # (TrainingCommunicationHigh may be pending: two ranks sharing 2 cores spend over half a step in all-reduce,
+    # but it must hold for 15 minutes to fire.)
+    rules = yaml.safe_load((REPO_ROOT / "dashboards" / "alerts.rules.yml").read_text())
+    alert_names = {rule["alert"] for group in rules["groups"] for rule in group["rules"] if "alert" in rule}
+    assert len(alert_names) == 8
+    loaded = json.loads(urllib.request.urlopen(f"{prometheus}/api/v1/rules?type=alert", timeout=5).read())["data"]["groups"]
+    evaluated = {rule["name"]: rule for group in loaded for rule in group["rules"]}
+    assert set(evaluated) == alert_names
+    for name, rule in evaluated.items():
+        assert rule["health"] == "ok" and not rule.get("lastError"), (name, rule)
+    alerts = json.loads(urllib.request.urlopen(f"{prometheus}/api/v1/alerts", timeout=5).read())["data"]["alerts"]
+    assert [a for a in alerts if a["state"] == "firing"] == [], alerts
