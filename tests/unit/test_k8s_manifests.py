@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -25,7 +26,19 @@ from deployment import generate
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOYMENT_DIR = REPO_ROOT / "deployment"
 KUSTOMIZE_DIR = DEPLOYMENT_DIR / "kustomize"
-CRDS_DIR = REPO_ROOT.parent / "shared" / "crds"
+
+
+def _find_crds_dir() -> Path:
+    """The CRD schemas: ``$FRT_CRDS_DIR``, else ``shared/crds`` beside the repository or beside one of its parent
+    directories (a clone elsewhere, e.g. CI's, still finds the workplace's ``shared/``), else the workplace's
+    ``/work/shared/crds``."""
+    candidates = [Path(os.environ["FRT_CRDS_DIR"])] if os.environ.get("FRT_CRDS_DIR") else []
+    candidates += [parent / "shared" / "crds" for parent in REPO_ROOT.parents]
+    candidates.append(Path("/work/shared/crds"))
+    return next((path for path in candidates if path.is_dir()), REPO_ROOT.parent / "shared" / "crds")
+
+
+CRDS_DIR = _find_crds_dir()
 
 # The newest Kubernetes release kubernetes-validate ships schemas for (1.37, August 2026).
 KUBERNETES_VERSION = "1.37.0"
@@ -245,7 +258,7 @@ def crd_validators() -> dict[tuple[str, str], Any]:
     if not CRDS_DIR.is_dir():
         pytest.fail(
             f"the CRD schemas are missing: expected the directory {CRDS_DIR} (the repository's sibling shared/crds, "
-            "see its README) with the KubeRay and Prometheus Operator CRDs"
+            "see its README) with the KubeRay and Prometheus Operator CRDs, or set FRT_CRDS_DIR"
         )
     schemas = {}
     for path in sorted(CRDS_DIR.glob("*.yaml")):
