@@ -121,10 +121,8 @@ def trained_model(config: TrainingConfig, result, *, tracking_uri: str, run_id: 
         ("throughput (samples/s)", metrics.samples_per_s), ("step time p50 / p95 (s)", f"{metrics.step_time_p50_s:.4f} / {metrics.step_time_p95_s:.4f}"),
         ("all-reduce share of step time", metrics.allreduce_fraction), ("MLflow run", run_id),
     ]
-    # The telemetry field is newer than some checkpoints' meta: a missing one draws "not recorded" sections.
-    sections = reports.training_sections(
-        summary=summary, history=meta.history, step_log=meta.step_log, telemetry=getattr(meta, "telemetry", None) or {},
-    )
+    # Checkpoints older than the telemetry field load with it empty: their report says "not recorded".
+    sections = reports.training_sections(summary=summary, history=meta.history, step_log=meta.step_log, telemetry=meta.telemetry)
     report = publish_report("Training report", sections)
     # A checkpoint already on object storage is returned where it lives; a local one is uploaded.
     remote = "://" in result.checkpoint_uri and not result.checkpoint_uri.startswith("file://")
