@@ -8,7 +8,6 @@ import logging
 import os
 import socket
 import threading
-import time
 
 import pytest
 
@@ -283,14 +282,3 @@ def test_checkpoint_meta_written_before_telemetry_existed_still_loads():
     meta = ckpt.CheckpointMeta(**old)
     assert (meta.telemetry, meta.elapsed_s) == ({}, 0.0)
 
-
-def test_a_step_observation_costs_microseconds():
-    telemetry = _telemetry()
-    num_steps = 20_000
-    start = time.perf_counter()
-    for _ in range(num_steps):
-        telemetry.step(duration_s=0.05, num_samples=64, data_wait_s=0.001, comm_s=0.01)
-    per_step_s = (time.perf_counter() - start) / num_steps
-    telemetry.close(finished=True)
-    # A training step on this machine takes milliseconds; 1% of the smallest (~5 ms) is 50 us.
-    assert per_step_s < 50e-6, per_step_s
