@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 CHROMIUM = shutil.which("chromium")
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make system-packages)")
+# `make test` installs Debian's chromium when it is missing: without it these tests fail, they do not skip.
+needs_chromium = pytest.mark.usefixtures("chromium_installed")
+
+
+@pytest.fixture
+def chromium_installed() -> None:
+    if CHROMIUM is None:
+        pytest.fail("Debian's chromium is not installed: run `make system-packages` (make test does)", pytrace=False)
 
 WINDOW_WIDTH_PX = 1200
 STEPS_PER_EPOCH, EPOCHS, LOG_EVERY_STEPS = 19, 5, 5

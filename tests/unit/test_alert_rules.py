@@ -34,7 +34,7 @@ def _alerts() -> list[dict]:
 def _promtool() -> str:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is not on PATH: `make system-packages` installs Debian's prometheus package")
+        pytest.fail("promtool is not on PATH: `make system-packages` (run by make test) installs Debian's prometheus package", pytrace=False)
     return promtool
 
 

@@ -182,7 +182,7 @@ def test_panel_ids_are_unique_and_panels_stay_inside_the_24_column_grid() -> Non
 def test_every_panel_query_is_valid_promql_to_promtool(tmp_path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is not on PATH: `make system-packages` installs Debian's prometheus package")
+        pytest.fail("promtool is not on PATH: `make system-packages` (run by make test) installs Debian's prometheus package", pytrace=False)
     board = _committed()
     rules = []
     for index, (_, expr) in enumerate(_panel_queries(board) + _variable_queries(board)):
