@@ -270,3 +270,63 @@ def test_every_dashboard_query_and_alert_rule_evaluates_on_the_pushed_run_and_no
         assert rule["health"] == "ok" and not rule.get("lastError"), (name, rule)
     alerts = json.loads(urllib.request.urlopen(f"{prometheus}/api/v1/alerts", timeout=5).read())["data"]["alerts"]
     assert [a for a in alerts if a["state"] == "firing"] == [], alerts
+
+
+def test_a_cuda_oom_on_an_early_step_is_counted_pushed_unfinished_and_fires_the_oom_alert(prometheus_stack, tmp_path, monkeypatch):
+    """The loop's real OOM path, in this process with one gloo rank. There is no GPU here, so the third
+    ``train_step`` raises the exception CUDA raises; pushes are a minute apart, so Prometheus first sees the
+    counter at 1 in the final push, which only the alert's "new series above zero" branch catches."""
+    import torch
+
+    from training_core import loop
+    from training_core.launch import TorchDistributedRuntime, free_port
+    from training_core.trainer import worker_loop_config
+
+    data_dir = str(tmp_path / "data")
+    prepare(DataConfig(dataset="synthetic", synthetic_num_samples=256, synthetic_image_size=8, num_shards=1), data_dir)
+    cfg = TrainingConfig.from_dict({
+        "data": {"dataset": "synthetic", "synthetic_num_samples": 256, "synthetic_image_size": 8, "num_shards": 1},
+        "model": {"name": "small_cnn"},
+        "loop": {"epochs": 1, "batch_size": 16},
+        "scaling": {"num_workers": 1},
+        "observability": {"pushgateway_url": prometheus_stack["pushgateway"], "push_interval_s": 60.0},
+    })
+    real_train_step, calls = loop.train_step, []
+
+    def train_step_that_runs_out_of_memory(**kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected: no GPU here)")
+        return real_train_step(**kwargs)
+
+    monkeypatch.setattr(loop, "train_step", train_step_that_runs_out_of_memory)
+    execution = "it-oom-exec"
+    loop_config = worker_loop_config(cfg, data_dir=data_dir, root=str(tmp_path / "ckpt"), run_name="oom", job_labels={"execution": execution})
+    runtime = TorchDistributedRuntime.connect(
+        rank=0, world_size=1, local_rank=0, backend="gloo", init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=60,
+        use_gpu=False, records_path=str(tmp_path / "records.jsonl"),
+    )
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            loop.run_worker(loop_config, runtime)
+    finally:
+        runtime.close()
+
+    prometheus = prometheus_stack["prometheus"]
+    selector = f'job="{PUSHGATEWAY_JOB}",execution="{execution}",rank="0"'
+    deadline = time.monotonic() + 30
+    while not _query(prometheus, f"training_gpu_oom_total{{{selector}}}"):
+        assert time.monotonic() < deadline, "the final push after the OOM never reached Prometheus"
+        time.sleep(0.5)
+    assert _by_rank(prometheus, f"training_gpu_oom_total{{{selector}}}") == {"0": 1}
+    assert _by_rank(prometheus, f"training_steps_total{{{selector}}}") == {"0": 2}
+    assert _by_rank(prometheus, f"training_run_finished{{{selector}}}") == {"0": 0}
+
+    def oom_alerts() -> list[dict]:
+        alerts = json.loads(urllib.request.urlopen(f"{prometheus}/api/v1/alerts", timeout=5).read())["data"]["alerts"]
+        return [a for a in alerts if a["labels"]["alertname"] == "TrainingGpuOutOfMemory" and a["labels"].get("execution") == execution]
+
+    while not any(a["state"] == "firing" for a in oom_alerts()):
+        assert time.monotonic() < deadline, oom_alerts()
+        time.sleep(0.5)
+    assert oom_alerts()[0]["labels"]["severity"] == "critical"
