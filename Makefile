@@ -34,6 +34,10 @@ system-packages:
 	@if ! command -v promtool >/dev/null || ! command -v prometheus-pushgateway >/dev/null || ! command -v chromium >/dev/null; then \
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES); \
 	fi
+	@# kubectl renders the Kustomize overlays in the manifest tests. These machines carry it from Google's apt
+	@# repository (Debian itself only ships kubernetes-client 1.20, which these tests were not run with).
+	@command -v kubectl >/dev/null || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq kubectl \
+		|| echo "kubectl could not be installed: the Kubernetes manifest tests will fail until it is on PATH"
 
 venv: $(STAMP)
 

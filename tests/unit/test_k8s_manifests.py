@@ -69,7 +69,8 @@ SECRET_TEXT = re.compile(r"AKIA[0-9A-Z]{16}|-----BEGIN [A-Z ]*PRIVATE KEY-----|:
 def kubectl() -> str:
     path = shutil.which("kubectl")
     if path is None:
-        pytest.skip("kubectl is not on PATH: it renders the kustomizations (install kubectl >= 1.27)")
+        pytest.fail("kubectl is not on PATH: it renders the kustomizations (`make system-packages` installs it where apt "
+                    "offers it; otherwise install kubectl >= 1.27)", pytrace=False)
     return path
 
 
