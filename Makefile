@@ -24,8 +24,10 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: run test venv benchmarks clean package system-packages image lock
 
+# --overwrite-cache: flytekit's local cache (~/.flyte/local-cache) outlives the temporary directory that held the
+# cached outputs; a stale entry would hand the pipeline a data directory that is gone. Preparing digits takes seconds.
 run: $(STAMP)
-	$(BIN)/pyflyte run workflows/training.py training_pipeline
+	$(BIN)/pyflyte run --overwrite-cache workflows/training.py training_pipeline
 
 test: $(STAMP) system-packages
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
