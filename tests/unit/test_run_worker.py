@@ -1,0 +1,136 @@
+"""The whole training loop (``run_worker``) in this process: one rank, no Ray, no process group.
+
+Written before the loop was split into pieces, as the safety net of that refactor: what the loop reports, logs
+and checkpoints, and that training in two calls (a resume mid-run) ends bit-identical to one call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from training_core import checkpoint as ckpt
+from training_core.config import TrainingConfig
+from training_core.data import prepare
+from training_core.loop import run_worker
+from training_core.trainer import worker_loop_config
+
+
+@dataclass
+class InProcessRuntime:
+    """The loop's runtime for a single rank in the calling process (what Ray Train gives each worker)."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    reports: list[dict[str, float]] = field(default_factory=list)
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.to(self.device)
+
+    def report(self, metrics) -> None:
+        self.reports.append(dict(metrics.to_dict() if hasattr(metrics, "to_dict") else metrics))
+
+
+@pytest.fixture(scope="module")
+def digits_dir(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("digits")
+    prepare(TrainingConfig().data, str(out))
+    return str(out)
+
+
+def _config(**loop) -> TrainingConfig:
+    return TrainingConfig.from_dict({
+        "model": {"name": "small_cnn"},
+        "optimizer": {"name": "adamw", "lr": 0.01},
+        "loop": {"epochs": 2, "batch_size": 64, "log_interval_steps": 4, **loop},
+        "checkpoint": {"interval_steps": 7, "keep_last": 3, "async_save": True},
+        "scaling": {"num_workers": 1, "torch_threads_per_worker": 1},
+        "observability": {"enabled": False},
+    })
+
+
+def _run(cfg: TrainingConfig, *, data_dir: str, root: Path) -> InProcessRuntime:
+    runtime = InProcessRuntime()
+    args = worker_loop_config(cfg, data_dir=data_dir, root=str(root), run_name="unit", job_labels=None)
+    run_worker(args, runtime)
+    return runtime
+
+
+def _final(root: Path) -> ckpt.LoadedCheckpoint:
+    loaded = ckpt.load_latest_valid(ckpt.CheckpointStorage(str(root)))
+    assert loaded is not None
+    return loaded
+
+
+def test_run_worker_reports_each_epoch_logs_windows_and_leaves_a_final_checkpoint(digits_dir, tmp_path):
+    runtime = _run(_config(), data_dir=digits_dir, root=tmp_path / "ckpt")
+
+    assert [r["epoch"] for r in runtime.reports] == [1.0, 2.0]
+    steps_per_epoch = int(runtime.reports[0]["global_step"])
+    assert steps_per_epoch > 7 and runtime.reports[1]["global_step"] == 2 * steps_per_epoch
+    for record in runtime.reports:
+        assert 0.0 < record["train_loss"] < 5 and 0.0 <= record["val_accuracy"] <= 1
+        assert record["samples_per_s"] > 0
+    assert runtime.reports[0]["lr"] > 0  # the cosine schedule ends at 0
+    # The run learns: digits with a small CNN clear 80% validation accuracy within 2 epochs.
+    assert runtime.reports[-1]["val_accuracy"] > 0.8
+    assert runtime.reports[-1]["train_loss"] < runtime.reports[0]["train_loss"]
+
+    final = _final(tmp_path / "ckpt")
+    meta = final.meta
+    assert meta.global_step == 2 * steps_per_epoch and meta.epoch == 2 and meta.step_in_epoch == 0
+    assert [r["epoch"] for r in meta.history] == [1.0, 2.0]
+    assert meta.history[-1]["val_accuracy"] == runtime.reports[-1]["val_accuracy"]
+    assert meta.best_metric == max(r["val_accuracy"] for r in runtime.reports)
+    # Every logged window closes at a log step, an epoch end or a checkpoint step, in step order.
+    logged_steps = [int(r["step"]) for r in meta.step_log]
+    assert logged_steps == sorted(logged_steps) and logged_steps[-1] == meta.global_step
+    for step in logged_steps:
+        assert step % 4 == 0 or step % 7 == 0 or step % steps_per_epoch == 0
+    # Retention: the final checkpoint plus at most keep_last - 1 older ones.
+    assert len(ckpt.CheckpointStorage(str(tmp_path / "ckpt")).list_steps()) <= 3
+
+
+def test_run_worker_in_two_calls_ends_bit_identical_to_one_call(digits_dir, tmp_path):
+    _run(_config(), data_dir=digits_dir, root=tmp_path / "whole")
+    # The first call stops after epoch 1 (a slice); the second resumes from its checkpoint in the same root.
+    first = _run(_config(stop_at_epoch=1), data_dir=digits_dir, root=tmp_path / "sliced")
+    second = _run(_config(), data_dir=digits_dir, root=tmp_path / "sliced")
+    assert [r["epoch"] for r in first.reports] == [1.0] and [r["epoch"] for r in second.reports] == [2.0]
+
+    whole, sliced = _final(tmp_path / "whole"), _final(tmp_path / "sliced")
+    assert whole.meta.global_step == sliced.meta.global_step
+    for name, tensor in whole.model.items():
+        assert torch.equal(tensor, sliced.model[name]), name
+    whole_moments = whole.trainer["optimizer"]["state"]
+    for index, state in sliced.trainer["optimizer"]["state"].items():
+        assert torch.equal(state["exp_avg"], whole_moments[index]["exp_avg"])
+    assert whole.meta.history[-1]["val_loss"] == sliced.meta.history[-1]["val_loss"]
+    assert sliced.meta.resumed_from_steps == [whole.meta.global_step // 2]
+
+
+def test_run_worker_resumes_mid_epoch_from_an_interval_checkpoint_bit_identical(digits_dir, tmp_path):
+    cfg = _config(epochs=1)
+    _run(cfg, data_dir=digits_dir, root=tmp_path / "whole")
+    whole = _final(tmp_path / "whole")
+
+    # Keep only the first interval checkpoint (step 7): the next call resumes mid-epoch from it, the way a
+    # restarted worker group would after losing everything written later.
+    storage = ckpt.CheckpointStorage(str(tmp_path / "whole"))
+    mid = tmp_path / "mid"
+    mid.mkdir()
+    storage.fs.get(f"{storage.path}/{ckpt.step_name(7)}/", str(mid / ckpt.step_name(7)) + "/", recursive=True)
+    runtime = _run(cfg, data_dir=digits_dir, root=mid)
+    resumed = _final(mid)
+
+    assert resumed.meta.resumed_from_steps == [7]
+    for name, tensor in whole.model.items():
+        assert torch.equal(tensor, resumed.model[name]), name
+    # The epoch's record counts the steps before the resume too.
+    assert runtime.reports[-1]["train_loss"] == pytest.approx(whole.meta.history[-1]["train_loss"], rel=1e-9)
+    for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "global_step"):
+        assert resumed.meta.history[-1][key] == whole.meta.history[-1][key], key
