@@ -22,15 +22,21 @@ COPY ?= none
 SYSTEM_PACKAGES := prometheus prometheus-pushgateway chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test venv benchmarks clean package system-packages image lock
+.PHONY: run test lint venv benchmarks clean package system-packages image lock
 
 # --overwrite-cache: flytekit's local cache (~/.flyte/local-cache) outlives the temporary directory that held the
 # cached outputs; a stale entry would hand the pipeline a data directory that is gone. Preparing digits takes seconds.
 run: $(STAMP)
 	$(BIN)/pyflyte run --overwrite-cache workflows/training.py training_pipeline
 
-test: $(STAMP) system-packages
+test: $(STAMP) system-packages lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# ruff (configured in pyproject.toml): a lint violation or an unformatted file fails `make test`.
+# `$(BIN)/ruff format . && $(BIN)/ruff check --fix .` fixes most of them.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 system-packages:
 	@if ! command -v promtool >/dev/null || ! command -v prometheus-pushgateway >/dev/null || ! command -v chromium >/dev/null; then \
