@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit  # noqa: E402
 
 
-
 def _state(model_name: str):
     import torch
 
@@ -46,8 +45,14 @@ def _state(model_name: str):
     loss.backward()
     optimizer.step()
     meta = ckpt.CheckpointMeta(
-        model_name=model_name, classes=[str(i) for i in range(1000)], input_shape=[3, 32, 32], mean=[0.5] * 3,
-        std=[0.25] * 3, epoch=0, global_step=1, config=TrainingConfig().to_dict(),
+        model_name=model_name,
+        classes=[str(i) for i in range(1000)],
+        input_shape=[3, 32, 32],
+        mean=[0.5] * 3,
+        std=[0.25] * 3,
+        epoch=0,
+        global_step=1,
+        config=TrainingConfig().to_dict(),
     )
     return model, optimizer, meta
 
@@ -60,7 +65,12 @@ def _free_port() -> int:
 
 def _start_moto(port: int, log_path: str) -> subprocess.Popen:
     moto = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
-    process = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        [moto, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -113,7 +123,9 @@ def main() -> None:
             load_s.append(time.perf_counter() - start)
 
         stall_s = []
-        async_checkpointer = ckpt.Checkpointer(ckpt.CheckpointStorage(os.path.join(workdir, "async")), keep_last=1, async_save=True)
+        async_checkpointer = ckpt.Checkpointer(
+            ckpt.CheckpointStorage(os.path.join(workdir, "async")), keep_last=1, async_save=True
+        )
         # The first save allocates the staging buffers; the steady state is every save after it, which is
         # what a run of many checkpoints pays.
         for repeat in range(args.repeats + 1):
@@ -129,8 +141,18 @@ def main() -> None:
             import boto3
 
             endpoint = f"http://127.0.0.1:{port}"
-            boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench", region_name="us-east-1").create_bucket(Bucket="checkpoints")
-            options = {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+            boto3.client(
+                "s3",
+                endpoint_url=endpoint,
+                aws_access_key_id="bench",
+                aws_secret_access_key="bench",
+                region_name="us-east-1",
+            ).create_bucket(Bucket="checkpoints")
+            options = {
+                "key": "bench",
+                "secret": "bench",
+                "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+            }
             s3 = ckpt.CheckpointStorage("s3://checkpoints/bench", storage_options=options)
             s3_checkpointer = ckpt.Checkpointer(s3, keep_last=1, async_save=False)
             s3_save_s, s3_load_s = [], []

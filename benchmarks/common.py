@@ -14,7 +14,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def emit(name: str, result: dict[str, Any]) -> None:
     """Add the machine's description, write ``results/<name>.json`` and print the JSON as the last line."""
-    result = {**result, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]}}
+    result = {
+        **result,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result), flush=True)

@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit  # noqa: E402
 
 
-
-def bare_loop(manifest_dir: str, *, model_name: str, batch_size: int, epochs: int, threads: int, warmup_steps: int, seed: int) -> dict:
+def bare_loop(
+    manifest_dir: str, *, model_name: str, batch_size: int, epochs: int, threads: int, warmup_steps: int, seed: int
+) -> dict:
     """The textbook loop: tensors in memory, forward, backward, step."""
     import numpy as np
     import torch
@@ -51,13 +52,13 @@ def bare_loop(manifest_dir: str, *, model_name: str, batch_size: int, epochs: in
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     steps_per_epoch = len(labels) // batch_size
     steady_time_s, steady_steps, step = 0.0, 0, 0
-    for epoch in range(epochs):
+    for _ in range(epochs):
         order = torch.randperm(len(labels))
         epoch_images, epoch_labels = images[order], labels[order]
         last = time.perf_counter()
         for b in range(steps_per_epoch):
-            x = (epoch_images[b * batch_size:(b + 1) * batch_size].float().div_(255.0) - mean) / std
-            loss = F.cross_entropy(model(x), epoch_labels[b * batch_size:(b + 1) * batch_size])
+            x = (epoch_images[b * batch_size : (b + 1) * batch_size].float().div_(255.0) - mean) / std
+            loss = F.cross_entropy(model(x), epoch_labels[b * batch_size : (b + 1) * batch_size])
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -70,24 +71,44 @@ def bare_loop(manifest_dir: str, *, model_name: str, batch_size: int, epochs: in
     return {"samples_per_s": steady_steps * batch_size / steady_time_s, "steps": step, "steady_steps": steady_steps}
 
 
-def ours(manifest_dir: str, *, model_name: str, batch_size: int, epochs: int, threads: int, warmup_steps: int, seed: int, workdir: str) -> dict:
+def ours(
+    manifest_dir: str,
+    *,
+    model_name: str,
+    batch_size: int,
+    epochs: int,
+    threads: int,
+    warmup_steps: int,
+    seed: int,
+    workdir: str,
+) -> dict:
     from training_core.config import TrainingConfig
     from training_core.trainer import fit
 
-    cfg = TrainingConfig.from_dict({
-        "data": {"dataset": "synthetic", "num_shards": 1},
-        "model": {"name": model_name},
-        "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0, "max_grad_norm": 0.0},
-        "schedule": {"name": "constant", "warmup_steps": 0},
-        "loop": {"epochs": epochs, "batch_size": batch_size, "seed": seed},
-        "scaling": {"num_workers": 1, "cpus_per_worker": threads, "torch_threads_per_worker": threads},
-        "precision": {"mode": "fp32"},
-    })
-    result = fit(
-        cfg, data_dir=manifest_dir, checkpoint_dir=os.path.join(workdir, "final"), run_name="loop-overhead",
-        storage_path=os.path.join(workdir, "ray"), warmup_steps_excluded=warmup_steps,
+    cfg = TrainingConfig.from_dict(
+        {
+            "data": {"dataset": "synthetic", "num_shards": 1},
+            "model": {"name": model_name},
+            "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0, "max_grad_norm": 0.0},
+            "schedule": {"name": "constant", "warmup_steps": 0},
+            "loop": {"epochs": epochs, "batch_size": batch_size, "seed": seed},
+            "scaling": {"num_workers": 1, "cpus_per_worker": threads, "torch_threads_per_worker": threads},
+            "precision": {"mode": "fp32"},
+        }
     )
-    return {"samples_per_s": result.metrics["steady_samples_per_s"], "steps": result.meta.global_step, "steady_steps": int(result.metrics["steady_steps"])}
+    result = fit(
+        cfg,
+        data_dir=manifest_dir,
+        checkpoint_dir=os.path.join(workdir, "final"),
+        run_name="loop-overhead",
+        storage_path=os.path.join(workdir, "ray"),
+        warmup_steps_excluded=warmup_steps,
+    )
+    return {
+        "samples_per_s": result.metrics["steady_samples_per_s"],
+        "steps": result.meta.global_step,
+        "steady_steps": int(result.metrics["steady_steps"]),
+    }
 
 
 def main() -> None:
@@ -111,8 +132,23 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="loop-overhead-") as workdir:
         data_dir = os.path.join(workdir, "data")
-        prepare(DataConfig(dataset="synthetic", synthetic_num_samples=args.samples, synthetic_image_size=args.image_size, num_shards=1), data_dir)
-        common = dict(model_name=args.model, batch_size=args.batch_size, epochs=args.epochs, threads=args.threads, warmup_steps=args.warmup_steps, seed=args.seed)
+        prepare(
+            DataConfig(
+                dataset="synthetic",
+                synthetic_num_samples=args.samples,
+                synthetic_image_size=args.image_size,
+                num_shards=1,
+            ),
+            data_dir,
+        )
+        common = dict(
+            model_name=args.model,
+            batch_size=args.batch_size,
+            epochs=args.epochs,
+            threads=args.threads,
+            warmup_steps=args.warmup_steps,
+            seed=args.seed,
+        )
         external_cluster = bool(os.environ.get("RAY_ADDRESS"))
         if external_cluster:
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)

@@ -41,7 +41,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit  # noqa: E402
 
-
 KEEP_FREED_BYTES = 4 * 1024**3
 
 
@@ -58,7 +57,8 @@ def start_pushgateway(workdir: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     process = subprocess.Popen(
         [binary, f"--web.listen-address=127.0.0.1:{port}", f"--persistence.file={workdir}/pushgateway.data"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -88,7 +88,9 @@ def measure_costs(gateway_url: str, interval_s: float) -> dict[str, float]:
 
     cfg = ObservabilityConfig(pushgateway_url=gateway_url, push_interval_s=interval_s, sample_interval_s=interval_s)
     labels = JobLabels(execution="metrics-overhead-costs", node="benchmark", rank="0", model="small_cnn")
-    telemetry = PrometheusTelemetry(cfg, scaling=ScalingConfig(num_workers=1), labels=labels, world_size=1, start_threads=False)
+    telemetry = PrometheusTelemetry(
+        cfg, scaling=ScalingConfig(num_workers=1), labels=labels, world_size=1, start_threads=False
+    )
     num_steps, num_cycles = 50_000, 50
     start = time.thread_time()
     for _ in range(num_steps):
@@ -136,14 +138,29 @@ def measure_in_process(gateway_url: str, args: argparse.Namespace, *, interval_s
     def block(telemetry) -> float:
         started = last = time.perf_counter()
         for index in range(args.block_steps):
-            result = train_step(model=model, optimizer=optimizer, scaler=scaler, micro_batches=[batches[index % len(batches)]],
-                                autocast_dtype=None, max_grad_norm=1.0)
+            result = train_step(
+                model=model,
+                optimizer=optimizer,
+                scaler=scaler,
+                micro_batches=[batches[index % len(batches)]],
+                autocast_dtype=None,
+                max_grad_norm=1.0,
+            )
             now = time.perf_counter()
             telemetry.step(duration_s=now - last, num_samples=args.batch_size, data_wait_s=0.0, comm_s=0.0)
             last = now
             if (index + 1) % 5 == 0:
-                record = {"train_loss": float(result.loss), "train_accuracy": 0.1, "lr": 1e-3, "grad_norm": float(result.grad_norm),
-                          "samples_per_s": 640.0, "step_time_s": 0.1, "data_wait_s": 0.0, "allreduce_fraction": 0.0, "epoch": 0.0}
+                record = {
+                    "train_loss": float(result.loss),
+                    "train_accuracy": 0.1,
+                    "lr": 1e-3,
+                    "grad_norm": float(result.grad_norm),
+                    "samples_per_s": 640.0,
+                    "step_time_s": 0.1,
+                    "data_wait_s": 0.0,
+                    "allreduce_fraction": 0.0,
+                    "epoch": 0.0,
+                }
                 telemetry.window(record, global_step=index + 1)
         return args.block_steps * args.batch_size / (time.perf_counter() - started)
 
@@ -151,7 +168,7 @@ def measure_in_process(gateway_url: str, args: argparse.Namespace, *, interval_s
         block(NullTelemetry())
     on, off = [], []
     for pair in range(args.block_pairs):
-        for telemetry_on in ((True, False) if pair % 2 == 0 else (False, True)):
+        for telemetry_on in (True, False) if pair % 2 == 0 else (False, True):
             if telemetry_on:
                 telemetry = PrometheusTelemetry(cfg, scaling=ScalingConfig(num_workers=1), labels=labels, world_size=1)
                 on.append(block(telemetry))
@@ -170,28 +187,43 @@ def measure_in_process(gateway_url: str, args: argparse.Namespace, *, interval_s
     }
 
 
-def train(data_dir: str, workdir: str, *, telemetry_on: bool, gateway_url: str, args: argparse.Namespace, run_index: int) -> float:
+def train(
+    data_dir: str, workdir: str, *, telemetry_on: bool, gateway_url: str, args: argparse.Namespace, run_index: int
+) -> float:
     from training_core.config import TrainingConfig
     from training_core.trainer import fit
 
     observability = (
-        {"pushgateway_url": gateway_url, "push_interval_s": args.interval_s, "sample_interval_s": args.interval_s, "nvml": True, "host": True}
-        if telemetry_on else {"enabled": False}
+        {
+            "pushgateway_url": gateway_url,
+            "push_interval_s": args.interval_s,
+            "sample_interval_s": args.interval_s,
+            "nvml": True,
+            "host": True,
+        }
+        if telemetry_on
+        else {"enabled": False}
     )
-    cfg = TrainingConfig.from_dict({
-        "data": {"dataset": "synthetic", "num_shards": 1},
-        "model": {"name": args.model},
-        "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0},
-        "schedule": {"name": "constant", "warmup_steps": 0},
-        "loop": {"epochs": args.epochs, "batch_size": args.batch_size, "log_interval_steps": 5},
-        "scaling": {"num_workers": 1, "cpus_per_worker": 1, "torch_threads_per_worker": 1},
-        "precision": {"mode": "fp32"},
-        "observability": observability,
-    })
+    cfg = TrainingConfig.from_dict(
+        {
+            "data": {"dataset": "synthetic", "num_shards": 1},
+            "model": {"name": args.model},
+            "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0},
+            "schedule": {"name": "constant", "warmup_steps": 0},
+            "loop": {"epochs": args.epochs, "batch_size": args.batch_size, "log_interval_steps": 5},
+            "scaling": {"num_workers": 1, "cpus_per_worker": 1, "torch_threads_per_worker": 1},
+            "precision": {"mode": "fp32"},
+            "observability": observability,
+        }
+    )
     name = f"metrics-overhead-{run_index}"
     result = fit(
-        cfg, data_dir=data_dir, checkpoint_dir=os.path.join(workdir, name, "final"), run_name=name,
-        storage_path=os.path.join(workdir, name, "ray"), warmup_steps_excluded=args.warmup_steps,
+        cfg,
+        data_dir=data_dir,
+        checkpoint_dir=os.path.join(workdir, name, "final"),
+        run_name=name,
+        storage_path=os.path.join(workdir, name, "ray"),
+        warmup_steps_excluded=args.warmup_steps,
         job_labels={"execution": "metrics-overhead", "node": "benchmark", "attempt": str(run_index)},
     )
     return float(result.metrics["steady_samples_per_s"])
@@ -212,7 +244,11 @@ def main() -> None:
     parser.add_argument("--default-malloc", action="store_true", help="keep glibc's malloc defaults in the Ray workers")
     args = parser.parse_args()
     # Read by glibc when a process starts: this affects the Ray cluster started below, not this process.
-    malloc_env = {} if args.default_malloc else {"MALLOC_MMAP_THRESHOLD_": str(KEEP_FREED_BYTES), "MALLOC_TRIM_THRESHOLD_": str(KEEP_FREED_BYTES)}
+    malloc_env = (
+        {}
+        if args.default_malloc
+        else {"MALLOC_MMAP_THRESHOLD_": str(KEEP_FREED_BYTES), "MALLOC_TRIM_THRESHOLD_": str(KEEP_FREED_BYTES)}
+    )
     os.environ.update(malloc_env)
 
     import ray
@@ -234,7 +270,14 @@ def main() -> None:
             for pair in range(args.pairs):
                 sequence = (True, False) if pair % 2 == 0 else (False, True)
                 for telemetry_on in sequence:
-                    samples_per_s = train(data_dir, workdir, telemetry_on=telemetry_on, gateway_url=gateway_url, args=args, run_index=len(order))
+                    samples_per_s = train(
+                        data_dir,
+                        workdir,
+                        telemetry_on=telemetry_on,
+                        gateway_url=gateway_url,
+                        args=args,
+                        run_index=len(order),
+                    )
                     (on if telemetry_on else off).append(samples_per_s)
                     order.append("on" if telemetry_on else "off")
             groups = pushed_groups(gateway_url)

@@ -42,37 +42,71 @@ def child(workdir: str, interval: int) -> None:
 
     prepare(DataConfig(), os.path.join(workdir, "data"))
     ray.init(num_cpus=4, include_dashboard=False)
-    cfg = TrainingConfig.from_dict({
-        "model": {"name": "small_cnn"},
-        "loop": {"epochs": 4, "batch_size": 16, "log_interval_steps": 1},
-        "checkpoint": {"interval_steps": interval, "keep_last": 3, "max_worker_restarts": 2},
-    })
-    result = fit(cfg, data_dir=os.path.join(workdir, "data"), checkpoint_dir=os.path.join(workdir, "final"), run_name="recovery", storage_path=os.path.join(workdir, "runs"))
-    print("RESULT " + json.dumps({"resume_timings": result.meta.resume_timings, "resumed_from_steps": result.meta.resumed_from_steps}), flush=True)
+    cfg = TrainingConfig.from_dict(
+        {
+            "model": {"name": "small_cnn"},
+            "loop": {"epochs": 4, "batch_size": 16, "log_interval_steps": 1},
+            "checkpoint": {"interval_steps": interval, "keep_last": 3, "max_worker_restarts": 2},
+        }
+    )
+    result = fit(
+        cfg,
+        data_dir=os.path.join(workdir, "data"),
+        checkpoint_dir=os.path.join(workdir, "final"),
+        run_name="recovery",
+        storage_path=os.path.join(workdir, "runs"),
+    )
+    print(
+        "RESULT "
+        + json.dumps(
+            {"resume_timings": result.meta.resume_timings, "resumed_from_steps": result.meta.resumed_from_steps}
+        ),
+        flush=True,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint-interval-steps", type=int, default=10)
-    parser.add_argument("--kill-after-step", type=int, default=25, help="kill once a checkpoint at or past this step exists")
+    parser.add_argument(
+        "--kill-after-step", type=int, default=25, help="kill once a checkpoint at or past this step exists"
+    )
     parser.add_argument("--child", metavar="WORKDIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child, args.checkpoint_interval_steps)
         return
 
-    env = dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"), PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
+    env = dict(
+        os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"), PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0"
+    )
     with tempfile.TemporaryDirectory(prefix="recovery-") as workdir:
         log_path = Path(workdir) / "child.log"
         process = subprocess.Popen(
-            [sys.executable, __file__, "--child", workdir, "--checkpoint-interval-steps", str(args.checkpoint_interval_steps)],
-            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                workdir,
+                "--checkpoint-interval-steps",
+                str(args.checkpoint_interval_steps),
+            ],
+            stdout=open(log_path, "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
         checkpoints = Path(workdir) / "runs" / "recovery" / "checkpoints"
         deadline = time.monotonic() + 600
         try:
             while True:
-                done = sorted(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*") if (p / "manifest.json").exists()) if checkpoints.exists() else []
+                done = (
+                    sorted(
+                        int(p.name.split("-")[1]) for p in checkpoints.glob("step-*") if (p / "manifest.json").exists()
+                    )
+                    if checkpoints.exists()
+                    else []
+                )
                 if done and done[-1] >= args.kill_after_step:
                     break
                 if process.poll() is not None or time.monotonic() > deadline:

@@ -65,13 +65,22 @@ def run_point(launcher: str, cfg, *, data_dir: str, workdir: str, warmup_steps: 
     run = fit if launcher == "ray" else launch
     name = f"{launcher}-{cfg.scaling.num_workers}w"
     result = run(
-        cfg, data_dir=data_dir, checkpoint_dir=os.path.join(workdir, name, "final"), run_name=name,
-        storage_path=os.path.join(workdir, name, "runs"), warmup_steps_excluded=warmup_steps,
+        cfg,
+        data_dir=data_dir,
+        checkpoint_dir=os.path.join(workdir, name, "final"),
+        run_name=name,
+        storage_path=os.path.join(workdir, name, "runs"),
+        warmup_steps_excluded=warmup_steps,
     )
     m = result.metrics
     return ScalingPoint(
-        model=cfg.model.name, num_workers=cfg.scaling.num_workers, launcher=launcher, samples_per_s=m["steady_samples_per_s"],
-        step_time_p50_s=m["step_time_p50_s"], step_time_p95_s=m["step_time_p95_s"], allreduce_fraction=m["allreduce_fraction"],
+        model=cfg.model.name,
+        num_workers=cfg.scaling.num_workers,
+        launcher=launcher,
+        samples_per_s=m["steady_samples_per_s"],
+        step_time_p50_s=m["step_time_p50_s"],
+        step_time_p95_s=m["step_time_p95_s"],
+        allreduce_fraction=m["allreduce_fraction"],
     ), int(m["steady_steps"])
 
 
@@ -79,7 +88,15 @@ def _bare_copy(job: tuple[str, int, int, int]) -> float:
     from loop_overhead import bare_loop
 
     data_dir, batch_size, warmup_steps, seed = job
-    return bare_loop(data_dir, model_name="small_cnn", batch_size=batch_size, epochs=1, threads=1, warmup_steps=warmup_steps, seed=seed)["samples_per_s"]
+    return bare_loop(
+        data_dir,
+        model_name="small_cnn",
+        batch_size=batch_size,
+        epochs=1,
+        threads=1,
+        warmup_steps=warmup_steps,
+        seed=seed,
+    )["samples_per_s"]
 
 
 def independent_copies(num_copies: int, *, data_dir: str, batch_size: int, warmup_steps: int) -> float:
@@ -113,8 +130,8 @@ def main() -> None:
 
     import ray
 
-    from training_core.data import prepare
     from training_core.config import TrainingConfig
+    from training_core.data import prepare
     from training_core.scaling import check_plan, efficiency_table, point_config, scaling_preset
 
     preset = scaling_preset().to_dict()
@@ -125,7 +142,11 @@ def main() -> None:
     check_plan(base, worker_counts, [args.model])
     load_before = os.getloadavg()
     # Read by glibc when a process starts: this affects the processes started below, not this one.
-    malloc_env = {} if args.default_malloc else {"MALLOC_MMAP_THRESHOLD_": str(KEEP_FREED_BYTES), "MALLOC_TRIM_THRESHOLD_": str(KEEP_FREED_BYTES)}
+    malloc_env = (
+        {}
+        if args.default_malloc
+        else {"MALLOC_MMAP_THRESHOLD_": str(KEEP_FREED_BYTES), "MALLOC_TRIM_THRESHOLD_": str(KEEP_FREED_BYTES)}
+    )
     os.environ.update(malloc_env)
 
     tables: list = []
@@ -145,19 +166,41 @@ def main() -> None:
             points, independent = [], {}
             for n, launcher in round_order(worker_counts, round_index):
                 if launcher == "independent":
-                    samples_per_s = independent[n] = independent_copies(n, data_dir=data_dir, batch_size=args.batch_size, warmup_steps=args.warmup_steps)
+                    samples_per_s = independent[n] = independent_copies(
+                        n, data_dir=data_dir, batch_size=args.batch_size, warmup_steps=args.warmup_steps
+                    )
                     allreduce_fraction = 0.0
                 else:
                     cfg = point_config(base, model=args.model, num_workers=n)
-                    point, steady_steps[n] = run_point(launcher, cfg, data_dir=data_dir, workdir=os.path.join(workdir, f"round{round_index}"), warmup_steps=args.warmup_steps)
+                    point, steady_steps[n] = run_point(
+                        launcher,
+                        cfg,
+                        data_dir=data_dir,
+                        workdir=os.path.join(workdir, f"round{round_index}"),
+                        warmup_steps=args.warmup_steps,
+                    )
                     points.append(point)
                     samples_per_s, allreduce_fraction = point.samples_per_s, point.allreduce_fraction
-                runs.append({"round": round_index, "launcher": launcher, "num_workers": n, "samples_per_s": samples_per_s, "load_average_1m_after": os.getloadavg()[0]})
-                print(f"round {round_index} {launcher:>11} {n}w: {samples_per_s:.1f} samples/s, all-reduce {allreduce_fraction:.3f}, load {runs[-1]['load_average_1m_after']:.2f}", flush=True)
+                runs.append(
+                    {
+                        "round": round_index,
+                        "launcher": launcher,
+                        "num_workers": n,
+                        "samples_per_s": samples_per_s,
+                        "load_average_1m_after": os.getloadavg()[0],
+                    }
+                )
+                print(
+                    f"round {round_index} {launcher:>11} {n}w: {samples_per_s:.1f} samples/s, all-reduce "
+                    f"{allreduce_fraction:.3f}, load {runs[-1]['load_average_1m_after']:.2f}",
+                    flush=True,
+                )
             table = efficiency_table(points).set_index("num_workers")
             smallest = min(worker_counts)
             table["independent_samples_per_s"] = [independent[n] for n in table.index]
-            table["independent_efficiency"] = [(independent[n] / n) / (independent[smallest] / smallest) for n in table.index]
+            table["independent_efficiency"] = [
+                (independent[n] / n) / (independent[smallest] / smallest) for n in table.index
+            ]
             tables.append(table)
         ray.shutdown()
 
@@ -169,10 +212,16 @@ def main() -> None:
 
     per_count = {
         str(n): {
-            **{f"{launcher}_{figure}": mean(f"{launcher}_{figure}", n) for launcher in ("ray", "torch") for figure in FIGURES},
+            **{
+                f"{launcher}_{figure}": mean(f"{launcher}_{figure}", n)
+                for launcher in ("ray", "torch")
+                for figure in FIGURES
+            },
             "independent_samples_per_s": mean("independent_samples_per_s", n),
-            "ray_efficiency": median("ray_efficiency", n), "torch_efficiency": median("torch_efficiency", n),
-            "independent_efficiency": median("independent_efficiency", n), "parity": median("parity", n),
+            "ray_efficiency": median("ray_efficiency", n),
+            "torch_efficiency": median("torch_efficiency", n),
+            "independent_efficiency": median("independent_efficiency", n),
+            "parity": median("parity", n),
             "steady_steps": steady_steps[n],
         }
         for n in sorted(worker_counts)
@@ -185,8 +234,12 @@ def main() -> None:
         "parity": {n: figures["parity"] for n, figures in per_count.items()},
         "per_count": per_count,
         "round_ray_efficiency": [[float(t.loc[n, "ray_efficiency"]) for n in sorted(worker_counts)] for t in tables],
-        "round_torch_efficiency": [[float(t.loc[n, "torch_efficiency"]) for n in sorted(worker_counts)] for t in tables],
-        "round_independent_efficiency": [[float(t.loc[n, "independent_efficiency"]) for n in sorted(worker_counts)] for t in tables],
+        "round_torch_efficiency": [
+            [float(t.loc[n, "torch_efficiency"]) for n in sorted(worker_counts)] for t in tables
+        ],
+        "round_independent_efficiency": [
+            [float(t.loc[n, "independent_efficiency"]) for n in sorted(worker_counts)] for t in tables
+        ],
         "round_parity": [[float(t.loc[n, "parity"]) for n in sorted(worker_counts)] for t in tables],
         "ray_worker_niceness": "external cluster" if external_cluster else args.ray_worker_niceness,
         "torch_worker_niceness": os.nice(0),

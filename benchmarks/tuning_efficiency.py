@@ -49,29 +49,44 @@ def tuning_config(args: argparse.Namespace, algorithm: str) -> dict:
     not the tuning defaults, so every field is passed."""
     from training_core.tuning import TuningConfig
 
-    return TuningConfig.from_dict({
-        "algorithm": algorithm,
-        "num_trials": args.num_trials,
-        "seed": args.seed,
-        "max_concurrency": args.max_concurrency,
-        "metric": METRIC,
-        "asha": {"min_epochs": args.min_epochs, "eta": args.eta},
-        "base": {
-            "data": {"dataset": "digits", "num_shards": 2},
-            "model": {"name": "small_cnn"},
-            "loop": {"epochs": args.epochs},
-            "scaling": {"num_workers": 1},
-        },
-    }).to_dict()
+    return TuningConfig.from_dict(
+        {
+            "algorithm": algorithm,
+            "num_trials": args.num_trials,
+            "seed": args.seed,
+            "max_concurrency": args.max_concurrency,
+            "metric": METRIC,
+            "asha": {"min_epochs": args.min_epochs, "eta": args.eta},
+            "base": {
+                "data": {"dataset": "digits", "num_shards": 2},
+                "model": {"name": "small_cnn"},
+                "loop": {"epochs": args.epochs},
+                "scaling": {"num_workers": 1},
+            },
+        }
+    ).to_dict()
 
 
 def start_ray(root: Path, num_cpus: int, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     """A local Ray head in its own process group; returns the process and the cluster address."""
     temp_dir = root / "ray"
     process = subprocess.Popen(
-        [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--num-cpus={num_cpus}", "--num-gpus=0",
-         "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}", "--port=0"],
-        stdout=open(root / "ray-head.log", "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        [
+            str(VENV_BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--num-cpus={num_cpus}",
+            "--num-gpus=0",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+            "--port=0",
+        ],
+        stdout=open(root / "ray-head.log", "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
     )
     address_file = temp_dir / "ray_current_cluster"
     deadline = time.monotonic() + 180
@@ -109,17 +124,29 @@ def run_search(algorithm: str, config: dict, *, root: Path, env: dict[str, str],
     started = time.monotonic()
     with open(log_path, "w") as log:
         result = subprocess.run(
-            [str(VENV_BIN / "pyflyte"), "run", str(REPO_ROOT / "workflows" / "tuning.py"), "tuning_pipeline",
-             "--config", json.dumps(config)],
-            cwd=workdir, env=run_env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+            [
+                str(VENV_BIN / "pyflyte"),
+                "run",
+                str(REPO_ROOT / "workflows" / "tuning.py"),
+                "tuning_pipeline",
+                "--config",
+                json.dumps(config),
+            ],
+            cwd=workdir,
+            env=run_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
         )
     wall_s = time.monotonic() - started
     output = log_path.read_text()
     if result.returncode != 0:
         raise RuntimeError(f"{algorithm} search failed (exit {result.returncode}):\n{output[-6000:]}")
     return {
-        "wall_s": wall_s, "load_avg_1m": [load_before, os.getloadavg()[0]],
-        "trials": read_trial_table(output, tmp), "mlflow": read_parent_run(workdir / "mlflow.db", algorithm),
+        "wall_s": wall_s,
+        "load_avg_1m": [load_before, os.getloadavg()[0]],
+        "trials": read_trial_table(output, tmp),
+        "mlflow": read_parent_run(workdir / "mlflow.db", algorithm),
     }
 
 
@@ -190,8 +217,14 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="tune-eff-"))  # short: Ray's socket paths are limited to ~107 characters
     env = dict(
-        os.environ, TMPDIR=str(root), RAY_TMPDIR=str(root), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
-        RAY_TRAIN_V2_ENABLED="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1",
+        os.environ,
+        TMPDIR=str(root),
+        RAY_TMPDIR=str(root),
+        RAY_AUTH_MODE="disabled",
+        RAY_USAGE_STATS_ENABLED="0",
+        RAY_TRAIN_V2_ENABLED="1",
+        GLOO_SOCKET_IFNAME="lo",
+        PYTHONUNBUFFERED="1",
         PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
     )
     ray_process = None
@@ -210,10 +243,14 @@ def main() -> None:
 
     drawn = {alg: {int(t["trial"]): {p: t[p] for p in space_paths} for t in run["trials"]} for alg, run in runs.items()}
     if drawn["asha"] != drawn["random"]:
-        raise AssertionError(f"asha and random did not train the same trial configs:\nasha:   {drawn['asha']}\nrandom: {drawn['random']}")
+        raise AssertionError(
+            f"asha and random did not train the same trial configs:\nasha:   {drawn['asha']}\nrandom: {drawn['random']}"
+        )
     expected = {i: p for i, p in enumerate(tuning.initial_params(search))}
     if drawn["asha"] != expected:
-        raise AssertionError(f"the trial tables do not hold the trials tuning.initial_params draws:\n{drawn['asha']}\n{expected}")
+        raise AssertionError(
+            f"the trial tables do not hold the trials tuning.initial_params draws:\n{drawn['asha']}\n{expected}"
+        )
 
     summaries = {alg: summarize(run["trials"], space_paths, search.base.loop.epochs) for alg, run in runs.items()}
     for alg, summary in summaries.items():
@@ -226,7 +263,11 @@ def main() -> None:
     full_scores = {int(t["trial"]): float(t[f"final_{METRIC}"]) for t in runs["random"]["trials"]}
     # A trial asha trained to the full budget in slices (resumed from its checkpoints) against the same trial
     # trained in one go by the random search: resuming is exact, so they should agree.
-    sliced = {int(t["trial"]): float(t[f"final_{METRIC}"]) for t in runs["asha"]["trials"] if int(t["epochs_trained"]) >= search.base.loop.epochs}
+    sliced = {
+        int(t["trial"]): float(t[f"final_{METRIC}"])
+        for t in runs["asha"]["trials"]
+        if int(t["epochs_trained"]) >= search.base.loop.epochs
+    }
     result = {
         "benchmark": "tuning_efficiency",
         "compute_ratio": compute_ratio,
@@ -235,19 +276,39 @@ def main() -> None:
         "goal": {"compute_ratio": "<= 0.4", "best_accuracy_delta": "<= 1 point"},
         "met": {"compute_ratio": compute_ratio <= 0.4, "best_accuracy_delta": delta_points <= 1.0},
         "rungs": rungs,
-        "asha": {**asha, **{k: runs["asha"][k] for k in ("wall_s", "load_avg_1m")}, "mlflow_parent": runs["asha"]["mlflow"]},
-        "random": {**full, **{k: runs["random"][k] for k in ("wall_s", "load_avg_1m")}, "mlflow_parent": runs["random"]["mlflow"]},
+        "asha": {
+            **asha,
+            **{k: runs["asha"][k] for k in ("wall_s", "load_avg_1m")},
+            "mlflow_parent": runs["asha"]["mlflow"],
+        },
+        "random": {
+            **full,
+            **{k: runs["random"][k] for k in ("wall_s", "load_avg_1m")},
+            "mlflow_parent": runs["random"]["mlflow"],
+        },
         # Where asha's pick ranks in the full search: 1 means it found the same best trial.
-        "asha_best_rank_in_full_search": 1 + sum(1 for s in full_scores.values() if s > full_scores[asha["best_trial"]]),
+        "asha_best_rank_in_full_search": 1
+        + sum(1 for s in full_scores.values() if s > full_scores[asha["best_trial"]]),
         "full_search_final_val_accuracy": full_scores,
         "sliced_vs_uninterrupted_val_accuracy": {i: [score, full_scores[i]] for i, score in sliced.items()},
         "same_trial_configs": True,
         "settings": {
-            "num_trials": args.num_trials, "seed": args.seed, "base.loop.epochs": args.epochs,
-            "asha.min_epochs": args.min_epochs, "asha.eta": args.eta, "max_concurrency": args.max_concurrency,
-            "metric": METRIC, "model": "small_cnn", "dataset": "digits", "data.num_shards": 2,
-            "scaling.num_workers": 1, "ray_cpus": args.ray_cpus,
-            "search_space": [f"{s.path} {s.kind} " + (",".join(s.choices) if s.kind == "choice" else f"[{s.low:g}, {s.high:g}]") for s in search.search_space],
+            "num_trials": args.num_trials,
+            "seed": args.seed,
+            "base.loop.epochs": args.epochs,
+            "asha.min_epochs": args.min_epochs,
+            "asha.eta": args.eta,
+            "max_concurrency": args.max_concurrency,
+            "metric": METRIC,
+            "model": "small_cnn",
+            "dataset": "digits",
+            "data.num_shards": 2,
+            "scaling.num_workers": 1,
+            "ray_cpus": args.ray_cpus,
+            "search_space": [
+                f"{s.path} {s.kind} " + (",".join(s.choices) if s.kind == "choice" else f"[{s.low:g}, {s.high:g}]")
+                for s in search.search_space
+            ],
             "workflow": "pyflyte run workflows/tuning.py tuning_pipeline (local execution)",
         },
     }

@@ -55,13 +55,33 @@ def _targets(queries: list[tuple[str, str]]) -> list[prometheus_builder.Dataquer
     return [_query(expr, legend, chr(ord("A") + index)) for index, (expr, legend) in enumerate(queries)]
 
 
-def _timeseries(title: str, description: str, unit: str, queries: list[tuple[str, str]], *, span: int = 8,
-                min_value: float | None = None, max_value: float | None = None) -> timeseries_builder.Panel:
+def _timeseries(
+    title: str,
+    description: str,
+    unit: str,
+    queries: list[tuple[str, str]],
+    *,
+    span: int = 8,
+    min_value: float | None = None,
+    max_value: float | None = None,
+) -> timeseries_builder.Panel:
     panel = (
-        timeseries_builder.Panel().title(title).description(description).unit(unit).datasource(DATASOURCE)
-        .targets(_targets(queries)).span(span).height(8).line_width(1).fill_opacity(10)
-        .legend(common_builder.VizLegendOptions().display_mode(common.LegendDisplayMode.LIST)
-                .placement(common.LegendPlacement.BOTTOM).show_legend(True))
+        timeseries_builder.Panel()
+        .title(title)
+        .description(description)
+        .unit(unit)
+        .datasource(DATASOURCE)
+        .targets(_targets(queries))
+        .span(span)
+        .height(8)
+        .line_width(1)
+        .fill_opacity(10)
+        .legend(
+            common_builder.VizLegendOptions()
+            .display_mode(common.LegendDisplayMode.LIST)
+            .placement(common.LegendPlacement.BOTTOM)
+            .show_legend(True)
+        )
     )
     if min_value is not None:
         panel = panel.min(min_value)
@@ -70,122 +90,299 @@ def _timeseries(title: str, description: str, unit: str, queries: list[tuple[str
     return panel
 
 
-def _stat(title: str, description: str, unit: str, queries: list[tuple[str, str]], *, span: int = 6) -> stat_builder.Panel:
+def _stat(
+    title: str, description: str, unit: str, queries: list[tuple[str, str]], *, span: int = 6
+) -> stat_builder.Panel:
     return (
-        stat_builder.Panel().title(title).description(description).unit(unit).datasource(DATASOURCE)
-        .targets(_targets(queries)).span(span).height(4).graph_mode(common.BigValueGraphMode.AREA)
+        stat_builder.Panel()
+        .title(title)
+        .description(description)
+        .unit(unit)
+        .datasource(DATASOURCE)
+        .targets(_targets(queries))
+        .span(span)
+        .height(4)
+        .graph_mode(common.BigValueGraphMode.AREA)
         .reduce_options(common_builder.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
     )
 
 
 def _quantiles(metric: str, selector: str, by: str, legend: str) -> list[tuple[str, str]]:
     return [
-        (f"histogram_quantile({q}, sum by (le, {by}) (rate({metric}_bucket{{{selector}}}[$__rate_interval])))",
-         f"p{round(q * 100)} {legend}")
+        (
+            f"histogram_quantile({q}, sum by (le, {by}) (rate({metric}_bucket{{{selector}}}[$__rate_interval])))",
+            f"p{round(q * 100)} {legend}",
+        )
         for q in (0.5, 0.95)
     ]
 
 
 def _cluster_overview() -> list[Builder[dashboard.Panel]]:
     return [
-        _stat("Workers up", f"Ranks that pushed in the last {STALE_AFTER_S} s and whose training loop has not returned.",
-              "none", [(f"count({RUNNING}) or vector(0)", "workers")]),
-        _stat("GPUs in use", "GPUs visible through NVML to the running ranks (0 on CPU-only workers).",
-              "none", [(f"sum(training_gpus{{{JOB}}} and on({RANK_KEY}) {RUNNING}) or vector(0)", "GPUs")]),
-        _stat("Running jobs", "Flyte executions with at least one running rank.",
-              "none", [(f"count(count by (execution) ({RUNNING})) or vector(0)", "jobs")]),
-        _stat("World size", "Ranks in each running execution's process group.",
-              "none", [(f"max by (execution) (training_world_size{{{JOB}}} and on({RANK_KEY}) {RUNNING})", "{{execution}}")]),
+        _stat(
+            "Workers up",
+            f"Ranks that pushed in the last {STALE_AFTER_S} s and whose training loop has not returned.",
+            "none",
+            [(f"count({RUNNING}) or vector(0)", "workers")],
+        ),
+        _stat(
+            "GPUs in use",
+            "GPUs visible through NVML to the running ranks (0 on CPU-only workers).",
+            "none",
+            [(f"sum(training_gpus{{{JOB}}} and on({RANK_KEY}) {RUNNING}) or vector(0)", "GPUs")],
+        ),
+        _stat(
+            "Running jobs",
+            "Flyte executions with at least one running rank.",
+            "none",
+            [(f"count(count by (execution) ({RUNNING})) or vector(0)", "jobs")],
+        ),
+        _stat(
+            "World size",
+            "Ranks in each running execution's process group.",
+            "none",
+            [(f"max by (execution) (training_world_size{{{JOB}}} and on({RANK_KEY}) {RUNNING})", "{{execution}}")],
+        ),
     ]
 
 
 def _gpu_metrics() -> list[Builder[dashboard.Panel]]:
     return [
-        _timeseries("GPU utilisation", "Compute utilisation per GPU over NVML's sample period.", "percentunit",
-                    [(f"training_gpu_utilization_ratio{{{RANK}}}", PER_GPU)], min_value=0, max_value=1),
-        _timeseries("GPU memory used vs total", "Memory in use per GPU against the memory installed.", "bytes",
-                    [(f"training_gpu_memory_used_bytes{{{RANK}}}", "used " + PER_GPU),
-                     (f"training_gpu_memory_total_bytes{{{RANK}}}", "total " + PER_GPU)], min_value=0),
-        _timeseries("GPU temperature", "Core temperature per GPU; the TrainingGpuTemperatureHigh alert fires above 85 °C.",
-                    "celsius", [(f"training_gpu_temperature_celsius{{{RANK}}}", PER_GPU)]),
-        _timeseries("GPU power", "Power draw per GPU.", "watt", [(f"training_gpu_power_watts{{{RANK}}}", PER_GPU)], min_value=0),
-        _timeseries("GPU clock throttling", "1 while NVML reports a clock-throttle reason active, per GPU and reason.",
-                    "bool_on_off", [(f"training_gpu_throttled{{{RANK}}} == 1", PER_GPU + " {{reason}}")]),
-        _timeseries("GPU XID errors", "Critical XID errors NVML reported per GPU in each interval.", "short",
-                    [(f"increase(training_gpu_xid_errors_total{{{RANK}}}[$__rate_interval])", PER_GPU)], min_value=0),
+        _timeseries(
+            "GPU utilisation",
+            "Compute utilisation per GPU over NVML's sample period.",
+            "percentunit",
+            [(f"training_gpu_utilization_ratio{{{RANK}}}", PER_GPU)],
+            min_value=0,
+            max_value=1,
+        ),
+        _timeseries(
+            "GPU memory used vs total",
+            "Memory in use per GPU against the memory installed.",
+            "bytes",
+            [
+                (f"training_gpu_memory_used_bytes{{{RANK}}}", "used " + PER_GPU),
+                (f"training_gpu_memory_total_bytes{{{RANK}}}", "total " + PER_GPU),
+            ],
+            min_value=0,
+        ),
+        _timeseries(
+            "GPU temperature",
+            "Core temperature per GPU; the TrainingGpuTemperatureHigh alert fires above 85 °C.",
+            "celsius",
+            [(f"training_gpu_temperature_celsius{{{RANK}}}", PER_GPU)],
+        ),
+        _timeseries(
+            "GPU power", "Power draw per GPU.", "watt", [(f"training_gpu_power_watts{{{RANK}}}", PER_GPU)], min_value=0
+        ),
+        _timeseries(
+            "GPU clock throttling",
+            "1 while NVML reports a clock-throttle reason active, per GPU and reason.",
+            "bool_on_off",
+            [(f"training_gpu_throttled{{{RANK}}} == 1", PER_GPU + " {{reason}}")],
+        ),
+        _timeseries(
+            "GPU XID errors",
+            "Critical XID errors NVML reported per GPU in each interval.",
+            "short",
+            [(f"increase(training_gpu_xid_errors_total{{{RANK}}}[$__rate_interval])", PER_GPU)],
+            min_value=0,
+        ),
     ]
 
 
 def _training_progress() -> list[Builder[dashboard.Panel]]:
     return [
-        _timeseries("Loss", "Mean loss of the last log window (train) and of the last validation (val).", "none",
-                    [(f"training_loss{{{RANK}}}", "{{split}} " + PER_RANK)]),
-        _timeseries("Accuracy", "Top-1 accuracy of the last log window (train) and of the last validation (val).",
-                    "percentunit", [(f"training_accuracy{{{RANK}}}", "{{split}} " + PER_RANK)], min_value=0, max_value=1),
-        _timeseries("Throughput", "Global samples/s each run reports, and the samples/s each rank processed.",
-                    "suffix: samples/s",
-                    [(f"max by (execution, attempt) (training_samples_per_second{{{JOB}}})", "global {{execution}}"),
-                     (f"rate(training_samples_total{{{RANK}}}[$__rate_interval])", PER_RANK)], min_value=0),
-        _timeseries("Learning rate", "Learning rate of the last optimizer step.", "sci",
-                    [(f"max by (execution, attempt) (training_learning_rate{{{JOB}}})", "{{execution}}")], min_value=0),
-        _timeseries("Gradient norm", "Global gradient L2 norm of the last step, before clipping.", "none",
-                    [(f"training_grad_norm{{{RANK}}}", PER_RANK)], min_value=0),
-        _timeseries("Epoch and global step", "Current epoch (0-based) and optimizer steps taken by the run.", "none",
-                    [(f"max by (execution, attempt) (training_epoch{{{JOB}}})", "epoch {{execution}}"),
-                     (f"max by (execution, attempt) (training_global_step{{{JOB}}})", "step {{execution}}")], min_value=0),
+        _timeseries(
+            "Loss",
+            "Mean loss of the last log window (train) and of the last validation (val).",
+            "none",
+            [(f"training_loss{{{RANK}}}", "{{split}} " + PER_RANK)],
+        ),
+        _timeseries(
+            "Accuracy",
+            "Top-1 accuracy of the last log window (train) and of the last validation (val).",
+            "percentunit",
+            [(f"training_accuracy{{{RANK}}}", "{{split}} " + PER_RANK)],
+            min_value=0,
+            max_value=1,
+        ),
+        _timeseries(
+            "Throughput",
+            "Global samples/s each run reports, and the samples/s each rank processed.",
+            "suffix: samples/s",
+            [
+                (f"max by (execution, attempt) (training_samples_per_second{{{JOB}}})", "global {{execution}}"),
+                (f"rate(training_samples_total{{{RANK}}}[$__rate_interval])", PER_RANK),
+            ],
+            min_value=0,
+        ),
+        _timeseries(
+            "Learning rate",
+            "Learning rate of the last optimizer step.",
+            "sci",
+            [(f"max by (execution, attempt) (training_learning_rate{{{JOB}}})", "{{execution}}")],
+            min_value=0,
+        ),
+        _timeseries(
+            "Gradient norm",
+            "Global gradient L2 norm of the last step, before clipping.",
+            "none",
+            [(f"training_grad_norm{{{RANK}}}", PER_RANK)],
+            min_value=0,
+        ),
+        _timeseries(
+            "Epoch and global step",
+            "Current epoch (0-based) and optimizer steps taken by the run.",
+            "none",
+            [
+                (f"max by (execution, attempt) (training_epoch{{{JOB}}})", "epoch {{execution}}"),
+                (f"max by (execution, attempt) (training_global_step{{{JOB}}})", "step {{execution}}"),
+            ],
+            min_value=0,
+        ),
     ]
 
 
 def _communication_and_data_wait() -> list[Builder[dashboard.Panel]]:
     return [
-        _timeseries("Communication share of step time",
-                    "Share of step time in gradient all-reduce; the TrainingCommunicationHigh alert fires above 50 %.",
-                    "percentunit", [(f"training_communication_ratio{{{RANK}}}", PER_RANK)], span=12, min_value=0, max_value=1),
-        _timeseries("Data wait share of step time", "Share of step time spent waiting for input batches.",
-                    "percentunit", [(f"training_data_wait_ratio{{{RANK}}}", PER_RANK)], span=12, min_value=0, max_value=1),
-        _timeseries("All-reduce and data wait seconds per second",
-                    "Rate of the seconds counters: the share of wall time each rank spent in all-reduce or waiting for data.",
-                    "percentunit",
-                    [(f"rate(training_communication_seconds_total{{{RANK}}}[$__rate_interval])", "all-reduce " + PER_RANK),
-                     (f"rate(training_data_wait_seconds_total{{{RANK}}}[$__rate_interval])", "data wait " + PER_RANK)],
-                    span=12, min_value=0),
-        _timeseries("Step duration p50 / p95", "Quantiles of the optimizer step duration histogram, per rank.", "s",
-                    _quantiles("training_step_duration_seconds", RANK, "execution, rank", PER_RANK), span=12, min_value=0),
+        _timeseries(
+            "Communication share of step time",
+            "Share of step time in gradient all-reduce; the TrainingCommunicationHigh alert fires above 50 %.",
+            "percentunit",
+            [(f"training_communication_ratio{{{RANK}}}", PER_RANK)],
+            span=12,
+            min_value=0,
+            max_value=1,
+        ),
+        _timeseries(
+            "Data wait share of step time",
+            "Share of step time spent waiting for input batches.",
+            "percentunit",
+            [(f"training_data_wait_ratio{{{RANK}}}", PER_RANK)],
+            span=12,
+            min_value=0,
+            max_value=1,
+        ),
+        _timeseries(
+            "All-reduce and data wait seconds per second",
+            "Rate of the seconds counters: the share of wall time each rank spent in all-reduce or waiting for data.",
+            "percentunit",
+            [
+                (f"rate(training_communication_seconds_total{{{RANK}}}[$__rate_interval])", "all-reduce " + PER_RANK),
+                (f"rate(training_data_wait_seconds_total{{{RANK}}}[$__rate_interval])", "data wait " + PER_RANK),
+            ],
+            span=12,
+            min_value=0,
+        ),
+        _timeseries(
+            "Step duration p50 / p95",
+            "Quantiles of the optimizer step duration histogram, per rank.",
+            "s",
+            _quantiles("training_step_duration_seconds", RANK, "execution, rank", PER_RANK),
+            span=12,
+            min_value=0,
+        ),
     ]
 
 
 def _checkpoints_health_cost() -> list[Builder[dashboard.Panel]]:
     return [
-        _stat("Job cost", "Cost so far: GPU-hours and CPU-hours times the configured prices, all attempts.",
-              "currencyUSD", [(f"max by (execution) (training_job_cost_usd{{{JOB}}})", "{{execution}}")], span=8),
-        _stat("GPU-hours", "GPU-hours the job's workers held, all attempts.", "h",
-              [(f"max by (execution) (training_job_gpu_seconds_total{{{JOB}}}) / 3600", "{{execution}}")], span=8),
-        _stat("CPU-hours", "CPU-hours the job's workers held, all attempts.", "h",
-              [(f"max by (execution) (training_job_cpu_seconds_total{{{JOB}}}) / 3600", "{{execution}}")], span=8),
-        _timeseries("Checkpoint save duration p50 / p95", "Time to stage and write one checkpoint.", "s",
-                    _quantiles("training_checkpoint_save_duration_seconds", JOB, "execution", "{{execution}}"), min_value=0),
-        _timeseries("Checkpoint saves and failures", "Checkpoints written and writes that failed, cumulative per run.",
-                    "short", [(f"training_checkpoint_saves_total{{{JOB}}}", "saved " + PER_RANK),
-                              (f"training_checkpoint_save_failures_total{{{JOB}}}", "failed " + PER_RANK)], min_value=0),
-        _timeseries("Checkpoint bytes written", "Rate at which checkpoint bytes are written.", "binBps",
-                    [(f"rate(training_checkpoint_written_bytes_total{{{JOB}}}[$__rate_interval])", PER_RANK)], min_value=0),
-        _timeseries("Worker restarts and GPU OOMs", "Resumes after a worker-group restart, and CUDA out-of-memory errors.",
-                    "short", [(f"max by (execution, attempt) (training_worker_restarts_total{{{JOB}}})", "restarts {{execution}}"),
-                              (f"sum by (execution, attempt) (training_gpu_oom_total{{{JOB}}})", "GPU OOMs {{execution}}")],
-                    min_value=0),
-        _timeseries("Host CPU", "Host CPU utilisation seen by each rank.", "percentunit",
-                    [(f"training_host_cpu_utilization_ratio{{{RANK}}}", PER_RANK)], min_value=0, max_value=1),
-        _timeseries("Host memory used vs total", "Host memory in use against the memory installed.", "bytes",
-                    [(f"training_host_memory_used_bytes{{{RANK}}}", "used " + PER_RANK),
-                     (f"training_host_memory_total_bytes{{{RANK}}}", "total " + PER_RANK)], min_value=0),
-        _timeseries("Host network", "Bytes received and sent per second on all host interfaces.", "binBps",
-                    [(f"rate(training_host_network_received_bytes_total{{{RANK}}}[$__rate_interval])", "rx " + PER_RANK),
-                     (f"rate(training_host_network_transmitted_bytes_total{{{RANK}}}[$__rate_interval])", "tx " + PER_RANK)],
-                    span=12, min_value=0),
-        _timeseries("Host disk", "Bytes read from and written to host disks per second.", "binBps",
-                    [(f"rate(training_host_disk_read_bytes_total{{{RANK}}}[$__rate_interval])", "read " + PER_RANK),
-                     (f"rate(training_host_disk_written_bytes_total{{{RANK}}}[$__rate_interval])", "write " + PER_RANK)],
-                    span=12, min_value=0),
+        _stat(
+            "Job cost",
+            "Cost so far: GPU-hours and CPU-hours times the configured prices, all attempts.",
+            "currencyUSD",
+            [(f"max by (execution) (training_job_cost_usd{{{JOB}}})", "{{execution}}")],
+            span=8,
+        ),
+        _stat(
+            "GPU-hours",
+            "GPU-hours the job's workers held, all attempts.",
+            "h",
+            [(f"max by (execution) (training_job_gpu_seconds_total{{{JOB}}}) / 3600", "{{execution}}")],
+            span=8,
+        ),
+        _stat(
+            "CPU-hours",
+            "CPU-hours the job's workers held, all attempts.",
+            "h",
+            [(f"max by (execution) (training_job_cpu_seconds_total{{{JOB}}}) / 3600", "{{execution}}")],
+            span=8,
+        ),
+        _timeseries(
+            "Checkpoint save duration p50 / p95",
+            "Time to stage and write one checkpoint.",
+            "s",
+            _quantiles("training_checkpoint_save_duration_seconds", JOB, "execution", "{{execution}}"),
+            min_value=0,
+        ),
+        _timeseries(
+            "Checkpoint saves and failures",
+            "Checkpoints written and writes that failed, cumulative per run.",
+            "short",
+            [
+                (f"training_checkpoint_saves_total{{{JOB}}}", "saved " + PER_RANK),
+                (f"training_checkpoint_save_failures_total{{{JOB}}}", "failed " + PER_RANK),
+            ],
+            min_value=0,
+        ),
+        _timeseries(
+            "Checkpoint bytes written",
+            "Rate at which checkpoint bytes are written.",
+            "binBps",
+            [(f"rate(training_checkpoint_written_bytes_total{{{JOB}}}[$__rate_interval])", PER_RANK)],
+            min_value=0,
+        ),
+        _timeseries(
+            "Worker restarts and GPU OOMs",
+            "Resumes after a worker-group restart, and CUDA out-of-memory errors.",
+            "short",
+            [
+                (f"max by (execution, attempt) (training_worker_restarts_total{{{JOB}}})", "restarts {{execution}}"),
+                (f"sum by (execution, attempt) (training_gpu_oom_total{{{JOB}}})", "GPU OOMs {{execution}}"),
+            ],
+            min_value=0,
+        ),
+        _timeseries(
+            "Host CPU",
+            "Host CPU utilisation seen by each rank.",
+            "percentunit",
+            [(f"training_host_cpu_utilization_ratio{{{RANK}}}", PER_RANK)],
+            min_value=0,
+            max_value=1,
+        ),
+        _timeseries(
+            "Host memory used vs total",
+            "Host memory in use against the memory installed.",
+            "bytes",
+            [
+                (f"training_host_memory_used_bytes{{{RANK}}}", "used " + PER_RANK),
+                (f"training_host_memory_total_bytes{{{RANK}}}", "total " + PER_RANK),
+            ],
+            min_value=0,
+        ),
+        _timeseries(
+            "Host network",
+            "Bytes received and sent per second on all host interfaces.",
+            "binBps",
+            [
+                (f"rate(training_host_network_received_bytes_total{{{RANK}}}[$__rate_interval])", "rx " + PER_RANK),
+                (f"rate(training_host_network_transmitted_bytes_total{{{RANK}}}[$__rate_interval])", "tx " + PER_RANK),
+            ],
+            span=12,
+            min_value=0,
+        ),
+        _timeseries(
+            "Host disk",
+            "Bytes read from and written to host disks per second.",
+            "binBps",
+            [
+                (f"rate(training_host_disk_read_bytes_total{{{RANK}}}[$__rate_interval])", "read " + PER_RANK),
+                (f"rate(training_host_disk_written_bytes_total{{{RANK}}}[$__rate_interval])", "write " + PER_RANK),
+            ],
+            span=12,
+            min_value=0,
+        ),
     ]
 
 
@@ -201,22 +398,35 @@ ROWS: tuple[tuple[str, Callable[[], list[Builder[dashboard.Panel]]]], ...] = (
 
 def _label_variable(name: str, label: str, query: str) -> dashboard_builder.QueryVariable:
     return (
-        dashboard_builder.QueryVariable(name).label(label).datasource(DATASOURCE).query(query)
-        .refresh(dashboard.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dashboard.VariableSort.NATURAL_ASC)
-        .multi(True).include_all(True).all_value(".*")
+        dashboard_builder.QueryVariable(name)
+        .label(label)
+        .datasource(DATASOURCE)
+        .query(query)
+        .refresh(dashboard.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(dashboard.VariableSort.NATURAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
     )
 
 
 def build_training_dashboard() -> dashboard.Dashboard:
     """The training dashboard: a Prometheus datasource variable, execution/model/rank variables, five rows."""
     board = (
-        dashboard_builder.Dashboard("Flyte + Ray training").uid(TRAINING_DASHBOARD_UID)
+        dashboard_builder.Dashboard("Flyte + Ray training")
+        .uid(TRAINING_DASHBOARD_UID)
         .description("Per-job training, GPU, host and cost metrics pushed by the training ranks.")
-        .tags(["flyte", "ray", "training"]).editable().time("now-6h", "now").refresh("30s").timezone("browser")
+        .tags(["flyte", "ray", "training"])
+        .editable()
+        .time("now-6h", "now")
+        .refresh("30s")
+        .timezone("browser")
         .tooltip(dashboard.DashboardCursorSync.CROSSHAIR)
         .with_variable(dashboard_builder.DatasourceVariable("datasource").label("Prometheus").type("prometheus"))
         .with_variable(_label_variable("execution", "Execution", "label_values(training_world_size, execution)"))
-        .with_variable(_label_variable("model", "Model", 'label_values(training_world_size{execution=~"$execution"}, model)'))
+        .with_variable(
+            _label_variable("model", "Model", 'label_values(training_world_size{execution=~"$execution"}, model)')
+        )
         .with_variable(_label_variable("rank", "Rank", f"label_values(training_steps_total{{{JOB}}}, rank)"))
     )
     panel_id = 0

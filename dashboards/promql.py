@@ -11,10 +11,24 @@ from __future__ import annotations
 import re
 
 # Binary-operator and modifier keywords: identifiers in PromQL that are never metric names.
-_KEYWORDS = frozenset({
-    "and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool",
-    "atan2", "inf", "nan",
-})
+_KEYWORDS = frozenset(
+    {
+        "and",
+        "or",
+        "unless",
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "offset",
+        "bool",
+        "atan2",
+        "inf",
+        "nan",
+    }
+)
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
 _NAME_MATCHER = re.compile(r'__name__\s*=\s*"((?:[^"\\]|\\.)*)"|__name__\s*=\s*\'((?:[^\'\\]|\\.)*)\'')
@@ -57,7 +71,7 @@ def metric_names(expr: str) -> frozenset[str]:
         name = match.group("identifier")
         if name is None or name.lower() in _KEYWORDS:
             continue
-        if text[match.end():].lstrip().startswith("("):
+        if text[match.end() :].lstrip().startswith("("):
             continue
         names.add(name)
     return frozenset(names)
@@ -68,7 +82,7 @@ def _strip_comments(expr: str) -> str:
     out: list[str] = []
     position = 0
     for match in re.finditer(_STRING.pattern + r"|#[^\n]*", expr):
-        out.append(expr[position:match.start()])
+        out.append(expr[position : match.start()])
         out.append("" if match.group().startswith("#") else match.group())
         position = match.end()
     out.append(expr[position:])

@@ -45,7 +45,9 @@ _Dumper.add_representer(str, _represent_str)
 
 
 def _dump(documents: list[dict]) -> str:
-    return yaml.dump_all(documents, Dumper=_Dumper, sort_keys=False, width=1_000_000, explicit_start=True, allow_unicode=True)
+    return yaml.dump_all(
+        documents, Dumper=_Dumper, sort_keys=False, width=1_000_000, explicit_start=True, allow_unicode=True
+    )
 
 
 def _configmap_name(dashboard: Path) -> str:
@@ -98,14 +100,19 @@ def render(dashboards_dir: Path = DASHBOARDS_DIR) -> dict[Path, str]:
         raise FileNotFoundError(f"{rules_file} is missing: the PrometheusRule is generated from it")
     dashboards = sorted(dashboards_dir.glob("*.json"))
     if not dashboards:
-        raise FileNotFoundError(f"no dashboards (*.json) in {dashboards_dir}: the Grafana ConfigMaps are generated from them")
+        raise FileNotFoundError(
+            f"no dashboards (*.json) in {dashboards_dir}: the Grafana ConfigMaps are generated from them"
+        )
     names = [_configmap_name(d) for d in dashboards]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise ValueError(f"dashboards in {dashboards_dir} map to the same ConfigMap name {duplicates}: rename one of them")
+        raise ValueError(
+            f"dashboards in {dashboards_dir} map to the same ConfigMap name {duplicates}: rename one of them"
+        )
     return {
         PROMETHEUS_RULE_PATH: _HEADER.format(source=RULES_FILE_NAME) + _dump([prometheus_rule(rules_file)]),
-        DASHBOARDS_CONFIGMAP_PATH: _HEADER.format(source="*.json") + _dump([dashboard_configmap(d) for d in dashboards]),
+        DASHBOARDS_CONFIGMAP_PATH: _HEADER.format(source="*.json")
+        + _dump([dashboard_configmap(d) for d in dashboards]),
     }
 
 
@@ -117,7 +124,9 @@ def stale_files(rendered: dict[Path, str]) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deployment.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated file is out of date")
-    parser.add_argument("--dashboards", type=Path, default=DASHBOARDS_DIR, help="source directory (default: dashboards/)")
+    parser.add_argument(
+        "--dashboards", type=Path, default=DASHBOARDS_DIR, help="source directory (default: dashboards/)"
+    )
     args = parser.parse_args(argv)
     rendered = render(args.dashboards)
     if args.check:

@@ -136,13 +136,17 @@ def parse_value(name: str, text: str, hint: Any) -> Any:
 
 def _check_settable(plan: LaunchPlan, name: str) -> None:
     if name in plan.fixed_inputs.literals:
-        raise ValueError(f"input {name!r} is fixed by launch plan {plan.name!r}: launch {plan.workflow.short_name} to set it")
+        raise ValueError(
+            f"input {name!r} is fixed by launch plan {plan.name!r}: launch {plan.workflow.short_name} to set it"
+        )
     settable = plan.parameters.parameters
     if name not in settable:
         raise ValueError(f"input {name!r} is invalid for {plan.name!r}: choose one of {', '.join(sorted(settable))}")
 
 
-def parse_assignments(plan: LaunchPlan, assignments: Sequence[str], *, config_path: str | None = None) -> dict[str, Any]:
+def parse_assignments(
+    plan: LaunchPlan, assignments: Sequence[str], *, config_path: str | None = None
+) -> dict[str, Any]:
     """Python values of the ``NAME=VALUE`` inputs of a launch of ``plan``, checked before anything is contacted.
 
     :param config_path: The ``--config`` file, if any: ``config`` must then be settable.
@@ -156,10 +160,15 @@ def parse_assignments(plan: LaunchPlan, assignments: Sequence[str], *, config_pa
     for assignment in assignments:
         name, sep, text = assignment.partition("=")
         if not sep:
-            raise ValueError(f"--input {assignment!r} is invalid: write NAME=VALUE, e.g. --input 'worker_counts=[1,2,4]'")
+            raise ValueError(
+                f"--input {assignment!r} is invalid: write NAME=VALUE, e.g. --input 'worker_counts=[1,2,4]'"
+            )
         _check_settable(plan, name)
         if name == "config":
-            raise ValueError("input 'config' is set with --config FILE: a YAML file of the fields to change in the launch plan's default")
+            raise ValueError(
+                "input 'config' is set with --config FILE: a YAML file of the fields to change in the launch plan's "
+                "default"
+            )
         if name in values:
             raise ValueError(f"input {name!r} is given twice: give it once")
         values[name] = parse_value(name, text, hints[name])
@@ -190,7 +199,13 @@ def registered_default(plan: LaunchPlan, parameters: Any, name: str, ctx: FlyteC
     return TypeEngine.to_python_value(ctx, parameters.parameters[name].default, plan.python_interface.inputs[name])
 
 
-def input_literals(plan: LaunchPlan, values: Mapping[str, Any], *, variables: Mapping[str, Any] | None = None, ctx: FlyteContext | None = None) -> dict[str, Literal]:
+def input_literals(
+    plan: LaunchPlan,
+    values: Mapping[str, Any],
+    *,
+    variables: Mapping[str, Any] | None = None,
+    ctx: FlyteContext | None = None,
+) -> dict[str, Literal]:
     """``values`` as the literals of an execution request, converted as FlyteRemote converts inputs:
     ``TypeEngine.to_literal`` with this repo's Python type and the registered launch plan's Flyte type.
 
@@ -202,14 +217,17 @@ def input_literals(plan: LaunchPlan, values: Mapping[str, Any], *, variables: Ma
     for name, value in values.items():
         if name not in variables:
             raise ValueError(
-                f"input {name!r} is invalid for the registered {plan.name!r}: it has only {', '.join(sorted(variables))}; "
+                f"input {name!r} is invalid for the registered {plan.name!r}: it has only "
+                f"{', '.join(sorted(variables))}; "
                 "register this code's package (or pass --version) to launch with it"
             )
         literals[name] = TypeEngine.to_literal(ctx, value, plan.python_interface.inputs[name], variables[name].type)
     return literals
 
 
-def typed_outputs(literals: Mapping[str, Literal], types: Mapping[str, Any], ctx: FlyteContext | None = None) -> dict[str, Any]:
+def typed_outputs(
+    literals: Mapping[str, Literal], types: Mapping[str, Any], ctx: FlyteContext | None = None
+) -> dict[str, Any]:
     """Outputs as Python values of their declared types. DataFrames stay where they are (their URI), and files and
     directories are not downloaded, so reading a result moves no data."""
     ctx = ctx or FlyteContextManager.current_context()
@@ -251,7 +269,15 @@ def _phases(execution: FlyteWorkflowExecution, node_names: Mapping[str, str]) ->
     return phases
 
 
-def wait_for(remote: FlyteRemote, execution: FlyteWorkflowExecution, *, node_names: Mapping[str, str], timeout_s: float, poll_s: float, report: Report) -> FlyteWorkflowExecution:
+def wait_for(
+    remote: FlyteRemote,
+    execution: FlyteWorkflowExecution,
+    *,
+    node_names: Mapping[str, str],
+    timeout_s: float,
+    poll_s: float,
+    report: Report,
+) -> FlyteWorkflowExecution:
     """Poll until the execution ends, reporting each phase change of it and of its nodes.
 
     :raises TimeoutError: when it is still running after ``timeout_s``; the execution itself goes on.
@@ -267,7 +293,8 @@ def wait_for(remote: FlyteRemote, execution: FlyteWorkflowExecution, *, node_nam
         if time.monotonic() >= deadline:
             raise TimeoutError(
                 f"execution {execution.id.name} is still {seen['execution']} after {timeout_s:g} s and keeps running: "
-                f"follow it with `python -m deployment.remote wait {execution.id.name}` or at {remote.generate_console_url(execution)}"
+                f"follow it with `python -m deployment.remote wait {execution.id.name}` or at "
+                f"{remote.generate_console_url(execution)}"
             )
         time.sleep(poll_s)
 
@@ -281,7 +308,10 @@ def finish(remote: FlyteRemote, execution: FlyteWorkflowExecution, plan: LaunchP
         return EXIT_NOT_SUCCEEDED
     literals = execution.outputs.literals if execution.outputs is not None else {}
     if plan is None:
-        report(f"execution {execution.id.name} SUCCEEDED; outputs as literals (launched outside deployment.remote's targets):")
+        report(
+            f"execution {execution.id.name} SUCCEEDED; outputs as literals (launched outside deployment.remote's "
+            "targets):"
+        )
         report(str(literals))
         return 0
     with remote.remote_context() as ctx:
@@ -295,7 +325,17 @@ def _node_names(plan: LaunchPlan) -> dict[str, str]:
     return {node.id: node.metadata.name for node in getattr(plan.workflow, "nodes", [])}
 
 
-def launch(remote: FlyteRemote, name: str, *, config_path: str | None, assignments: Sequence[str], project: str, domain: str, version: str | None, report: Report) -> FlyteWorkflowExecution:
+def launch(
+    remote: FlyteRemote,
+    name: str,
+    *,
+    config_path: str | None,
+    assignments: Sequence[str],
+    project: str,
+    domain: str,
+    version: str | None,
+    report: Report,
+) -> FlyteWorkflowExecution:
     """Start target ``name``: its registered launch plan (the latest version unless ``version``), with the fields
     of the YAML file at ``config_path`` on top of that launch plan's default ``config``, and ``NAME=VALUE`` inputs.
 
@@ -316,7 +356,9 @@ def launch(remote: FlyteRemote, name: str, *, config_path: str | None, assignmen
     return execution
 
 
-def set_active(remote: FlyteRemote, name: str, *, active: bool, project: str, domain: str, version: str | None, report: Report) -> Identifier | None:
+def set_active(
+    remote: FlyteRemote, name: str, *, active: bool, project: str, domain: str, version: str | None, report: Report
+) -> Identifier | None:
     """Activate a launch plan version (the latest unless ``version``), which deactivates the others and starts its
     schedule; or deactivate the given version, else the active one. Returns what changed, None if nothing was active."""
     if active or version is not None:
@@ -330,7 +372,10 @@ def set_active(remote: FlyteRemote, name: str, *, active: bool, project: str, do
         remote.activate_launchplan(plan.id)
     else:
         remote.deactivate_launchplan(plan.id)
-    report(f"{name} version {plan.id.version}: {'ACTIVE' if active else 'INACTIVE'} ({remote.generate_console_url(plan.id)})")
+    report(
+        f"{name} version {plan.id.version}: {'ACTIVE' if active else 'INACTIVE'} "
+        f"({remote.generate_console_url(plan.id)})"
+    )
     return plan.id
 
 
@@ -378,10 +423,14 @@ def read_package(path: str | os.PathLike[str]) -> Package:
             elif base.startswith("fast") and base.endswith(".tar.gz"):
                 fast_archive = member.name
             else:
-                raise ValueError(f"package={str(path)!r} is invalid: unexpected member {member.name!r}; build it with `make package`")
+                raise ValueError(
+                    f"package={str(path)!r} is invalid: unexpected member {member.name!r}; build it with `make package`"
+                )
     if not entities:
         raise ValueError(f"package={str(path)!r} is invalid: it holds no entities; build it with `make package`")
-    return Package(path=path, entities=[e for _, e in sorted(entities, key=lambda pair: pair[0])], fast_archive=fast_archive)
+    return Package(
+        path=path, entities=[e for _, e in sorted(entities, key=lambda pair: pair[0])], fast_archive=fast_archive
+    )
 
 
 def _fill_identifiers(message: Message, values: Mapping[str, str]) -> None:
@@ -416,13 +465,15 @@ def hydrate(package: Package, *, project: str, domain: str, version: str, code_u
     :raises ValueError: for a fast-registered package without ``code_uri``.
     """
     from flyteidl.admin import launch_plan_pb2, task_pb2
-
     from flytekit.models import launch_plan as launch_plan_models
     from flytekit.models import task as task_models
     from flytekit.models.admin import workflow as workflow_models
 
     if package.fast_archive is not None and not code_uri:
-        raise ValueError(f"package={str(package.path)!r} is fast-registered: upload {package.fast_archive} and pass its URI as code_uri")
+        raise ValueError(
+            f"package={str(package.path)!r} is fast-registered: upload {package.fast_archive} and pass its URI as "
+            "code_uri"
+        )
     models = []
     for original in package.entities:
         message = type(original)()
@@ -446,7 +497,9 @@ def default_version(package: Package) -> str:
     return f"pkg-{package.digest[:16]}"
 
 
-def register_package(remote: FlyteRemote, path: str | os.PathLike[str], *, project: str, domain: str, version: str | None, report: Report) -> list[Identifier]:
+def register_package(
+    remote: FlyteRemote, path: str | os.PathLike[str], *, project: str, domain: str, version: str | None, report: Report
+) -> list[Identifier]:
     """Register every entity of a ``make package`` tarball in ``project``/``domain`` under ``version``
     (default: :func:`default_version`); a fast-registered package's code is uploaded first. Entities that already
     exist with that version are left as they are."""
@@ -460,11 +513,16 @@ def register_package(remote: FlyteRemote, path: str | os.PathLike[str], *, proje
         report(f"uploaded the code to {code_uri}")
     entities = hydrate(package, project=project, domain=domain, version=version, code_uri=code_uri)
     # raw_register reads only project, domain and version from the settings; the images are in the entities.
-    settings = SerializationSettings(image_config=ImageConfig.auto_default_image(), project=project, domain=domain, version=version)
+    settings = SerializationSettings(
+        image_config=ImageConfig.auto_default_image(), project=project, domain=domain, version=version
+    )
     registered = []
     for entity in entities:
         identifier = remote.raw_register(entity, settings, version, create_default_launchplan=False)
-        report(f"{identifier.resource_type_name().lower()} {identifier.name} {identifier.version}: {remote.generate_console_url(identifier)}")
+        report(
+            f"{identifier.resource_type_name().lower()} {identifier.name} {identifier.version}: "
+            f"{remote.generate_console_url(identifier)}"
+        )
         registered.append(identifier)
     report(f"registered {len(registered)} entities in {project}/{domain} as version {version}")
     return registered
@@ -473,9 +531,24 @@ def register_package(remote: FlyteRemote, path: str | os.PathLike[str], *, proje
 def _parser() -> argparse.ArgumentParser:
     defaults = TaskConfig.auto()
     parser = argparse.ArgumentParser(prog="python -m deployment.remote", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config-file", "-c", default=None, help="flytekit/flytectl config file (default: FLYTECTL_CONFIG, ~/.flyte/config.yaml)")
-    parser.add_argument("--project", "-p", default=os.getenv("FLYTE_DEFAULT_PROJECT") or defaults.project, help="default: FLYTE_DEFAULT_PROJECT or %(default)s")
-    parser.add_argument("--domain", "-d", default=os.getenv("FLYTE_DEFAULT_DOMAIN") or defaults.domain, help="default: FLYTE_DEFAULT_DOMAIN or %(default)s")
+    parser.add_argument(
+        "--config-file",
+        "-c",
+        default=None,
+        help="flytekit/flytectl config file (default: FLYTECTL_CONFIG, ~/.flyte/config.yaml)",
+    )
+    parser.add_argument(
+        "--project",
+        "-p",
+        default=os.getenv("FLYTE_DEFAULT_PROJECT") or defaults.project,
+        help="default: FLYTE_DEFAULT_PROJECT or %(default)s",
+    )
+    parser.add_argument(
+        "--domain",
+        "-d",
+        default=os.getenv("FLYTE_DEFAULT_DOMAIN") or defaults.domain,
+        help="default: FLYTE_DEFAULT_DOMAIN or %(default)s",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     register = commands.add_parser("register", help="register a `make package` tarball")
@@ -483,13 +556,23 @@ def _parser() -> argparse.ArgumentParser:
     register.add_argument("--version", default=None, help="default: pkg-<digest of the package's entities>")
 
     waiting = argparse.ArgumentParser(add_help=False)
-    waiting.add_argument("--timeout-s", type=float, default=24 * 3600, help="stop waiting (not the execution) after this long")
+    waiting.add_argument(
+        "--timeout-s", type=float, default=24 * 3600, help="stop waiting (not the execution) after this long"
+    )
     waiting.add_argument("--poll-s", type=float, default=15.0)
 
     start = commands.add_parser("launch", parents=[waiting], help="start a pipeline or launch plan")
     start.add_argument("target", choices=sorted(TARGETS))
-    start.add_argument("--config", default=None, help="YAML file of `config` fields to change in the registered launch plan's default")
-    start.add_argument("--input", action="append", default=[], metavar="NAME=VALUE", help="any other input; JSON for lists, dicts and dataclasses")
+    start.add_argument(
+        "--config", default=None, help="YAML file of `config` fields to change in the registered launch plan's default"
+    )
+    start.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="any other input; JSON for lists, dicts and dataclasses",
+    )
     start.add_argument("--version", default=None, help="launch plan version (default: the latest registered)")
     start.add_argument("--wait", action="store_true", help="follow it to the end and print its typed outputs")
 
@@ -499,7 +582,9 @@ def _parser() -> argparse.ArgumentParser:
     for verb in ("activate", "deactivate"):
         command = commands.add_parser(verb, help=f"{verb} a launch plan's schedule")
         command.add_argument("launch_plan", help="e.g. nightly_training, weekly_tuning")
-        command.add_argument("--version", default=None, help="default: the latest (activate) or the active one (deactivate)")
+        command.add_argument(
+            "--version", default=None, help="default: the latest (activate) or the active one (deactivate)"
+        )
     return parser
 
 
@@ -513,11 +598,21 @@ def _run(args: argparse.Namespace, remote: FlyteRemote, report: Report) -> int:
         register_package(remote, args.package, version=args.version, report=report, **where)
         return 0
     if args.command in ("activate", "deactivate"):
-        set_active(remote, args.launch_plan, active=args.command == "activate", version=args.version, report=report, **where)
+        set_active(
+            remote, args.launch_plan, active=args.command == "activate", version=args.version, report=report, **where
+        )
         return 0
     if args.command == "launch":
         plan = local_launch_plan(args.target)
-        execution = launch(remote, args.target, config_path=args.config, assignments=args.input, version=args.version, report=report, **where)
+        execution = launch(
+            remote,
+            args.target,
+            config_path=args.config,
+            assignments=args.input,
+            version=args.version,
+            report=report,
+            **where,
+        )
         if not args.wait:
             return 0
     else:
@@ -526,7 +621,9 @@ def _run(args: argparse.Namespace, remote: FlyteRemote, report: Report) -> int:
         plan = local_launch_plan(name) if name is not None else None
         report(f"console: {remote.generate_console_url(execution)}")
     node_names = _node_names(plan) if plan is not None else {}
-    execution = wait_for(remote, execution, node_names=node_names, timeout_s=args.timeout_s, poll_s=args.poll_s, report=report)
+    execution = wait_for(
+        remote, execution, node_names=node_names, timeout_s=args.timeout_s, poll_s=args.poll_s, report=report
+    )
     return finish(remote, execution, plan, report)
 
 
@@ -563,7 +660,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         platform = remote.config.platform
         print(
-            f"error: FlyteAdmin at {platform.endpoint} ({'insecure' if platform.insecure else 'TLS'}) is unreachable: {unavailable}\n"
+            f"error: FlyteAdmin at {platform.endpoint} ({'insecure' if platform.insecure else 'TLS'}) is "
+            f"unreachable: {unavailable}\n"
             "Point FLYTE_PLATFORM_URL (and FLYTE_PLATFORM_INSECURE) or --config-file at your cluster; for a local one, "
             "run `flytectl demo start` and use the config file it writes (~/.flyte/config-sandbox.yaml).",
             file=sys.stderr,

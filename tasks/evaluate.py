@@ -12,8 +12,12 @@ from tasks.types import Evaluation, PreparedData, TrainedModel
 
 # Read-only on the checkpoint and the test split: safe to preempt and redo.
 @task(
-    retries=2, interruptible=True, timeout=timedelta(hours=2), requests=Resources(cpu="1", mem="2Gi"),
-    limits=Resources(cpu="2", mem="8Gi"), enable_deck=True,
+    retries=2,
+    interruptible=True,
+    timeout=timedelta(hours=2),
+    requests=Resources(cpu="1", mem="2Gi"),
+    limits=Resources(cpu="2", mem="8Gi"),
+    enable_deck=True,
 )
 def evaluate(data: PreparedData, model: TrainedModel) -> Evaluation:
     """Evaluate the final checkpoint on the held-out test split and log the figures to its MLflow run.

@@ -14,7 +14,10 @@ from training_core.config import TrackingConfig
 # Not interruptible: it writes to the Model Registry (a new version, maybe an alias move), and a preemption
 # between the two would leave a version registered twice on the retry.
 @task(
-    retries=3, interruptible=False, timeout=timedelta(minutes=30), requests=Resources(cpu="500m", mem="1Gi"),
+    retries=3,
+    interruptible=False,
+    timeout=timedelta(minutes=30),
+    requests=Resources(cpu="500m", mem="1Gi"),
     limits=Resources(cpu="1", mem="2Gi"),
 )
 def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Evaluation) -> Registration:
@@ -29,27 +32,39 @@ def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Ev
     from training_core.tracking import register_and_promote, ui_command
 
     promotion = register_and_promote(
-        tracking, model_uri=model.mlflow_model_uri, run_id=model.mlflow_run_id, test_accuracy=evaluation.metrics.accuracy
+        tracking,
+        model_uri=model.mlflow_model_uri,
+        run_id=model.mlflow_run_id,
+        test_accuracy=evaluation.metrics.accuracy,
     )
     reports = [report_location(model.report), report_location(evaluation.report)]
     # Only Decks that exist are listed: on a cluster (each task in its own pod) FlyteConsole shows them.
-    decks = [(label, local_deck_path(report)) for label, report in (("training", model.report), ("evaluation", evaluation.report))]
+    decks = [
+        (label, local_deck_path(report))
+        for label, report in (("training", model.report), ("evaluation", evaluation.report))
+    ]
     # pyflyte prints outputs as literals, and no Deck path at all; a person wants these facts in plain words.
     print(
-        "\n".join([
-            "",
-            "=== training pipeline finished ===",
-            f"registered model : {promotion.model_name} version {promotion.version}"
-            + (f" (alias '{promotion.alias}' -> v{promotion.version})" if promotion.promoted else f" (alias '{promotion.alias}' unchanged)"),
-            f"promotion        : {promotion.reason}",
-            f"test accuracy    : {evaluation.metrics.accuracy:.4f} (top-5 {evaluation.metrics.top5_accuracy:.4f})",
-            f"mlflow tracking  : {model.tracking_uri}",
-            f"browse with      : {ui_command(model.tracking_uri)}",
-            f"training report  : {reports[0]}",
-            f"evaluation report: {reports[1]}",
-            *[f"{label + ' deck':<17}: {path}" for label, path in decks if path],
-            "",
-        ]),
+        "\n".join(
+            [
+                "",
+                "=== training pipeline finished ===",
+                f"registered model : {promotion.model_name} version {promotion.version}"
+                + (
+                    f" (alias '{promotion.alias}' -> v{promotion.version})"
+                    if promotion.promoted
+                    else f" (alias '{promotion.alias}' unchanged)"
+                ),
+                f"promotion        : {promotion.reason}",
+                f"test accuracy    : {evaluation.metrics.accuracy:.4f} (top-5 {evaluation.metrics.top5_accuracy:.4f})",
+                f"mlflow tracking  : {model.tracking_uri}",
+                f"browse with      : {ui_command(model.tracking_uri)}",
+                f"training report  : {reports[0]}",
+                f"evaluation report: {reports[1]}",
+                *[f"{label + ' deck':<17}: {path}" for label, path in decks if path],
+                "",
+            ]
+        ),
         flush=True,
     )
     return Registration(promotion=promotion, tracking_uri=model.tracking_uri, reports=[str(r) for r in reports])

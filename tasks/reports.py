@@ -41,7 +41,8 @@ def deck(sections: Sequence[str], *, marker: str = "") -> str:
     ``marker`` goes into a ``data-report`` attribute, so the deck.html flytekit writes can be found again
     by content (``tasks.artifacts.local_deck_path``).
     """
-    return f"<div class='report' data-report='{html.escape(marker, quote=True)}'><style>{STYLE}</style>{''.join(sections)}</div>"
+    attribute = html.escape(marker, quote=True)
+    return f"<div class='report' data-report='{attribute}'><style>{STYLE}</style>{''.join(sections)}</div>"
 
 
 def section(heading: str, body: str, *, section_id: str) -> str:
@@ -62,7 +63,10 @@ def grid(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A table with a header row; the first column names the row."""
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join(
-        "<tr>" + f"<th class='key'>{html.escape(_fmt(row[0]))}</th>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row[1:]) + "</tr>"
+        "<tr>"
+        + f"<th class='key'>{html.escape(_fmt(row[0]))}</th>"
+        + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row[1:])
+        + "</tr>"
         for row in rows
     )
     return f"<table><tr>{head}</tr>{body}</table>"
@@ -70,9 +74,14 @@ def grid(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 def tiles(items: Sequence[tuple[str, str]]) -> str:
     """Headline figures, large: (label, formatted value) pairs."""
-    return "<div class='tiles'>" + "".join(
-        f"<div class='tile'><b>{html.escape(value)}</b><span>{html.escape(label)}</span></div>" for label, value in items
-    ) + "</div>"
+    return (
+        "<div class='tiles'>"
+        + "".join(
+            f"<div class='tile'><b>{html.escape(value)}</b><span>{html.escape(label)}</span></div>"
+            for label, value in items
+        )
+        + "</div>"
+    )
 
 
 def _fmt(value: object) -> str:
@@ -139,8 +148,12 @@ def training_sections(
     samples = list(telemetry.get("samples") or [])
     return [
         section("Summary", table(summary), section_id="summary"),
-        section("Loss", _epoch_and_step_curve(history, step_log, "loss", ylabel="cross-entropy loss"), section_id="loss"),
-        section("Accuracy", _epoch_and_step_curve(history, step_log, "accuracy", ylabel="accuracy"), section_id="accuracy"),
+        section(
+            "Loss", _epoch_and_step_curve(history, step_log, "loss", ylabel="cross-entropy loss"), section_id="loss"
+        ),
+        section(
+            "Accuracy", _epoch_and_step_curve(history, step_log, "accuracy", ylabel="accuracy"), section_id="accuracy"
+        ),
         section("Learning rate", _learning_rate(step_log), section_id="learning-rate"),
         section("Throughput", _throughput(step_log), section_id="throughput"),
         section("GPU utilisation", _gpu_timeline(samples), section_id="gpu"),
@@ -198,7 +211,9 @@ def _gpu_timeline(samples: Sequence[Mapping[str, Any]]) -> str:
         fig, (util_ax, mem_ax) = _axes("GPU utilisation", xlabel="elapsed time (s)", ylabel="utilisation", ncols=2)
         for gpu in gpus:
             util_ax.plot(elapsed, [(s.get("gpu_utilization") or {}).get(gpu) for s in samples], label=f"GPU {gpu}")
-            mem_ax.plot(elapsed, [_gib((s.get("gpu_memory_used_bytes") or {}).get(gpu)) for s in samples], label=f"GPU {gpu}")
+            mem_ax.plot(
+                elapsed, [_gib((s.get("gpu_memory_used_bytes") or {}).get(gpu)) for s in samples], label=f"GPU {gpu}"
+            )
         mem_ax.set_title("GPU memory used")
         mem_ax.set_ylabel("memory used (GiB)")
         for ax in (util_ax, mem_ax):
@@ -210,7 +225,9 @@ def _gpu_timeline(samples: Sequence[Mapping[str, Any]]) -> str:
         mem_ax.plot(elapsed, [_gib(s.get("memory_used_bytes")) for s in samples], color="tab:orange")
         mem_ax.set_title("host memory used")
         mem_ax.set_ylabel("memory used (GiB)")
-        text = note("No GPU was present on this run: it trained on CPU. The host's CPU and memory use are shown instead.")
+        text = note(
+            "No GPU was present on this run: it trained on CPU. The host's CPU and memory use are shown instead."
+        )
     util_ax.set_ylim(0, 1.05)
     _percent_axis(util_ax)
     mem_ax.set_ylim(bottom=0)
@@ -240,7 +257,9 @@ def _cost(cost: Mapping[str, float]) -> str:
             ("CPU", f"{cpu_hours:.4f}", f"{cpu_price:.2f}", f"{cpu_hours * cpu_price:.4f}"),
             ("total", "", "", f"{total:.4f}"),
         ],
-    ) + note("Hours are summed over all workers and attempts; prices come from observability.gpu_hour_usd and cpu_hour_usd.")
+    ) + note(
+        "Hours are summed over all workers and attempts; prices come from observability.gpu_hour_usd and cpu_hour_usd."
+    )
 
 
 # --- evaluation -----------------------------------------------------------------------------------------------
@@ -251,11 +270,19 @@ def evaluation_sections(result) -> list[str]:
     matrix as a heatmap, and precision/recall/F1 per class."""
     per_class = class_metrics(result.confusion)
     macro_f1 = sum(f1 for _, _, f1, _ in per_class) / max(1, len(per_class))
-    headline = tiles([
-        ("top-1 accuracy", f"{result.accuracy:.2%}"), ("top-5 accuracy", f"{result.top5_accuracy:.2%}"),
-        ("macro F1", f"{macro_f1:.4f}"), ("test loss", f"{result.loss:.4f}"), (f"{result.split} samples", str(result.num_samples)),
-    ])
-    rows = [(name, f"{p:.4f}", f"{r:.4f}", f"{f1:.4f}", support) for name, (p, r, f1, support) in zip(result.classes, per_class)]
+    headline = tiles(
+        [
+            ("top-1 accuracy", f"{result.accuracy:.2%}"),
+            ("top-5 accuracy", f"{result.top5_accuracy:.2%}"),
+            ("macro F1", f"{macro_f1:.4f}"),
+            ("test loss", f"{result.loss:.4f}"),
+            (f"{result.split} samples", str(result.num_samples)),
+        ]
+    )
+    rows = [
+        (name, f"{p:.4f}", f"{r:.4f}", f"{f1:.4f}", support)
+        for name, (p, r, f1, support) in zip(result.classes, per_class)
+    ]
     return [
         section("Test metrics", headline, section_id="metrics"),
         section("Confusion matrix", confusion_matrix(result.confusion, result.classes), section_id="confusion"),
@@ -312,8 +339,14 @@ def metric_vs_epochs(curves: dict[int, tuple[Sequence[int], Sequence[float]]], *
         if not scores:
             continue
         highlight = trial_id == best
-        ax.plot(epochs, scores, "o-", linewidth=2.5 if highlight else 1, alpha=1 if highlight else 0.6,
-                label=f"trial {trial_id}" + (" (best)" if highlight else ""))
+        ax.plot(
+            epochs,
+            scores,
+            "o-",
+            linewidth=2.5 if highlight else 1,
+            alpha=1 if highlight else 0.6,
+            label=f"trial {trial_id}" + (" (best)" if highlight else ""),
+        )
     from matplotlib.ticker import MaxNLocator
 
     ax.set_title(f"{metric} of each trial")

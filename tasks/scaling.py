@@ -39,7 +39,9 @@ def baseline_resources(scaling: ScalingConfig) -> Resources:
     """What the baseline's pod needs: every worker's share at once, since all ranks run in that one pod."""
     n = scaling.num_workers
     gpu = str(n * scaling.gpus_per_worker) if scaling.use_gpu else None
-    return Resources(cpu=f"{n * scaling.cpus_per_worker:g}", mem=f"{int(n * scaling.memory_per_worker_gib * 1024)}Mi", gpu=gpu)
+    return Resources(
+        cpu=f"{n * scaling.cpus_per_worker:g}", mem=f"{int(n * scaling.memory_per_worker_gib * 1024)}Mi", gpu=gpu
+    )
 
 
 @task(
@@ -70,14 +72,22 @@ def torch_baseline(config: TrainingConfig, data: PreparedData) -> TrainMetrics:
         run_name="torch-baseline",
         storage_path=os.path.join(workdir, "runs"),
     )
-    return TrainMetrics.from_record(epochs=result.meta.epoch, global_step=result.meta.global_step, record=result.metrics)
+    return TrainMetrics.from_record(
+        epochs=result.meta.epoch, global_step=result.meta.global_step, record=result.metrics
+    )
 
 
 @task(
-    retries=1, interruptible=True, timeout=timedelta(minutes=30), requests=Resources(cpu="500m", mem="1Gi"),
-    limits=Resources(cpu="1", mem="2Gi"), enable_deck=True,
+    retries=1,
+    interruptible=True,
+    timeout=timedelta(minutes=30),
+    requests=Resources(cpu="500m", mem="1Gi"),
+    limits=Resources(cpu="1", mem="2Gi"),
+    enable_deck=True,
 )
-def scaling_report(models: list[str], worker_counts: list[int], ray_runs: list[TrainMetrics], torch_runs: list[TrainMetrics]) -> ScalingReport:
+def scaling_report(
+    models: list[str], worker_counts: list[int], ray_runs: list[TrainMetrics], torch_runs: list[TrainMetrics]
+) -> ScalingReport:
     """Tabulate scaling efficiency and Ray-vs-plain parity, and publish the table, plots and CSV.
 
     :param models: Model of each measured point; the four lists are parallel, one entry per point.
@@ -88,13 +98,25 @@ def scaling_report(models: list[str], worker_counts: list[int], ray_runs: list[T
     """
     from training_core.scaling import ScalingPoint, efficiency_table
 
-    lengths = {"models": len(models), "worker_counts": len(worker_counts), "ray_runs": len(ray_runs), "torch_runs": len(torch_runs)}
+    lengths = {
+        "models": len(models),
+        "worker_counts": len(worker_counts),
+        "ray_runs": len(ray_runs),
+        "torch_runs": len(torch_runs),
+    }
     if len(set(lengths.values())) != 1:
-        raise ValueError(f"scaling_report inputs are invalid: lengths {lengths} differ; pass one entry per point in each list")
+        raise ValueError(
+            f"scaling_report inputs are invalid: lengths {lengths} differ; pass one entry per point in each list"
+        )
     points = [
         ScalingPoint(
-            model=model, num_workers=n, launcher=launcher, samples_per_s=m.samples_per_s, step_time_p50_s=m.step_time_p50_s,
-            step_time_p95_s=m.step_time_p95_s, allreduce_fraction=m.allreduce_fraction,
+            model=model,
+            num_workers=n,
+            launcher=launcher,
+            samples_per_s=m.samples_per_s,
+            step_time_p50_s=m.step_time_p50_s,
+            step_time_p95_s=m.step_time_p95_s,
+            allreduce_fraction=m.allreduce_fraction,
         )
         for model, n, ray_metrics, torch_metrics in zip(models, worker_counts, ray_runs, torch_runs)
         for launcher, m in (("ray", ray_metrics), ("torch", torch_metrics))
@@ -130,7 +152,9 @@ def report_sections(table) -> list[str]:
 
     return [
         reports.section("How it was measured", f"<p>{html.escape(METHOD_NOTE)}</p>", section_id="method"),
-        reports.section("Results", table.to_html(index=False, float_format=lambda v: f"{v:.4f}", border=0), section_id="results"),
+        reports.section(
+            "Results", table.to_html(index=False, float_format=lambda v: f"{v:.4f}", border=0), section_id="results"
+        ),
         reports.section("Throughput and efficiency", _plots(table), section_id="plots"),
     ]
 
@@ -146,7 +170,9 @@ def _plots(table) -> str:
         base_count, base_ray = counts[0], rows["ray_samples_per_s"].iloc[0]
         throughput_ax.plot(counts, rows["ray_samples_per_s"], "o-", label=f"{model} Ray Train")
         throughput_ax.plot(counts, rows["torch_samples_per_s"], "s--", label=f"{model} plain torch")
-        throughput_ax.plot(counts, [base_ray * n / base_count for n in counts], ":", color="gray", label=f"{model} linear")
+        throughput_ax.plot(
+            counts, [base_ray * n / base_count for n in counts], ":", color="gray", label=f"{model} linear"
+        )
         efficiency_ax.plot(counts, rows["ray_efficiency"], "o-", label=f"{model} Ray Train")
         efficiency_ax.plot(counts, rows["torch_efficiency"], "s--", label=f"{model} plain torch")
     throughput_ax.set_title("throughput, all workers")
@@ -165,7 +191,12 @@ def _plots(table) -> str:
 
 def _print_summary(table, *, csv: FlyteFile, report: FlyteFile) -> None:
     """pyflyte prints outputs as literals; a person wants the table and where the files are."""
-    lines = ["", "=== scaling benchmark finished ===", f"{'model':<12}{'workers':>8}{'ray samples/s':>15}{'ray eff':>9}{'torch samples/s':>17}{'torch eff':>11}{'parity':>8}{'all-reduce':>12}"]
+    lines = [
+        "",
+        "=== scaling benchmark finished ===",
+        f"{'model':<12}{'workers':>8}{'ray samples/s':>15}{'ray eff':>9}"
+        f"{'torch samples/s':>17}{'torch eff':>11}{'parity':>8}{'all-reduce':>12}",
+    ]
     for row in table.itertuples(index=False):
         lines.append(
             f"{row.model:<12}{row.num_workers:>8}{row.ray_samples_per_s:>15.1f}{row.ray_efficiency:>9.3f}"

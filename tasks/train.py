@@ -59,7 +59,6 @@ def run_training(config: TrainingConfig, data: PreparedData, resume_from: Option
     """The body of ``train``, shared with the tuning pipeline's cached ``train_trial`` task."""
     from flytekit.exceptions.user import FlyteRecoverableException
 
-    from tasks import reports
     from training_core import tracking
     from training_core.failures import classify
     from training_core.trainer import MlflowRun, fit
@@ -102,7 +101,9 @@ def run_training(config: TrainingConfig, data: PreparedData, resume_from: Option
         verdict = classify(exc)
         if verdict.retryable:
             # Only this exception type makes Flyte retry; the new attempt resumes from the latest checkpoint.
-            raise FlyteRecoverableException(f"training hit an infrastructure failure ({verdict.reason}); retrying") from exc
+            raise FlyteRecoverableException(
+                f"training hit an infrastructure failure ({verdict.reason}); retrying"
+            ) from exc
         raise
     tracking.finish_run(tracking_uri, run_id)
     return trained_model(config, result, tracking_uri=tracking_uri, run_id=run_id)
@@ -113,16 +114,26 @@ def trained_model(config: TrainingConfig, result, *, tracking_uri: str, run_id: 
     from tasks import reports
 
     meta, last = result.meta, result.meta.history[-1]
-    metrics = TrainMetrics.from_record(epochs=meta.epoch, global_step=meta.global_step, record={**last, **result.metrics})
+    metrics = TrainMetrics.from_record(
+        epochs=meta.epoch, global_step=meta.global_step, record={**last, **result.metrics}
+    )
     summary = [
-        ("model", meta.model_name), ("epochs", meta.epoch), ("optimizer steps", meta.global_step),
-        ("workers", config.scaling.num_workers), ("final train loss", metrics.train_loss),
-        ("final val loss", metrics.val_loss), ("final val accuracy", metrics.val_accuracy),
-        ("throughput (samples/s)", metrics.samples_per_s), ("step time p50 / p95 (s)", f"{metrics.step_time_p50_s:.4f} / {metrics.step_time_p95_s:.4f}"),
-        ("all-reduce share of step time", metrics.allreduce_fraction), ("MLflow run", run_id),
+        ("model", meta.model_name),
+        ("epochs", meta.epoch),
+        ("optimizer steps", meta.global_step),
+        ("workers", config.scaling.num_workers),
+        ("final train loss", metrics.train_loss),
+        ("final val loss", metrics.val_loss),
+        ("final val accuracy", metrics.val_accuracy),
+        ("throughput (samples/s)", metrics.samples_per_s),
+        ("step time p50 / p95 (s)", f"{metrics.step_time_p50_s:.4f} / {metrics.step_time_p95_s:.4f}"),
+        ("all-reduce share of step time", metrics.allreduce_fraction),
+        ("MLflow run", run_id),
     ]
     # Checkpoints older than the telemetry field load with it empty: their report says "not recorded".
-    sections = reports.training_sections(summary=summary, history=meta.history, step_log=meta.step_log, telemetry=meta.telemetry)
+    sections = reports.training_sections(
+        summary=summary, history=meta.history, step_log=meta.step_log, telemetry=meta.telemetry
+    )
     report = publish_report("Training report", sections)
     # A checkpoint already on object storage is returned where it lives; a local one is uploaded.
     remote = "://" in result.checkpoint_uri and not result.checkpoint_uri.startswith("file://")
@@ -150,7 +161,7 @@ def _job_labels() -> dict[str, str]:
     pod = os.environ.get("HOSTNAME", "")
     prefix, suffix = f"{execution}-", f"-{attempt}"
     if pod.startswith(prefix) and pod.endswith(suffix) and len(pod) > len(prefix) + len(suffix):
-        node = pod[len(prefix):-len(suffix)]
+        node = pod[len(prefix) : -len(suffix)]
     if not node:
         task_name = ctx.task_id.name if ctx.task_id is not None else ""
         node = task_name.rsplit(".", 1)[-1] or "local"

@@ -43,7 +43,9 @@ TRIAL_CACHE_VERSION = "1"
     limits=Resources(cpu="2", mem="4Gi"),
     enable_deck=True,
 )
-def train_trial(config: TrainingConfig, data: PreparedData, resume_from: Optional[FlyteDirectory] = None) -> TrainedModel:
+def train_trial(
+    config: TrainingConfig, data: PreparedData, resume_from: Optional[FlyteDirectory] = None
+) -> TrainedModel:
     """One slice of one trial: ``train`` with caching, so a re-run of a search reuses finished slices.
 
     The RayJob shape is set per node by the search (``with_overrides(task_config=...)``) from the trial's
@@ -137,7 +139,9 @@ def plan_round(config: TuningConfig, state: SearchState) -> list[TrialSlice]:
         trial_config = dataclasses.replace(
             trial_config,
             loop=dataclasses.replace(trial_config.loop, stop_at_epoch=stop if stop < trial_config.loop.epochs else 0),
-            tracking=dataclasses.replace(trial_config.tracking, parent_run_id=state.parent_run_id, run_id=trial.mlflow_run_id),
+            tracking=dataclasses.replace(
+                trial_config.tracking, parent_run_id=state.parent_run_id, run_id=trial.mlflow_run_id
+            ),
         )
         slices.append(TrialSlice(trial.trial_id, trial_config, trial.checkpoint))
     return slices
@@ -151,9 +155,17 @@ def start_search(config: TuningConfig) -> SearchState:
 
     key = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
     tracking_uri, parent_run_id = tracking.find_or_create_run(
-        config.base.tracking, key=key, run_name=f"tuning-{config.algorithm}-{key[:8]}",
-        params={"algorithm": config.algorithm, "strategy": config.strategy, "num_trials": config.num_trials,
-                "metric": config.metric, "max_concurrency": config.max_concurrency, "seed": config.seed},
+        config.base.tracking,
+        key=key,
+        run_name=f"tuning-{config.algorithm}-{key[:8]}",
+        params={
+            "algorithm": config.algorithm,
+            "strategy": config.strategy,
+            "num_trials": config.num_trials,
+            "metric": config.metric,
+            "max_concurrency": config.max_concurrency,
+            "seed": config.seed,
+        },
         payload=config.to_dict(),
     )
     trials = [Trial(trial_id=i, params=params) for i, params in enumerate(tuning.initial_params(config))]
@@ -161,7 +173,9 @@ def start_search(config: TuningConfig) -> SearchState:
 
 
 @task(retries=2, requests=Resources(cpu="500m", mem="1Gi"))
-def record_round(config: TuningConfig, state: SearchState, trial_ids: list[int], models: list[TrainedModel]) -> SearchState:
+def record_round(
+    config: TuningConfig, state: SearchState, trial_ids: list[int], models: list[TrainedModel]
+) -> SearchState:
     """Record a round's results and decide the next round: who continues (successive halving), who copies
     whom (PBT), which new points to try (Bayesian)."""
     by_id = {t.trial_id: t for t in state.trials}
@@ -199,8 +213,11 @@ def record_round(config: TuningConfig, state: SearchState, trial_ids: list[int],
 def _copy_trial(loser: Trial, winner: Trial, config: TuningConfig, rng: random.Random) -> None:
     """PBT exploit + explore: ``loser`` continues from ``winner``'s checkpoint with perturbed params."""
     loser.params = tuning.perturb(
-        winner.params, config.search_space, factors=config.pbt.perturbation_factors,
-        resample_probability=config.pbt.resample_probability, rng=rng,
+        winner.params,
+        config.search_space,
+        factors=config.pbt.perturbation_factors,
+        resample_probability=config.pbt.resample_probability,
+        rng=rng,
     )
     loser.checkpoint, loser.epochs_trained = winner.checkpoint, winner.epochs_trained
     loser.lineage.append(winner.trial_id)
@@ -214,11 +231,16 @@ def trial_table(config: TuningConfig, trials: list[Trial]) -> pd.DataFrame:
         row: dict[str, object] = {"trial": t.trial_id, **{p.path: t.params.get(p.path) for p in config.search_space}}
         for epoch, score in zip(t.score_epochs, t.scores):
             row[f"{config.metric}@{epoch}"] = score
-        row.update({
-            "final_" + config.metric: t.scores[-1] if t.scores else None, "epochs_trained": t.epochs_trained,
-            "epochs_used": t.epochs_used, "status": t.status, "copied_from": ",".join(map(str, t.lineage)),
-            "mlflow_run_id": t.mlflow_run_id or (t.model.mlflow_run_id if t.model else ""),
-        })
+        row.update(
+            {
+                "final_" + config.metric: t.scores[-1] if t.scores else None,
+                "epochs_trained": t.epochs_trained,
+                "epochs_used": t.epochs_used,
+                "status": t.status,
+                "copied_from": ",".join(map(str, t.lineage)),
+                "mlflow_run_id": t.mlflow_run_id or (t.model.mlflow_run_id if t.model else ""),
+            }
+        )
         rows.append(row)
     frame = pd.DataFrame(rows)
     scored = sorted(c for c in frame.columns if c.startswith(f"{config.metric}@"))
@@ -228,7 +250,9 @@ def trial_table(config: TuningConfig, trials: list[Trial]) -> pd.DataFrame:
 
 def best_trial(config: TuningConfig, trials: list[Trial]) -> Trial:
     """The best trial among those trained to the full budget (every trial, if none was)."""
-    full = [t for t in trials if t.scores and t.epochs_trained >= config.base.loop.epochs] or [t for t in trials if t.scores]
+    full = [t for t in trials if t.scores and t.epochs_trained >= config.base.loop.epochs] or [
+        t for t in trials if t.scores
+    ]
     if not full:
         raise RuntimeError("no trial finished: see the failed train_trial nodes")
     order = tuning.rank([t.scores[-1] for t in full], config.mode)
@@ -266,16 +290,29 @@ def tune_with_ray(config: TuningConfig, data: PreparedData, state: SearchState) 
     raw_output_prefix = FlyteContextManager.current_context().file_access.raw_output_prefix
     storage_path = config.base.checkpoint.storage_path or f"{raw_output_prefix.rstrip('/')}/checkpoints"
     # Tune runs each trial driver in its own working directory: a relative sqlite URI must be made absolute.
-    config = dataclasses.replace(config, base=dataclasses.replace(
-        config.base, tracking=dataclasses.replace(config.base.tracking, tracking_uri=state.tracking_uri)))
+    config = dataclasses.replace(
+        config,
+        base=dataclasses.replace(
+            config.base, tracking=dataclasses.replace(config.base.tracking, tracking_uri=state.tracking_uri)
+        ),
+    )
     outcomes = run_search(
-        config, data_dir=data_dir, storage_path=storage_path, run_name=f"tune-{current_context().execution_id.name}",
+        config,
+        data_dir=data_dir,
+        storage_path=storage_path,
+        run_name=f"tune-{current_context().execution_id.name}",
         parent_run_id=state.parent_run_id,
     )
     trials = [
         Trial(
-            trial_id=o.trial_id, params=o.params, status=o.status, epochs_trained=o.epochs_trained,
-            epochs_used=o.epochs_used, scores=o.scores, score_epochs=o.score_epochs, mlflow_run_id=o.mlflow_run_id,
+            trial_id=o.trial_id,
+            params=o.params,
+            status=o.status,
+            epochs_trained=o.epochs_trained,
+            epochs_used=o.epochs_used,
+            scores=o.scores,
+            score_epochs=o.score_epochs,
+            mlflow_run_id=o.mlflow_run_id,
         )
         for o in outcomes
     ]
@@ -286,7 +323,12 @@ def tune_with_ray(config: TuningConfig, data: PreparedData, state: SearchState) 
     ckpt.CheckpointStorage(parent).fs.get(uri.rstrip("/") + "/", local + "/", recursive=True)
     meta = ckpt.load_meta(local)
     result = FitResult(checkpoint_dir=local, checkpoint_uri=uri, metrics=dict(meta.history[-1]), meta=meta)
-    best.model = trained_model(tuning.apply_params(config.base, best.params), result, tracking_uri=state.tracking_uri, run_id=best.mlflow_run_id)
+    best.model = trained_model(
+        tuning.apply_params(config.base, best.params),
+        result,
+        tracking_uri=state.tracking_uri,
+        run_id=best.mlflow_run_id,
+    )
     best.checkpoint = best.model.checkpoint
     return _finish(config, dataclasses.replace(state, trials=trials))
 
@@ -297,22 +339,38 @@ def _finish(config: TuningConfig, state: SearchState) -> TuningOutputs:
     best = best_trial(config, state.trials)
     frame = trial_table(config, state.trials)
     epochs_used = int(frame["epochs_used"].sum())
-    tracking.log_metrics(state.tracking_uri, state.parent_run_id, {
-        f"best_{config.metric}": best.scores[-1], "best_trial": float(best.trial_id), "epochs_used": float(epochs_used),
-    })
+    tracking.log_metrics(
+        state.tracking_uri,
+        state.parent_run_id,
+        {
+            f"best_{config.metric}": best.scores[-1],
+            "best_trial": float(best.trial_id),
+            "epochs_used": float(epochs_used),
+        },
+    )
     tracking.finish_run(state.tracking_uri, state.parent_run_id)
 
     csv_path = _working_path("trials.csv")
     frame.to_csv(csv_path, index=False)
-    report = publish_report("Tuning report", report_sections(config, state.trials, frame=frame, parent_run_id=state.parent_run_id))
+    report = publish_report(
+        "Tuning report", report_sections(config, state.trials, frame=frame, parent_run_id=state.parent_run_id)
+    )
     from flytekit import FlyteContextManager
 
-    table = FlyteFile(csv_path, remote_path=FlyteContextManager.current_context().file_access.get_random_remote_path("trials.csv"))
+    table = FlyteFile(
+        csv_path, remote_path=FlyteContextManager.current_context().file_access.get_random_remote_path("trials.csv")
+    )
     assert best.model is not None and best.checkpoint is not None
     result = TuningResult(
-        best_trial=best.trial_id, best_params=best.params,
-        best_config=tuning.apply_params(config.base, best.params), best_metric=best.scores[-1],
-        best_checkpoint=best.checkpoint, best_model=best.model, epochs_used=epochs_used, table=table, report=report,
+        best_trial=best.trial_id,
+        best_params=best.params,
+        best_config=tuning.apply_params(config.base, best.params),
+        best_metric=best.scores[-1],
+        best_checkpoint=best.checkpoint,
+        best_model=best.model,
+        epochs_used=epochs_used,
+        table=table,
+        report=report,
         mlflow_parent_run_id=state.parent_run_id,
     )
     return TuningOutputs(result=result, trials=frame)
@@ -323,20 +381,32 @@ def report_sections(config: TuningConfig, trials: list[Trial], *, frame: pd.Data
     from tasks import reports
 
     best = best_trial(config, trials)
-    summary = reports.table([
-        ("algorithm", f"{config.algorithm} ({config.strategy})"), ("trials", len(trials)),
-        (f"best {config.metric}", best.scores[-1]), ("best trial", best.trial_id),
-        *[(path, value) for path, value in best.params.items()],
-        ("epochs used (all trials)", int(frame["epochs_used"].sum())),
-        ("epochs if every trial ran in full", len(trials) * config.base.loop.epochs),
-        ("MLflow parent run", parent_run_id),
-    ])
+    summary = reports.table(
+        [
+            ("algorithm", f"{config.algorithm} ({config.strategy})"),
+            ("trials", len(trials)),
+            (f"best {config.metric}", best.scores[-1]),
+            ("best trial", best.trial_id),
+            *[(path, value) for path, value in best.params.items()],
+            ("epochs used (all trials)", int(frame["epochs_used"].sum())),
+            ("epochs if every trial ran in full", len(trials) * config.base.loop.epochs),
+            ("MLflow parent run", parent_run_id),
+        ]
+    )
     return [
         reports.section("Best trial", summary, section_id="best"),
-        reports.section(f"{config.metric} against epochs", reports.metric_vs_epochs(
-            {t.trial_id: (t.score_epochs, t.scores) for t in trials}, metric=config.metric, best=best.trial_id,
-        ), section_id="curves"),
-        reports.section("Trials", frame.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep=""), section_id="trials"),
+        reports.section(
+            f"{config.metric} against epochs",
+            reports.metric_vs_epochs(
+                {t.trial_id: (t.score_epochs, t.scores) for t in trials},
+                metric=config.metric,
+                best=best.trial_id,
+            ),
+            section_id="curves",
+        ),
+        reports.section(
+            "Trials", frame.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep=""), section_id="trials"
+        ),
     ]
 
 
@@ -344,5 +414,3 @@ def _working_path(name: str) -> str:
     from flytekit import current_context
 
     return os.path.join(current_context().working_directory, name)
-
-

@@ -52,8 +52,12 @@ class TrainMetrics:
     def from_record(cls, *, epochs: int, global_step: int, record: dict[str, float]) -> "TrainMetrics":
         """The figures of a run's last epoch record (see ``training_core.loop``)."""
         return cls(
-            epochs=epochs, global_step=global_step, train_loss=record["train_loss"],
-            train_accuracy=record["train_accuracy"], val_loss=record["val_loss"], val_accuracy=record["val_accuracy"],
+            epochs=epochs,
+            global_step=global_step,
+            train_loss=record["train_loss"],
+            train_accuracy=record["train_accuracy"],
+            val_loss=record["val_loss"],
+            val_accuracy=record["val_accuracy"],
             samples_per_s=float(record.get("steady_samples_per_s") or record["samples_per_s"]),
             step_time_p50_s=float(record.get("step_time_p50_s", 0.0)),
             step_time_p95_s=float(record.get("step_time_p95_s", 0.0)),

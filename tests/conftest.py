@@ -52,8 +52,12 @@ def _free_port() -> int:
 S3_PORT = _free_port()
 S3_ENDPOINT = f"http://127.0.0.1:{S3_PORT}"
 for _name, _value in {
-    "AWS_ENDPOINT_URL": S3_ENDPOINT, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1", "FLYTE_AWS_ENDPOINT": S3_ENDPOINT, "FLYTE_AWS_ACCESS_KEY_ID": "testing",
+    "AWS_ENDPOINT_URL": S3_ENDPOINT,
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "FLYTE_AWS_ENDPOINT": S3_ENDPOINT,
+    "FLYTE_AWS_ACCESS_KEY_ID": "testing",
     "FLYTE_AWS_SECRET_ACCESS_KEY": "testing",
 }.items():
     os.environ[_name] = _value
@@ -105,10 +109,20 @@ def ray_address() -> str:
         log = open(_SESSION_ROOT / "ray-head.log", "w")
         process = subprocess.Popen(
             [
-                str(VENV_BIN / "ray"), "start", "--head", "--block", "--num-cpus=4", "--num-gpus=0",
-                "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}", "--port=0",
+                str(VENV_BIN / "ray"),
+                "start",
+                "--head",
+                "--block",
+                "--num-cpus=4",
+                "--num-gpus=0",
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+                f"--temp-dir={temp_dir}",
+                "--port=0",
             ],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         _RAY_STATE["process"] = process
         address_file = temp_dir / "ray_current_cluster"
@@ -151,7 +165,9 @@ def s3_server():
     log = open(_SESSION_ROOT / "moto.log", "w")
     process = subprocess.Popen(
         [str(VENV_BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(S3_PORT)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     deadline = time.monotonic() + 60
     while True:

@@ -125,7 +125,13 @@ def _torch_bytes(obj: Any) -> bytes:
 
 
 def snapshot(
-    *, model, optimizer=None, scheduler=None, scaler=None, meta: CheckpointMeta, torch_rng: dict | None = None,
+    *,
+    model,
+    optimizer=None,
+    scheduler=None,
+    scaler=None,
+    meta: CheckpointMeta,
+    torch_rng: dict | None = None,
     staging: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The state to save, detached from the live objects (tensors copied to CPU, into ``staging`` buffers
@@ -139,7 +145,11 @@ def snapshot(
             trainer[name] = obj.state_dict()
     if torch_rng:
         trainer["rng"] = torch_rng
-    state = {"model": _to_cpu(bare.state_dict(), staging, "model"), "trainer": _to_cpu(trainer, staging, "trainer"), "meta": asdict(meta)}
+    state = {
+        "model": _to_cpu(bare.state_dict(), staging, "model"),
+        "trainer": _to_cpu(trainer, staging, "trainer"),
+        "meta": asdict(meta),
+    }
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the non-blocking device-to-host copies must land before the writer reads them
     return state
@@ -156,13 +166,17 @@ def encode(state: dict[str, Any]) -> dict[str, bytes]:
 
 def manifest_for(files: dict[str, bytes], *, global_step: int, metric: float | None) -> bytes:
     entries = {name: {"bytes": len(data), "sha256": _sha256(data)} for name, data in files.items()}
-    return json.dumps({"global_step": global_step, "metric": metric, "files": entries, "written_at": time.time()}, indent=1).encode()
+    return json.dumps(
+        {"global_step": global_step, "metric": metric, "files": entries, "written_at": time.time()}, indent=1
+    ).encode()
 
 
 class CheckpointStorage:
     """Where checkpoint directories live: a local path or an fsspec URI, with bounded retries."""
 
-    def __init__(self, root: str, *, storage_options: dict[str, Any] | None = None, retries: int = 5, retry_wait_s: float = 1.0) -> None:
+    def __init__(
+        self, root: str, *, storage_options: dict[str, Any] | None = None, retries: int = 5, retry_wait_s: float = 1.0
+    ) -> None:
         import fsspec
 
         self.root = root.rstrip("/")
@@ -209,8 +223,13 @@ class CheckpointStorage:
                 raise CheckpointError(f"writing checkpoint {self.uri(name)} failed: {exc}") from exc
             return
         for file, data in files.items():
-            self._retry(f"uploading {self.uri(name)}/{file}", lambda f=file, d=data: self.fs.pipe_file(f"{final}/{f}", d))
-        self._retry(f"uploading {self.uri(name)}/{MANIFEST_FILE}", lambda: self.fs.pipe_file(f"{final}/{MANIFEST_FILE}", manifest))
+            self._retry(
+                f"uploading {self.uri(name)}/{file}", lambda f=file, d=data: self.fs.pipe_file(f"{final}/{f}", d)
+            )
+        self._retry(
+            f"uploading {self.uri(name)}/{MANIFEST_FILE}",
+            lambda: self.fs.pipe_file(f"{final}/{MANIFEST_FILE}", manifest),
+        )
 
     def read(self, name: str, file: str) -> bytes:
         return self._retry(f"reading {self.uri(name)}/{file}", lambda: self.fs.cat_file(f"{self.path}/{name}/{file}"))
@@ -222,7 +241,7 @@ class CheckpointStorage:
         except FileNotFoundError:
             return []
         names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
-        return sorted(n for n in names if n.startswith(STEP_PREFIX) and n[len(STEP_PREFIX):].isdigit())
+        return sorted(n for n in names if n.startswith(STEP_PREFIX) and n[len(STEP_PREFIX) :].isdigit())
 
     def delete(self, name: str) -> None:
         if self.is_local:
@@ -253,7 +272,9 @@ def verify_and_load(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
     try:
         manifest = json.loads(storage.read(name, MANIFEST_FILE))
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
-        raise CheckpointError(f"{storage.uri(name)} has no readable {MANIFEST_FILE} (incomplete write?): {exc}") from None
+        raise CheckpointError(
+            f"{storage.uri(name)} has no readable {MANIFEST_FILE} (incomplete write?): {exc}"
+        ) from None
     payloads = {}
     for file, entry in manifest["files"].items():
         try:
@@ -261,7 +282,9 @@ def verify_and_load(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
         except (CheckpointError, FileNotFoundError) as exc:
             raise CheckpointError(f"{storage.uri(name)}/{file} is missing: {exc}") from None
         if len(data) != entry["bytes"]:
-            raise CheckpointError(f"{storage.uri(name)}/{file} is truncated: {len(data)} bytes, manifest says {entry['bytes']}")
+            raise CheckpointError(
+                f"{storage.uri(name)}/{file} is truncated: {len(data)} bytes, manifest says {entry['bytes']}"
+            )
         if _sha256(data) != entry["sha256"]:
             raise CheckpointError(f"{storage.uri(name)}/{file} is corrupt: sha256 differs from the manifest")
         payloads[file] = data
@@ -288,7 +311,9 @@ def load_latest_valid(storage: CheckpointStorage) -> LoadedCheckpoint | None:
             rejected.append(name)
             continue
         if rejected:
-            log.warning("resuming from %s instead of the newer %s, which failed verification", loaded.uri, ", ".join(rejected))
+            log.warning(
+                "resuming from %s instead of the newer %s, which failed verification", loaded.uri, ", ".join(rejected)
+            )
         return loaded
     return None
 
@@ -306,8 +331,15 @@ class Checkpointer:
     ranks them, the best one)."""
 
     def __init__(
-        self, storage: CheckpointStorage, *, keep_last: int, keep_best: bool = False, best_mode: str = "max",
-        async_save: bool = True, max_consecutive_failures: int = 1, observer: SaveObserver | None = None,
+        self,
+        storage: CheckpointStorage,
+        *,
+        keep_last: int,
+        keep_best: bool = False,
+        best_mode: str = "max",
+        async_save: bool = True,
+        max_consecutive_failures: int = 1,
+        observer: SaveObserver | None = None,
     ) -> None:
         assert keep_last >= 1 and max_consecutive_failures >= 1, "validated by CheckpointConfig"
         self.storage = storage
@@ -346,7 +378,9 @@ class Checkpointer:
         start = time.perf_counter()
         self._settle()
         if self.async_save:
-            self._thread = threading.Thread(target=self._write_guarded, args=(global_step, state, metric), name="checkpoint-writer", daemon=True)
+            self._thread = threading.Thread(
+                target=self._write_guarded, args=(global_step, state, metric), name="checkpoint-writer", daemon=True
+            )
             self._thread.start()
         else:
             self._write(global_step, state, metric)
@@ -371,14 +405,20 @@ class Checkpointer:
             return
         error, self._error = self._error, None
         if self.consecutive_failures >= self.max_consecutive_failures:
-            raise CheckpointError(f"{self.consecutive_failures} checkpoint saves in a row failed; last: {error}") from error
+            raise CheckpointError(
+                f"{self.consecutive_failures} checkpoint saves in a row failed; last: {error}"
+            ) from error
 
     def _write_guarded(self, global_step: int, state: dict[str, Any], metric: float | None) -> None:
         try:
             self._write(global_step, state, metric)
         except BaseException as exc:  # reported by the next save() or wait() on the training thread
             log.error("checkpoint save of step %d failed: %s", global_step, exc)
-            self._error = exc if isinstance(exc, CheckpointError) else CheckpointError(f"checkpoint save of step {global_step} failed: {exc}")
+            self._error = (
+                exc
+                if isinstance(exc, CheckpointError)
+                else CheckpointError(f"checkpoint save of step {global_step} failed: {exc}")
+            )
 
     def _write(self, global_step: int, state: dict[str, Any], metric: float | None) -> None:
         start = time.perf_counter()
@@ -405,7 +445,7 @@ class Checkpointer:
 
     def _prune(self, *, keep: str) -> None:
         names = self.storage.list_steps()
-        retained = set(names[-self.keep_last:]) | {keep}
+        retained = set(names[-self.keep_last :]) | {keep}
         if self.keep_best:
             best = self._best(names)
             if best:

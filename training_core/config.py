@@ -104,7 +104,9 @@ class DataConfig:
         _fraction("data.val_fraction", self.val_fraction)
         _fraction("data.test_fraction", self.test_fraction)
         if self.val_fraction + self.test_fraction >= 1:
-            _fail("data.val_fraction", self.val_fraction, "val_fraction + test_fraction must leave training samples (< 1)")
+            _fail(
+                "data.val_fraction", self.val_fraction, "val_fraction + test_fraction must leave training samples (< 1)"
+            )
         _positive("data.num_shards", self.num_shards)
         _positive("data.synthetic_num_samples", self.synthetic_num_samples)
         _positive("data.synthetic_image_size", self.synthetic_image_size)
@@ -199,7 +201,11 @@ class LoopConfig:
         _positive("loop.epochs", self.epochs)
         _non_negative("loop.stop_at_epoch", self.stop_at_epoch)
         if self.stop_at_epoch > self.epochs:
-            _fail("loop.stop_at_epoch", self.stop_at_epoch, f"it must be <= loop.epochs={self.epochs} (or 0 to run all epochs)")
+            _fail(
+                "loop.stop_at_epoch",
+                self.stop_at_epoch,
+                f"it must be <= loop.epochs={self.epochs} (or 0 to run all epochs)",
+            )
         _positive("loop.batch_size", self.batch_size)
         _positive("loop.grad_accum_steps", self.grad_accum_steps)
         _non_negative("loop.max_steps", self.max_steps)
@@ -309,14 +315,22 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _non_negative("checkpoint.interval_steps", self.interval_steps)
         if self.interval_steps == 0 and not self.at_epoch_end:
-            _fail("checkpoint.at_epoch_end", self.at_epoch_end, "with checkpoint.interval_steps=0 nothing would be saved; set one of them")
+            _fail(
+                "checkpoint.at_epoch_end",
+                self.at_epoch_end,
+                "with checkpoint.interval_steps=0 nothing would be saved; set one of them",
+            )
         _positive("checkpoint.keep_last", self.keep_last)
         _choice("checkpoint.best_metric", self.best_metric, ("val_accuracy", "val_loss"))
         _non_negative("checkpoint.max_worker_restarts", self.max_worker_restarts)
         _positive("checkpoint.max_consecutive_save_failures", self.max_consecutive_save_failures)
         _choice("checkpoint.s3_server_side_encryption", self.s3_server_side_encryption, ("", "AES256", "aws:kms"))
         if self.s3_kms_key_id and self.s3_server_side_encryption != "aws:kms":
-            _fail("checkpoint.s3_kms_key_id", self.s3_kms_key_id, "a KMS key needs checkpoint.s3_server_side_encryption='aws:kms'")
+            _fail(
+                "checkpoint.s3_kms_key_id",
+                self.s3_kms_key_id,
+                "a KMS key needs checkpoint.s3_server_side_encryption='aws:kms'",
+            )
 
     def storage_options(self, root: str = "s3://") -> dict:
         """fsspec options for a checkpoint ``root``: server-side encryption when it is on S3."""
@@ -410,7 +424,11 @@ class ObservabilityConfig:
 
     def __post_init__(self) -> None:
         if self.pushgateway_url and not self.pushgateway_url.startswith(("http://", "https://")):
-            _fail("observability.pushgateway_url", self.pushgateway_url, "give a full URL such as http://pushgateway:9091, or leave it empty")
+            _fail(
+                "observability.pushgateway_url",
+                self.pushgateway_url,
+                "give a full URL such as http://pushgateway:9091, or leave it empty",
+            )
         _positive("observability.push_interval_s", self.push_interval_s)
         _positive("observability.push_timeout_s", self.push_timeout_s)
         if not 0 <= self.http_port <= 65535:
@@ -477,7 +495,8 @@ class TrainingConfig:
             log.warning(
                 "data.num_shards=%d is not a multiple of scaling.num_workers=%d: workers with more shards stop when "
                 "the least-loaded one runs out, so part of each epoch is skipped; use a multiple",
-                self.data.num_shards, self.scaling.num_workers,
+                self.data.num_shards,
+                self.scaling.num_workers,
             )
         if self.model.sync_batchnorm and not self.scaling.use_gpu:
             log.warning("model.sync_batchnorm=True is ignored on CPU: PyTorch's SyncBatchNorm needs a GPU")
@@ -501,7 +520,9 @@ def _build(cls: type, raw: Mapping[str, Any], *, prefix: str) -> Any:
     unknown = sorted(set(raw) - fields)
     if unknown:
         where = prefix.rstrip(".") or "config"
-        raise ValueError(f"{where} has unknown field(s) {', '.join(unknown)}: valid fields are {', '.join(sorted(fields))}")
+        raise ValueError(
+            f"{where} has unknown field(s) {', '.join(unknown)}: valid fields are {', '.join(sorted(fields))}"
+        )
     kwargs = {}
     for name, value in raw.items():
         hint = hints[name]
@@ -551,7 +572,7 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     for key, raw in environ.items():
         if not key.startswith(ENV_PREFIX):
             continue
-        parts = [p.lower() for p in key[len(ENV_PREFIX):].split("__") if p]
+        parts = [p.lower() for p in key[len(ENV_PREFIX) :].split("__") if p]
         if not parts:
             continue
         node = overrides
@@ -571,7 +592,9 @@ def merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def load_config(path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None) -> TrainingConfig:
+def load_config(
+    path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None
+) -> TrainingConfig:
     """Defaults, overlaid by the YAML file at ``path`` (if given), overlaid by environment overrides."""
     import yaml
 
@@ -580,7 +603,9 @@ def load_config(path: str | os.PathLike[str] | None = None, *, environ: Mapping[
         with open(path, encoding="utf-8") as f:
             loaded = yaml.safe_load(f) or {}
         if not isinstance(loaded, Mapping):
-            raise ValueError(f"config file {os.fspath(path)!r} must hold a mapping of sections, got {type(loaded).__name__}")
+            raise ValueError(
+                f"config file {os.fspath(path)!r} must hold a mapping of sections, got {type(loaded).__name__}"
+            )
         raw = dict(loaded)
     raw = merge(raw, env_overrides(os.environ if environ is None else environ))
     return TrainingConfig.from_dict(raw)

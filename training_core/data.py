@@ -73,14 +73,23 @@ class Manifest:
     def from_json(cls, text: str, *, directory: str = "") -> "Manifest":
         raw = json.loads(text)
         if raw.get("version") != MANIFEST_VERSION:
-            raise ValueError(f"manifest version {raw.get('version')!r} is not supported (expected {MANIFEST_VERSION}); re-run data prep")
+            raise ValueError(
+                f"manifest version {raw.get('version')!r} is not supported (expected {MANIFEST_VERSION}); re-run "
+                "data prep"
+            )
         splits = {
             name: SplitInfo(num_samples=s["num_samples"], shards=[ShardInfo(**shard) for shard in s["shards"]])
             for name, s in raw["splits"].items()
         }
         return cls(
-            dataset=raw["dataset"], classes=raw["classes"], input_shape=raw["input_shape"], mean=raw["mean"],
-            std=raw["std"], splits=splits, version=raw["version"], directory=directory,
+            dataset=raw["dataset"],
+            classes=raw["classes"],
+            input_shape=raw["input_shape"],
+            mean=raw["mean"],
+            std=raw["std"],
+            splits=splits,
+            version=raw["version"],
+            directory=directory,
         )
 
     @classmethod
@@ -94,7 +103,8 @@ class Manifest:
         shards = self.splits[split].shards
         if len(shards) < world_size:
             raise ValueError(
-                f"split {split!r} has {len(shards)} shard(s) ({self.splits[split].num_samples} samples) for {world_size} "
+                f"split {split!r} has {len(shards)} shard(s) ({self.splits[split].num_samples} samples) for "
+                f"{world_size} "
                 f"workers; re-run data prep with data.num_shards >= {world_size}, and enough samples in the split "
                 "(data.val_fraction / data.test_fraction) for one shard per worker"
             )
@@ -102,9 +112,7 @@ class Manifest:
 
     def steps_per_epoch(self, *, world_size: int, batch_size: int, grad_accum_steps: int) -> int:
         """Optimizer steps every rank can take in one epoch: the least-loaded rank decides."""
-        per_rank = [
-            sum(s.num_samples for s in self.shards_for_rank("train", r, world_size)) for r in range(world_size)
-        ]
+        per_rank = [sum(s.num_samples for s in self.shards_for_rank("train", r, world_size)) for r in range(world_size)]
         steps = min(per_rank) // (batch_size * grad_accum_steps)
         if steps == 0:
             raise ValueError(
@@ -149,8 +157,13 @@ def prepare(cfg: DataConfig, out_dir: str) -> Manifest:
         split_infos[name] = SplitInfo(num_samples=len(labels), shards=shards)
 
     manifest = Manifest(
-        dataset=cfg.dataset, classes=raw.classes, input_shape=list(train_x.shape[1:]), mean=mean, std=std,
-        splits=split_infos, directory=out_dir,
+        dataset=cfg.dataset,
+        classes=raw.classes,
+        input_shape=list(train_x.shape[1:]),
+        mean=mean,
+        std=std,
+        splits=split_infos,
+        directory=out_dir,
     )
     # The manifest goes last: a directory with a manifest is complete.
     with fs.open(_join(root, MANIFEST_NAME), "w") as f:
@@ -172,15 +185,19 @@ def _split(raw: dict[str, tuple[np.ndarray, np.ndarray]], cfg: DataConfig) -> di
     if n_test:
         splits["test"] = (x[:n_test], y[:n_test])
     if n_val:
-        splits["val"] = (x[n_test:n_test + n_val], y[n_test:n_test + n_val])
-    splits["train"] = (x[n_test + n_val:], y[n_test + n_val:])
+        splits["val"] = (x[n_test : n_test + n_val], y[n_test : n_test + n_val])
+    splits["train"] = (x[n_test + n_val :], y[n_test + n_val :])
     for name in ("val", "test"):
         if name in raw:
             splits[name] = raw[name]
-    for name, field_name, value in (("test", "test_fraction", cfg.test_fraction), ("val", "val_fraction", cfg.val_fraction)):
+    for name, field_name, value in (
+        ("test", "test_fraction", cfg.test_fraction),
+        ("val", "val_fraction", cfg.val_fraction),
+    ):
         if name not in splits:
             raise ValueError(
-                f"data.{field_name}={value!r} is invalid: {cfg.dataset} has no {name} split of its own and this fraction "
+                f"data.{field_name}={value!r} is invalid: {cfg.dataset} has no {name} split of its own and this "
+                "fraction "
                 f"of its {n} samples rounds to 0; raise it to at least {1 / n:.2g}"
             )
     return splits
@@ -194,7 +211,10 @@ def read_shard(manifest: Manifest, shard: ShardInfo, *, verify: bool = True) -> 
     if verify:
         digest = hashlib.sha256(payload).hexdigest()
         if digest != shard.sha256:
-            raise ValueError(f"shard {shard.file} in {manifest.directory} is corrupt: sha256 {digest} != manifest {shard.sha256}; re-run data prep")
+            raise ValueError(
+                f"shard {shard.file} in {manifest.directory} is corrupt: sha256 {digest} != manifest {shard.sha256}; "
+                "re-run data prep"
+            )
     with np.load(io.BytesIO(payload), allow_pickle=False) as arrays:
         return arrays["images"], arrays["labels"]
 
@@ -237,9 +257,9 @@ class ShardStream:
                 if emitted == num_batches:
                     return
                 if emitted >= start_batch:
-                    yield x[b * batch_size:(b + 1) * batch_size], y[b * batch_size:(b + 1) * batch_size]
+                    yield x[b * batch_size : (b + 1) * batch_size], y[b * batch_size : (b + 1) * batch_size]
                 emitted += 1
-            pending_x, pending_y = [x[full * batch_size:]], [y[full * batch_size:]]
+            pending_x, pending_y = [x[full * batch_size :]], [y[full * batch_size :]]
             pending = len(pending_y[0])
         assert emitted == num_batches, f"rank {self.rank} produced {emitted} of {num_batches} batches"
 
@@ -248,4 +268,4 @@ class ShardStream:
         for shard in self.shards:
             images, labels = read_shard(self.manifest, shard)
             for start in range(0, len(labels), batch_size):
-                yield images[start:start + batch_size], labels[start:start + batch_size]
+                yield images[start : start + batch_size], labels[start : start + batch_size]

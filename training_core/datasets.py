@@ -54,7 +54,9 @@ def _digits(cfg: DataConfig) -> RawDataset:
     bunch = load_digits()
     # Pixel values are 0..16; scale to the full uint8 range so every source shares one storage format.
     images = np.round(bunch.images * (255.0 / 16.0)).astype(np.uint8)[:, None, :, :]
-    return RawDataset(splits={"train": (images, bunch.target.astype(np.int64))}, classes=[str(c) for c in bunch.target_names])
+    return RawDataset(
+        splits={"train": (images, bunch.target.astype(np.int64))}, classes=[str(c) for c in bunch.target_names]
+    )
 
 
 def _synthetic(cfg: DataConfig) -> RawDataset:
@@ -81,7 +83,8 @@ def _cifar10(cfg: DataConfig) -> RawDataset:
     fs, fs_path = _existing(cfg.path)
     if fs.isdir(fs_path):
         raise ValueError(
-            f"data.path={cfg.path!r} is invalid: it is a directory; point it at the cifar-10-python.tar.gz tarball itself"
+            f"data.path={cfg.path!r} is invalid: it is a directory; point it at the cifar-10-python.tar.gz tarball "
+            "itself"
         )
     with fs.open(fs_path, "rb") as f:
         payload = f.read()
@@ -154,7 +157,9 @@ class _SafeNumpyUnpickler(pickle.Unpickler):
 def _image_folder(cfg: DataConfig) -> RawDataset:
     fs, root = _existing(cfg.path)
     if not fs.isdir(root):
-        raise ValueError(f"data.path={cfg.path!r} is invalid: not a directory; point it at the root of <class>/<image> folders")
+        raise ValueError(
+            f"data.path={cfg.path!r} is invalid: not a directory; point it at the root of <class>/<image> folders"
+        )
     top = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.isdir(p))
     split_dirs = [s for s in ("train", "val", "test") if s in top]
     if "train" in split_dirs:
@@ -191,7 +196,10 @@ def _read_class_tree(fs, root: str, classes: list[str], size: int) -> tuple[np.n
             images.append(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1))
             labels.append(label)
     if not images:
-        raise ValueError(f"data.path={root!r} is invalid: no images ({', '.join(IMAGE_SUFFIXES)}) in its class folders; add images or point data.path elsewhere")
+        raise ValueError(
+            f"data.path={root!r} is invalid: no images ({', '.join(IMAGE_SUFFIXES)}) in its class folders; add "
+            "images or point data.path elsewhere"
+        )
     return np.stack(images), np.asarray(labels, dtype=np.int64)
 
 

@@ -17,7 +17,9 @@ class EvalReport:
     classes: list[str]
 
 
-def evaluate_checkpoint(checkpoint_dir: str, data_dir: str, *, split: str = "test", batch_size: int = 256) -> EvalReport:
+def evaluate_checkpoint(
+    checkpoint_dir: str, data_dir: str, *, split: str = "test", batch_size: int = 256
+) -> EvalReport:
     import torch
 
     from training_core.checkpoint import load_model
@@ -35,8 +37,18 @@ def evaluate_checkpoint(checkpoint_dir: str, data_dir: str, *, split: str = "tes
         )
     device = torch.device("cpu")
     stream = ShardStream(manifest, split, rank=0, world_size=1)
-    sums = evaluate(model, stream.eval_batches(batch_size=batch_size), normalize=Normalizer(manifest, device), num_classes=manifest.num_classes)
+    sums = evaluate(
+        model,
+        stream.eval_batches(batch_size=batch_size),
+        normalize=Normalizer(manifest, device),
+        num_classes=manifest.num_classes,
+    )
     return EvalReport(
-        split=split, num_samples=sums.num_samples, loss=sums.loss, accuracy=sums.accuracy, top5_accuracy=sums.top5_accuracy,
-        confusion=sums.confusion.tolist(), classes=manifest.classes,
+        split=split,
+        num_samples=sums.num_samples,
+        loss=sums.loss,
+        accuracy=sums.accuracy,
+        top5_accuracy=sums.top5_accuracy,
+        confusion=sums.confusion.tolist(),
+        classes=manifest.classes,
     )

@@ -17,18 +17,51 @@ USER = "user"
 
 # Lost processes, nodes and collectives, and storage that stayed unreachable after bounded retries.
 _INFRASTRUCTURE_CLASSES = {
-    "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError", "WorkerGroupStartupTimeoutError",
-    "WorkerGroupStartupFailedError", "InsufficientClusterResourcesError", "CollectiveTimeoutError", "NCCLHangError",
-    "PreemptionError", "ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError", "NodeDiedError",
-    "OwnerDiedError", "ObjectLostError", "RaySystemError", "GetTimeoutError", "DistBackendError", "DistNetworkError",
-    "DistStoreError", "CheckpointError", "ConnectionError", "TimeoutError",
+    "WorkerHealthCheckFailedError",
+    "WorkerHealthCheckTimeoutError",
+    "WorkerGroupStartupTimeoutError",
+    "WorkerGroupStartupFailedError",
+    "InsufficientClusterResourcesError",
+    "CollectiveTimeoutError",
+    "NCCLHangError",
+    "PreemptionError",
+    "ActorDiedError",
+    "RayActorError",
+    "ActorUnavailableError",
+    "WorkerCrashedError",
+    "NodeDiedError",
+    "OwnerDiedError",
+    "ObjectLostError",
+    "RaySystemError",
+    "GetTimeoutError",
+    "DistBackendError",
+    "DistNetworkError",
+    "DistStoreError",
+    "CheckpointError",
+    "ConnectionError",
+    "TimeoutError",
 }
 # What a peer sees when another rank dies mid-collective (gloo/NCCL report it as a plain RuntimeError).
 _COLLECTIVE_FAILURE_MARKERS = (
-    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
-    "ncclSystemError", "ncclRemoteError", "Timed out waiting", "Socket Timeout", "NCCL watchdog",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "ncclSystemError",
+    "ncclRemoteError",
+    "Timed out waiting",
+    "Socket Timeout",
+    "NCCL watchdog",
 )
-_INFRASTRUCTURE_ERRNOS = {errno.ENOSPC, errno.EIO, errno.ECONNRESET, errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH}
+_INFRASTRUCTURE_ERRNOS = {
+    errno.ENOSPC,
+    errno.EIO,
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.ETIMEDOUT,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+}
 
 
 @dataclass(frozen=True)

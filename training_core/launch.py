@@ -45,8 +45,16 @@ class TorchDistributedRuntime:
 
     @classmethod
     def connect(
-        cls, *, rank: int, world_size: int, local_rank: int, backend: str, init_method: str, timeout_s: int,
-        use_gpu: bool, records_path: str,
+        cls,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        backend: str,
+        init_method: str,
+        timeout_s: int,
+        use_gpu: bool,
+        records_path: str,
     ) -> "TorchDistributedRuntime":
         """Join the process group (every rank must call this) and pick this rank's device."""
         import torch
@@ -58,7 +66,9 @@ class TorchDistributedRuntime:
         else:
             device = torch.device("cpu")
         # Also for one worker, as Ray Train does: the loop's metric all-reduces then run the same code path.
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
         return cls(rank=rank, world_size=world_size, local_rank=local_rank, device=device, records_path=records_path)
 
     def prepare_model(self, model: "nn.Module") -> "nn.Module":
@@ -70,7 +80,9 @@ class TorchDistributedRuntime:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self.device] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, output_device=device_ids[0] if device_ids else None)
+        return DistributedDataParallel(
+            model, device_ids=device_ids, output_device=device_ids[0] if device_ids else None
+        )
 
     def report(self, metrics: dict[str, float]) -> None:
         if self.rank == 0:
@@ -105,8 +117,14 @@ def _worker_main(local_rank: int, spec: _Spec) -> None:
     os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec.world_size)})
     logging.basicConfig(level=logging.INFO, format=f"[rank {local_rank}] %(levelname)s %(name)s: %(message)s")
     runtime = TorchDistributedRuntime.connect(
-        rank=local_rank, world_size=spec.world_size, local_rank=local_rank, backend=spec.backend,
-        init_method=spec.init_method, timeout_s=spec.timeout_s, use_gpu=spec.use_gpu, records_path=spec.records_path,
+        rank=local_rank,
+        world_size=spec.world_size,
+        local_rank=local_rank,
+        backend=spec.backend,
+        init_method=spec.init_method,
+        timeout_s=spec.timeout_s,
+        use_gpu=spec.use_gpu,
+        records_path=spec.records_path,
     )
     try:
         run_worker(spec.loop_config, runtime)
@@ -177,12 +195,18 @@ def launch(
         loop_config["warmup_steps_excluded"] = warmup_steps_excluded
     with tempfile.TemporaryDirectory(prefix="launch-") as scratch:
         spec = _Spec(
-            loop_config=loop_config, world_size=cfg.scaling.num_workers, backend=cfg.scaling.resolved_backend(),
-            init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=cfg.scaling.collective_timeout_s,
-            use_gpu=cfg.scaling.use_gpu, records_path=os.path.join(scratch, RECORDS_FILE),
+            loop_config=loop_config,
+            world_size=cfg.scaling.num_workers,
+            backend=cfg.scaling.resolved_backend(),
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            timeout_s=cfg.scaling.collective_timeout_s,
+            use_gpu=cfg.scaling.use_gpu,
+            records_path=os.path.join(scratch, RECORDS_FILE),
         )
         with _child_environment(cfg):
             mp.spawn(_worker_main, args=(spec,), nprocs=cfg.scaling.num_workers, join=True)
         with open(spec.records_path, encoding="utf-8") as f:
             records = [json.loads(line) for line in f if line.strip()]
-    return collect_final(cfg, root, checkpoint_dir, what=f"plain torch.distributed run {run_name!r}", metrics=records[-1])
+    return collect_final(
+        cfg, root, checkpoint_dir, what=f"plain torch.distributed run {run_name!r}", metrics=records[-1]
+    )

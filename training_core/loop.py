@@ -55,7 +55,9 @@ def resolve_precision(mode: str, device: torch.device) -> tuple[torch.dtype | No
 
 def build_optimizer(cfg: OptimizerConfig, params) -> torch.optim.Optimizer:
     if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay
+        )
     if cfg.name == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if cfg.name == "adamw":
@@ -109,7 +111,11 @@ def train_step(
         is_last = index == num_micro - 1
         sync_context = model.no_sync() if (not is_last and hasattr(model, "no_sync")) else contextlib.nullcontext()
         with sync_context:
-            with torch.autocast(device_type=inputs.device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            with torch.autocast(
+                device_type=inputs.device.type,
+                dtype=autocast_dtype or torch.float32,
+                enabled=autocast_dtype is not None,
+            ):
                 logits = model(inputs)
                 loss = F.cross_entropy(logits, targets)
             scaler.scale(loss / num_micro).backward()
@@ -121,7 +127,9 @@ def train_step(
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss=loss_sum / num_micro, num_correct=num_correct, num_samples=num_samples, grad_norm=grad_norm.detach())
+    return StepResult(
+        loss=loss_sum / num_micro, num_correct=num_correct, num_samples=num_samples, grad_norm=grad_norm.detach()
+    )
 
 
 class Normalizer:
@@ -163,7 +171,15 @@ class EvalSums:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, *, normalize: Normalizer, num_classes: int, autocast_dtype: torch.dtype | None = None, all_reduce: bool = False) -> EvalSums:
+def evaluate(
+    model: nn.Module,
+    batches,
+    *,
+    normalize: Normalizer,
+    num_classes: int,
+    autocast_dtype: torch.dtype | None = None,
+    all_reduce: bool = False,
+) -> EvalSums:
     """Loss, top-1/top-5 and confusion over ``batches``; ``all_reduce`` sums the totals over all ranks."""
     bare = getattr(model, "module", model)  # no DDP forward: ranks may hold different numbers of batches
     was_training = bare.training
@@ -174,16 +190,20 @@ def evaluate(model: nn.Module, batches, *, normalize: Normalizer, num_classes: i
     k = min(5, num_classes)
     for images, labels in batches:
         x, y = normalize(images, labels)
-        with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        with torch.autocast(
+            device_type=device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None
+        ):
             logits = bare(x)
         logits = logits.float()
         top = logits.topk(k, dim=1).indices
-        totals += torch.stack([
-            F.cross_entropy(logits, y, reduction="sum").double(),
-            (top[:, 0] == y).sum().double(),
-            (top == y[:, None]).any(dim=1).sum().double(),
-            torch.tensor(float(len(y)), dtype=torch.float64, device=device),
-        ])
+        totals += torch.stack(
+            [
+                F.cross_entropy(logits, y, reduction="sum").double(),
+                (top[:, 0] == y).sum().double(),
+                (top == y[:, None]).any(dim=1).sum().double(),
+                torch.tensor(float(len(y)), dtype=torch.float64, device=device),
+            ]
+        )
         confusion += torch.bincount(y * num_classes + top[:, 0], minlength=num_classes * num_classes)
     if all_reduce and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(totals)
@@ -191,7 +211,10 @@ def evaluate(model: nn.Module, batches, *, normalize: Normalizer, num_classes: i
     bare.train(was_training)
     t = totals.tolist()
     return EvalSums(
-        loss_sum=t[0], num_correct_top1=int(t[1]), num_correct_top5=int(t[2]), num_samples=int(t[3]),
+        loss_sum=t[0],
+        num_correct_top1=int(t[1]),
+        num_correct_top5=int(t[2]),
+        num_samples=int(t[3]),
         confusion=confusion.view(num_classes, num_classes).cpu().numpy(),
     )
 
@@ -372,7 +395,9 @@ def run_worker(loop_config: dict[str, Any], runtime: WorkerRuntime) -> None:
     if hasattr(model, "register_comm_hook"):
         comm_timer.install(model)
     optimizer = build_optimizer(cfg.optimizer, model.parameters())
-    steps_per_epoch = manifest.steps_per_epoch(world_size=world_size, batch_size=cfg.loop.batch_size, grad_accum_steps=cfg.loop.grad_accum_steps)
+    steps_per_epoch = manifest.steps_per_epoch(
+        world_size=world_size, batch_size=cfg.loop.batch_size, grad_accum_steps=cfg.loop.grad_accum_steps
+    )
     total_steps = steps_per_epoch * cfg.loop.epochs
     if cfg.loop.max_steps:
         total_steps = min(total_steps, cfg.loop.max_steps)
@@ -385,9 +410,13 @@ def run_worker(loop_config: dict[str, Any], runtime: WorkerRuntime) -> None:
 
     mlflow_info = loop_config.get("mlflow") or {}
     telemetry = build_telemetry(
-        cfg.observability, scaling=cfg.scaling, world_size=world_size,
+        cfg.observability,
+        scaling=cfg.scaling,
+        world_size=world_size,
         labels=JobLabels(**loop_config.get("job_labels", {}), rank=str(rank), model=cfg.model.name),
-        system_sink=MlflowSink(tracking_uri=mlflow_info["tracking_uri"], run_id=mlflow_info["run_id"]) if rank == 0 and mlflow_info else None,
+        system_sink=MlflowSink(tracking_uri=mlflow_info["tracking_uri"], run_id=mlflow_info["run_id"])
+        if rank == 0 and mlflow_info
+        else None,
     )
     finished = False
     # The telemetry threads stop, and the last push says whether training finished, however the loop ends.
@@ -395,9 +424,13 @@ def run_worker(loop_config: dict[str, Any], runtime: WorkerRuntime) -> None:
         root = loop_config["checkpoint_root"]
         storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options(root))
         checkpointer = ckpt.Checkpointer(
-            storage, keep_last=cfg.checkpoint.keep_last, keep_best=cfg.checkpoint.keep_best,
-            best_mode="max" if cfg.checkpoint.best_metric == "val_accuracy" else "min", async_save=cfg.checkpoint.async_save,
-            max_consecutive_failures=cfg.checkpoint.max_consecutive_save_failures, observer=telemetry,
+            storage,
+            keep_last=cfg.checkpoint.keep_last,
+            keep_best=cfg.checkpoint.keep_best,
+            best_mode="max" if cfg.checkpoint.best_metric == "val_accuracy" else "min",
+            async_save=cfg.checkpoint.async_save,
+            max_consecutive_failures=cfg.checkpoint.max_consecutive_save_failures,
+            observer=telemetry,
         )
         sink = build_sink(rank=rank, tracking_uri=mlflow_info.get("tracking_uri"), run_id=mlflow_info.get("run_id"))
 
@@ -427,35 +460,69 @@ def run_worker(loop_config: dict[str, Any], runtime: WorkerRuntime) -> None:
             awaiting_first_step = True
             if is_restart:  # a fine-tune from another run starts its own clock, cost and restart count
                 elapsed_before_s = meta.elapsed_s
-                telemetry.resumed(meta.telemetry, global_step=global_step, elapsed_s=elapsed_before_s, num_restarts=len(resumed_from_steps))
+                telemetry.resumed(
+                    meta.telemetry,
+                    global_step=global_step,
+                    elapsed_s=elapsed_before_s,
+                    num_restarts=len(resumed_from_steps),
+                )
             _restore_rng(rank, meta.rng, loaded.trainer.get("rng", {}))
             if rank == 0:
-                log.warning("resumed from %s: epoch %d, step %d of it, global step %d", loaded.uri, start_epoch, start_step_in_epoch, global_step)
+                log.warning(
+                    "resumed from %s: epoch %d, step %d of it, global step %d",
+                    loaded.uri,
+                    start_epoch,
+                    start_step_in_epoch,
+                    global_step,
+                )
         if start_epoch >= end_epoch:
             raise ValueError(
-                f"loop.stop_at_epoch={cfg.loop.stop_at_epoch} (loop.epochs={cfg.loop.epochs}) is not past the checkpoint's "
+                f"loop.stop_at_epoch={cfg.loop.stop_at_epoch} (loop.epochs={cfg.loop.epochs}) is not past the "
+                "checkpoint's "
                 f"epoch {start_epoch}: there is nothing to train; raise loop.stop_at_epoch"
             )
         run_clock_start = time.monotonic() - elapsed_before_s
         if loop_config.get("log_params", loaded is None):
-            sink.log_params(flatten(cfg.to_dict()) | {"world_size": world_size, "steps_per_epoch": steps_per_epoch, "device": device.type})
+            sink.log_params(
+                flatten(cfg.to_dict())
+                | {"world_size": world_size, "steps_per_epoch": steps_per_epoch, "device": device.type}
+            )
             sink.log_dict(cfg.to_dict(), "config.json")
 
-        def save_checkpoint(*, epoch: int, step_in_epoch: int, metric: float | None, mlflow_model_uri: str = "") -> None:
+        def save_checkpoint(
+            *, epoch: int, step_in_epoch: int, metric: float | None, mlflow_model_uri: str = ""
+        ) -> None:
             """Every rank calls this at the same steps (the RNG gather is a collective); rank 0 writes."""
             json_rng, torch_rng = _gather_rng_states(world_size)
             if rank != 0:
                 return
             started = time.perf_counter()
             meta = ckpt.CheckpointMeta(
-                model_name=cfg.model.name, classes=manifest.classes, input_shape=manifest.input_shape, mean=manifest.mean,
-                std=manifest.std, epoch=epoch, step_in_epoch=step_in_epoch, global_step=global_step, config=cfg.to_dict(),
-                best_metric=best_metric, metric=metric, history=history, step_log=step_log, rng=json_rng,
-                resumed_from_steps=resumed_from_steps, resume_timings=resume_timings,
-                epoch_partial=dict(partial), mlflow_run_id=mlflow_info.get("run_id", ""), mlflow_model_uri=mlflow_model_uri,
-                elapsed_s=time.monotonic() - run_clock_start, telemetry=telemetry.snapshot(),
+                model_name=cfg.model.name,
+                classes=manifest.classes,
+                input_shape=manifest.input_shape,
+                mean=manifest.mean,
+                std=manifest.std,
+                epoch=epoch,
+                step_in_epoch=step_in_epoch,
+                global_step=global_step,
+                config=cfg.to_dict(),
+                best_metric=best_metric,
+                metric=metric,
+                history=history,
+                step_log=step_log,
+                rng=json_rng,
+                resumed_from_steps=resumed_from_steps,
+                resume_timings=resume_timings,
+                epoch_partial=dict(partial),
+                mlflow_run_id=mlflow_info.get("run_id", ""),
+                mlflow_model_uri=mlflow_model_uri,
+                elapsed_s=time.monotonic() - run_clock_start,
+                telemetry=telemetry.snapshot(),
             )
-            state = checkpointer.stage(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, meta=meta, torch_rng=torch_rng)
+            state = checkpointer.stage(
+                model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, meta=meta, torch_rng=torch_rng
+            )
             checkpointer.save(global_step, state, metric=metric)
             sink.log_metrics({"checkpoint_stall_s": time.perf_counter() - started}, step=global_step)
 
@@ -472,12 +539,23 @@ def run_worker(loop_config: dict[str, Any], runtime: WorkerRuntime) -> None:
             first_step = start_step_in_epoch if epoch == start_epoch else 0
             steps_this_epoch = min(steps_per_epoch, first_step + total_steps - global_step)
             batches = train_stream.train_batches(
-                epoch=epoch, seed=cfg.loop.seed, batch_size=cfg.loop.batch_size,
-                num_batches=steps_this_epoch * cfg.loop.grad_accum_steps, start_batch=first_step * cfg.loop.grad_accum_steps,
+                epoch=epoch,
+                seed=cfg.loop.seed,
+                batch_size=cfg.loop.batch_size,
+                num_batches=steps_this_epoch * cfg.loop.grad_accum_steps,
+                start_batch=first_step * cfg.loop.grad_accum_steps,
             )
             if epoch != start_epoch:
                 partial = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0}
-            window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0, "data_s": 0.0, "comm_s": 0.0, "steps": 0}
+            window = {
+                "loss": 0.0,
+                "correct": 0.0,
+                "samples": 0.0,
+                "time_s": 0.0,
+                "data_s": 0.0,
+                "comm_s": 0.0,
+                "steps": 0,
+            }
             # A step's wall time runs from the previous step's end, so logging and all-reduces of metrics count
             # against throughput; only the epoch boundary (validation, checkpoint) is left out.
             last_step_end = time.perf_counter()
@@ -487,8 +565,12 @@ def run_worker(loop_config: dict[str, Any], runtime: WorkerRuntime) -> None:
                 data_wait_s = time.perf_counter() - step_start
                 try:
                     result = train_step(
-                        model=model, optimizer=optimizer, scaler=scaler, micro_batches=micro_batches,
-                        autocast_dtype=autocast_dtype, max_grad_norm=cfg.optimizer.max_grad_norm,
+                        model=model,
+                        optimizer=optimizer,
+                        scaler=scaler,
+                        micro_batches=micro_batches,
+                        autocast_dtype=autocast_dtype,
+                        max_grad_norm=cfg.optimizer.max_grad_norm,
                     )
                 except torch.cuda.OutOfMemoryError:
                     telemetry.gpu_oom()
@@ -517,7 +599,9 @@ def run_worker(loop_config: dict[str, Any], runtime: WorkerRuntime) -> None:
                 window["steps"] += 1
                 comm_s = comm_timer.take_step_seconds()
                 window["comm_s"] += comm_s
-                telemetry.step(duration_s=step_time_s, num_samples=result.num_samples, data_wait_s=data_wait_s, comm_s=comm_s)
+                telemetry.step(
+                    duration_s=step_time_s, num_samples=result.num_samples, data_wait_s=data_wait_s, comm_s=comm_s
+                )
                 if global_step > warmup_excluded:
                     steady_time_s += step_time_s
                     steady_steps += 1
@@ -544,16 +628,33 @@ def run_worker(loop_config: dict[str, Any], runtime: WorkerRuntime) -> None:
                     partial["correct"] += correct
                     partial["samples"] += samples
                     partial["time_s"] += window["time_s"]
-                    step_log.append({"step": float(global_step), **record, "elapsed_s": time.monotonic() - run_clock_start})
+                    step_log.append(
+                        {"step": float(global_step), **record, "elapsed_s": time.monotonic() - run_clock_start}
+                    )
                     sink.log_metrics(record, step=global_step)
                     telemetry.window(record, global_step=global_step)
-                    window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0, "data_s": 0.0, "comm_s": 0.0, "steps": 0}
+                    window = {
+                        "loss": 0.0,
+                        "correct": 0.0,
+                        "samples": 0.0,
+                        "time_s": 0.0,
+                        "data_s": 0.0,
+                        "comm_s": 0.0,
+                        "steps": 0,
+                    }
                 if save_now:
                     save_checkpoint(epoch=epoch, step_in_epoch=step_in_epoch + 1, metric=None)
                     last_step_end = time.perf_counter()  # the stall is measured on its own, not as step time
 
             _broadcast_buffers_from_rank0(model)
-            val = evaluate(model, val_stream.eval_batches(batch_size=256), normalize=normalize, num_classes=manifest.num_classes, autocast_dtype=autocast_dtype, all_reduce=True)
+            val = evaluate(
+                model,
+                val_stream.eval_batches(batch_size=256),
+                normalize=normalize,
+                num_classes=manifest.num_classes,
+                autocast_dtype=autocast_dtype,
+                all_reduce=True,
+            )
             epoch_record = {
                 "epoch": float(epoch + 1),
                 "global_step": float(global_step),
@@ -573,7 +674,9 @@ def run_worker(loop_config: dict[str, Any], runtime: WorkerRuntime) -> None:
             telemetry.validation(loss=val.loss, accuracy=val.accuracy)
             sink.log_metrics({k: v for k, v in epoch_record.items() if k.startswith("val_")}, step=global_step)
             metric = epoch_record[cfg.checkpoint.best_metric]
-            if best_metric is None or (metric > best_metric if cfg.checkpoint.best_metric == "val_accuracy" else metric < best_metric):
+            if best_metric is None or (
+                metric > best_metric if cfg.checkpoint.best_metric == "val_accuracy" else metric < best_metric
+            ):
                 best_metric = metric
             partial = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "time_s": 0.0}
             done = global_step >= total_steps or epoch == end_epoch - 1
@@ -581,7 +684,11 @@ def run_worker(loop_config: dict[str, Any], runtime: WorkerRuntime) -> None:
                 # A slice that stops before the full budget (a tuning rung) logs no model: only a trial that
                 # finishes can be registered, and logging one costs seconds per slice.
                 full_budget = global_step >= total_steps or epoch == cfg.loop.epochs - 1
-                model_uri = _log_model_to_mlflow(model, manifest, mlflow_info) if rank == 0 and mlflow_info and full_budget else ""
+                model_uri = (
+                    _log_model_to_mlflow(model, manifest, mlflow_info)
+                    if rank == 0 and mlflow_info and full_budget
+                    else ""
+                )
                 save_checkpoint(epoch=epoch + 1, step_in_epoch=0, metric=metric, mlflow_model_uri=model_uri)
             elif cfg.checkpoint.at_epoch_end or (interval and global_step % interval == 0):
                 save_checkpoint(epoch=epoch + 1, step_in_epoch=0, metric=metric)
@@ -614,11 +721,17 @@ def _log_model_to_mlflow(model: nn.Module, manifest: Manifest, mlflow_info: dict
         output = bare(torch.from_numpy(example)).numpy()
     mlflow.set_tracking_uri(mlflow_info["tracking_uri"])
     # Pinned requirements: skips MLflow's slow dependency inference, which imports the model in a subprocess.
-    requirements = [f"torch=={torch.__version__.split('+')[0]}", f"torchvision=={torchvision.__version__.split('+')[0]}"]
+    requirements = [
+        f"torch=={torch.__version__.split('+')[0]}",
+        f"torchvision=={torchvision.__version__.split('+')[0]}",
+    ]
     # The driver that created the run owns its final status; re-entering it here only attaches the model.
     with mlflow.start_run(run_id=mlflow_info["run_id"]):
         info = mlflow.pytorch.log_model(
-            bare, name="model", signature=infer_signature(example, output), input_example=example,
+            bare,
+            name="model",
+            signature=infer_signature(example, output),
+            input_example=example,
             pip_requirements=requirements,
         )
     return info.model_uri

@@ -77,7 +77,7 @@ class MlflowSink:
         items = [Param(key, str(value)[:6000]) for key, value in params.items()]
         # The backend caps params per request; send them in slices.
         for start in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[start:start + 100])
+            self.client.log_batch(self.run_id, params=items[start : start + 100])
 
     def log_dict(self, payload: Mapping[str, Any], name: str) -> None:
         self.client.log_dict(self.run_id, dict(payload), name)

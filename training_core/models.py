@@ -24,8 +24,10 @@ class SmallCNN(nn.Module):
     def __init__(self, *, in_channels: int, num_classes: int, width: int = 32) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, width, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(in_channels, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(),
             nn.AdaptiveAvgPool2d(4),
         )
         self.head = nn.Linear(2 * width * 16, num_classes)
@@ -57,7 +59,12 @@ def _vit_b_16(*, in_channels: int, num_classes: int, side: int) -> nn.Module:
     while patch > 1 and (side % patch or side // patch < 4):
         patch //= 2
     model = VisionTransformer(
-        image_size=side, patch_size=patch, num_layers=12, num_heads=12, hidden_dim=768, mlp_dim=3072,
+        image_size=side,
+        patch_size=patch,
+        num_layers=12,
+        num_heads=12,
+        hidden_dim=768,
+        mlp_dim=3072,
         num_classes=num_classes,
     )
     if in_channels != 3:

@@ -67,7 +67,9 @@ def _params(space: list[ParamSpec], tune_config: dict[str, Any]) -> dict[str, st
     from training_core.tuning import _format
 
     return {
-        spec.path: str(tune_config[_key(spec.path)]) if spec.kind == "choice" else _format(float(tune_config[_key(spec.path)]), spec)
+        spec.path: str(tune_config[_key(spec.path)])
+        if spec.kind == "choice"
+        else _format(float(tune_config[_key(spec.path)]), spec)
         for spec in space
     }
 
@@ -111,28 +113,42 @@ def _trial_driver(tune_config: dict[str, Any]) -> None:
     attempt = uuid.uuid4().hex[:8]
     while epoch < trial_cfg.loop.epochs:
         stop = min(trial_cfg.loop.epochs, epoch + step)
-        slice_cfg = TrainingConfig.from_dict({**trial_cfg.to_dict(), "loop": {**trial_cfg.to_dict()["loop"], "stop_at_epoch": stop}})
+        slice_cfg = TrainingConfig.from_dict(
+            {**trial_cfg.to_dict(), "loop": {**trial_cfg.to_dict()["loop"], "stop_at_epoch": stop}}
+        )
         with tempfile.TemporaryDirectory() as local:
             result = fit(
-                slice_cfg, data_dir=tune_config["data_dir"], checkpoint_dir=os.path.join(local, "final"),
-                run_name=f"{tune_config['run_name']}-{trial_id}-{attempt}-e{stop}", storage_path=tune_config["storage_path"],
-                mlflow_run=MlflowRun(tracking_uri=tracking_uri, run_id=run_id), resume_from=resume_from,
+                slice_cfg,
+                data_dir=tune_config["data_dir"],
+                checkpoint_dir=os.path.join(local, "final"),
+                run_name=f"{tune_config['run_name']}-{trial_id}-{attempt}-e{stop}",
+                storage_path=tune_config["storage_path"],
+                mlflow_run=MlflowRun(tracking_uri=tracking_uri, run_id=run_id),
+                resume_from=resume_from,
                 log_params=log_params,
             )
         log_params, resume_from, trained = False, result.checkpoint_uri, stop - epoch
         epoch = stop
         metrics = {
-            cfg.metric: float(result.metrics[cfg.metric]), "epoch": epoch, "slice_epochs": trained,
-            "checkpoint_uri": result.checkpoint_uri, "mlflow_run_id": run_id,
+            cfg.metric: float(result.metrics[cfg.metric]),
+            "epoch": epoch,
+            "slice_epochs": trained,
+            "checkpoint_uri": result.checkpoint_uri,
+            "mlflow_run_id": run_id,
         }
         with tempfile.TemporaryDirectory() as directory:
             with open(os.path.join(directory, POINTER_FILE), "w", encoding="utf-8") as f:
-                json.dump({"uri": result.checkpoint_uri, "epoch": epoch, "mlflow_run_id": run_id, "tune_trial_id": trial_id}, f)
+                json.dump(
+                    {"uri": result.checkpoint_uri, "epoch": epoch, "mlflow_run_id": run_id, "tune_trial_id": trial_id},
+                    f,
+                )
             tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(directory))
     tracking.finish_run(tracking_uri, run_id)
 
 
-def run_search(cfg: TuningConfig, *, data_dir: str, storage_path: str, run_name: str, parent_run_id: str) -> list[TrialOutcome]:
+def run_search(
+    cfg: TuningConfig, *, data_dir: str, storage_path: str, run_name: str, parent_run_id: str
+) -> list[TrialOutcome]:
     """Run the whole search with Ray Tune on the connected Ray cluster; one outcome per trial."""
     import ray
     from ray import tune
@@ -144,7 +160,10 @@ def run_search(cfg: TuningConfig, *, data_dir: str, storage_path: str, run_name:
         from ray.tune.schedulers import ASHAScheduler
 
         scheduler = ASHAScheduler(
-            time_attr="epoch", max_t=cfg.base.loop.epochs, grace_period=cfg.asha.min_epochs, reduction_factor=cfg.asha.eta,
+            time_attr="epoch",
+            max_t=cfg.base.loop.epochs,
+            grace_period=cfg.asha.min_epochs,
+            reduction_factor=cfg.asha.eta,
         )
     elif cfg.algorithm == "pbt":
         from ray.tune.schedulers import PopulationBasedTraining
@@ -152,9 +171,11 @@ def run_search(cfg: TuningConfig, *, data_dir: str, storage_path: str, run_name:
         numeric = [s for s in cfg.search_space if s.numeric]
         factors = sorted(cfg.pbt.perturbation_factors)
         scheduler = PopulationBasedTraining(
-            time_attr="epoch", perturbation_interval=cfg.pbt.interval_epochs,
+            time_attr="epoch",
+            perturbation_interval=cfg.pbt.interval_epochs,
             hyperparam_mutations={_key(s.path): tune_space([s])[_key(s.path)] for s in numeric},
-            quantile_fraction=cfg.pbt.quantile, resample_probability=cfg.pbt.resample_probability,
+            quantile_fraction=cfg.pbt.quantile,
+            resample_probability=cfg.pbt.resample_probability,
             perturbation_factors=(factors[-1], factors[0]),
         )
     if cfg.algorithm == "bayesian":
@@ -167,18 +188,28 @@ def run_search(cfg: TuningConfig, *, data_dir: str, storage_path: str, run_name:
 
         search_alg = BasicVariantGenerator(random_state=cfg.seed, max_concurrent=cfg.max_concurrency)
     param_space = {
-        **tune_space(cfg.search_space), "tuning": cfg.to_dict(), "data_dir": data_dir, "storage_path": storage_path,
-        "run_name": run_name, "parent_run_id": parent_run_id,
+        **tune_space(cfg.search_space),
+        "tuning": cfg.to_dict(),
+        "data_dir": data_dir,
+        "storage_path": storage_path,
+        "run_name": run_name,
+        "parent_run_id": parent_run_id,
     }
     tuner = tune.Tuner(
         # The driver only coordinates: its Ray Train workers hold the CPUs (and GPUs) of the trial.
         tune.with_resources(_trial_driver, {"CPU": 0.001}),
         param_space=param_space,
         tune_config=tune.TuneConfig(
-            metric=cfg.metric, mode=cfg.mode, num_samples=cfg.num_trials, scheduler=scheduler, search_alg=search_alg,
+            metric=cfg.metric,
+            mode=cfg.mode,
+            num_samples=cfg.num_trials,
+            scheduler=scheduler,
+            search_alg=search_alg,
             max_concurrent_trials=cfg.max_concurrency,
         ),
-        run_config=tune.RunConfig(name=run_name, storage_path=storage_path, failure_config=tune.FailureConfig(max_failures=1)),
+        run_config=tune.RunConfig(
+            name=run_name, storage_path=storage_path, failure_config=tune.FailureConfig(max_failures=1)
+        ),
     )
     grid = tuner.fit()
     outcomes = []
@@ -187,12 +218,18 @@ def run_search(cfg: TuningConfig, *, data_dir: str, storage_path: str, run_name:
         rows = [] if frame is None or frame.empty else frame.to_dict("records")
         last = rows[-1] if rows else {}
         epochs_trained = int(last.get("epoch", 0))
-        outcomes.append(TrialOutcome(
-            trial_id=index, params=_params(cfg.search_space, result.config),
-            scores=[float(r[cfg.metric]) for r in rows], score_epochs=[int(r["epoch"]) for r in rows],
-            epochs_trained=epochs_trained, epochs_used=int(sum(r["slice_epochs"] for r in rows)),
-            checkpoint_uri=str(last.get("checkpoint_uri", "")), mlflow_run_id=str(last.get("mlflow_run_id", "")),
-            status="done" if epochs_trained >= cfg.base.loop.epochs else "stopped",
-            error=repr(result.error) if result.error else "",
-        ))
+        outcomes.append(
+            TrialOutcome(
+                trial_id=index,
+                params=_params(cfg.search_space, result.config),
+                scores=[float(r[cfg.metric]) for r in rows],
+                score_epochs=[int(r["epoch"]) for r in rows],
+                epochs_trained=epochs_trained,
+                epochs_used=int(sum(r["slice_epochs"] for r in rows)),
+                checkpoint_uri=str(last.get("checkpoint_uri", "")),
+                mlflow_run_id=str(last.get("mlflow_run_id", "")),
+                status="done" if epochs_trained >= cfg.base.loop.epochs else "stopped",
+                error=repr(result.error) if result.error else "",
+            )
+        )
     return outcomes

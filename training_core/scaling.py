@@ -28,9 +28,18 @@ LAUNCHERS = ("ray", "torch")
 DEFAULT_WORKER_COUNTS = (1, 2)
 
 TABLE_COLUMNS = (
-    "model", "num_workers",
-    "ray_samples_per_s", "ray_efficiency", "ray_step_time_p50_s", "ray_step_time_p95_s", "ray_allreduce_fraction",
-    "torch_samples_per_s", "torch_efficiency", "torch_step_time_p50_s", "torch_step_time_p95_s", "torch_allreduce_fraction",
+    "model",
+    "num_workers",
+    "ray_samples_per_s",
+    "ray_efficiency",
+    "ray_step_time_p50_s",
+    "ray_step_time_p95_s",
+    "ray_allreduce_fraction",
+    "torch_samples_per_s",
+    "torch_efficiency",
+    "torch_step_time_p50_s",
+    "torch_step_time_p95_s",
+    "torch_allreduce_fraction",
     "parity",
 )
 
@@ -44,16 +53,23 @@ def scaling_preset() -> TrainingConfig:
     over 1, 2, 4 or 8 workers; every worker count runs the same 40 optimizer steps (``loop.epochs`` is only
     a cap, high enough for 8 workers; epoch boundaries are not timed). MLflow runs go to their own experiment.
     """
-    return TrainingConfig.from_dict({
-        "data": {"dataset": "synthetic", "synthetic_num_samples": 8192, "synthetic_image_size": 32, "num_shards": 8},
-        "model": {"name": "small_cnn"},
-        "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0},
-        "schedule": {"name": "constant", "warmup_steps": 0},
-        "loop": {"epochs": 8, "batch_size": 64, "max_steps": 40, "log_interval_steps": 10},
-        "scaling": {"num_workers": 1, "cpus_per_worker": 1.0, "torch_threads_per_worker": 1},
-        "precision": {"mode": "fp32"},
-        "tracking": {"experiment_name": "scaling-benchmark"},
-    })
+    return TrainingConfig.from_dict(
+        {
+            "data": {
+                "dataset": "synthetic",
+                "synthetic_num_samples": 8192,
+                "synthetic_image_size": 32,
+                "num_shards": 8,
+            },
+            "model": {"name": "small_cnn"},
+            "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0},
+            "schedule": {"name": "constant", "warmup_steps": 0},
+            "loop": {"epochs": 8, "batch_size": 64, "max_steps": 40, "log_interval_steps": 10},
+            "scaling": {"num_workers": 1, "cpus_per_worker": 1.0, "torch_threads_per_worker": 1},
+            "precision": {"mode": "fp32"},
+            "tracking": {"experiment_name": "scaling-benchmark"},
+        }
+    )
 
 
 def check_plan(config: TrainingConfig, worker_counts: Sequence[int], models: Sequence[str]) -> list[str]:
@@ -117,7 +133,8 @@ class ScalingPoint:
             raise ValueError(f"launcher={self.launcher!r} is invalid: choose one of {', '.join(LAUNCHERS)}")
         if not self.samples_per_s > 0:
             raise ValueError(
-                f"samples_per_s={self.samples_per_s!r} of {point_name(self.launcher, model=self.model, num_workers=self.num_workers)} "
+                f"samples_per_s={self.samples_per_s!r} of "
+                f"{point_name(self.launcher, model=self.model, num_workers=self.num_workers)} "
                 "is invalid: it must be > 0; run more steps than loop warm-up excludes"
             )
 
@@ -133,10 +150,18 @@ def efficiency_table(points: Sequence[ScalingPoint]) -> "pd.DataFrame":
     for p in points:
         key = (p.model, p.num_workers, p.launcher)
         if key in by_key:
-            raise ValueError(f"points hold {point_name(p.launcher, model=p.model, num_workers=p.num_workers)} twice: measure each point once")
+            raise ValueError(
+                f"points hold {point_name(p.launcher, model=p.model, num_workers=p.num_workers)} twice: measure each "
+                "point once"
+            )
         by_key[key] = p
     cells = sorted({(model, n) for model, n, _ in by_key})
-    missing = [point_name(launcher, model=m, num_workers=n) for m, n in cells for launcher in LAUNCHERS if (m, n, launcher) not in by_key]
+    missing = [
+        point_name(launcher, model=m, num_workers=n)
+        for m, n in cells
+        for launcher in LAUNCHERS
+        if (m, n, launcher) not in by_key
+    ]
     if missing:
         raise ValueError(f"points lack {', '.join(missing)}: every worker count needs a ray and a torch run")
     rows = []

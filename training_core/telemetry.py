@@ -150,7 +150,9 @@ class NvmlGpus:
         else:
             entries = [e.strip() for e in visible.split(",") if e.strip() and e.strip() != "-1"]
             handles = [
-                nvml.nvmlDeviceGetHandleByUUID(e) if e.startswith(("GPU-", "MIG-")) else nvml.nvmlDeviceGetHandleByIndex(int(e))
+                nvml.nvmlDeviceGetHandleByUUID(e)
+                if e.startswith(("GPU-", "MIG-"))
+                else nvml.nvmlDeviceGetHandleByIndex(int(e))
                 for e in entries
             ]
         return {str(nvml.nvmlDeviceGetIndex(h)): h for h in handles}
@@ -269,7 +271,8 @@ class HostSampler:
         net, disk = self._net(), self._disk()
         return HostReading(
             cpu_utilization_ratio=self.psutil.cpu_percent(interval=None) / 100.0,
-            memory_used_bytes=float(memory.used), memory_total_bytes=float(memory.total),
+            memory_used_bytes=float(memory.used),
+            memory_total_bytes=float(memory.total),
             network_received_bytes=max(0.0, net[0] - self._start_net[0]),
             network_transmitted_bytes=max(0.0, net[1] - self._start_net[1]),
             disk_read_bytes=max(0.0, disk[0] - self._start_disk[0]),
@@ -294,12 +297,17 @@ class JobCost:
     def summary(self) -> dict[str, float]:
         """The ``cost`` entry of the checkpoint's ``meta.telemetry`` (what the Deck shows)."""
         return {
-            "gpu_hours": self.gpu_seconds / 3600, "cpu_hours": self.cpu_seconds / 3600, "cost_usd": self.cost_usd,
-            "gpu_hour_usd": self.gpu_hour_usd, "cpu_hour_usd": self.cpu_hour_usd,
+            "gpu_hours": self.gpu_seconds / 3600,
+            "cpu_hours": self.cpu_seconds / 3600,
+            "cost_usd": self.cost_usd,
+            "gpu_hour_usd": self.gpu_hour_usd,
+            "cpu_hour_usd": self.cpu_hour_usd,
         }
 
 
-def job_cost(scaling: ScalingConfig, prices: ObservabilityConfig, *, wall_s: float, prior: Mapping[str, float] | None = None) -> JobCost:
+def job_cost(
+    scaling: ScalingConfig, prices: ObservabilityConfig, *, wall_s: float, prior: Mapping[str, float] | None = None
+) -> JobCost:
     """What the job's workers held over ``wall_s`` seconds, plus ``prior`` (the ``cost`` summary of earlier
     attempts and restarts): world size x GPUs (or CPUs) per worker x wall time, at the configured prices."""
     prior = prior or {}
@@ -308,7 +316,8 @@ def job_cost(scaling: ScalingConfig, prices: ObservabilityConfig, *, wall_s: flo
     return JobCost(
         gpu_seconds=float(prior.get("gpu_hours", 0.0)) * 3600 + gpus * wall_s,
         cpu_seconds=float(prior.get("cpu_hours", 0.0)) * 3600 + cpus * wall_s,
-        gpu_hour_usd=prices.gpu_hour_usd, cpu_hour_usd=prices.cpu_hour_usd,
+        gpu_hour_usd=prices.gpu_hour_usd,
+        cpu_hour_usd=prices.cpu_hour_usd,
     )
 
 
@@ -392,13 +401,17 @@ def mlflow_system_metrics(host: HostReading | None, gpus: list[GpuReading]) -> d
     the run's System Metrics tab next to what MLflow's monitor would log."""
     metrics: dict[str, float] = {}
     if host is not None:
-        metrics.update({
-            "system/cpu_utilization_percentage": host.cpu_utilization_ratio * 100,
-            "system/system_memory_usage_megabytes": host.memory_used_bytes / 1e6,
-            "system/system_memory_usage_percentage": host.memory_used_bytes / host.memory_total_bytes * 100 if host.memory_total_bytes else 0.0,
-            "system/network_receive_megabytes": host.network_received_bytes / 1e6,
-            "system/network_transmit_megabytes": host.network_transmitted_bytes / 1e6,
-        })
+        metrics.update(
+            {
+                "system/cpu_utilization_percentage": host.cpu_utilization_ratio * 100,
+                "system/system_memory_usage_megabytes": host.memory_used_bytes / 1e6,
+                "system/system_memory_usage_percentage": host.memory_used_bytes / host.memory_total_bytes * 100
+                if host.memory_total_bytes
+                else 0.0,
+                "system/network_receive_megabytes": host.network_received_bytes / 1e6,
+                "system/network_transmit_megabytes": host.network_transmitted_bytes / 1e6,
+            }
+        )
     for gpu in gpus:
         prefix = f"system/gpu_{gpu.gpu}_"
         if gpu.utilization_ratio is not None:
@@ -438,8 +451,14 @@ class PrometheusTelemetry:
     the sampler thread all record into it."""
 
     def __init__(
-        self, cfg: ObservabilityConfig, *, scaling: ScalingConfig, labels: JobLabels, world_size: int,
-        system_sink: SystemMetricsSink | None = None, start_threads: bool = True,
+        self,
+        cfg: ObservabilityConfig,
+        *,
+        scaling: ScalingConfig,
+        labels: JobLabels,
+        world_size: int,
+        system_sink: SystemMetricsSink | None = None,
+        start_threads: bool = True,
     ) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -453,7 +472,10 @@ class PrometheusTelemetry:
         kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
         self._families: dict[str, Any] = {}
         for spec in METRICS:
-            kwargs: dict[str, Any] = {"registry": self._metrics_registry, "labelnames": (*JOB_LABELS, *spec.extra_labels)}
+            kwargs: dict[str, Any] = {
+                "registry": self._metrics_registry,
+                "labelnames": (*JOB_LABELS, *spec.extra_labels),
+            }
             if spec.kind == "histogram":
                 kwargs["buckets"] = spec.buckets
             # prometheus_client appends "_total" to counters itself.
@@ -590,13 +612,17 @@ class PrometheusTelemetry:
         with self._lock:
             self._report_cost(self._cost())
             elapsed_s = self._elapsed_offset_s + time.monotonic() - self._started
-            self.timeline.add({
-                "elapsed_s": elapsed_s,
-                "cpu_utilization": host.cpu_utilization_ratio if host else 0.0,
-                "memory_used_bytes": host.memory_used_bytes if host else 0.0,
-                "gpu_utilization": {g.gpu: g.utilization_ratio for g in gpus if g.utilization_ratio is not None},
-                "gpu_memory_used_bytes": {g.gpu: g.memory_used_bytes for g in gpus if g.memory_used_bytes is not None},
-            })
+            self.timeline.add(
+                {
+                    "elapsed_s": elapsed_s,
+                    "cpu_utilization": host.cpu_utilization_ratio if host else 0.0,
+                    "memory_used_bytes": host.memory_used_bytes if host else 0.0,
+                    "gpu_utilization": {g.gpu: g.utilization_ratio for g in gpus if g.utilization_ratio is not None},
+                    "gpu_memory_used_bytes": {
+                        g.gpu: g.memory_used_bytes for g in gpus if g.memory_used_bytes is not None
+                    },
+                }
+            )
             self._sample_index += 1
             step = self._sample_index
         if self.system_sink is not None and self.cfg.mlflow_system_metrics:
@@ -648,8 +674,11 @@ class PrometheusTelemetry:
         self._m["training_last_push_timestamp_seconds"].set(time.time())
         try:
             push_to_gateway(
-                self.cfg.pushgateway_url, job=PUSHGATEWAY_JOB, registry=self.registry,
-                grouping_key=self.labels.grouping_key(), timeout=self.cfg.push_timeout_s,
+                self.cfg.pushgateway_url,
+                job=PUSHGATEWAY_JOB,
+                registry=self.registry,
+                grouping_key=self.labels.grouping_key(),
+                timeout=self.cfg.push_timeout_s,
             )
         except Exception as exc:  # noqa: BLE001 - URLError, HTTP errors, timeouts: metrics never fail training
             self._push_failures += 1
@@ -657,7 +686,9 @@ class PrometheusTelemetry:
             if now - self._last_push_warning >= PUSH_WARNING_INTERVAL_S:
                 log.warning(
                     "pushing metrics to %s failed (%d failure(s) since the last warning): %s; training goes on",
-                    self.cfg.pushgateway_url, self._push_failures, exc,
+                    self.cfg.pushgateway_url,
+                    self._push_failures,
+                    exc,
                 )
                 self._last_push_warning, self._push_failures = now, 0
             return False
@@ -669,7 +700,9 @@ class PrometheusTelemetry:
         try:
             self._http_server, _ = start_http_server(port, registry=self.registry)
         except OSError as exc:
-            log.warning("observability.http_port: cannot serve metrics on port %d (%s); they are only pushed", port, exc)
+            log.warning(
+                "observability.http_port: cannot serve metrics on port %d (%s); they are only pushed", port, exc
+            )
         else:
             log.info("serving metrics on http://0.0.0.0:%d/metrics", port)
 
@@ -708,7 +741,11 @@ class PrometheusTelemetry:
             summary = self._cost_reported.summary()
             try:
                 self.system_sink.log_metrics(
-                    {"cost_usd": summary["cost_usd"], "gpu_hours": summary["gpu_hours"], "cpu_hours": summary["cpu_hours"]},
+                    {
+                        "cost_usd": summary["cost_usd"],
+                        "gpu_hours": summary["gpu_hours"],
+                        "cpu_hours": summary["cpu_hours"],
+                    },
                     step=self._global_step,
                 )
             except Exception as exc:  # noqa: BLE001
@@ -722,7 +759,11 @@ class PrometheusTelemetry:
 
 
 def build_telemetry(
-    cfg: ObservabilityConfig, *, scaling: ScalingConfig, labels: JobLabels, world_size: int,
+    cfg: ObservabilityConfig,
+    *,
+    scaling: ScalingConfig,
+    labels: JobLabels,
+    world_size: int,
     system_sink: SystemMetricsSink | None = None,
 ) -> Telemetry:
     """The exporter of this rank, or a :class:`NullTelemetry` when ``cfg.enabled`` is false."""

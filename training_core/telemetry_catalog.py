@@ -47,52 +47,130 @@ class MetricSpec:
 
 METRICS: tuple[MetricSpec, ...] = (
     # --- training progress (the loop) ---
-    MetricSpec("training_step_duration_seconds", "histogram", "Wall time of one optimizer step, from the previous step's end.", buckets=STEP_DURATION_BUCKETS_S),
-    MetricSpec("training_steps_total", "counter", "Optimizer steps taken by this rank in this job (resumed runs continue the count)."),
+    MetricSpec(
+        "training_step_duration_seconds",
+        "histogram",
+        "Wall time of one optimizer step, from the previous step's end.",
+        buckets=STEP_DURATION_BUCKETS_S,
+    ),
+    MetricSpec(
+        "training_steps_total",
+        "counter",
+        "Optimizer steps taken by this rank in this job (resumed runs continue the count).",
+    ),
     MetricSpec("training_samples_total", "counter", "Training samples processed by this rank."),
-    MetricSpec("training_samples_per_second", "gauge", "Global training throughput over the last log window (all ranks)."),
-    MetricSpec("training_loss", "gauge", "Mean loss: the last log window (split=train) or the last validation (split=val).", ("split",)),
-    MetricSpec("training_accuracy", "gauge", "Top-1 accuracy as a ratio: the last log window (split=train) or validation (split=val).", ("split",)),
+    MetricSpec(
+        "training_samples_per_second", "gauge", "Global training throughput over the last log window (all ranks)."
+    ),
+    MetricSpec(
+        "training_loss",
+        "gauge",
+        "Mean loss: the last log window (split=train) or the last validation (split=val).",
+        ("split",),
+    ),
+    MetricSpec(
+        "training_accuracy",
+        "gauge",
+        "Top-1 accuracy as a ratio: the last log window (split=train) or validation (split=val).",
+        ("split",),
+    ),
     MetricSpec("training_learning_rate", "gauge", "Learning rate of the last optimizer step."),
     MetricSpec("training_grad_norm", "gauge", "Global gradient L2 norm of the last optimizer step, before clipping."),
     MetricSpec("training_data_wait_seconds_total", "counter", "Seconds this rank waited for input batches."),
-    MetricSpec("training_communication_seconds_total", "counter", "Seconds DDP gradient all-reduces were in flight on this rank."),
-    MetricSpec("training_communication_ratio", "gauge", "Share of step time spent in gradient all-reduce over the last log window."),
-    MetricSpec("training_data_wait_ratio", "gauge", "Share of step time spent waiting for input over the last log window."),
+    MetricSpec(
+        "training_communication_seconds_total",
+        "counter",
+        "Seconds DDP gradient all-reduces were in flight on this rank.",
+    ),
+    MetricSpec(
+        "training_communication_ratio",
+        "gauge",
+        "Share of step time spent in gradient all-reduce over the last log window.",
+    ),
+    MetricSpec(
+        "training_data_wait_ratio", "gauge", "Share of step time spent waiting for input over the last log window."
+    ),
     MetricSpec("training_epoch", "gauge", "Current epoch (0-based) of the run."),
     MetricSpec("training_global_step", "gauge", "Optimizer steps taken by the run so far, across restarts."),
-    MetricSpec("training_last_step_timestamp_seconds", "gauge", "Unix time of this rank's last logged step; its start time until the first, so a hang before any step still shows."),
-    MetricSpec("training_last_push_timestamp_seconds", "gauge", "Unix time of this rank's latest push or scrape; stale while the rank is gone."),
+    MetricSpec(
+        "training_last_step_timestamp_seconds",
+        "gauge",
+        "Unix time of this rank's last logged step; its start time until the first, so a hang before any step still "
+        "shows.",
+    ),
+    MetricSpec(
+        "training_last_push_timestamp_seconds",
+        "gauge",
+        "Unix time of this rank's latest push or scrape; stale while the rank is gone.",
+    ),
     MetricSpec("training_run_finished", "gauge", "1 once this rank's training loop has returned, else 0."),
-    MetricSpec("training_worker_restarts_total", "counter", "Times the run resumed from a checkpoint after its workers restarted."),
+    MetricSpec(
+        "training_worker_restarts_total",
+        "counter",
+        "Times the run resumed from a checkpoint after its workers restarted.",
+    ),
     MetricSpec("training_gpu_oom_total", "counter", "CUDA out-of-memory errors raised in this rank's training step."),
     MetricSpec("training_world_size", "gauge", "Number of ranks in the process group."),
     # --- checkpoints (rank 0 writes) ---
-    MetricSpec("training_checkpoint_save_duration_seconds", "histogram", "Time to stage and write one checkpoint.", buckets=CHECKPOINT_DURATION_BUCKETS_S),
+    MetricSpec(
+        "training_checkpoint_save_duration_seconds",
+        "histogram",
+        "Time to stage and write one checkpoint.",
+        buckets=CHECKPOINT_DURATION_BUCKETS_S,
+    ),
     MetricSpec("training_checkpoint_saves_total", "counter", "Checkpoints written successfully."),
     MetricSpec("training_checkpoint_save_failures_total", "counter", "Checkpoint writes that failed."),
     MetricSpec("training_checkpoint_written_bytes_total", "counter", "Bytes of checkpoints written."),
     # --- GPUs (NVML; absent on a machine without a GPU) ---
     MetricSpec("training_gpus", "gauge", "GPUs this rank can see through NVML (0 without a GPU)."),
-    MetricSpec("training_gpu_utilization_ratio", "gauge", "GPU compute utilisation over NVML's sample period, 0-1.", ("gpu",)),
+    MetricSpec(
+        "training_gpu_utilization_ratio", "gauge", "GPU compute utilisation over NVML's sample period, 0-1.", ("gpu",)
+    ),
     MetricSpec("training_gpu_memory_used_bytes", "gauge", "GPU memory in use.", ("gpu",)),
     MetricSpec("training_gpu_memory_total_bytes", "gauge", "GPU memory installed.", ("gpu",)),
     MetricSpec("training_gpu_temperature_celsius", "gauge", "GPU core temperature.", ("gpu",)),
     MetricSpec("training_gpu_power_watts", "gauge", "GPU power draw.", ("gpu",)),
-    MetricSpec("training_gpu_throttled", "gauge", "1 while NVML reports the clock-throttle reason active, else 0.", ("gpu", "reason")),
+    MetricSpec(
+        "training_gpu_throttled",
+        "gauge",
+        "1 while NVML reports the clock-throttle reason active, else 0.",
+        ("gpu", "reason"),
+    ),
     MetricSpec("training_gpu_xid_errors_total", "counter", "Critical XID errors NVML reported for the GPU.", ("gpu",)),
     # --- host (psutil) ---
-    MetricSpec("training_host_cpu_utilization_ratio", "gauge", "Host CPU utilisation over the last sample period, 0-1."),
+    MetricSpec(
+        "training_host_cpu_utilization_ratio", "gauge", "Host CPU utilisation over the last sample period, 0-1."
+    ),
     MetricSpec("training_host_memory_used_bytes", "gauge", "Host memory in use."),
     MetricSpec("training_host_memory_total_bytes", "gauge", "Host memory installed."),
-    MetricSpec("training_host_network_received_bytes_total", "counter", "Bytes received on all host interfaces since this rank started."),
-    MetricSpec("training_host_network_transmitted_bytes_total", "counter", "Bytes sent on all host interfaces since this rank started."),
+    MetricSpec(
+        "training_host_network_received_bytes_total",
+        "counter",
+        "Bytes received on all host interfaces since this rank started.",
+    ),
+    MetricSpec(
+        "training_host_network_transmitted_bytes_total",
+        "counter",
+        "Bytes sent on all host interfaces since this rank started.",
+    ),
     MetricSpec("training_host_disk_read_bytes_total", "counter", "Bytes read from host disks since this rank started."),
-    MetricSpec("training_host_disk_written_bytes_total", "counter", "Bytes written to host disks since this rank started."),
+    MetricSpec(
+        "training_host_disk_written_bytes_total", "counter", "Bytes written to host disks since this rank started."
+    ),
     # --- cost (rank 0, for the whole job: all workers, all attempts) ---
-    MetricSpec("training_job_gpu_seconds_total", "counter", "GPU-seconds the job's workers held (GPUs x wall time), all attempts."),
-    MetricSpec("training_job_cpu_seconds_total", "counter", "CPU-seconds the job's workers held (CPUs x wall time), all attempts."),
-    MetricSpec("training_job_cost_usd", "gauge", "Cost of the job so far: GPU-hours and CPU-hours times the configured prices."),
+    MetricSpec(
+        "training_job_gpu_seconds_total",
+        "counter",
+        "GPU-seconds the job's workers held (GPUs x wall time), all attempts.",
+    ),
+    MetricSpec(
+        "training_job_cpu_seconds_total",
+        "counter",
+        "CPU-seconds the job's workers held (CPUs x wall time), all attempts.",
+    ),
+    MetricSpec(
+        "training_job_cost_usd", "gauge", "Cost of the job so far: GPU-hours and CPU-hours times the configured prices."
+    ),
 )
 
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}

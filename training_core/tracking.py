@@ -14,7 +14,7 @@ TEST_ACCURACY_TAG = "test_accuracy"
 def resolve_tracking_uri(uri: str) -> str:
     """Make a relative sqlite or file-store URI absolute, so Ray workers (other cwd) reach the same store."""
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///"):])
+        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///") :])
     if "://" not in uri:
         return os.path.abspath(uri)
     return uri
@@ -106,7 +106,9 @@ def register_and_promote(cfg: TrackingConfig, *, model_uri: str, run_id: str, te
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(tracking_uri=uri)
     name, alias = cfg.registered_model_name, cfg.champion_alias
-    version = mlflow.register_model(model_uri, name, tags={TEST_ACCURACY_TAG: repr(test_accuracy), "mlflow_run_id": run_id})
+    version = mlflow.register_model(
+        model_uri, name, tags={TEST_ACCURACY_TAG: repr(test_accuracy), "mlflow_run_id": run_id}
+    )
     try:
         champion = client.get_model_version_by_alias(name, alias)
     except MlflowException:
@@ -129,11 +131,16 @@ def register_and_promote(cfg: TrackingConfig, *, model_uri: str, run_id: str, te
     else:
         promoted = True
         client.set_registered_model_alias(name, alias, version.version)
-        reason = (
-            f"test accuracy {test_accuracy:.4f} clears {cfg.promotion_min_accuracy} and "
-            + (f"beats version {previous_version} ({previous_accuracy:.4f})" if champion else "there was no champion yet")
+        reason = f"test accuracy {test_accuracy:.4f} clears {cfg.promotion_min_accuracy} and " + (
+            f"beats version {previous_version} ({previous_accuracy:.4f})" if champion else "there was no champion yet"
         )
     return Promotion(
-        model_name=name, version=int(version.version), alias=alias, promoted=promoted, reason=reason,
-        test_accuracy=test_accuracy, previous_champion_version=previous_version, previous_champion_accuracy=previous_accuracy,
+        model_name=name,
+        version=int(version.version),
+        alias=alias,
+        promoted=promoted,
+        reason=reason,
+        test_accuracy=test_accuracy,
+        previous_champion_version=previous_version,
+        previous_champion_accuracy=previous_accuracy,
     )

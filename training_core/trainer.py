@@ -42,7 +42,9 @@ def ray_scaling_config(cfg: TrainingConfig):
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
         resources["GPU"] = cfg.scaling.gpus_per_worker
-    return ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu, resources_per_worker=resources)
+    return ScalingConfig(
+        num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu, resources_per_worker=resources
+    )
 
 
 def checkpoint_root(storage_path: str, run_name: str) -> str:
@@ -131,18 +133,27 @@ def worker_job_labels(run_name: str, job_labels: Mapping[str, str] | None) -> di
 
 
 def worker_loop_config(
-    cfg: TrainingConfig, *, data_dir: str, root: str, run_name: str, job_labels: Mapping[str, str] | None,
+    cfg: TrainingConfig,
+    *,
+    data_dir: str,
+    root: str,
+    run_name: str,
+    job_labels: Mapping[str, str] | None,
 ) -> dict[str, Any]:
     """What every worker's loop receives. The Pushgateway URL is resolved here, on the driver, from
     ``TRAINING_PUSHGATEWAY_URL`` when the config has none: workers may not share the driver's environment."""
     cfg = dataclasses.replace(cfg, observability=cfg.observability.resolved())
     return {
-        "config": cfg.to_dict(), "data_dir": data_dir, "checkpoint_root": root,
+        "config": cfg.to_dict(),
+        "data_dir": data_dir,
+        "checkpoint_root": root,
         "job_labels": worker_job_labels(run_name, job_labels),
     }
 
 
-def collect_final(cfg: TrainingConfig, root: str, checkpoint_dir: str, *, what: str, metrics: dict[str, Any] | None = None) -> FitResult:
+def collect_final(
+    cfg: TrainingConfig, root: str, checkpoint_dir: str, *, what: str, metrics: dict[str, Any] | None = None
+) -> FitResult:
     """The newest valid checkpoint under ``root``, copied to local ``checkpoint_dir``; ``metrics`` default to
     its last epoch record."""
     storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options(root))

@@ -36,8 +36,8 @@ from training_core.config import (
     _build,
     _coerce,
     _fail,
-    merge,
     env_overrides,
+    merge,
 )
 
 ALGORITHMS = ("random", "grid", "bayesian", "asha", "pbt")
@@ -158,7 +158,9 @@ class PbtConfig:
         if self.interval_epochs < 1:
             _fail("pbt.interval_epochs", self.interval_epochs, "it must be >= 1")
         if not self.perturbation_factors or any(f <= 0 for f in self.perturbation_factors):
-            _fail("pbt.perturbation_factors", self.perturbation_factors, "give one or more factors > 0, e.g. [0.8, 1.25]")
+            _fail(
+                "pbt.perturbation_factors", self.perturbation_factors, "give one or more factors > 0, e.g. [0.8, 1.25]"
+            )
         if not 0 <= self.resample_probability <= 1:
             _fail("pbt.resample_probability", self.resample_probability, "it must be in [0, 1]")
 
@@ -219,7 +221,11 @@ class TuningConfig:
         if self.strategy not in STRATEGIES:
             _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGIES)}")
         if self.strategy == "ray_tune" and self.algorithm == "grid":
-            _fail("algorithm", self.algorithm, "strategy='ray_tune' runs random, bayesian, asha or pbt; use strategy='flyte' for grid")
+            _fail(
+                "algorithm",
+                self.algorithm,
+                "strategy='ray_tune' runs random, bayesian, asha or pbt; use strategy='flyte' for grid",
+            )
         if self.metric not in METRICS:
             _fail("metric", self.metric, f"choose one of {', '.join(METRICS)}")
         if self.num_trials < 1:
@@ -233,7 +239,11 @@ class TuningConfig:
         if sized:
             # flytekit applies a node's task_config override to the shared task object, so every trial node of
             # a round would get the RayJob shape of the last one: the cluster shape is one per search.
-            _fail("search_space.path", sized[0], "the RayJob shape is one per search: set base.scaling instead of searching it")
+            _fail(
+                "search_space.path",
+                sized[0],
+                "the RayJob shape is one per search: set base.scaling instead of searching it",
+            )
         if len(set(paths)) != len(paths):
             _fail("search_space", paths, "each path may appear once")
         for spec in self.search_space:
@@ -244,13 +254,25 @@ class TuningConfig:
                 apply_params(self.base, {spec.path: value})
         if self.algorithm == "grid" and len(grid_points(self.search_space)) > self.num_trials:
             size = len(grid_points(self.search_space))
-            _fail("num_trials", self.num_trials, f"the grid has {size} points: raise num_trials to {size} or use fewer grid_points/choices")
+            _fail(
+                "num_trials",
+                self.num_trials,
+                f"the grid has {size} points: raise num_trials to {size} or use fewer grid_points/choices",
+            )
         if self.algorithm == "asha" and self.asha.min_epochs > self.base.loop.epochs:
             _fail("asha.min_epochs", self.asha.min_epochs, f"it must be <= base.loop.epochs={self.base.loop.epochs}")
         if self.algorithm in ("asha", "pbt") and self.base.loop.max_steps:
-            _fail("base.loop.max_steps", self.base.loop.max_steps, f"{self.algorithm} budgets trials in epochs; set it to 0")
+            _fail(
+                "base.loop.max_steps",
+                self.base.loop.max_steps,
+                f"{self.algorithm} budgets trials in epochs; set it to 0",
+            )
         if self.strategy == "ray_tune" and self.algorithm == "pbt" and len(set(self.pbt.perturbation_factors)) != 2:
-            _fail("pbt.perturbation_factors", self.pbt.perturbation_factors, "Ray Tune's PBT takes exactly two factors, e.g. [0.8, 1.25]")
+            _fail(
+                "pbt.perturbation_factors",
+                self.pbt.perturbation_factors,
+                "Ray Tune's PBT takes exactly two factors, e.g. [0.8, 1.25]",
+            )
         if self.algorithm == "pbt" and self.num_trials < 2:
             _fail("num_trials", self.num_trials, "pbt needs a population of at least 2")
 
@@ -292,7 +314,9 @@ def load_tuning_config(path: str | None = None, *, environ: Mapping[str, str] | 
         if not isinstance(raw, Mapping):
             raise ValueError(f"tuning config file {path!r} must hold a mapping, got {type(raw).__name__}")
     env = os.environ if environ is None else environ
-    renamed = {"TRAINING_CORE__" + k[len(TUNING_ENV_PREFIX):]: v for k, v in env.items() if k.startswith(TUNING_ENV_PREFIX)}
+    renamed = {
+        "TRAINING_CORE__" + k[len(TUNING_ENV_PREFIX) :]: v for k, v in env.items() if k.startswith(TUNING_ENV_PREFIX)
+    }
     return TuningConfig.from_dict(merge(dict(raw), env_overrides(renamed)))
 
 
@@ -306,7 +330,9 @@ def _field_type(path: str) -> type:
         hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
         if part not in hints:
             valid = ", ".join(sorted(hints)) if hints else "(none: the path ends at a value)"
-            _fail("search_space.path", path, f"{'.'.join(parts[:i + 1])!r} is not a config field; fields here: {valid}")
+            _fail(
+                "search_space.path", path, f"{'.'.join(parts[: i + 1])!r} is not a config field; fields here: {valid}"
+            )
         node = hints[part]
     if dataclasses.is_dataclass(node):
         _fail("search_space.path", path, "it names a section; name one of its fields")
@@ -403,7 +429,9 @@ def _distributions(space: Sequence[ParamSpec]) -> dict[str, Any]:
     return out
 
 
-def suggest(cfg: TuningConfig, *, finished: Sequence[tuple[Params, float]], count: int, round_index: int) -> list[Params]:
+def suggest(
+    cfg: TuningConfig, *, finished: Sequence[tuple[Params, float]], count: int, round_index: int
+) -> list[Params]:
     """``count`` new points from Optuna's TPE, told every finished ``(params, metric)`` first.
 
     The study is rebuilt from ``finished`` on each call, so rounds that run in different processes (Flyte
@@ -414,7 +442,9 @@ def suggest(cfg: TuningConfig, *, finished: Sequence[tuple[Params, float]], coun
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     distributions = _distributions(cfg.search_space)
     sampler = optuna.samplers.TPESampler(
-        seed=cfg.seed * 1000 + round_index, n_startup_trials=bayesian_round_sizes(cfg)[0], constant_liar=True,
+        seed=cfg.seed * 1000 + round_index,
+        n_startup_trials=bayesian_round_sizes(cfg)[0],
+        constant_liar=True,
     )
     study = optuna.create_study(direction="maximize" if cfg.mode == "max" else "minimize", sampler=sampler)
     for params, value in finished:
@@ -423,7 +453,14 @@ def suggest(cfg: TuningConfig, *, finished: Sequence[tuple[Params, float]], coun
     suggestions = []
     for _ in range(count):
         trial = study.ask(distributions)
-        suggestions.append({spec.path: (str(trial.params[spec.path]) if spec.kind == "choice" else _format(trial.params[spec.path], spec)) for spec in cfg.search_space})
+        suggestions.append(
+            {
+                spec.path: (
+                    str(trial.params[spec.path]) if spec.kind == "choice" else _format(trial.params[spec.path], spec)
+                )
+                for spec in cfg.search_space
+            }
+        )
     return suggestions
 
 
@@ -488,7 +525,14 @@ def pbt_exploit(scores: Sequence[float], *, quantile: float, mode: str, rng: ran
     return {loser: rng.choice(top) for loser in bottom if loser not in top}
 
 
-def perturb(params: Params, space: Sequence[ParamSpec], *, factors: Sequence[float], resample_probability: float, rng: random.Random) -> Params:
+def perturb(
+    params: Params,
+    space: Sequence[ParamSpec],
+    *,
+    factors: Sequence[float],
+    resample_probability: float,
+    rng: random.Random,
+) -> Params:
     """PBT's explore step: numeric params are resampled (with ``resample_probability``) or multiplied by
     a random factor and clipped to their range; ``choice`` params are kept, since the copied optimizer
     state and data position belong to them."""

@@ -69,7 +69,9 @@ def workflow_around(task: PythonTask, name: str) -> Workflow:
     wrapper = Workflow(name=name)
     for input_name, python_type in task.python_interface.inputs.items():
         wrapper.add_workflow_input(input_name, python_type)
-    node = wrapper.add_entity(task, **{input_name: wrapper.inputs[input_name] for input_name in task.python_interface.inputs})
+    node = wrapper.add_entity(
+        task, **{input_name: wrapper.inputs[input_name] for input_name in task.python_interface.inputs}
+    )
     for output_name in task.python_interface.outputs:
         wrapper.add_workflow_output(output_name, node.outputs[output_name])
     return wrapper
@@ -95,7 +97,9 @@ weekly_tuning = LaunchPlan.get_or_create(
 )
 
 # On demand only: a benchmark measures the cluster when someone asks, with the task's own defaults.
-scaling_benchmark_workflow = workflow_around(scaling.scaling_benchmark, "workflows.launch_plans.scaling_benchmark_workflow")
+scaling_benchmark_workflow = workflow_around(
+    scaling.scaling_benchmark, "workflows.launch_plans.scaling_benchmark_workflow"
+)
 scaling_benchmark = LaunchPlan.get_or_create(
     scaling_benchmark_workflow,
     name="scaling_benchmark",

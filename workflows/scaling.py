@@ -58,7 +58,9 @@ def scaling_benchmark(
     for model in planned_models:
         for num_workers in worker_counts:
             point = point_config(config, model=model, num_workers=num_workers)
-            ray_metrics = ray_point(config=point, data=data).with_overrides(name=point_name("ray", model=model, num_workers=num_workers))
+            ray_metrics = ray_point(config=point, data=data).with_overrides(
+                name=point_name("ray", model=model, num_workers=num_workers)
+            )
             resources = baseline_resources(point.scaling)
             torch_metrics = torch_baseline(config=point, data=data).with_overrides(
                 name=point_name("torch", model=model, num_workers=num_workers), requests=resources, limits=resources

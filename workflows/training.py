@@ -16,7 +16,9 @@ from training_core.config import TrainingConfig
 
 
 @workflow
-def training_pipeline(config: TrainingConfig = TrainingConfig(), resume_from: Optional[FlyteDirectory] = None) -> Registration:
+def training_pipeline(
+    config: TrainingConfig = TrainingConfig(), resume_from: Optional[FlyteDirectory] = None
+) -> Registration:
     """Train, evaluate and register an image classifier.
 
     :param config: The whole run as one typed tree. ``data``: dataset (digits, synthetic, cifar10,

@@ -16,7 +16,16 @@ from tasks.data import prepare_data
 from tasks.evaluate import evaluate
 from tasks.ray_config import ray_job_config
 from tasks.register import register_model
-from tasks.tuning import SearchState, TuningResult, finish_search, plan_round, record_round, start_search, train_trial, tune_with_ray
+from tasks.tuning import (
+    SearchState,
+    TuningResult,
+    finish_search,
+    plan_round,
+    record_round,
+    start_search,
+    train_trial,
+    tune_with_ray,
+)
 from tasks.types import PreparedData, Registration
 from training_core import tuning
 from training_core.tuning import TuningConfig

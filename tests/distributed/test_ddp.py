@@ -27,7 +27,7 @@ def _rank_micro_batches(manifest: Manifest, rank: int) -> list[list[tuple[torch.
     normalize = Normalizer(manifest, torch.device("cpu"))
     batches = stream.train_batches(epoch=0, seed=0, batch_size=MICRO_BATCH, num_batches=NUM_STEPS * GRAD_ACCUM)
     tensors = [tuple(t.double() if t.is_floating_point() else t for t in normalize(*b)) for b in batches]
-    return [tensors[s * GRAD_ACCUM:(s + 1) * GRAD_ACCUM] for s in range(NUM_STEPS)]
+    return [tensors[s * GRAD_ACCUM : (s + 1) * GRAD_ACCUM] for s in range(NUM_STEPS)]
 
 
 def _fresh_model(manifest: Manifest) -> torch.nn.Module:
@@ -54,7 +54,14 @@ def _ddp_worker(config: dict) -> None:
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     seen = []
     for micro_batches in _rank_micro_batches(manifest, rank):
-        train_step(model=model, optimizer=optimizer, scaler=scaler, micro_batches=micro_batches, autocast_dtype=None, max_grad_norm=1.0)
+        train_step(
+            model=model,
+            optimizer=optimizer,
+            scaler=scaler,
+            micro_batches=micro_batches,
+            autocast_dtype=None,
+            max_grad_norm=1.0,
+        )
         for inputs, _ in micro_batches:
             seen.extend(hashlib.sha1(sample.numpy().tobytes()).hexdigest() for sample in inputs)
     out = Path(config["out_dir"])
@@ -95,7 +102,14 @@ def test_ddp_on_two_gloo_workers_equals_one_process_on_the_union_of_their_batche
         union = [mb for rank in range(WORLD_SIZE) for mb in per_rank[rank][step]]
         inputs = torch.cat([x for x, _ in union])
         targets = torch.cat([y for _, y in union])
-        train_step(model=reference, optimizer=optimizer, scaler=scaler, micro_batches=[(inputs, targets)], autocast_dtype=None, max_grad_norm=1.0)
+        train_step(
+            model=reference,
+            optimizer=optimizer,
+            scaler=scaler,
+            micro_batches=[(inputs, targets)],
+            autocast_dtype=None,
+            max_grad_norm=1.0,
+        )
 
     expected = reference.state_dict()
     for rank in range(WORLD_SIZE):
@@ -115,12 +129,20 @@ def test_fit_trains_two_workers_to_a_loadable_checkpoint(ray_session, digits_dir
     from training_core.evaluation import evaluate_checkpoint
     from training_core.trainer import fit
 
-    cfg = TrainingConfig.from_dict({
-        "model": {"name": "small_cnn"},
-        "loop": {"epochs": 2, "batch_size": 32, "grad_accum_steps": 2, "log_interval_steps": 2},
-        "schedule": {"warmup_steps": 2},
-    })
-    result = fit(cfg, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "final"), run_name="fit-smoke", storage_path=str(tmp_path / "ray"))
+    cfg = TrainingConfig.from_dict(
+        {
+            "model": {"name": "small_cnn"},
+            "loop": {"epochs": 2, "batch_size": 32, "grad_accum_steps": 2, "log_interval_steps": 2},
+            "schedule": {"warmup_steps": 2},
+        }
+    )
+    result = fit(
+        cfg,
+        data_dir=digits_dir,
+        checkpoint_dir=str(tmp_path / "final"),
+        run_name="fit-smoke",
+        storage_path=str(tmp_path / "ray"),
+    )
     steps_per_epoch = Manifest.load(digits_dir).steps_per_epoch(world_size=2, batch_size=32, grad_accum_steps=2)
     assert result.meta.global_step == 2 * steps_per_epoch
     assert [r["epoch"] for r in result.meta.history] == [1.0, 2.0]

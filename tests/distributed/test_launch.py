@@ -11,7 +11,16 @@ from training_core.data import prepare
 from training_core.launch import launch
 
 # Figures that depend on the clock; everything else in an epoch record is a function of the computation.
-TIMING_KEYS = {"samples_per_s", "steady_samples_per_s", "step_time_p50_s", "step_time_p95_s", "allreduce_fraction", "step_time_s", "data_wait_s", "elapsed_s"}
+TIMING_KEYS = {
+    "samples_per_s",
+    "steady_samples_per_s",
+    "step_time_p50_s",
+    "step_time_p95_s",
+    "allreduce_fraction",
+    "step_time_s",
+    "data_wait_s",
+    "elapsed_s",
+}
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +32,14 @@ def digits_dir(tmp_path_factory) -> str:
 
 def _config() -> TrainingConfig:
     # small_cnn has no dropout or BatchNorm, and one thread per worker keeps CPU kernels deterministic.
-    return TrainingConfig.from_dict({
-        "model": {"name": "small_cnn"},
-        "loop": {"epochs": 2, "batch_size": 16, "max_steps": 8, "log_interval_steps": 3},
-        "schedule": {"warmup_steps": 2},
-        "scaling": {"num_workers": 2, "torch_threads_per_worker": 1},
-    })
+    return TrainingConfig.from_dict(
+        {
+            "model": {"name": "small_cnn"},
+            "loop": {"epochs": 2, "batch_size": 16, "max_steps": 8, "log_interval_steps": 3},
+            "schedule": {"warmup_steps": 2},
+            "scaling": {"num_workers": 2, "torch_threads_per_worker": 1},
+        }
+    )
 
 
 def _without_timings(record: dict[str, float]) -> dict[str, float]:
@@ -39,8 +50,20 @@ def test_two_gloo_workers_without_ray_train_bit_identically_to_ray_train_fit(ray
     from training_core.trainer import fit
 
     cfg = _config()
-    plain = launch(cfg, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "plain-final"), run_name="plain", storage_path=str(tmp_path / "runs"))
-    ray = fit(cfg, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "ray-final"), run_name="ray", storage_path=str(tmp_path / "runs"))
+    plain = launch(
+        cfg,
+        data_dir=digits_dir,
+        checkpoint_dir=str(tmp_path / "plain-final"),
+        run_name="plain",
+        storage_path=str(tmp_path / "runs"),
+    )
+    ray = fit(
+        cfg,
+        data_dir=digits_dir,
+        checkpoint_dir=str(tmp_path / "ray-final"),
+        run_name="ray",
+        storage_path=str(tmp_path / "runs"),
+    )
 
     assert plain.meta.global_step == ray.meta.global_step == 8
     # The record rank 0 reported is the checkpoint's last epoch record.
@@ -67,4 +90,10 @@ def test_a_failing_rank_raises_in_the_caller_with_its_error(tmp_path):
 
     one_worker = TrainingConfig.from_dict({**_config().to_dict(), "scaling": {"num_workers": 1}})
     with pytest.raises(mp.ProcessRaisedException, match="manifest.json"):
-        launch(one_worker, data_dir=str(tmp_path / "no-data"), checkpoint_dir=str(tmp_path / "final"), run_name="broken", storage_path=str(tmp_path / "runs"))
+        launch(
+            one_worker,
+            data_dir=str(tmp_path / "no-data"),
+            checkpoint_dir=str(tmp_path / "final"),
+            run_name="broken",
+            storage_path=str(tmp_path / "runs"),
+        )

@@ -30,23 +30,39 @@ def digits_dir(tmp_path_factory) -> str:
 def _config() -> TrainingConfig:
     # 39 steps per epoch: checkpoints every 5 steps land mid-epoch, and the kill comes right after step 15.
     # No dropout or BatchNorm, so CPU results are bit-reproducible.
-    return TrainingConfig.from_dict({
-        "model": {"name": "small_cnn"},
-        "loop": {"epochs": 6, "batch_size": 16, "log_interval_steps": 5},
-        "checkpoint": {"interval_steps": INTERVAL_STEPS, "keep_last": 3, "max_worker_restarts": 2},
-    })
+    return TrainingConfig.from_dict(
+        {
+            "model": {"name": "small_cnn"},
+            "loop": {"epochs": 6, "batch_size": 16, "log_interval_steps": 5},
+            "checkpoint": {"interval_steps": INTERVAL_STEPS, "keep_last": 3, "max_worker_restarts": 2},
+        }
+    )
 
 
-def test_sigkill_of_a_worker_mid_epoch_resumes_bit_identical_losing_at_most_one_interval(ray_session, digits_dir, tmp_path):
+def test_sigkill_of_a_worker_mid_epoch_resumes_bit_identical_losing_at_most_one_interval(
+    ray_session, digits_dir, tmp_path
+):
     cfg = _config()
-    reference = fit(cfg, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "ref-final"), run_name="reference", storage_path=str(tmp_path / "ref"))
+    reference = fit(
+        cfg,
+        data_dir=digits_dir,
+        checkpoint_dir=str(tmp_path / "ref-final"),
+        run_name="reference",
+        storage_path=str(tmp_path / "ref"),
+    )
 
     storage = ckpt.CheckpointStorage(checkpoint_root(str(tmp_path / "killed"), "killed"))
     outcome: dict[str, object] = {}
 
     def run() -> None:
         try:
-            outcome["result"] = fit(cfg, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "killed-final"), run_name="killed", storage_path=str(tmp_path / "killed"))
+            outcome["result"] = fit(
+                cfg,
+                data_dir=digits_dir,
+                checkpoint_dir=str(tmp_path / "killed-final"),
+                run_name="killed",
+                storage_path=str(tmp_path / "killed"),
+            )
         except BaseException as exc:  # surfaced by the assertion below
             outcome["error"] = exc
 
@@ -88,15 +104,36 @@ def test_training_in_slices_with_stop_at_epoch_equals_one_uninterrupted_run(ray_
     """Successive halving and PBT train a trial in slices (``loop.stop_at_epoch``), each resuming from the
     previous slice's checkpoint in a new run: the LR schedule spans ``loop.epochs`` throughout, so the
     slices add up to exactly the uninterrupted run, and no step is trained twice."""
-    base = TrainingConfig.from_dict({
-        "model": {"name": "small_cnn"}, "loop": {"epochs": 3, "batch_size": 32, "log_interval_steps": 5},
-    })
-    whole = fit(base, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "whole"), run_name="whole", storage_path=str(tmp_path / "runs"))
+    base = TrainingConfig.from_dict(
+        {
+            "model": {"name": "small_cnn"},
+            "loop": {"epochs": 3, "batch_size": 32, "log_interval_steps": 5},
+        }
+    )
+    whole = fit(
+        base,
+        data_dir=digits_dir,
+        checkpoint_dir=str(tmp_path / "whole"),
+        run_name="whole",
+        storage_path=str(tmp_path / "runs"),
+    )
     first = TrainingConfig.from_dict({**base.to_dict(), "loop": {**base.to_dict()["loop"], "stop_at_epoch": 1}})
-    slice_1 = fit(first, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "s1"), run_name="slice-1", storage_path=str(tmp_path / "runs"))
+    slice_1 = fit(
+        first,
+        data_dir=digits_dir,
+        checkpoint_dir=str(tmp_path / "s1"),
+        run_name="slice-1",
+        storage_path=str(tmp_path / "runs"),
+    )
     assert slice_1.meta.epoch == 1 and slice_1.meta.global_step * 3 == whole.meta.global_step
-    slice_2 = fit(base, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "s2"), run_name="slice-2",
-                  storage_path=str(tmp_path / "runs"), resume_from=slice_1.checkpoint_dir)
+    slice_2 = fit(
+        base,
+        data_dir=digits_dir,
+        checkpoint_dir=str(tmp_path / "s2"),
+        run_name="slice-2",
+        storage_path=str(tmp_path / "runs"),
+        resume_from=slice_1.checkpoint_dir,
+    )
     assert slice_2.meta.resumed_from_steps == [slice_1.meta.global_step]
     assert slice_2.meta.global_step == whole.meta.global_step
     expected = torch.load(Path(whole.checkpoint_dir) / ckpt.MODEL_FILE, weights_only=True)
@@ -107,8 +144,14 @@ def test_training_in_slices_with_stop_at_epoch_equals_one_uninterrupted_run(ray_
 
     # A slice whose stop is not past its checkpoint has nothing to do, and says so.
     with pytest.raises(Exception, match="stop_at_epoch"):
-        fit(first, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "s3"), run_name="slice-3",
-            storage_path=str(tmp_path / "runs"), resume_from=slice_1.checkpoint_dir)
+        fit(
+            first,
+            data_dir=digits_dir,
+            checkpoint_dir=str(tmp_path / "s3"),
+            run_name="slice-3",
+            storage_path=str(tmp_path / "runs"),
+            resume_from=slice_1.checkpoint_dir,
+        )
 
 
 def test_a_resumed_slice_follows_the_configs_new_learning_rate_and_weight_decay(ray_session, digits_dir, tmp_path):
@@ -116,23 +159,40 @@ def test_a_resumed_slice_follows_the_configs_new_learning_rate_and_weight_decay(
     schedule position come from the checkpoint, the peak LR and weight decay from the new config."""
     from training_core.loop import lr_factor
 
-    base = TrainingConfig.from_dict({
-        "model": {"name": "small_cnn"}, "loop": {"epochs": 2, "batch_size": 64, "log_interval_steps": 1, "stop_at_epoch": 1},
-        "optimizer": {"lr": 0.002, "weight_decay": 0.01},
-    })
-    first = fit(base, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "s1"), run_name="pbt-1", storage_path=str(tmp_path / "runs"))
+    base = TrainingConfig.from_dict(
+        {
+            "model": {"name": "small_cnn"},
+            "loop": {"epochs": 2, "batch_size": 64, "log_interval_steps": 1, "stop_at_epoch": 1},
+            "optimizer": {"lr": 0.002, "weight_decay": 0.01},
+        }
+    )
+    first = fit(
+        base,
+        data_dir=digits_dir,
+        checkpoint_dir=str(tmp_path / "s1"),
+        run_name="pbt-1",
+        storage_path=str(tmp_path / "runs"),
+    )
     raw = base.to_dict()
     raw["optimizer"].update(lr=0.005, weight_decay=0.05)
     raw["loop"]["stop_at_epoch"] = 0
     perturbed = TrainingConfig.from_dict(raw)
-    second = fit(perturbed, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "s2"), run_name="pbt-2",
-                 storage_path=str(tmp_path / "runs"), resume_from=first.checkpoint_dir)
+    second = fit(
+        perturbed,
+        data_dir=digits_dir,
+        checkpoint_dir=str(tmp_path / "s2"),
+        run_name="pbt-2",
+        storage_path=str(tmp_path / "runs"),
+        resume_from=first.checkpoint_dir,
+    )
     total_steps = second.meta.global_step
     resumed = [r for r in second.meta.step_log if r["step"] > first.meta.global_step]
     assert resumed, "the second slice logged its steps"
     for record in resumed:
         step = int(record["step"]) - 1  # the LR a step used is set before the scheduler advances
-        assert record["lr"] == pytest.approx(0.005 * lr_factor(step, cfg=perturbed.schedule, total_steps=total_steps), rel=1e-9)
+        assert record["lr"] == pytest.approx(
+            0.005 * lr_factor(step, cfg=perturbed.schedule, total_steps=total_steps), rel=1e-9
+        )
     trainer_state = torch.load(Path(second.checkpoint_dir) / ckpt.TRAINER_STATE_FILE, weights_only=True)
     assert {g["weight_decay"] for g in trainer_state["optimizer"]["param_groups"]} == {0.05}
     assert trainer_state["scheduler"]["base_lrs"] == [0.005]

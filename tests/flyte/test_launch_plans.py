@@ -21,10 +21,16 @@ TINY_CONFIG = {
 }
 
 
-def pyflyte_run_launch_plan(name: str, *args: str, cwd: Path, env: dict[str, str], timeout_s: int = 600) -> subprocess.CompletedProcess:
+def pyflyte_run_launch_plan(
+    name: str, *args: str, cwd: Path, env: dict[str, str], timeout_s: int = 600
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(VENV_BIN / "pyflyte"), "run", LAUNCH_PLANS, name, *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
     )
 
 
@@ -35,7 +41,9 @@ def _squashed(text: str) -> str:
 
 def test_nightly_training_runs_locally_through_pyflyte_with_a_tiny_config(ray_address, tmp_path, subprocess_env):
     subprocess_env["RAY_ADDRESS"] = ray_address
-    result = pyflyte_run_launch_plan("nightly_training", "--config", json.dumps(TINY_CONFIG), cwd=tmp_path, env=subprocess_env)
+    result = pyflyte_run_launch_plan(
+        "nightly_training", "--config", json.dumps(TINY_CONFIG), cwd=tmp_path, env=subprocess_env
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
     assert "Running Execution on local." in output
@@ -50,7 +58,9 @@ def test_nightly_training_runs_locally_through_pyflyte_with_a_tiny_config(ray_ad
 
 def test_nightly_training_does_not_accept_its_fixed_resume_from_input(tmp_path, subprocess_env):
     subprocess_env["COLUMNS"] = "400"
-    result = pyflyte_run_launch_plan("nightly_training", "--resume_from", str(tmp_path), cwd=tmp_path, env=subprocess_env, timeout_s=120)
+    result = pyflyte_run_launch_plan(
+        "nightly_training", "--resume_from", str(tmp_path), cwd=tmp_path, env=subprocess_env, timeout_s=120
+    )
     assert result.returncode != 0
     assert _squashed("No such option '--resume_from'") in _squashed(result.stdout + result.stderr)
 
@@ -61,9 +71,10 @@ def test_alert_recipients_come_from_the_environment_with_a_documented_default():
     assert alert_recipients({}) == list(DEFAULT_ALERT_EMAILS)
     assert alert_recipients({ALERT_EMAILS_ENV: " a@corp.com, b@corp.com ,"}) == ["a@corp.com", "b@corp.com"]
     for bad in ("", " , ", "oncall", "a@corp.com, b corp.com"):
-        with pytest.raises(ValueError, match=rf"{ALERT_EMAILS_ENV}=.* is invalid: set it to comma-separated email addresses"):
+        with pytest.raises(
+            ValueError, match=rf"{ALERT_EMAILS_ENV}=.* is invalid: set it to comma-separated email addresses"
+        ):
             alert_recipients({ALERT_EMAILS_ENV: bad})
-
 
 
 def test_every_launch_plan_is_addressed_by_its_variable_name(tmp_path, subprocess_env):
@@ -71,7 +82,12 @@ def test_every_launch_plan_is_addressed_by_its_variable_name(tmp_path, subproces
     # but take minutes each; their workflows' owners test them, and test_packaging checks their launch plans.
     subprocess_env["COLUMNS"] = "400"
     result = subprocess.run(
-        [str(VENV_BIN / "pyflyte"), "run", LAUNCH_PLANS, "--help"], cwd=tmp_path, env=subprocess_env, capture_output=True, text=True, timeout=300,
+        [str(VENV_BIN / "pyflyte"), "run", LAUNCH_PLANS, "--help"],
+        cwd=tmp_path,
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     listed = _squashed(result.stdout)

@@ -18,7 +18,12 @@ from tests.conftest import REPO_ROOT
 IMAGE = "registry.example.com/ml/flyte-ray-training:test-7"
 ALERT_EMAILS = "oncall@corp.example, ml-team@corp.example"
 MLFLOW_URI = "http://mlflow.mlflow.svc:5000"
-TRAINING_TASKS = ("tasks.data.prepare_data", "tasks.train.train", "tasks.evaluate.evaluate", "tasks.register.register_model")
+TRAINING_TASKS = (
+    "tasks.data.prepare_data",
+    "tasks.train.train",
+    "tasks.evaluate.evaluate",
+    "tasks.register.register_model",
+)
 
 
 @dataclass
@@ -54,16 +59,30 @@ def package(tmp_path_factory) -> Package:
     workdir = tmp_path_factory.mktemp("package")
     (workdir / "home").mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINING_CORE__", "TUNING__"))}
-    env.update({
-        "HOME": str(workdir / "home"),
-        "SCHEDULED_RUN_ALERT_EMAILS": ALERT_EMAILS,
-        "TRAINING_CORE__TRACKING__TRACKING_URI": MLFLOW_URI,
-    })
+    env.update(
+        {
+            "HOME": str(workdir / "home"),
+            "SCHEDULED_RUN_ALERT_EMAILS": ALERT_EMAILS,
+            "TRAINING_CORE__TRACKING__TRACKING_URI": MLFLOW_URI,
+        }
+    )
     output = workdir / "dist" / "flyte-package.tgz"
     # `-o` treats the venv stamp as up to date: the test runs inside that venv and must not reinstall it.
     result = subprocess.run(
-        ["make", "--no-print-directory", "-o", ".venv/.installed-stamp", "package", f"IMAGE={IMAGE}", f"PACKAGE={output}"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            "make",
+            "--no-print-directory",
+            "-o",
+            ".venv/.installed-stamp",
+            "package",
+            f"IMAGE={IMAGE}",
+            f"PACKAGE={output}",
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     return decode_package(output)
@@ -74,7 +93,9 @@ def _literal_value(literal_pb, python_type):
     from flytekit.core.type_engine import TypeEngine
     from flytekit.models.literals import Literal
 
-    return TypeEngine.to_python_value(FlyteContextManager.current_context(), Literal.from_flyte_idl(literal_pb), python_type)
+    return TypeEngine.to_python_value(
+        FlyteContextManager.current_context(), Literal.from_flyte_idl(literal_pb), python_type
+    )
 
 
 def _resources(container: dict) -> tuple[dict[str, str], dict[str, str]]:
@@ -84,7 +105,9 @@ def _resources(container: dict) -> tuple[dict[str, str], dict[str, str]]:
 def test_package_holds_every_task_workflow_and_launch_plan_built_on_the_image_variable(package):
     assert set(TRAINING_TASKS) <= set(package.tasks)
     assert "workflows.training.training_pipeline" in package.workflows
-    assert {"workflows.training.training_pipeline", "nightly_training", "weekly_tuning", "scaling_benchmark"} <= set(package.launch_plans)
+    assert {"workflows.training.training_pipeline", "nightly_training", "weekly_tuning", "scaling_benchmark"} <= set(
+        package.launch_plans
+    )
     for name, spec in package.tasks.items():
         assert spec.template.container.image == IMAGE, name
         # Registration fills these in (flytectl or deployment.remote): the package is project-agnostic.
@@ -131,7 +154,10 @@ def test_task_retries_in_the_package_match_the_declarations(package):
         metadata = package.tasks[task.name].template.metadata
         assert metadata.retries.retries == task.metadata.retries >= 1, task.name
     # The workflow node carries the same retry budget FlyteAdmin will apply.
-    nodes = {n.task_node.reference_id.name: n for n in package.workflows["workflows.training.training_pipeline"].template.nodes}
+    nodes = {
+        n.task_node.reference_id.name: n
+        for n in package.workflows["workflows.training.training_pipeline"].template.nodes
+    }
     assert nodes["tasks.train.train"].metadata.retries.retries == train.metadata.retries
 
 
@@ -146,7 +172,8 @@ def test_train_and_trials_are_interruptible_with_a_timeout(package):
 
 def test_every_training_task_sets_a_timeout_and_an_explicit_interruptible_choice(package):
     missing = [
-        name for name in TRAINING_TASKS
+        name
+        for name in TRAINING_TASKS
         if not package.tasks[name].template.metadata.HasField("timeout")
         or package.tasks[name].template.metadata.WhichOneof("interruptible_value") is None
     ]
@@ -168,7 +195,7 @@ def test_only_data_prep_and_trials_are_cached_with_their_declared_versions(packa
 def test_nightly_training_is_a_daily_cron_with_alerts_a_fixed_resume_from_and_the_registration_time_config(package):
     from flyteidl.core import execution_pb2
 
-    from training_core.config import TrainingConfig, TrackingConfig
+    from training_core.config import TrackingConfig, TrainingConfig
     from workflows.launch_plans import NIGHTLY_CRON
 
     spec = package.launch_plans["nightly_training"].spec
@@ -195,7 +222,10 @@ def test_weekly_tuning_is_a_weekly_cron_over_the_tuning_pipeline_with_the_defaul
     spec = package.launch_plans["weekly_tuning"].spec
     assert spec.workflow_id.name == "workflows.tuning.tuning_pipeline"
     assert spec.entity_metadata.schedule.cron_schedule.schedule == WEEKLY_CRON == "0 4 * * 6"
-    assert list(spec.entity_metadata.notifications[0].email.recipients_email) == ["oncall@corp.example", "ml-team@corp.example"]
+    assert list(spec.entity_metadata.notifications[0].email.recipients_email) == [
+        "oncall@corp.example",
+        "ml-team@corp.example",
+    ]
     assert not spec.fixed_inputs.literals
     assert _literal_value(spec.default_inputs.parameters["config"].default, TuningConfig) == TuningConfig()
 

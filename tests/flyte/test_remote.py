@@ -17,8 +17,20 @@ import pytest
 from flyteidl.core import identifier_pb2
 
 from deployment.remote import (
-    REMOTE_PACKAGE_PATH, TARGETS, default_version, hydrate, input_literals, jsonable, local_launch_plan, overlay,
-    parse_assignments, phase_changes, read_package, read_yaml_mapping, registered_default, typed_outputs,
+    REMOTE_PACKAGE_PATH,
+    TARGETS,
+    default_version,
+    hydrate,
+    input_literals,
+    jsonable,
+    local_launch_plan,
+    overlay,
+    parse_assignments,
+    phase_changes,
+    read_package,
+    read_yaml_mapping,
+    registered_default,
+    typed_outputs,
 )
 from tests.conftest import REPO_ROOT
 
@@ -34,8 +46,21 @@ def fast_package(tmp_path_factory) -> Path:
     (workdir / "home").mkdir()
     output = workdir / "flyte-package.tgz"
     result = subprocess.run(
-        ["make", "--no-print-directory", "-o", ".venv/.installed-stamp", "package", f"IMAGE={IMAGE}", f"PACKAGE={output}", "COPY=all"],
-        cwd=REPO_ROOT, env=dict(os.environ, HOME=str(workdir / "home")), capture_output=True, text=True, timeout=300,
+        [
+            "make",
+            "--no-print-directory",
+            "-o",
+            ".venv/.installed-stamp",
+            "package",
+            f"IMAGE={IMAGE}",
+            f"PACKAGE={output}",
+            "COPY=all",
+        ],
+        cwd=REPO_ROOT,
+        env=dict(os.environ, HOME=str(workdir / "home")),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     return output
@@ -76,7 +101,10 @@ def test_registration_fills_project_domain_and_version_into_every_identifier_and
         identifiers = _identifiers(entity.to_flyte_idl())
         assert identifiers, key
         for identifier in identifiers:
-            assert (identifier.project, identifier.domain, identifier.version) == (PROJECT, DOMAIN, VERSION), (key, identifier)
+            assert (identifier.project, identifier.domain, identifier.version) == (PROJECT, DOMAIN, VERSION), (
+                key,
+                identifier,
+            )
         own = entity.id if key[0] == "LaunchPlan" else entity.template.id
         for identifier in identifiers:
             if identifier.name == own.name and identifier.resource_type == own.resource_type:
@@ -112,8 +140,13 @@ def test_registered_entities_equal_what_flyteremote_serializes_from_the_code(reg
 
     dest_dir = registered[("TaskSpec", "tasks.train.train")].template.container.args[4]
     settings = SerializationSettings(
-        image_config=ImageConfig.from_images(IMAGE), project=PROJECT, domain=DOMAIN, version=VERSION,
-        fast_serialization_settings=FastSerializationSettings(enabled=True, destination_dir=dest_dir, distribution_location=CODE_URI),
+        image_config=ImageConfig.from_images(IMAGE),
+        project=PROJECT,
+        domain=DOMAIN,
+        version=VERSION,
+        fast_serialization_settings=FastSerializationSettings(
+            enabled=True, destination_dir=dest_dir, distribution_location=CODE_URI
+        ),
     )
 
     def serialized(entity):
@@ -125,9 +158,14 @@ def test_registered_entities_equal_what_flyteremote_serializes_from_the_code(reg
     for field in ("workflow_id", "default_inputs", "fixed_inputs", "entity_metadata"):
         assert getattr(plan.spec, field) == getattr(expected.spec, field), field
     # Node order inside a workflow's upstream lists is a set's order; compare what the nodes reference.
-    workflow, expected = serialized(training_pipeline), registered[("WorkflowSpec", "workflows.training.training_pipeline")].to_flyte_idl()
+    workflow, expected = (
+        serialized(training_pipeline),
+        registered[("WorkflowSpec", "workflows.training.training_pipeline")].to_flyte_idl(),
+    )
     assert workflow.template.interface == expected.template.interface
-    assert [(n.id, n.task_node.reference_id) for n in workflow.template.nodes] == [(n.id, n.task_node.reference_id) for n in expected.template.nodes]
+    assert [(n.id, n.task_node.reference_id) for n in workflow.template.nodes] == [
+        (n.id, n.task_node.reference_id) for n in expected.template.nodes
+    ]
 
 
 def test_default_version_names_the_entities_not_the_tarball(fast_package, tmp_path):
@@ -155,7 +193,11 @@ def test_a_launch_sends_the_registered_default_config_with_the_yaml_fields_on_to
 
     plan = local_launch_plan("nightly_training")
     registered_plan = registered[("LaunchPlan", "nightly_training")]
-    assert (registered_plan.id.name, registered_plan.id.project, registered_plan.id.domain) == ("nightly_training", PROJECT, DOMAIN)
+    assert (registered_plan.id.name, registered_plan.id.project, registered_plan.id.domain) == (
+        "nightly_training",
+        PROJECT,
+        DOMAIN,
+    )
     variables = registered[("WorkflowSpec", "workflows.training.training_pipeline")].template.interface.inputs
     ctx = FlyteContextManager.current_context()
     default = registered_default(plan, registered_plan.spec.default_inputs, "config", ctx)
@@ -171,16 +213,27 @@ def test_a_launch_sends_the_registered_default_config_with_the_yaml_fields_on_to
     assert literals["config"].scalar.binary.tag == "msgpack"
     sent = TypeEngine.to_python_value(ctx, literals["config"], TrainingConfig)
     assert sent == dataclasses.replace(
-        default, model=dataclasses.replace(default.model, name="small_cnn"), loop=dataclasses.replace(default.loop, epochs=2)
+        default,
+        model=dataclasses.replace(default.model, name="small_cnn"),
+        loop=dataclasses.replace(default.loop, epochs=2),
     )
 
 
 def test_launch_inputs_are_checked_before_flyte_is_contacted(tmp_path):
     nightly = local_launch_plan("nightly_training")
-    with pytest.raises(ValueError, match=r"input 'resume_from' is fixed by launch plan 'nightly_training': launch training_pipeline to set it"):
+    with pytest.raises(
+        ValueError,
+        match=r"input 'resume_from' is fixed by launch plan 'nightly_training': launch training_pipeline to set it",
+    ):
         parse_assignments(nightly, ["resume_from=s3://bucket/run/checkpoints/step-19"])
     pipeline = local_launch_plan("training_pipeline")
-    with pytest.raises(ValueError, match=r"input 'epochs' is invalid for 'workflows.training.training_pipeline': choose one of config, resume_from"):
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"input 'epochs' is invalid for 'workflows.training.training_pipeline': choose one of config, "
+            r"resume_from"
+        ),
+    ):
         parse_assignments(pipeline, ["epochs=3"])
     with pytest.raises(ValueError, match=r"input 'config' is set with --config FILE"):
         parse_assignments(pipeline, ['config={"loop": {"epochs": 2}}'])
@@ -216,15 +269,30 @@ def test_outputs_come_back_typed_and_reading_them_moves_no_data():
     ctx = FlyteContextManager.current_context()
     registration = Registration(
         promotion=Promotion(
-            model_name="digits-classifier", version=3, alias="champion", promoted=True, reason="0.98 beats v2's 0.97",
-            test_accuracy=0.98, previous_champion_version=2, previous_champion_accuracy=0.97,
+            model_name="digits-classifier",
+            version=3,
+            alias="champion",
+            promoted=True,
+            reason="0.98 beats v2's 0.97",
+            test_accuracy=0.98,
+            previous_champion_version=2,
+            previous_champion_accuracy=0.97,
         ),
-        tracking_uri="http://mlflow.mlflow.svc:5000", reports=["s3://flyte/raw/ab/training_report.html"],
+        tracking_uri="http://mlflow.mlflow.svc:5000",
+        reports=["s3://flyte/raw/ab/training_report.html"],
     )
-    table = Literal(scalar=Scalar(structured_dataset=StructuredDataset(
-        uri="s3://flyte/raw/cd/trials.parquet", metadata=StructuredDatasetMetadata(StructuredDatasetType(format="parquet")),
-    )))
-    literals = {"o0": TypeEngine.to_literal(ctx, registration, Registration, TypeEngine.to_literal_type(Registration)), "o1": table}
+    table = Literal(
+        scalar=Scalar(
+            structured_dataset=StructuredDataset(
+                uri="s3://flyte/raw/cd/trials.parquet",
+                metadata=StructuredDatasetMetadata(StructuredDatasetType(format="parquet")),
+            )
+        )
+    )
+    literals = {
+        "o0": TypeEngine.to_literal(ctx, registration, Registration, TypeEngine.to_literal_type(Registration)),
+        "o1": table,
+    }
     outputs = typed_outputs(literals, {"o0": Registration, "o1": object}, ctx)
     assert outputs == {"o0": registration, "o1": "s3://flyte/raw/cd/trials.parquet"}
     printed = json.loads(json.dumps(jsonable(outputs)))
@@ -233,9 +301,13 @@ def test_outputs_come_back_typed_and_reading_them_moves_no_data():
 
 def test_progress_reports_each_phase_change_once():
     seen: dict[str, str] = {}
-    assert phase_changes(seen, {"execution": "RUNNING", "  prepare_data": "RUNNING"}) == ["execution: RUNNING", "  prepare_data: RUNNING"]
+    assert phase_changes(seen, {"execution": "RUNNING", "  prepare_data": "RUNNING"}) == [
+        "execution: RUNNING",
+        "  prepare_data: RUNNING",
+    ]
     assert phase_changes(seen, {"execution": "RUNNING", "  prepare_data": "SUCCEEDED", "  train": "QUEUED"}) == [
-        "  prepare_data: SUCCEEDED", "  train: QUEUED",
+        "  prepare_data: SUCCEEDED",
+        "  train: QUEUED",
     ]
     assert phase_changes(seen, {"execution": "RUNNING", "  prepare_data": "SUCCEEDED", "  train": "QUEUED"}) == []
 
@@ -248,20 +320,35 @@ def _refused_endpoint() -> str:
 
 @pytest.mark.parametrize(
     "command",
-    [["register", "{package}"], ["launch", "training_pipeline", "--config", "{config}"], ["activate", "nightly_training"]],
+    [
+        ["register", "{package}"],
+        ["launch", "training_pipeline", "--config", "{config}"],
+        ["activate", "nightly_training"],
+    ],
     ids=["register", "launch", "activate"],
 )
-def test_cli_reads_the_endpoint_from_flytekit_config_and_says_clearly_when_flyteadmin_is_unreachable(command, fast_package, tmp_path, subprocess_env):
+def test_cli_reads_the_endpoint_from_flytekit_config_and_says_clearly_when_flyteadmin_is_unreachable(
+    command, fast_package, tmp_path, subprocess_env
+):
     endpoint = _refused_endpoint()
     config = tmp_path / "run.yaml"
     config.write_text("loop: {epochs: 1}\n")
-    subprocess_env.update({
-        "FLYTE_PLATFORM_URL": endpoint, "FLYTE_PLATFORM_INSECURE": "True",
-        "FLYTE_DEFAULT_PROJECT": PROJECT, "FLYTE_DEFAULT_DOMAIN": DOMAIN,
-    })
+    subprocess_env.update(
+        {
+            "FLYTE_PLATFORM_URL": endpoint,
+            "FLYTE_PLATFORM_INSECURE": "True",
+            "FLYTE_DEFAULT_PROJECT": PROJECT,
+            "FLYTE_DEFAULT_DOMAIN": DOMAIN,
+        }
+    )
     args = [a.format(package=fast_package, config=config) for a in command]
     result = subprocess.run(
-        [sys.executable, "-m", "deployment.remote", *args], cwd=REPO_ROOT, env=subprocess_env, capture_output=True, text=True, timeout=180,
+        [sys.executable, "-m", "deployment.remote", *args],
+        cwd=REPO_ROOT,
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"error: FlyteAdmin at {endpoint} (insecure) is unreachable" in result.stderr
@@ -271,8 +358,20 @@ def test_cli_reads_the_endpoint_from_flytekit_config_and_says_clearly_when_flyte
 def test_cli_rejects_a_bad_input_before_contacting_flyteadmin(tmp_path, subprocess_env):
     subprocess_env.update({"FLYTE_PLATFORM_URL": _refused_endpoint(), "FLYTE_PLATFORM_INSECURE": "True"})
     result = subprocess.run(
-        [sys.executable, "-m", "deployment.remote", "launch", "training_pipeline", "--input", f"resume_from={tmp_path}"],
-        cwd=REPO_ROOT, env=subprocess_env, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "deployment.remote",
+            "launch",
+            "training_pipeline",
+            "--input",
+            f"resume_from={tmp_path}",
+        ],
+        cwd=REPO_ROOT,
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     # Exit 2, not 3: the refusing endpoint was never tried.
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]

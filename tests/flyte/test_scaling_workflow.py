@@ -1,4 +1,5 @@
-"""``scaling_benchmark``: the nodes its dynamic workflow compiles to, and a ``pyflyte run`` on the session's Ray cluster."""
+"""``scaling_benchmark``: the nodes its dynamic workflow compiles to, and a ``pyflyte run`` on the session's Ray
+cluster."""
 
 from __future__ import annotations
 
@@ -62,12 +63,24 @@ def test_each_worker_count_is_a_named_ray_node_and_a_torch_node_sized_to_it_run_
         {"config": TrainingConfig, "worker_counts": list[int], "models": list[str]},
     )
     by_name = {node.metadata.name: node for node in spec.nodes}
-    assert list(by_name) == ["prepare_data", "ray-small_cnn-1w", "torch-small_cnn-1w", "ray-small_cnn-2w", "torch-small_cnn-2w", "scaling_report"]
+    assert list(by_name) == [
+        "prepare_data",
+        "ray-small_cnn-1w",
+        "torch-small_cnn-1w",
+        "ray-small_cnn-2w",
+        "torch-small_cnn-2w",
+        "scaling_report",
+    ]
     for n in (1, 2):
         resources = by_name[f"torch-small_cnn-{n}w"].task_node.overrides.resources
-        assert {(e.name, e.value) for e in resources.requests} == {(ResourceName.CPU, str(n)), (ResourceName.MEMORY, f"{4096 * n}Mi")}
+        assert {(e.name, e.value) for e in resources.requests} == {
+            (ResourceName.CPU, str(n)),
+            (ResourceName.MEMORY, f"{4096 * n}Mi"),
+        }
         assert resources.limits == resources.requests
-    points = [by_name[name] for name in ("ray-small_cnn-1w", "torch-small_cnn-1w", "ray-small_cnn-2w", "torch-small_cnn-2w")]
+    points = [
+        by_name[name] for name in ("ray-small_cnn-1w", "torch-small_cnn-1w", "ray-small_cnn-2w", "torch-small_cnn-2w")
+    ]
     for before, after in zip(points, points[1:]):
         assert before.id in after.upstream_node_ids
     assert {p.id for p in points} <= set(by_name["scaling_report"].upstream_node_ids)
@@ -77,7 +90,13 @@ def test_each_worker_count_is_a_named_ray_node_and_a_torch_node_sized_to_it_run_
 def test_a_ray_point_gets_a_rayjob_with_as_many_worker_replicas_as_workers(fresh_compiles, num_workers):
     config = point_config(scaling_preset(), model="small_cnn", num_workers=num_workers)
     # A remote directory: the compile only references the data, it never reads it.
-    data = PreparedData(directory=FlyteDirectory("s3://bucket/prepared"), dataset="synthetic", num_classes=10, input_shape=[3, 32, 32], split_counts={})
+    data = PreparedData(
+        directory=FlyteDirectory("s3://bucket/prepared"),
+        dataset="synthetic",
+        num_classes=10,
+        input_shape=[3, 32, 32],
+        split_counts={},
+    )
     spec = _compile(ray_point, {"config": config, "data": data}, {"config": TrainingConfig, "data": PreparedData})
     (node,) = spec.nodes
     assert node.metadata.name == f"train-small_cnn-{num_workers}w"
@@ -101,7 +120,11 @@ def test_a_worker_count_that_does_not_divide_the_shards_fails_before_anything_ru
     subprocess_env["COLUMNS"] = "400"
     result = subprocess.run(
         [str(VENV_BIN / "pyflyte"), "run", WORKFLOW, "scaling_benchmark", "--worker_counts", "[1, 2, 3]"],
-        cwd=tmp_path, env=subprocess_env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     output = re.sub(r"[\s│]+", "", result.stdout + result.stderr)
     assert result.returncode != 0
@@ -110,7 +133,9 @@ def test_a_worker_count_that_does_not_divide_the_shards_fails_before_anything_ru
 
 
 @pytest.mark.slow
-def test_pyflyte_run_on_one_and_two_workers_reports_efficiency_parity_and_allreduce_share(ray_address, subprocess_env, session_root, tmp_path):
+def test_pyflyte_run_on_one_and_two_workers_reports_efficiency_parity_and_allreduce_share(
+    ray_address, subprocess_env, session_root, tmp_path
+):
     import pandas as pd
 
     tiny = scaling_preset().to_dict()
@@ -118,8 +143,21 @@ def test_pyflyte_run_on_one_and_two_workers_reports_efficiency_parity_and_allred
     tiny["loop"].update(batch_size=32, max_steps=12)
     subprocess_env["RAY_ADDRESS"] = ray_address
     result = subprocess.run(
-        [str(VENV_BIN / "pyflyte"), "run", WORKFLOW, "scaling_benchmark", "--config", json.dumps(tiny), "--worker_counts", "[1, 2]"],
-        cwd=tmp_path, env=subprocess_env, capture_output=True, text=True, timeout=600,
+        [
+            str(VENV_BIN / "pyflyte"),
+            "run",
+            WORKFLOW,
+            "scaling_benchmark",
+            "--config",
+            json.dumps(tiny),
+            "--worker_counts",
+            "[1, 2]",
+        ],
+        cwd=tmp_path,
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
@@ -130,14 +168,21 @@ def test_pyflyte_run_on_one_and_two_workers_reports_efficiency_parity_and_allred
     assert one["ray_efficiency"] == 1.0 and one["torch_efficiency"] == 1.0
     for launcher in ("ray", "torch"):
         assert (table[f"{launcher}_samples_per_s"] > 0).all()
-        assert 0 < table[f"{launcher}_step_time_p50_s"].min() and (table[f"{launcher}_step_time_p50_s"] <= table[f"{launcher}_step_time_p95_s"]).all()
+        assert (
+            0 < table[f"{launcher}_step_time_p50_s"].min()
+            and (table[f"{launcher}_step_time_p50_s"] <= table[f"{launcher}_step_time_p95_s"]).all()
+        )
         assert one[f"{launcher}_allreduce_fraction"] == 0.0
         assert 0 < two[f"{launcher}_allreduce_fraction"] < 1
-        assert two[f"{launcher}_efficiency"] == pytest.approx(two[f"{launcher}_samples_per_s"] / (2 * one[f"{launcher}_samples_per_s"]))
+        assert two[f"{launcher}_efficiency"] == pytest.approx(
+            two[f"{launcher}_samples_per_s"] / (2 * one[f"{launcher}_samples_per_s"])
+        )
     assert (table["parity"] == table["ray_samples_per_s"] / table["torch_samples_per_s"]).all()
 
     page = Path(re.search(r"scaling report\s*: (\S+)", output).group(1)).read_text()
     assert "id='plots'" in page and "<img alt='plot' src='data:image/png;base64," in page
     assert any("id='plots'" in deck.read_text() for deck in session_root.rglob("deck.html"))
     # The Ray node of each point trained on a worker group of that size.
-    assert re.search(r"Started training worker group of size 1", output) and re.search(r"Started training worker group of size 2", output)
+    assert re.search(r"Started training worker group of size 1", output) and re.search(
+        r"Started training worker group of size 2", output
+    )

@@ -40,7 +40,15 @@ def test_train_is_a_ray_task_shaped_by_the_default_scaling_config():
 
 
 def test_ray_job_requests_and_limits_follow_the_scaling_config():
-    scaling = ScalingConfig(num_workers=8, use_gpu=True, gpus_per_worker=2, cpus_per_worker=6.0, memory_per_worker_gib=30, head_cpus=2.0, head_memory_gib=8)
+    scaling = ScalingConfig(
+        num_workers=8,
+        use_gpu=True,
+        gpus_per_worker=2,
+        cpus_per_worker=6.0,
+        memory_per_worker_gib=30,
+        head_cpus=2.0,
+        head_memory_gib=8,
+    )
     config = ray_job_config(scaling)
     (workers,) = config.worker_node_config
     assert workers.replicas == 8

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from flyteidl.core import errors_pb2, literals_pb2
 
-from tests.conftest import REPO_ROOT, VENV_BIN
 from benchmarks.common import ray_train_worker_pids
+from tests.conftest import REPO_ROOT, VENV_BIN
 
 KILL_AFTER_STEP = 10
 
@@ -24,13 +24,29 @@ KILL_AFTER_STEP = 10
 def _execute(tmp_path: Path, attempt: int, env: dict[str, str], *, prev: str) -> subprocess.Popen:
     return subprocess.Popen(
         [
-            str(VENV_BIN / "pyflyte-execute"), "--inputs", str(tmp_path / "inputs.pb"),
-            "--output-prefix", str(tmp_path / f"out{attempt}"), "--raw-output-data-prefix", str(tmp_path / "raw"),
-            "--checkpoint-path", str(tmp_path / f"A{attempt}"), "--prev-checkpoint", prev,
-            "--resolver", "flytekit.core.python_auto_container.default_task_resolver", "--",
-            "task-module", "tasks.train", "task-name", "train",
+            str(VENV_BIN / "pyflyte-execute"),
+            "--inputs",
+            str(tmp_path / "inputs.pb"),
+            "--output-prefix",
+            str(tmp_path / f"out{attempt}"),
+            "--raw-output-data-prefix",
+            str(tmp_path / "raw"),
+            "--checkpoint-path",
+            str(tmp_path / f"A{attempt}"),
+            "--prev-checkpoint",
+            prev,
+            "--resolver",
+            "flytekit.core.python_auto_container.default_task_resolver",
+            "--",
+            "task-module",
+            "tasks.train",
+            "task-name",
+            "train",
         ],
-        cwd=tmp_path, env=env, stdout=open(tmp_path / f"attempt{attempt}.log", "w"), stderr=subprocess.STDOUT,
+        cwd=tmp_path,
+        env=env,
+        stdout=open(tmp_path / f"attempt{attempt}.log", "w"),
+        stderr=subprocess.STDOUT,
     )
 
 
@@ -45,17 +61,26 @@ def _write_inputs(tmp_path: Path) -> None:
 
     manifest = prepare(DataConfig(), str(tmp_path / "prepared"))
     data = PreparedData(
-        directory=FlyteDirectory(str(tmp_path / "prepared")), dataset=manifest.dataset, num_classes=manifest.num_classes,
-        input_shape=manifest.input_shape, split_counts=manifest.split_counts(),
+        directory=FlyteDirectory(str(tmp_path / "prepared")),
+        dataset=manifest.dataset,
+        num_classes=manifest.num_classes,
+        input_shape=manifest.input_shape,
+        split_counts=manifest.split_counts(),
     )
-    config = TrainingConfig.from_dict({
-        "model": {"name": "small_cnn"},
-        "loop": {"epochs": 4, "batch_size": 16},
-        "checkpoint": {"interval_steps": 5, "max_worker_restarts": 0},
-        "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "promotion_min_accuracy": 0.0},
-    })
+    config = TrainingConfig.from_dict(
+        {
+            "model": {"name": "small_cnn"},
+            "loop": {"epochs": 4, "batch_size": 16},
+            "checkpoint": {"interval_steps": 5, "max_worker_restarts": 0},
+            "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "promotion_min_accuracy": 0.0},
+        }
+    )
     ctx = FlyteContextManager.current_context()
-    literal_map = TypeEngine.dict_to_literal_map(ctx, {"config": config, "data": data, "resume_from": None}, {"config": TrainingConfig, "data": PreparedData, "resume_from": FlyteDirectory | None})
+    literal_map = TypeEngine.dict_to_literal_map(
+        ctx,
+        {"config": config, "data": data, "resume_from": None},
+        {"config": TrainingConfig, "data": PreparedData, "resume_from": FlyteDirectory | None},
+    )
     (tmp_path / "inputs.pb").write_bytes(literal_map.to_flyte_idl().SerializeToString())
 
 
@@ -63,7 +88,9 @@ def _steps_written(raw: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in raw.rglob("step-*") if (p / "manifest.json").exists())
 
 
-def test_a_failed_attempt_is_retried_and_the_retry_resumes_from_its_latest_checkpoint(ray_address, tmp_path, subprocess_env):
+def test_a_failed_attempt_is_retried_and_the_retry_resumes_from_its_latest_checkpoint(
+    ray_address, tmp_path, subprocess_env
+):
     _write_inputs(tmp_path)
     env = dict(subprocess_env, RAY_ADDRESS=ray_address, PYTHONPATH=str(REPO_ROOT))
 
@@ -99,9 +126,13 @@ def test_a_failed_attempt_is_retried_and_the_retry_resumes_from_its_latest_check
     from tasks.types import TrainedModel
     from training_core import checkpoint as ckpt
 
-    trained = TypeEngine.to_python_value(FlyteContextManager.current_context(), LiteralMap.from_flyte_idl(outputs).literals["o0"], TrainedModel)
+    trained = TypeEngine.to_python_value(
+        FlyteContextManager.current_context(), LiteralMap.from_flyte_idl(outputs).literals["o0"], TrainedModel
+    )
     assert trained.metrics.global_step == 4 * 39
     meta = ckpt.load_meta(trained.checkpoint.download())
     (resumed_from,) = meta.resumed_from_steps
-    assert resumed_from >= latest_before_kill >= KILL_AFTER_STEP, "attempt 2 must resume from attempt 1's latest step, not step 0"
+    assert resumed_from >= latest_before_kill >= KILL_AFTER_STEP, (
+        "attempt 2 must resume from attempt 1's latest step, not step 0"
+    )
     assert "retry: resuming in" in log

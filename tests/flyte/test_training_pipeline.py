@@ -19,7 +19,11 @@ MODEL_NAME = "digits-classifier"
 def pyflyte_run(*args: str, cwd: Path, env: dict[str, str], timeout_s: int = 900) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(VENV_BIN / "pyflyte"), "run", WORKFLOW, "training_pipeline", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
     )
 
 
@@ -91,7 +95,17 @@ def test_default_run_logs_params_metrics_config_and_model_to_mlflow(default_run)
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.status == "FINISHED"
     assert run.data.params["model.name"] == "resnet18" and run.data.params["world_size"] == "2"
-    for key in ("train_loss", "train_accuracy", "lr", "grad_norm", "samples_per_s", "data_wait_s", "step_time_s", "val_accuracy", "test_accuracy"):
+    for key in (
+        "train_loss",
+        "train_accuracy",
+        "lr",
+        "grad_norm",
+        "samples_per_s",
+        "data_wait_s",
+        "step_time_s",
+        "val_accuracy",
+        "test_accuracy",
+    ):
         assert key in run.data.metrics, key
     history = client.get_metric_history(run.info.run_id, "train_loss")
     assert len(history) >= 20 and history[-1].value < history[0].value
@@ -168,17 +182,37 @@ def _cifar_lookalike(path: Path) -> None:
         ('{"scaling": {"num_workers": 0}}', "scaling.num_workers=0 is invalid: it must be > 0"),
         ('{"optimizer": {"name": "lion"}}', "optimizer.name='lion' is invalid: choose one of sgd, adam, adamw"),
         ('{"optimizer": {"lr": -0.1}}', "optimizer.lr=-0.1 is invalid: it must be > 0"),
-        ('{"data": {"dataset": "mnist"}}', "data.dataset='mnist' is invalid: choose one of digits, synthetic, cifar10, image_folder"),
-        ('{"data": {"dataset": "cifar10", "path": "{tmp}/missing.tar.gz"}}', "data.path='{tmp}/missing.tar.gz' is invalid: nothing exists there"),
-        ('{"data": {"dataset": "cifar10", "path": "{tmp}/cifar-10-python.tar.gz"}}', "data.path='{tmp}/cifar-10-python.tar.gz' is invalid: not a tar archive"),
+        (
+            '{"data": {"dataset": "mnist"}}',
+            "data.dataset='mnist' is invalid: choose one of digits, synthetic, cifar10, image_folder",
+        ),
+        (
+            '{"data": {"dataset": "cifar10", "path": "{tmp}/missing.tar.gz"}}',
+            "data.path='{tmp}/missing.tar.gz' is invalid: nothing exists there",
+        ),
+        (
+            '{"data": {"dataset": "cifar10", "path": "{tmp}/cifar-10-python.tar.gz"}}',
+            "data.path='{tmp}/cifar-10-python.tar.gz' is invalid: not a tar archive",
+        ),
     ],
-    ids=["unknown-model", "zero-batch", "zero-workers", "unknown-optimizer", "negative-lr", "unknown-dataset", "missing-path", "not-a-tarball"],
+    ids=[
+        "unknown-model",
+        "zero-batch",
+        "zero-workers",
+        "unknown-optimizer",
+        "negative-lr",
+        "unknown-dataset",
+        "missing-path",
+        "not-a-tarball",
+    ],
 )
 def test_bad_input_fails_before_any_ray_worker_starts(config, expected, tmp_path, subprocess_env):
     _cifar_lookalike(tmp_path / "cifar-10-python.tar.gz")
     subprocess_env.pop("RAY_ADDRESS", None)
     subprocess_env["COLUMNS"] = "400"
-    result = pyflyte_run("--config", config.replace("{tmp}", str(tmp_path)), cwd=tmp_path, env=subprocess_env, timeout_s=300)
+    result = pyflyte_run(
+        "--config", config.replace("{tmp}", str(tmp_path)), cwd=tmp_path, env=subprocess_env, timeout_s=300
+    )
     output = _flat(result.stdout + result.stderr)
     assert result.returncode != 0
     assert _squashed(expected.replace("{tmp}", str(tmp_path))) in _squashed(output)
@@ -194,14 +228,27 @@ def test_resume_from_an_earlier_checkpoint_continues_training_instead_of_startin
     workdir, env, _ = default_run
     steps_per_epoch = 19
     default_epochs = TrainingConfig().loop.epochs
-    (earlier,) = [p for p in session_root.rglob(ckpt.step_name(default_epochs * steps_per_epoch)) if (p / ckpt.MANIFEST_FILE).exists()]
+    (earlier,) = [
+        p
+        for p in session_root.rglob(ckpt.step_name(default_epochs * steps_per_epoch))
+        if (p / ckpt.MANIFEST_FILE).exists()
+    ]
     result = pyflyte_run(
-        "--config", json.dumps({"loop": {"epochs": default_epochs + 2}}), "--resume_from", str(earlier), cwd=workdir, env=env
+        "--config",
+        json.dumps({"loop": {"epochs": default_epochs + 2}}),
+        "--resume_from",
+        str(earlier),
+        cwd=workdir,
+        env=env,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
     assert f"resumed from {earlier}" in _flat(output)
-    (final,) = [p for p in session_root.rglob(ckpt.step_name((default_epochs + 2) * steps_per_epoch)) if (p / ckpt.MANIFEST_FILE).exists()]
+    (final,) = [
+        p
+        for p in session_root.rglob(ckpt.step_name((default_epochs + 2) * steps_per_epoch))
+        if (p / ckpt.MANIFEST_FILE).exists()
+    ]
     meta = ckpt.load_meta(str(final))
     assert meta.resumed_from_steps == [default_epochs * steps_per_epoch]
     assert [r["epoch"] for r in meta.history] == [float(e) for e in range(1, default_epochs + 3)]

@@ -20,7 +20,9 @@ WORKFLOW = str(REPO_ROOT / "workflows" / "tuning.py")
 
 # 8 trials of a small CNN on digits, one worker each; ASHA rungs of 1, 2 and 4 epochs, keeping half.
 SEARCH = {
-    "num_trials": 8, "max_concurrency": 2, "seed": 3,
+    "num_trials": 8,
+    "max_concurrency": 2,
+    "seed": 3,
     "base": {"loop": {"epochs": 4}, "data": {"num_shards": 2}},
     "asha": {"min_epochs": 1, "eta": 2},
 }
@@ -35,7 +37,11 @@ def _config(**overrides) -> str:
 def _run(config_json: str, *, cwd: Path, env: dict[str, str]) -> str:
     result = subprocess.run(
         [str(VENV_BIN / "pyflyte"), "run", WORKFLOW, "tuning_pipeline", "--config", config_json],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=1500,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
@@ -80,7 +86,9 @@ def test_asha_uses_half_the_epochs_of_full_trials_finds_their_best_and_reuses_ca
     # A slice resumes its trial exactly, so a trial ASHA trains to 4 epochs scores what its full run did.
     finished = asha[asha["epochs_trained"] == 4].set_index("trial")
     for trial, row in finished.iterrows():
-        assert row["final_val_accuracy"] == pytest.approx(full.set_index("trial").loc[trial, "final_val_accuracy"], abs=1e-12)
+        assert row["final_val_accuracy"] == pytest.approx(
+            full.set_index("trial").loc[trial, "final_val_accuracy"], abs=1e-12
+        )
     assert finished["final_val_accuracy"].max() >= full["final_val_accuracy"].max() - 0.01
 
     # MLflow: one parent run per search, one child run per trial (continued by its later rungs).
@@ -88,7 +96,11 @@ def test_asha_uses_half_the_epochs_of_full_trials_finds_their_best_and_reuses_ca
 
     tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=tracking_uri)
-    parents = [r for r in client.search_runs([client.get_experiment_by_name("tuning").experiment_id]) if "search.key" in r.data.tags]
+    parents = [
+        r
+        for r in client.search_runs([client.get_experiment_by_name("tuning").experiment_id])
+        if "search.key" in r.data.tags
+    ]
     assert len(parents) == 2
     asha_parent = next(r for r in parents if r.data.params["algorithm"] == "asha")
     children = _children(tracking_uri, asha_parent.info.run_id)
@@ -114,31 +126,53 @@ def test_asha_uses_half_the_epochs_of_full_trials_finds_their_best_and_reuses_ca
 
 def test_dynamic_round_is_one_node_per_trial_in_lanes_of_max_concurrency_with_its_own_rayjob(tmp_path):
     """Compile one round of the search the way Flyte does on a cluster and inspect the nodes it yields."""
+    from flyteidl.plugins import ray_pb2
     from flytekit import FlyteContextManager
     from flytekit.configuration import ImageConfig, SerializationSettings
     from flytekit.core.context_manager import ExecutionState
     from flytekit.core.type_engine import TypeEngine
     from flytekit.types.directory import FlyteDirectory
-    from flyteidl.plugins import ray_pb2
     from google.protobuf.json_format import ParseDict
 
     from tasks.tuning import SearchState, Trial
     from tasks.types import PreparedData
     from workflows.tuning import search_round
 
-    config = TuningConfig.from_dict({**SEARCH, "num_trials": 5, "max_concurrency": 2, "base": {
-        **SEARCH["base"], "scaling": {"num_workers": 2}}})
+    config = TuningConfig.from_dict(
+        {**SEARCH, "num_trials": 5, "max_concurrency": 2, "base": {**SEARCH["base"], "scaling": {"num_workers": 2}}}
+    )
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    data = PreparedData(directory=FlyteDirectory(str(data_dir)), dataset="digits", num_classes=10, input_shape=[1, 8, 8], split_counts={"train": 1})
-    state = SearchState(round_index=0, trials=[Trial(trial_id=i, params=p) for i, p in enumerate(
-        __import__("training_core.tuning", fromlist=["initial_params"]).initial_params(config))], tracking_uri="sqlite:///x.db", parent_run_id="parent")
+    data = PreparedData(
+        directory=FlyteDirectory(str(data_dir)),
+        dataset="digits",
+        num_classes=10,
+        input_shape=[1, 8, 8],
+        split_counts={"train": 1},
+    )
+    state = SearchState(
+        round_index=0,
+        trials=[
+            Trial(trial_id=i, params=p)
+            for i, p in enumerate(
+                __import__("training_core.tuning", fromlist=["initial_params"]).initial_params(config)
+            )
+        ],
+        tracking_uri="sqlite:///x.db",
+        parent_run_id="parent",
+    )
 
     ctx = FlyteContextManager.current_context()
-    settings = SerializationSettings(project="p", domain="d", version="v1", image_config=ImageConfig.auto_default_image())
+    settings = SerializationSettings(
+        project="p", domain="d", version="v1", image_config=ImageConfig.auto_default_image()
+    )
     with FlyteContextManager.with_context(ctx.with_serialization_settings(settings)) as ctx:
-        with FlyteContextManager.with_context(ctx.with_execution_state(ctx.new_execution_state().with_params(mode=ExecutionState.Mode.TASK_EXECUTION))) as ctx:
-            inputs = TypeEngine.dict_to_literal_map(ctx, {"config": config, "data": data, "state": state}, search_round.python_interface.inputs)
+        with FlyteContextManager.with_context(
+            ctx.with_execution_state(ctx.new_execution_state().with_params(mode=ExecutionState.Mode.TASK_EXECUTION))
+        ) as ctx:
+            inputs = TypeEngine.dict_to_literal_map(
+                ctx, {"config": config, "data": data, "state": state}, search_round.python_interface.inputs
+            )
             spec = search_round.dispatch_execute(ctx, inputs)
 
     trial_nodes = [n for n in spec.nodes if n.metadata.name.startswith("round-0-trial-")]
@@ -170,13 +204,28 @@ def test_ray_tune_strategy_runs_asha_on_one_cluster_with_mlflow_children(ray_ses
     from training_core.data import prepare
     from training_core.ray_tune_search import run_search
 
-    config = TuningConfig.from_dict({
-        **SEARCH, "strategy": "ray_tune", "num_trials": 3, "max_concurrency": 2,
-        "base": {**SEARCH["base"], "loop": {"epochs": 2}, "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment_name": "tuning"}},
-    })
+    config = TuningConfig.from_dict(
+        {
+            **SEARCH,
+            "strategy": "ray_tune",
+            "num_trials": 3,
+            "max_concurrency": 2,
+            "base": {
+                **SEARCH["base"],
+                "loop": {"epochs": 2},
+                "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment_name": "tuning"},
+            },
+        }
+    )
     prepare(DataConfig(num_shards=2), str(tmp_path / "data"))
     tracking_uri, parent = tracking.create_run(config.base.tracking, run_name="parent")
-    outcomes = run_search(config, data_dir=str(tmp_path / "data"), storage_path=str(tmp_path / "runs"), run_name="tune", parent_run_id=parent)
+    outcomes = run_search(
+        config,
+        data_dir=str(tmp_path / "data"),
+        storage_path=str(tmp_path / "runs"),
+        run_name="tune",
+        parent_run_id=parent,
+    )
 
     assert len(outcomes) == 3 and not [o.error for o in outcomes if o.error]
     for outcome in outcomes:
@@ -185,7 +234,9 @@ def test_ray_tune_strategy_runs_asha_on_one_cluster_with_mlflow_children(ray_ses
         assert (Path(outcome.checkpoint_uri) / "meta.json").is_file()
     assert any(o.status == "done" for o in outcomes)
     children = MlflowClient(tracking_uri).search_runs(
-        [MlflowClient(tracking_uri).get_experiment_by_name("tuning").experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent}'")
+        [MlflowClient(tracking_uri).get_experiment_by_name("tuning").experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{parent}'",
+    )
     assert sorted(c.info.run_id for c in children) == sorted(o.mlflow_run_id for o in outcomes)
 
 
@@ -201,10 +252,24 @@ def _trained(tmp_path: Path, trial_id: int, epochs: int, accuracy: float):
     (checkpoint / "meta.json").write_text("{}")
     report = tmp_path / f"report-{trial_id}-{epochs}.html"
     report.write_text("<html></html>")
-    metrics = TrainMetrics(epochs=epochs, global_step=10 * epochs, train_loss=1.0, train_accuracy=accuracy,
-                           val_loss=1.0 - accuracy, val_accuracy=accuracy, samples_per_s=100.0)
-    return TrainedModel(checkpoint=FlyteDirectory(str(checkpoint)), model_name="small_cnn", metrics=metrics, tracking_uri="sqlite:///m.db",
-                        mlflow_run_id=f"run-{trial_id}", mlflow_model_uri="", report=FlyteFile(str(report)))
+    metrics = TrainMetrics(
+        epochs=epochs,
+        global_step=10 * epochs,
+        train_loss=1.0,
+        train_accuracy=accuracy,
+        val_loss=1.0 - accuracy,
+        val_accuracy=accuracy,
+        samples_per_s=100.0,
+    )
+    return TrainedModel(
+        checkpoint=FlyteDirectory(str(checkpoint)),
+        model_name="small_cnn",
+        metrics=metrics,
+        tracking_uri="sqlite:///m.db",
+        mlflow_run_id=f"run-{trial_id}",
+        mlflow_model_uri="",
+        report=FlyteFile(str(report)),
+    )
 
 
 def test_pbt_round_copies_the_top_trials_checkpoint_into_the_bottom_one_with_perturbed_params(tmp_path):
@@ -213,21 +278,33 @@ def test_pbt_round_copies_the_top_trials_checkpoint_into_the_bottom_one_with_per
     from tasks.tuning import SearchState, Trial, plan_round, record_round
     from training_core import tuning
 
-    config = TuningConfig.from_dict({**SEARCH, "algorithm": "pbt", "num_trials": 4, "base": {**SEARCH["base"], "loop": {"epochs": 2}},
-                                     "pbt": {"interval_epochs": 1, "quantile": 0.25, "resample_probability": 0.0}})
+    config = TuningConfig.from_dict(
+        {
+            **SEARCH,
+            "algorithm": "pbt",
+            "num_trials": 4,
+            "base": {**SEARCH["base"], "loop": {"epochs": 2}},
+            "pbt": {"interval_epochs": 1, "quantile": 0.25, "resample_probability": 0.0},
+        }
+    )
     trials = [Trial(trial_id=i, params=p) for i, p in enumerate(tuning.initial_params(config))]
     state = SearchState(round_index=0, trials=trials, tracking_uri="sqlite:///m.db", parent_run_id="parent")
     assert [s.config.loop.stop_at_epoch for s in plan_round(config, state)] == [1, 1, 1, 1]
     accuracies = [0.5, 0.9, 0.2, 0.7]
-    state = record_round(config=config, state=state, trial_ids=[0, 1, 2, 3],
-                         models=[_trained(tmp_path, i, 1, a) for i, a in enumerate(accuracies)])
+    state = record_round(
+        config=config,
+        state=state,
+        trial_ids=[0, 1, 2, 3],
+        models=[_trained(tmp_path, i, 1, a) for i, a in enumerate(accuracies)],
+    )
     loser, winner = state.trials[2], state.trials[1]
     assert loser.lineage == [1] and all(not t.lineage for t in state.trials if t.trial_id != 2)
     assert loser.checkpoint.path == winner.checkpoint.path and loser.mlflow_run_id == ""
     ratio = float(loser.params["optimizer.lr"]) / float(winner.params["optimizer.lr"])
     assert ratio == pytest.approx(0.8, rel=1e-3) or ratio == pytest.approx(1.25, rel=1e-3)
     assert {k: v for k, v in loser.params.items() if k in ("optimizer.name", "loop.batch_size")} == {
-        k: v for k, v in winner.params.items() if k in ("optimizer.name", "loop.batch_size")}
+        k: v for k, v in winner.params.items() if k in ("optimizer.name", "loop.batch_size")
+    }
     plan = {s.trial_id: s for s in plan_round(config, state)}
     assert len(plan) == 4 and all(s.config.loop.stop_at_epoch == 0 for s in plan.values())  # round 2 ends at the budget
     assert plan[2].resume_from.path == winner.checkpoint.path and plan[2].config.tracking.run_id == ""
@@ -242,8 +319,20 @@ def test_bayesian_round_two_is_what_tpe_suggests_from_round_one(tmp_path):
     config = TuningConfig.from_dict({**SEARCH, "algorithm": "bayesian", "num_trials": 5, "bayesian": {"num_rounds": 2}})
     first = tuning.initial_params(config)
     assert len(first) == 3  # 5 trials over 2 rounds: 3 then 2
-    state = SearchState(round_index=0, trials=[Trial(trial_id=i, params=p) for i, p in enumerate(first)], tracking_uri="sqlite:///m.db", parent_run_id="p")
-    state = record_round(config=config, state=state, trial_ids=[0, 1, 2], models=[_trained(tmp_path, i, 4, 0.3 * (i + 1)) for i in range(3)])
-    expected = tuning.suggest(config, finished=[(p, 0.3 * (i + 1)) for i, p in enumerate(first)], count=2, round_index=1)
+    state = SearchState(
+        round_index=0,
+        trials=[Trial(trial_id=i, params=p) for i, p in enumerate(first)],
+        tracking_uri="sqlite:///m.db",
+        parent_run_id="p",
+    )
+    state = record_round(
+        config=config,
+        state=state,
+        trial_ids=[0, 1, 2],
+        models=[_trained(tmp_path, i, 4, 0.3 * (i + 1)) for i in range(3)],
+    )
+    expected = tuning.suggest(
+        config, finished=[(p, 0.3 * (i + 1)) for i, p in enumerate(first)], count=2, round_index=1
+    )
     assert [t.params for t in state.trials[3:]] == expected
     assert [s.trial_id for s in plan_round(config, state)] == [3, 4], "only the new trials train in round 2"

@@ -25,6 +25,7 @@ def chromium_installed() -> None:
     if CHROMIUM is None:
         pytest.fail("Debian's chromium is not installed: run `make system-packages` (make test does)", pytrace=False)
 
+
 WINDOW_WIDTH_PX = 1200
 STEPS_PER_EPOCH, EPOCHS, LOG_EVERY_STEPS = 19, 5, 5
 TRAINING_SECTIONS = ["summary", "loss", "accuracy", "learning-rate", "throughput", "gpu", "cost"]
@@ -42,10 +43,16 @@ def _step_log(*, timed: bool = True) -> list[dict[str, float]]:
     for step in range(LOG_EVERY_STEPS, total + 1, LOG_EVERY_STEPS):
         progress = step / total
         record = {
-            "step": float(step), "train_loss": 2.3 * math.exp(-4 * progress) + 0.04,
-            "train_accuracy": 1 - 0.9 * math.exp(-5 * progress), "lr": 0.01 * 0.5 * (1 + math.cos(math.pi * progress)),
-            "grad_norm": 3 * math.exp(-2 * progress), "samples_per_s": 880 + 60 * math.sin(step / 7),
-            "step_time_s": 0.073, "data_wait_s": 0.002, "allreduce_fraction": 0.21, "epoch": float(step // STEPS_PER_EPOCH),
+            "step": float(step),
+            "train_loss": 2.3 * math.exp(-4 * progress) + 0.04,
+            "train_accuracy": 1 - 0.9 * math.exp(-5 * progress),
+            "lr": 0.01 * 0.5 * (1 + math.cos(math.pi * progress)),
+            "grad_norm": 3 * math.exp(-2 * progress),
+            "samples_per_s": 880 + 60 * math.sin(step / 7),
+            "step_time_s": 0.073,
+            "data_wait_s": 0.002,
+            "allreduce_fraction": 0.21,
+            "epoch": float(step // STEPS_PER_EPOCH),
         }
         if timed:
             record["elapsed_s"] = step * 0.073 + 1.5 * (step // STEPS_PER_EPOCH)
@@ -56,10 +63,15 @@ def _step_log(*, timed: bool = True) -> list[dict[str, float]]:
 def _history() -> list[dict[str, float]]:
     return [
         {
-            "epoch": float(e), "global_step": float(e * STEPS_PER_EPOCH), "train_loss": 2.3 * math.exp(-0.8 * e),
-            "train_accuracy": 1 - 0.9 * math.exp(-e), "val_loss": 2.2 * math.exp(-0.75 * e) + 0.06,
-            "val_accuracy": 1 - 0.85 * math.exp(-e) - 0.01, "lr": 0.01 * 0.5 * (1 + math.cos(math.pi * e / EPOCHS)),
-            "samples_per_s": 870.0, "steady_samples_per_s": 905.0,
+            "epoch": float(e),
+            "global_step": float(e * STEPS_PER_EPOCH),
+            "train_loss": 2.3 * math.exp(-0.8 * e),
+            "train_accuracy": 1 - 0.9 * math.exp(-e),
+            "val_loss": 2.2 * math.exp(-0.75 * e) + 0.06,
+            "val_accuracy": 1 - 0.85 * math.exp(-e) - 0.01,
+            "lr": 0.01 * 0.5 * (1 + math.cos(math.pi * e / EPOCHS)),
+            "samples_per_s": 870.0,
+            "steady_samples_per_s": 905.0,
         }
         for e in range(1, EPOCHS + 1)
     ]
@@ -70,7 +82,11 @@ def _telemetry(*, num_gpus: int) -> dict:
     samples = []
     for i in range(12):
         elapsed_s = 2.0 * i
-        sample = {"elapsed_s": elapsed_s, "cpu_utilization": min(1.0, 0.35 + 0.05 * i), "memory_used_bytes": (6 + 0.1 * i) * 2**30}
+        sample = {
+            "elapsed_s": elapsed_s,
+            "cpu_utilization": min(1.0, 0.35 + 0.05 * i),
+            "memory_used_bytes": (6 + 0.1 * i) * 2**30,
+        }
         if num_gpus:
             sample["gpu_utilization"] = {str(g): min(1.0, 0.2 + 0.07 * i + 0.05 * g) for g in range(num_gpus)}
             sample["gpu_memory_used_bytes"] = {str(g): (2 + 0.2 * i + g) * 2**30 for g in range(num_gpus)}
@@ -79,18 +95,31 @@ def _telemetry(*, num_gpus: int) -> dict:
     gpu_hours, cpu_hours = num_gpus * hours, 4 * hours
     return {
         "samples": samples,
-        "cost": {"gpu_hours": gpu_hours, "cpu_hours": cpu_hours, "gpu_hour_usd": 2.5, "cpu_hour_usd": 0.05,
-                 "cost_usd": gpu_hours * 2.5 + cpu_hours * 0.05},
+        "cost": {
+            "gpu_hours": gpu_hours,
+            "cpu_hours": cpu_hours,
+            "gpu_hour_usd": 2.5,
+            "cpu_hour_usd": 0.05,
+            "cost_usd": gpu_hours * 2.5 + cpu_hours * 0.05,
+        },
     }
 
 
 def _training_sections(*, num_gpus: int, timed: bool = True, telemetry: dict | None = None) -> list[str]:
     from tasks import reports
 
-    summary = [("model", "resnet18"), ("epochs", EPOCHS), ("optimizer steps", STEPS_PER_EPOCH * EPOCHS), ("workers", 2),
-               ("final val accuracy", 0.9712), ("throughput (samples/s)", 905.0)]
+    summary = [
+        ("model", "resnet18"),
+        ("epochs", EPOCHS),
+        ("optimizer steps", STEPS_PER_EPOCH * EPOCHS),
+        ("workers", 2),
+        ("final val accuracy", 0.9712),
+        ("throughput (samples/s)", 905.0),
+    ]
     return reports.training_sections(
-        summary=summary, history=_history(), step_log=_step_log(timed=timed),
+        summary=summary,
+        history=_history(),
+        step_log=_step_log(timed=timed),
         telemetry=_telemetry(num_gpus=num_gpus) if telemetry is None else telemetry,
     )
 
@@ -105,8 +134,15 @@ def _eval_report():
             predicted = true if rng.random() < 0.96 else rng.randrange(10)
             confusion[true][predicted] += 1
     correct = sum(confusion[c][c] for c in range(10))
-    return EvalReport(split="test", num_samples=359, loss=0.121, accuracy=correct / 359, top5_accuracy=0.9972,
-                      confusion=confusion, classes=DIGITS)
+    return EvalReport(
+        split="test",
+        num_samples=359,
+        loss=0.121,
+        accuracy=correct / 359,
+        top5_accuracy=0.9972,
+        confusion=confusion,
+        classes=DIGITS,
+    )
 
 
 def _tuning_sections() -> list[str]:
@@ -120,8 +156,17 @@ def _tuning_sections() -> list[str]:
     for trial_id, (reach, final) in enumerate([(1, 0.61), (2, 0.83), (4, 0.97), (1, 0.55), (2, 0.88), (1, 0.7)]):
         epochs = [e for e in (1, 2, 4) if e <= reach]
         scores = [final - 0.08 * (len(epochs) - 1 - i) for i in range(len(epochs))]
-        trials.append(Trial(trial_id=trial_id, params=sample(config.search_space, rng), status="finished",
-                            epochs_trained=reach, epochs_used=reach, scores=scores, score_epochs=epochs))
+        trials.append(
+            Trial(
+                trial_id=trial_id,
+                params=sample(config.search_space, rng),
+                status="finished",
+                epochs_trained=reach,
+                epochs_used=reach,
+                scores=scores,
+                score_epochs=epochs,
+            )
+        )
     return report_sections(config, trials, frame=trial_table(config, trials), parent_run_id="0123456789abcdef")
 
 
@@ -131,8 +176,15 @@ def _scaling_sections() -> list[str]:
 
     measured = {("ray", 1): 520.0, ("ray", 2): 800.0, ("torch", 1): 540.0, ("torch", 2): 990.0}
     points = [
-        ScalingPoint(model="small_cnn", num_workers=n, launcher=launcher, samples_per_s=v, step_time_p50_s=64 * n / v,
-                     step_time_p95_s=1.2 * 64 * n / v, allreduce_fraction=0.0 if n == 1 else 0.18)
+        ScalingPoint(
+            model="small_cnn",
+            num_workers=n,
+            launcher=launcher,
+            samples_per_s=v,
+            step_time_p50_s=64 * n / v,
+            step_time_p95_s=1.2 * 64 * n / v,
+            allreduce_fraction=0.0 if n == 1 else 0.18,
+        )
         for (launcher, n), v in measured.items()
     ]
     return report_sections(efficiency_table(points))
@@ -173,9 +225,18 @@ def _chromium(tmp_path: Path, page: Path, *args: str) -> subprocess.CompletedPro
     home = tmp_path / "chromium-home"
     home.mkdir(exist_ok=True)
     command = [
-        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}", *args, page.as_uri(),
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--hide-scrollbars",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+        *args,
+        page.as_uri(),
     ]
     env = dict(os.environ, HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_CACHE_HOME=str(home / ".cache"))
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
@@ -211,11 +272,13 @@ def _assert_plots_are_pngs(page: _Page, *, count: int) -> None:
     prefix = "data:image/png;base64,"
     assert len(page.images) == count and all(src.startswith(prefix) for src in page.images)
     for src in page.images:
-        with Image.open(io.BytesIO(base64.b64decode(src[len(prefix):]))) as image:
+        with Image.open(io.BytesIO(base64.b64decode(src[len(prefix) :]))) as image:
             assert image.format == "PNG" and image.width > 300 and image.height > 150
 
 
-def _assert_rendered(tmp_path: Path, title: str, sections: list[str], *, expected_ids: list[str], plots: int, height_px: int) -> _Page:
+def _assert_rendered(
+    tmp_path: Path, title: str, sections: list[str], *, expected_ids: list[str], plots: int, height_px: int
+) -> _Page:
     """Write the page, check its sections and plots, and have Chromium show it: a DOM with the same sections,
     and a screenshot of the requested size that is not blank."""
     path = _write_page(tmp_path, title, sections)
@@ -256,8 +319,22 @@ def test_evaluation_report_renders_in_chromium_with_headline_metrics_confusion_h
 
 @needs_chromium
 def test_tuning_and_scaling_reports_render_in_chromium_with_their_tables_and_plots(tmp_path):
-    _assert_rendered(tmp_path, "Tuning report", _tuning_sections(), expected_ids=["best", "curves", "trials"], plots=1, height_px=1100)
-    _assert_rendered(tmp_path, "Scaling report", _scaling_sections(), expected_ids=["method", "results", "plots"], plots=1, height_px=900)
+    _assert_rendered(
+        tmp_path,
+        "Tuning report",
+        _tuning_sections(),
+        expected_ids=["best", "curves", "trials"],
+        plots=1,
+        height_px=1100,
+    )
+    _assert_rendered(
+        tmp_path,
+        "Scaling report",
+        _scaling_sections(),
+        expected_ids=["method", "results", "plots"],
+        plots=1,
+        height_px=900,
+    )
 
 
 def test_without_gpu_samples_the_training_report_says_no_gpu_was_present_and_plots_host_cpu_instead():
@@ -279,8 +356,10 @@ def test_no_report_or_deck_fetches_anything_from_the_network():
     from tasks import reports
 
     bodies = {
-        "training": _training_sections(num_gpus=1), "evaluation": reports.evaluation_sections(_eval_report()),
-        "tuning": _tuning_sections(), "scaling": _scaling_sections(),
+        "training": _training_sections(num_gpus=1),
+        "evaluation": reports.evaluation_sections(_eval_report()),
+        "tuning": _tuning_sections(),
+        "scaling": _scaling_sections(),
     }
     for name, sections in bodies.items():
         for html_text in (reports.page(name, sections), reports.deck(sections, marker="/raw/abc/report.html")):

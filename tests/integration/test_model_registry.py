@@ -30,10 +30,23 @@ def mlflow_server(tmp_path_factory):
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     process = subprocess.Popen(
         [
-            str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-            "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts"),
+            str(VENV_BIN / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(root / "artifacts"),
         ],
-        env=env, stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"), start_new_session=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(root / "server.log", "w"),
+        start_new_session=True,
     )
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
@@ -72,7 +85,13 @@ def _logged_model(uri: str) -> tuple[str, str]:
     with torch.no_grad():
         output = model(torch.from_numpy(example)).numpy()
     with mlflow.start_run() as run:
-        info = mlflow.pytorch.log_model(model, name="model", signature=infer_signature(example, output), input_example=example, pip_requirements=["torch"])
+        info = mlflow.pytorch.log_model(
+            model,
+            name="model",
+            signature=infer_signature(example, output),
+            input_example=example,
+            pip_requirements=["torch"],
+        )
     return info.model_uri, run.info.run_id
 
 

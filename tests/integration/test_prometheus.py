@@ -34,7 +34,10 @@ SELECTOR = f'job="{PUSHGATEWAY_JOB}",execution="{EXECUTION}",node="n-train",atte
 def _prometheus_installed() -> None:
     """`make test` installs both when missing: without them these tests fail, they do not skip."""
     if not (shutil.which("prometheus") and shutil.which("prometheus-pushgateway")):
-        pytest.fail("needs Debian's prometheus and prometheus-pushgateway: run `make system-packages` (make test does)", pytrace=False)
+        pytest.fail(
+            "needs Debian's prometheus and prometheus-pushgateway: run `make system-packages` (make test does)",
+            pytrace=False,
+        )
 
 
 def _free_port() -> int:
@@ -74,8 +77,13 @@ def prometheus_stack(session_root: Path, request):
     gateway_port, prometheus_port = _free_port(), _free_port()
     gateway_log = root / "pushgateway.log"
     gateway = subprocess.Popen(
-        ["prometheus-pushgateway", f"--web.listen-address=127.0.0.1:{gateway_port}", f"--persistence.file={root / 'pushgateway.data'}"],
-        stdout=gateway_log.open("w"), stderr=subprocess.STDOUT,
+        [
+            "prometheus-pushgateway",
+            f"--web.listen-address=127.0.0.1:{gateway_port}",
+            f"--persistence.file={root / 'pushgateway.data'}",
+        ],
+        stdout=gateway_log.open("w"),
+        stderr=subprocess.STDOUT,
     )
     request.addfinalizer(lambda: _stop(gateway))
     _wait_ready(f"http://127.0.0.1:{gateway_port}/-/ready", gateway, gateway_log)
@@ -84,15 +92,19 @@ def prometheus_stack(session_root: Path, request):
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         f"rule_files: ['{REPO_ROOT / 'dashboards' / 'alerts.rules.yml'}']\n"
         "scrape_configs:\n"
-        f"  - job_name: pushgateway\n    honor_labels: true\n    static_configs: [{{targets: ['127.0.0.1:{gateway_port}']}}]\n"
+        "  - job_name: pushgateway\n    honor_labels: true\n    static_configs: "
+        f"[{{targets: ['127.0.0.1:{gateway_port}']}}]\n"
     )
     prometheus_log = root / "prometheus.log"
     prometheus = subprocess.Popen(
         [
-            "prometheus", f"--config.file={config}", f"--storage.tsdb.path={root / 'tsdb'}",
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={root / 'tsdb'}",
             f"--web.listen-address=127.0.0.1:{prometheus_port}",
         ],
-        stdout=prometheus_log.open("w"), stderr=subprocess.STDOUT,
+        stdout=prometheus_log.open("w"),
+        stderr=subprocess.STDOUT,
     )
     request.addfinalizer(lambda: _stop(prometheus))
     _wait_ready(f"http://127.0.0.1:{prometheus_port}/-/ready", prometheus, prometheus_log)
@@ -121,19 +133,32 @@ def pushed_run(prometheus_stack, ray_session, tmp_path_factory) -> dict:
     tmp_path = tmp_path_factory.mktemp("pushed-run")
     data_dir = str(tmp_path / "data")
     prepare(DataConfig(dataset="synthetic", synthetic_num_samples=512, synthetic_image_size=8, num_shards=2), data_dir)
-    cfg = TrainingConfig.from_dict({
-        "data": {"dataset": "synthetic", "synthetic_num_samples": 512, "synthetic_image_size": 8, "num_shards": 2},
-        "model": {"name": "small_cnn"},
-        "loop": {"epochs": 1, "batch_size": 16, "log_interval_steps": 2},
-        "schedule": {"warmup_steps": 1},
-        "checkpoint": {"interval_steps": 4},
-        "observability": {"pushgateway_url": prometheus_stack["pushgateway"], "push_interval_s": 1.0, "sample_interval_s": 0.5},
-    })
-    tracking_uri, run_id = tracking.create_run(TrackingConfig(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db"), run_name="prometheus-it")
+    cfg = TrainingConfig.from_dict(
+        {
+            "data": {"dataset": "synthetic", "synthetic_num_samples": 512, "synthetic_image_size": 8, "num_shards": 2},
+            "model": {"name": "small_cnn"},
+            "loop": {"epochs": 1, "batch_size": 16, "log_interval_steps": 2},
+            "schedule": {"warmup_steps": 1},
+            "checkpoint": {"interval_steps": 4},
+            "observability": {
+                "pushgateway_url": prometheus_stack["pushgateway"],
+                "push_interval_s": 1.0,
+                "sample_interval_s": 0.5,
+            },
+        }
+    )
+    tracking_uri, run_id = tracking.create_run(
+        TrackingConfig(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db"), run_name="prometheus-it"
+    )
     started_unix = time.time()
     result = fit(
-        cfg, data_dir=data_dir, checkpoint_dir=str(tmp_path / "final"), run_name="prometheus-it",
-        storage_path=str(tmp_path / "ray"), job_labels=JOB, mlflow_run=MlflowRun(tracking_uri=tracking_uri, run_id=run_id),
+        cfg,
+        data_dir=data_dir,
+        checkpoint_dir=str(tmp_path / "final"),
+        run_name="prometheus-it",
+        storage_path=str(tmp_path / "ray"),
+        job_labels=JOB,
+        mlflow_run=MlflowRun(tracking_uri=tracking_uri, run_id=run_id),
     )
     prometheus = prometheus_stack["prometheus"]
     # The final push lands in the Pushgateway at once; Prometheus has it after its next scrape.
@@ -142,13 +167,18 @@ def pushed_run(prometheus_stack, ray_session, tmp_path_factory) -> dict:
         assert time.monotonic() < deadline, _query(prometheus, f"training_run_finished{{{SELECTOR}}}")
         time.sleep(0.5)
     return {
-        "result": result, "data_dir": data_dir, "tracking_uri": tracking_uri, "run_id": run_id,
-        "started_unix": started_unix, "finished_unix": time.time(),
+        "result": result,
+        "data_dir": data_dir,
+        "tracking_uri": tracking_uri,
+        "run_id": run_id,
+        "started_unix": started_unix,
+        "finished_unix": time.time(),
     }
 
 
 def test_a_two_worker_run_pushes_step_checkpoint_and_host_metrics_that_prometheus_serves_with_the_execution_labels(
-    prometheus_stack, pushed_run,
+    prometheus_stack,
+    pushed_run,
 ):
     from mlflow.tracking import MlflowClient
 
@@ -179,7 +209,11 @@ def test_a_two_worker_run_pushes_step_checkpoint_and_host_metrics_that_prometheu
     assert _by_rank(prometheus, f"training_checkpoint_save_duration_seconds_count{{{selector}}}")["0"] == saves["0"]
 
     assert _by_rank(prometheus, f"training_gpus{{{selector}}}") == {"0": 0, "1": 0}
-    for name in ("training_host_cpu_utilization_ratio", "training_host_memory_used_bytes", "training_host_network_received_bytes_total"):
+    for name in (
+        "training_host_cpu_utilization_ratio",
+        "training_host_memory_used_bytes",
+        "training_host_network_received_bytes_total",
+    ):
         assert set(_by_rank(prometheus, f"{name}{{{selector}}}")) == both, name
     cost_usd = _by_rank(prometheus, f"training_job_cost_usd{{{selector}}}")["0"]
     assert cost_usd > 0
@@ -193,7 +227,9 @@ def test_a_two_worker_run_pushes_step_checkpoint_and_host_metrics_that_prometheu
     # Rank 0 sent the same samples to MLflow's System Metrics, under MLflow's names, and the cost at the end.
     client = MlflowClient(tracking_uri)
     logged = client.get_run(run_id).data.metrics
-    assert logged["cost_usd"] == pytest.approx(cost_usd, rel=1e-9) and logged["cpu_hours"] > 0 and logged["gpu_hours"] == 0
+    assert (
+        logged["cost_usd"] == pytest.approx(cost_usd, rel=1e-9) and logged["cpu_hours"] > 0 and logged["gpu_hours"] == 0
+    )
     cpu_history = client.get_metric_history(run_id, "system/cpu_utilization_percentage")
     assert len(cpu_history) >= 2
     host_cpu = _by_rank(prometheus, f'training_host_cpu_utilization_ratio{{{selector},rank="0"}}')["0"]
@@ -217,16 +253,29 @@ def _dashboard_queries() -> list[tuple[str, str, str]]:
 
 def _as_grafana_would(expr: str) -> str:
     """The query Grafana sends with this run selected in the variables and a 1-minute rate window."""
-    return (expr.replace("$execution", EXECUTION).replace("$model", ".*").replace("$rank", ".*")
-            .replace("$__rate_interval", "1m"))
+    return (
+        expr.replace("$execution", EXECUTION)
+        .replace("$model", ".*")
+        .replace("$rank", ".*")
+        .replace("$__rate_interval", "1m")
+    )
 
 
-def test_every_dashboard_query_and_alert_rule_evaluates_on_the_pushed_run_and_no_alert_fires_for_it(prometheus_stack, pushed_run):
+def test_every_dashboard_query_and_alert_rule_evaluates_on_the_pushed_run_and_no_alert_fires_for_it(
+    prometheus_stack, pushed_run
+):
     prometheus = prometheus_stack["prometheus"]
     # A moment while both ranks were pushing and not yet finished, as a dashboard opened mid-run would see.
     both_running = f"count(training_run_finished{{{SELECTOR}}} == 0) == 2"
-    params = {"query": both_running, "start": f"{pushed_run['started_unix']:.3f}", "end": f"{pushed_run['finished_unix']:.3f}", "step": "0.5"}
-    body = json.loads(urllib.request.urlopen(f"{prometheus}/api/v1/query_range?{urllib.parse.urlencode(params)}", timeout=5).read())
+    params = {
+        "query": both_running,
+        "start": f"{pushed_run['started_unix']:.3f}",
+        "end": f"{pushed_run['finished_unix']:.3f}",
+        "step": "0.5",
+    }
+    body = json.loads(
+        urllib.request.urlopen(f"{prometheus}/api/v1/query_range?{urllib.parse.urlencode(params)}", timeout=5).read()
+    )
     assert body["status"] == "success" and body["data"]["result"], f"Prometheus never saw both ranks running: {body}"
     mid_run_unix = float(body["data"]["result"][0]["values"][-1][0])
 
@@ -263,7 +312,9 @@ def test_every_dashboard_query_and_alert_rule_evaluates_on_the_pushed_run_and_no
     rules = yaml.safe_load((REPO_ROOT / "dashboards" / "alerts.rules.yml").read_text())
     alert_names = {rule["alert"] for group in rules["groups"] for rule in group["rules"] if "alert" in rule}
     assert len(alert_names) == 8
-    loaded = json.loads(urllib.request.urlopen(f"{prometheus}/api/v1/rules?type=alert", timeout=5).read())["data"]["groups"]
+    loaded = json.loads(urllib.request.urlopen(f"{prometheus}/api/v1/rules?type=alert", timeout=5).read())["data"][
+        "groups"
+    ]
     evaluated = {rule["name"]: rule for group in loaded for rule in group["rules"]}
     assert set(evaluated) == alert_names
     for name, rule in evaluated.items():
@@ -272,7 +323,9 @@ def test_every_dashboard_query_and_alert_rule_evaluates_on_the_pushed_run_and_no
     assert [a for a in alerts if a["state"] == "firing"] == [], alerts
 
 
-def test_a_cuda_oom_on_an_early_step_is_counted_pushed_unfinished_and_fires_the_oom_alert(prometheus_stack, tmp_path, monkeypatch):
+def test_a_cuda_oom_on_an_early_step_is_counted_pushed_unfinished_and_fires_the_oom_alert(
+    prometheus_stack, tmp_path, monkeypatch
+):
     """The loop's real OOM path, in this process with one gloo rank. There is no GPU here, so the third
     ``train_step`` raises the exception CUDA raises; pushes are a minute apart, so Prometheus first sees the
     counter at 1 in the final push, which only the alert's "new series above zero" branch catches."""
@@ -284,13 +337,15 @@ def test_a_cuda_oom_on_an_early_step_is_counted_pushed_unfinished_and_fires_the_
 
     data_dir = str(tmp_path / "data")
     prepare(DataConfig(dataset="synthetic", synthetic_num_samples=256, synthetic_image_size=8, num_shards=1), data_dir)
-    cfg = TrainingConfig.from_dict({
-        "data": {"dataset": "synthetic", "synthetic_num_samples": 256, "synthetic_image_size": 8, "num_shards": 1},
-        "model": {"name": "small_cnn"},
-        "loop": {"epochs": 1, "batch_size": 16},
-        "scaling": {"num_workers": 1},
-        "observability": {"pushgateway_url": prometheus_stack["pushgateway"], "push_interval_s": 60.0},
-    })
+    cfg = TrainingConfig.from_dict(
+        {
+            "data": {"dataset": "synthetic", "synthetic_num_samples": 256, "synthetic_image_size": 8, "num_shards": 1},
+            "model": {"name": "small_cnn"},
+            "loop": {"epochs": 1, "batch_size": 16},
+            "scaling": {"num_workers": 1},
+            "observability": {"pushgateway_url": prometheus_stack["pushgateway"], "push_interval_s": 60.0},
+        }
+    )
     real_train_step, calls = loop.train_step, []
 
     def train_step_that_runs_out_of_memory(**kwargs):
@@ -301,10 +356,18 @@ def test_a_cuda_oom_on_an_early_step_is_counted_pushed_unfinished_and_fires_the_
 
     monkeypatch.setattr(loop, "train_step", train_step_that_runs_out_of_memory)
     execution = "it-oom-exec"
-    loop_config = worker_loop_config(cfg, data_dir=data_dir, root=str(tmp_path / "ckpt"), run_name="oom", job_labels={"execution": execution})
+    loop_config = worker_loop_config(
+        cfg, data_dir=data_dir, root=str(tmp_path / "ckpt"), run_name="oom", job_labels={"execution": execution}
+    )
     runtime = TorchDistributedRuntime.connect(
-        rank=0, world_size=1, local_rank=0, backend="gloo", init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=60,
-        use_gpu=False, records_path=str(tmp_path / "records.jsonl"),
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        backend="gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        timeout_s=60,
+        use_gpu=False,
+        records_path=str(tmp_path / "records.jsonl"),
     )
     try:
         with pytest.raises(torch.cuda.OutOfMemoryError):
@@ -324,7 +387,11 @@ def test_a_cuda_oom_on_an_early_step_is_counted_pushed_unfinished_and_fires_the_
 
     def oom_alerts() -> list[dict]:
         alerts = json.loads(urllib.request.urlopen(f"{prometheus}/api/v1/alerts", timeout=5).read())["data"]["alerts"]
-        return [a for a in alerts if a["labels"]["alertname"] == "TrainingGpuOutOfMemory" and a["labels"].get("execution") == execution]
+        return [
+            a
+            for a in alerts
+            if a["labels"]["alertname"] == "TrainingGpuOutOfMemory" and a["labels"].get("execution") == execution
+        ]
 
     while not any(a["state"] == "firing" for a in oom_alerts()):
         assert time.monotonic() < deadline, oom_alerts()

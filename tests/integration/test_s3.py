@@ -70,13 +70,26 @@ def _state(step: int):
     from training_core.models import build_model
 
     model = build_model("small_cnn", num_classes=10, input_shape=(1, 8, 8))
-    meta = ckpt.CheckpointMeta(model_name="small_cnn", classes=[str(i) for i in range(10)], input_shape=[1, 8, 8], mean=[0.3], std=[0.2], epoch=0, global_step=step, config=TrainingConfig().to_dict())
+    meta = ckpt.CheckpointMeta(
+        model_name="small_cnn",
+        classes=[str(i) for i in range(10)],
+        input_shape=[1, 8, 8],
+        mean=[0.3],
+        std=[0.2],
+        epoch=0,
+        global_step=step,
+        config=TrainingConfig().to_dict(),
+    )
     return ckpt.snapshot(model=model, meta=meta, torch_rng={"0": {"cpu": torch.get_rng_state()}})
 
 
 def test_a_save_during_an_s3_outage_retries_and_succeeds_once_it_is_back(s3_server, caplog):
     proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
-    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{proxy.port}"}, "config_kwargs": {"retries": {"max_attempts": 1}}, "skip_instance_cache": True}
+    options = {
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{proxy.port}"},
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+        "skip_instance_cache": True,
+    }
     storage = ckpt.CheckpointStorage("s3://flyte/outage-test", storage_options=options, retries=6, retry_wait_s=0.5)
     checkpointer = ckpt.Checkpointer(storage, keep_last=2)
     checkpointer.save(1, _state(1))
@@ -94,12 +107,18 @@ def test_a_save_during_an_s3_outage_retries_and_succeeds_once_it_is_back(s3_serv
 
 def test_a_save_during_a_long_outage_fails_clearly_and_keeps_the_last_valid_checkpoint(s3_server):
     proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
-    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{proxy.port}"}, "config_kwargs": {"retries": {"max_attempts": 1}}, "skip_instance_cache": True}
+    options = {
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{proxy.port}"},
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+        "skip_instance_cache": True,
+    }
     storage = ckpt.CheckpointStorage("s3://flyte/long-outage", storage_options=options, retries=2, retry_wait_s=0.2)
     checkpointer = ckpt.Checkpointer(storage, keep_last=2, async_save=False)
     checkpointer.save(1, _state(1))
     proxy.down()
-    with pytest.raises(ckpt.CheckpointError, match=r"uploading s3://flyte/long-outage/step-000000002/.* failed after 3 attempt"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"uploading s3://flyte/long-outage/step-000000002/.* failed after 3 attempt"
+    ):
         checkpointer.save(2, _state(2))
     proxy.up()
     direct = ckpt.CheckpointStorage("s3://flyte/long-outage")
@@ -107,7 +126,9 @@ def test_a_save_during_a_long_outage_fails_clearly_and_keeps_the_last_valid_chec
 
 
 @pytest.mark.slow
-def test_the_pipeline_runs_with_s3_raw_output_and_its_checkpoints_live_there(ray_address, s3_server, tmp_path, subprocess_env):
+def test_the_pipeline_runs_with_s3_raw_output_and_its_checkpoints_live_there(
+    ray_address, s3_server, tmp_path, subprocess_env
+):
     import s3fs
 
     config = {
@@ -118,8 +139,21 @@ def test_the_pipeline_runs_with_s3_raw_output_and_its_checkpoints_live_there(ray
     }
     env = dict(subprocess_env, RAY_ADDRESS=ray_address)
     result = subprocess.run(
-        [str(VENV_BIN / "pyflyte"), "run", "--raw-output-data-prefix", "s3://flyte/runs", str(REPO_ROOT / "workflows" / "training.py"), "training_pipeline", "--config", json.dumps(config)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+        [
+            str(VENV_BIN / "pyflyte"),
+            "run",
+            "--raw-output-data-prefix",
+            "s3://flyte/runs",
+            str(REPO_ROOT / "workflows" / "training.py"),
+            "training_pipeline",
+            "--config",
+            json.dumps(config),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
@@ -147,6 +181,11 @@ def test_checkpoint_objects_can_be_server_side_encrypted(s3_server):
     ckpt.Checkpointer(storage, keep_last=1, async_save=False).save(1, _state(1))
     client = boto3.client("s3", endpoint_url=s3_server["endpoint"])
     keys = [o["Key"] for o in client.list_objects_v2(Bucket="flyte", Prefix="encrypted/")["Contents"]]
-    assert {k.rsplit("/", 1)[1] for k in keys} == {ckpt.MODEL_FILE, ckpt.TRAINER_STATE_FILE, ckpt.META_FILE, ckpt.MANIFEST_FILE}
+    assert {k.rsplit("/", 1)[1] for k in keys} == {
+        ckpt.MODEL_FILE,
+        ckpt.TRAINER_STATE_FILE,
+        ckpt.META_FILE,
+        ckpt.MANIFEST_FILE,
+    }
     for key in keys:
         assert client.head_object(Bucket="flyte", Key=key)["ServerSideEncryption"] == "AES256", key

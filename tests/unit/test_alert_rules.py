@@ -21,8 +21,14 @@ RUNBOOK_PATH = REPO_ROOT / "deployment" / "runbook.md"
 
 # Other components (the PrometheusRule, docs) refer to these names.
 EXPECTED_ALERTS = {
-    "TrainingWorkerLost", "TrainingWorkerRestarts", "TrainingGpuOutOfMemory", "TrainingStalled",
-    "TrainingCheckpointFailures", "TrainingCommunicationHigh", "TrainingGpuUtilizationLow", "TrainingGpuTemperatureHigh",
+    "TrainingWorkerLost",
+    "TrainingWorkerRestarts",
+    "TrainingGpuOutOfMemory",
+    "TrainingStalled",
+    "TrainingCheckpointFailures",
+    "TrainingCommunicationHigh",
+    "TrainingGpuUtilizationLow",
+    "TrainingGpuTemperatureHigh",
 }
 
 
@@ -34,7 +40,10 @@ def _alerts() -> list[dict]:
 def _promtool() -> str:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.fail("promtool is not on PATH: `make system-packages` (run by make test) installs Debian's prometheus package", pytrace=False)
+        pytest.fail(
+            "promtool is not on PATH: `make system-packages` (run by make test) installs Debian's prometheus package",
+            pytrace=False,
+        )
     return promtool
 
 
@@ -44,19 +53,28 @@ def _github_anchor(heading: str) -> str:
 
 
 def _runbook_sections() -> dict[str, str]:
-    return {_github_anchor(m.group(1)): m.group(1).strip()
-            for m in re.finditer(r"^##\s+(.+)$", RUNBOOK_PATH.read_text(encoding="utf-8"), re.MULTILINE)}
+    return {
+        _github_anchor(m.group(1)): m.group(1).strip()
+        for m in re.finditer(r"^##\s+(.+)$", RUNBOOK_PATH.read_text(encoding="utf-8"), re.MULTILINE)
+    }
 
 
 def test_promtool_check_rules_accepts_the_rule_file() -> None:
-    result = subprocess.run([_promtool(), "check", "rules", str(RULES_PATH)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [_promtool(), "check", "rules", str(RULES_PATH)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(_alerts())} rules found" in result.stdout
 
 
 def test_promtool_unit_tests_of_the_rules_pass() -> None:
-    result = subprocess.run([_promtool(), "test", "rules", RULE_TESTS_PATH.name], cwd=RULE_TESTS_PATH.parent,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [_promtool(), "test", "rules", RULE_TESTS_PATH.name],
+        cwd=RULE_TESTS_PATH.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
 
@@ -80,8 +98,12 @@ def test_every_alert_has_a_firing_and_a_non_firing_unit_test_case() -> None:
                 continue
             firing.add(case["alertname"])
             for alert in expected:
-                assert alert.get("exp_labels", {}).get("severity"), f"{case['alertname']}: firing case without exp_labels"
-                assert set(alert.get("exp_annotations", {})) >= {"summary", "description", "runbook_url"}, case["alertname"]
+                assert alert.get("exp_labels", {}).get("severity"), (
+                    f"{case['alertname']}: firing case without exp_labels"
+                )
+                assert set(alert.get("exp_annotations", {})) >= {"summary", "description", "runbook_url"}, case[
+                    "alertname"
+                ]
     names = {rule["alert"] for rule in _alerts()}
     assert names - firing == set(), "alerts without a firing case"
     assert names - quiet == set(), "alerts without a non-firing case"

@@ -22,22 +22,45 @@ def _trained_objects(seed: int):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     for _ in range(3):
         batch = (torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)))
-        train_step(model=model, optimizer=optimizer, scaler=scaler, micro_batches=[batch], autocast_dtype=None, max_grad_norm=1.0)
+        train_step(
+            model=model,
+            optimizer=optimizer,
+            scaler=scaler,
+            micro_batches=[batch],
+            autocast_dtype=None,
+            max_grad_norm=1.0,
+        )
         scheduler.step()
     return model, optimizer, scheduler, scaler
 
 
 def _meta(global_step: int, metric: float | None = None) -> ckpt.CheckpointMeta:
     return ckpt.CheckpointMeta(
-        model_name="small_cnn", classes=[str(i) for i in range(10)], input_shape=[1, 8, 8], mean=[0.3], std=[0.2],
-        epoch=1, step_in_epoch=2, global_step=global_step, config=TrainingConfig().to_dict(), metric=metric,
-        history=[{"epoch": 1.0, "val_accuracy": 0.5}], epoch_partial={"loss": 1.5, "correct": 3.0, "samples": 8.0, "time_s": 0.1},
+        model_name="small_cnn",
+        classes=[str(i) for i in range(10)],
+        input_shape=[1, 8, 8],
+        mean=[0.3],
+        std=[0.2],
+        epoch=1,
+        step_in_epoch=2,
+        global_step=global_step,
+        config=TrainingConfig().to_dict(),
+        metric=metric,
+        history=[{"epoch": 1.0, "val_accuracy": 0.5}],
+        epoch_partial={"loss": 1.5, "correct": 3.0, "samples": 8.0, "time_s": 0.1},
     )
 
 
 def _state(global_step: int, seed: int = 0, metric: float | None = None):
     model, optimizer, scheduler, scaler = _trained_objects(seed)
-    return ckpt.snapshot(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, meta=_meta(global_step, metric), torch_rng={"0": {"cpu": torch.get_rng_state()}})
+    return ckpt.snapshot(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        meta=_meta(global_step, metric),
+        torch_rng={"0": {"cpu": torch.get_rng_state()}},
+    )
 
 
 def test_save_then_load_restores_every_stateful_object_exactly(tmp_path):
@@ -53,7 +76,9 @@ def test_save_then_load_restores_every_stateful_object_exactly(tmp_path):
     ckpt.restore(loaded, model=other_model, optimizer=other_optimizer, scheduler=other_scheduler, scaler=other_scaler)
     for a, b in zip(model.state_dict().values(), other_model.state_dict().values()):
         assert torch.equal(a, b)
-    for state_a, state_b in zip(optimizer.state_dict()["state"].values(), other_optimizer.state_dict()["state"].values()):
+    for state_a, state_b in zip(
+        optimizer.state_dict()["state"].values(), other_optimizer.state_dict()["state"].values()
+    ):
         for key in state_a:
             assert torch.equal(torch.as_tensor(state_a[key]), torch.as_tensor(state_b[key]))
     assert other_scheduler.state_dict() == scheduler.state_dict()
@@ -117,9 +142,13 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one_with_a_warni
     with caplog.at_level(logging.WARNING, logger="training_core"):
         loaded = ckpt.load_latest_valid(ckpt.CheckpointStorage(str(tmp_path)))
     assert loaded.name == "step-000000010"
-    reason = {"truncate": "is truncated", "flip-byte": "is corrupt: sha256", "no-manifest": "no readable manifest.json"}[damage]
+    reason = {
+        "truncate": "is truncated",
+        "flip-byte": "is corrupt: sha256",
+        "no-manifest": "no readable manifest.json",
+    }[damage]
     assert f"skipping checkpoint {latest}" in caplog.text and reason in caplog.text
-    assert f"instead of the newer step-000000020" in caplog.text
+    assert "instead of the newer step-000000020" in caplog.text
 
 
 def test_retention_keeps_the_last_k_and_the_best_and_never_a_half_written_one(tmp_path):
@@ -137,14 +166,19 @@ def test_disk_full_keeps_the_previous_checkpoint_and_reports_the_error(tmp_path,
     root = tmp_path / "small-disk"
     root.mkdir()
     # A real full filesystem: a 512 KiB tmpfs that one checkpoint (~350 KB) fits and two do not.
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(root)], capture_output=True).returncode == 0
+    mounted = (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(root)], capture_output=True).returncode
+        == 0
+    )
     storage = ckpt.CheckpointStorage(str(root))
     if not mounted:  # not root: a storage whose writes hit ENOSPC after the first checkpoint
         original = storage.write
 
         def write_until_full(name, files, manifest):
             if storage.list_steps():
-                raise ckpt.CheckpointError(f"writing checkpoint {storage.uri(name)} failed: [Errno 28] No space left on device")
+                raise ckpt.CheckpointError(
+                    f"writing checkpoint {storage.uri(name)} failed: [Errno 28] No space left on device"
+                )
             original(name, files, manifest)
 
         storage.write = write_until_full
@@ -154,7 +188,9 @@ def test_disk_full_keeps_the_previous_checkpoint_and_reports_the_error(tmp_path,
         checkpointer.save(2, _state(2))  # fails in the background ...
         with caplog.at_level(logging.ERROR, logger="training_core"):
             checkpointer.save(3, _state(3))  # ... is reported, tolerated once, and this one fails too
-            with pytest.raises(ckpt.CheckpointError, match="2 checkpoint saves in a row failed.*No space left on device"):
+            with pytest.raises(
+                ckpt.CheckpointError, match="2 checkpoint saves in a row failed.*No space left on device"
+            ):
                 checkpointer.save(4, _state(4))
         assert "checkpoint save of step 2 failed" in caplog.text and "No space left on device" in caplog.text
         assert checkpointer.num_failed == 2
@@ -184,7 +220,10 @@ def test_storage_retries_a_transient_error_then_succeeds(tmp_path, caplog):
 
 
 def test_checkpoint_settings_are_validated():
-    with pytest.raises(ValueError, match="checkpoint.at_epoch_end=False is invalid: with checkpoint.interval_steps=0 nothing would be saved"):
+    with pytest.raises(
+        ValueError,
+        match="checkpoint.at_epoch_end=False is invalid: with checkpoint.interval_steps=0 nothing would be saved",
+    ):
         CheckpointConfig(interval_steps=0, at_epoch_end=False)
     with pytest.raises(ValueError, match="checkpoint.s3_server_side_encryption='DES'"):
         CheckpointConfig(s3_server_side_encryption="DES")

@@ -74,5 +74,7 @@ def test_every_field_has_a_docstring():
             for index, item in enumerate(body):
                 if isinstance(item, ast.AnnAssign):
                     following = body[index + 1] if index + 1 < len(body) else None
-                    documented = isinstance(following, ast.Expr) and isinstance(getattr(following, "value", None), ast.Constant)
+                    documented = isinstance(following, ast.Expr) and isinstance(
+                        getattr(following, "value", None), ast.Constant
+                    )
                     assert documented, f"{node.name}.{item.target.id} has no docstring"

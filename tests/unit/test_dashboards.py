@@ -20,15 +20,34 @@ DASHBOARD_DIR = Path(build.__file__).resolve().parent
 
 EXPECTED_ROWS = {
     "Cluster overview": ["Workers up", "GPUs in use", "Running jobs", "World size"],
-    "GPU metrics per GPU": ["GPU utilisation", "GPU memory used vs total", "GPU temperature", "GPU power",
-                            "GPU clock throttling", "GPU XID errors"],
+    "GPU metrics per GPU": [
+        "GPU utilisation",
+        "GPU memory used vs total",
+        "GPU temperature",
+        "GPU power",
+        "GPU clock throttling",
+        "GPU XID errors",
+    ],
     "Training progress": ["Loss", "Accuracy", "Throughput", "Learning rate", "Gradient norm", "Epoch and global step"],
-    "Communication and data wait": ["Communication share of step time", "Data wait share of step time",
-                                    "All-reduce and data wait seconds per second", "Step duration p50 / p95"],
-    "Checkpoints, system health and cost": ["Job cost", "GPU-hours", "CPU-hours", "Checkpoint save duration p50 / p95",
-                                            "Checkpoint saves and failures", "Checkpoint bytes written",
-                                            "Worker restarts and GPU OOMs", "Host CPU", "Host memory used vs total",
-                                            "Host network", "Host disk"],
+    "Communication and data wait": [
+        "Communication share of step time",
+        "Data wait share of step time",
+        "All-reduce and data wait seconds per second",
+        "Step duration p50 / p95",
+    ],
+    "Checkpoints, system health and cost": [
+        "Job cost",
+        "GPU-hours",
+        "CPU-hours",
+        "Checkpoint save duration p50 / p95",
+        "Checkpoint saves and failures",
+        "Checkpoint bytes written",
+        "Worker restarts and GPU OOMs",
+        "Host CPU",
+        "Host memory used vs total",
+        "Host network",
+        "Host disk",
+    ],
 }
 
 
@@ -54,14 +73,17 @@ def _panel_queries(board: dict) -> list[tuple[str, str]]:
 
 
 def _variable_queries(board: dict) -> list[tuple[str, str]]:
-    return [(variable["name"], variable["query"]) for variable in board["templating"]["list"] if variable["type"] == "query"]
+    return [
+        (variable["name"], variable["query"]) for variable in board["templating"]["list"] if variable["type"] == "query"
+    ]
 
 
 def test_committed_dashboard_json_is_exactly_what_the_builder_generates() -> None:
     for path, text in build.rendered_dashboards().items():
         assert path.exists(), f"{path} is missing: run `{build.REGENERATE_COMMAND}` and commit it"
         assert path.read_text(encoding="utf-8") == text, (
-            f"{path.name} differs from what dashboards/build.py generates: run `{build.REGENERATE_COMMAND}` and commit it"
+            f"{path.name} differs from what dashboards/build.py generates: run `{build.REGENERATE_COMMAND}` and "
+            "commit it"
         )
 
 
@@ -90,22 +112,41 @@ def test_check_mode_fails_on_a_stale_file_and_a_regeneration_fixes_it(tmp_path, 
 @pytest.mark.parametrize(
     ("expr", "expected"),
     [
-        ('histogram_quantile(0.95, sum by (le, rank) (rate(training_step_duration_seconds_bucket{execution=~"$execution"}[$__rate_interval])))',
-         {"training_step_duration_seconds_bucket"}),
-        ('sum(a_total{path="x{y}", le="0.5"}) without (gpu) / on(execution) group_left(model) b_bytes offset 1h30m > 1e3',
-         {"a_total", "b_bytes"}),
-        ('time() - last_push > 120 and on(execution, node, attempt, rank) finished == bool 0', {"last_push", "finished"}),
-        ('{__name__="named_total", job="x"} # comment naming not_a_metric\n+ rate(c[5m:30s]) * 0x1F unless d @ 100',
-         {"named_total", "c", "d"}),
+        (
+            "histogram_quantile(0.95, sum by (le, rank) "
+            '(rate(training_step_duration_seconds_bucket{execution=~"$execution"}[$__rate_interval])))',
+            {"training_step_duration_seconds_bucket"},
+        ),
+        (
+            'sum(a_total{path="x{y}", le="0.5"}) without (gpu) / on(execution) group_left(model) b_bytes offset '
+            "1h30m > 1e3",
+            {"a_total", "b_bytes"},
+        ),
+        (
+            "time() - last_push > 120 and on(execution, node, attempt, rank) finished == bool 0",
+            {"last_push", "finished"},
+        ),
+        (
+            '{__name__="named_total", job="x"} # comment naming not_a_metric\n+ rate(c[5m:30s]) * 0x1F unless d @ 100',
+            {"named_total", "c", "d"},
+        ),
         ('label_replace(up, "dst", "$1", "src", "(.*)") or vector(0) + Inf - NaN', {"up"}),
-        ('sum by (execution) (x) and sum(y) by (model)', {"x", "y"}),
-        ("label_values(training_world_size{model=~\"$model\"}, execution)", {"training_world_size"}),
+        ("sum by (execution) (x) and sum(y) by (model)", {"x", "y"}),
+        ('label_values(training_world_size{model=~"$model"}, execution)', {"training_world_size"}),
         ("label_values(execution)", set()),
         ("count_values('value', x:recorded:rate5m{a='b'})", {"x:recorded:rate5m"}),
     ],
-    ids=["histogram-quantile", "matchers-grouping-offset-number", "time-and-bool", "name-matcher-comment-subquery-hex",
-         "strings-and-special-floats", "by-after-aggregation", "grafana-label-values", "label-values-without-selector",
-         "single-quotes-and-colons"],
+    ids=[
+        "histogram-quantile",
+        "matchers-grouping-offset-number",
+        "time-and-bool",
+        "name-matcher-comment-subquery-hex",
+        "strings-and-special-floats",
+        "by-after-aggregation",
+        "grafana-label-values",
+        "label-values-without-selector",
+        "single-quotes-and-colons",
+    ],
 )
 def test_the_metric_name_extractor_finds_metrics_and_nothing_else(expr: str, expected: set[str]) -> None:
     assert metric_names(expr) == expected
@@ -118,7 +159,9 @@ def test_every_panel_query_names_only_catalogue_metrics() -> None:
     for title, expr in queries:
         names = metric_names(expr)
         assert names, f"panel {title!r} reads no metric: {expr}"
-        assert names <= catalogue, f"panel {title!r} names {sorted(names - catalogue)}, not in telemetry_catalog: {expr}"
+        assert names <= catalogue, (
+            f"panel {title!r} names {sorted(names - catalogue)}, not in telemetry_catalog: {expr}"
+        )
 
 
 def test_every_template_variable_query_names_only_catalogue_metrics() -> None:
@@ -143,7 +186,7 @@ def test_every_panel_has_the_datasource_variable_a_unit_and_queries_filtered_by_
         assert panel["targets"], f"panel {panel['title']!r} has no query"
         for target in panel["targets"]:
             assert target["datasource"] == datasource, panel["title"]
-            assert '$execution' in target["expr"] and '$model' in target["expr"], (panel["title"], target["expr"])
+            assert "$execution" in target["expr"] and "$model" in target["expr"], (panel["title"], target["expr"])
 
 
 def test_the_dashboard_has_the_five_rows_with_their_panels_in_order() -> None:
@@ -182,12 +225,15 @@ def test_panel_ids_are_unique_and_panels_stay_inside_the_24_column_grid() -> Non
 def test_every_panel_query_is_valid_promql_to_promtool(tmp_path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.fail("promtool is not on PATH: `make system-packages` (run by make test) installs Debian's prometheus package", pytrace=False)
+        pytest.fail(
+            "promtool is not on PATH: `make system-packages` (run by make test) installs Debian's prometheus package",
+            pytrace=False,
+        )
     board = _committed()
     rules = []
     for index, (_, expr) in enumerate(_panel_queries(board) + _variable_queries(board)):
         if expr.startswith("label_values("):
-            expr = expr[len("label_values("):expr.rindex(",")]
+            expr = expr[len("label_values(") : expr.rindex(",")]
         concrete = re.sub(r"\$__rate_interval", "1m", expr)
         concrete = re.sub(r"\$\w+", ".*", concrete)
         rules.append({"record": f"dashboard:query_{index}", "expr": concrete})

@@ -96,7 +96,10 @@ def _cifar_tarball(path, per_batch=20):
     rng = np.random.default_rng(0)
     with tarfile.open(path, "w:gz") as archive:
         for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-            record = {b"data": rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8), b"labels": list(rng.integers(0, 10, per_batch).tolist())}
+            record = {
+                b"data": rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8),
+                b"labels": list(rng.integers(0, 10, per_batch).tolist()),
+            }
             payload = pickle.dumps(record, protocol=2)
             info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
             info.size = len(payload)
@@ -132,7 +135,9 @@ def test_image_folder_tree_is_resized_and_labelled_by_folder(tmp_path):
         (root / label).mkdir(parents=True)
         for i in range(10):
             Image.new("RGB", (40 + i, 30), color).save(root / label / f"{i}.png")
-    manifest = prepare(DataConfig(dataset="image_folder", path=str(root), image_size=16, num_shards=2), str(tmp_path / "out"))
+    manifest = prepare(
+        DataConfig(dataset="image_folder", path=str(root), image_size=16, num_shards=2), str(tmp_path / "out")
+    )
     assert manifest.classes == ["cat", "dog"]
     assert manifest.input_shape == [3, 16, 16]
     assert sum(manifest.split_counts().values()) == 20
@@ -142,7 +147,9 @@ def test_image_folder_tree_is_resized_and_labelled_by_folder(tmp_path):
 
 
 def test_synthetic_dataset_has_the_requested_shape(tmp_path):
-    cfg = DataConfig(dataset="synthetic", synthetic_num_samples=200, synthetic_image_size=16, synthetic_num_classes=5, num_shards=2)
+    cfg = DataConfig(
+        dataset="synthetic", synthetic_num_samples=200, synthetic_image_size=16, synthetic_num_classes=5, num_shards=2
+    )
     manifest = prepare(cfg, str(tmp_path / "out"))
     assert manifest.input_shape == [3, 16, 16] and manifest.num_classes == 5
     assert sum(manifest.split_counts().values()) == 200
@@ -158,5 +165,7 @@ def test_a_truncated_cifar_tarball_names_the_field(tmp_path):
 
 
 def test_a_fraction_that_rounds_to_zero_says_how_large_it_must_be(tmp_path):
-    with pytest.raises(ValueError, match=r"data.val_fraction=0.0001 is invalid: .* rounds to 0; raise it to at least 0.00056"):
+    with pytest.raises(
+        ValueError, match=r"data.val_fraction=0.0001 is invalid: .* rounds to 0; raise it to at least 0.00056"
+    ):
         prepare(DataConfig(val_fraction=0.0001), str(tmp_path / "out"))

@@ -20,8 +20,20 @@ from packaging.utils import canonicalize_name
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOCK = REPO_ROOT / "requirements.lock"
 # Packages a Debian/Ubuntu stage installs only to compile something.
-COMPILER_PACKAGES = {"build-essential", "gcc", "g++", "cpp", "clang", "make", "cmake", "ninja-build", "cuda-nvcc",
-                     "cuda-toolkit", "gfortran", "libc6-dev"}
+COMPILER_PACKAGES = {
+    "build-essential",
+    "gcc",
+    "g++",
+    "cpp",
+    "clang",
+    "make",
+    "cmake",
+    "ninja-build",
+    "cuda-nvcc",
+    "cuda-toolkit",
+    "gfortran",
+    "libc6-dev",
+}
 # Ubuntu's and NVIDIA's CUDA images are the only bases; each names an exact release in its tag.
 VERSIONED_TAG = re.compile(r"^\d+(\.\d+)+(-[a-z0-9.]+)*$")
 LOCK_LINE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[A-Za-z0-9.+!_-]+)$")
@@ -114,7 +126,9 @@ def test_the_final_stage_runs_as_a_numeric_non_root_user(stages):
     env = final_env(stages)
     assert env.get("TMPDIR") == "/tmp"
     chowns = [
-        shlex.split(command) for run in stages[-1].values("RUN") for command in re.split(r"&&|;", run)
+        shlex.split(command)
+        for run in stages[-1].values("RUN")
+        for command in re.split(r"&&|;", run)
         if shlex.split(command)[:1] == ["chown"]
     ]
     assert any(any(w.split(":")[0] == user for w in words) and env["HOME"] in words for words in chowns), (
@@ -124,8 +138,7 @@ def test_the_final_stage_runs_as_a_numeric_non_root_user(stages):
 
 def test_the_builder_installs_exactly_the_committed_lock(stages):
     installs = [
-        (stage, run) for stage in stages for run in stage.values("RUN")
-        if "pip install" in run and "-r " in run
+        (stage, run) for stage in stages for run in stage.values("RUN") if "pip install" in run and "-r " in run
     ]
     assert len(installs) == 1, f"expected one `pip install -r` of the lock, found {len(installs)}"
     stage, run = installs[0]
@@ -174,7 +187,7 @@ def test_no_compiler_reaches_the_final_stage(stages):
             for command in re.split(r"&&|;|\|\|", run):
                 words = shlex.split(command.replace("\\\n", " "))
                 if "install" in words and any(w in ("apt-get", "apt", "apk", "yum", "dnf") for w in words):
-                    packages = {w for w in words[words.index("install") + 1:] if not w.startswith("-")}
+                    packages = {w for w in words[words.index("install") + 1 :] if not w.startswith("-")}
                     compilers = {p for p in packages if p in COMPILER_PACKAGES or p.endswith("-dev")}
                     assert not compilers, f"stage {stage.name} (under the final stage) installs {sorted(compilers)}"
 
@@ -188,8 +201,9 @@ def test_pyflyte_execute_resolves_the_train_task_in_the_final_stage(stages):
     venv = str(Path(venv_bin).parent)
     assert any(shlex.split(v)[-2:] == [venv, venv] for v in stages[-1].values("COPY") if v.startswith("--from="))
     # flytekit and ray, both in the lock, provide the commands Flyte and KubeRay run.
-    scripts = {e.name for name in ("flytekit", "ray") for e in distribution(name).entry_points
-               if e.group == "console_scripts"}
+    scripts = {
+        e.name for name in ("flytekit", "ray") for e in distribution(name).entry_points if e.group == "console_scripts"
+    }
     assert {"pyflyte-execute", "pyflyte-fast-execute", "ray"} <= scripts
     # `--resolver ... -- task-module tasks.train task-name train` imports tasks.train: the code sits in flytekit's
     # in-container source path (where `--copy all` unpacks it too), which is on PYTHONPATH.
@@ -206,8 +220,18 @@ def test_entrypoint_passes_flyte_and_kuberay_commands_through(stages):
     # after ENTRYPOINT; KubeRay sets `command`, which replaces ENTRYPOINT. Either way ENTRYPOINT must exec its
     # arguments unchanged.
     entrypoints = [v for stage in reversed(lineage(stages, stages[-1])) for v in stage.values("ENTRYPOINT")]
-    flyte_args = ["pyflyte-execute", "--inputs", "s3://b/inputs.pb", "--resolver", "r", "--", "task-module",
-                  "tasks.train", "task-name", "train"]
+    flyte_args = [
+        "pyflyte-execute",
+        "--inputs",
+        "s3://b/inputs.pb",
+        "--resolver",
+        "r",
+        "--",
+        "task-module",
+        "tasks.train",
+        "task-name",
+        "train",
+    ]
     if entrypoints:
         entrypoint = json.loads(entrypoints[-1])
         assert isinstance(entrypoint, list), "use the exec form, so no shell rewrites Flyte's arguments"
@@ -215,7 +239,7 @@ def test_entrypoint_passes_flyte_and_kuberay_commands_through(stages):
             f"ENTRYPOINT {entrypoint} does not hand its arguments to a command"
         )
         argv = entrypoint + flyte_args
-        assert argv[argv.index("--") + 1:] == flyte_args
+        assert argv[argv.index("--") + 1 :] == flyte_args
         # tini must be in the image: installed in a stage the final stage builds on.
         installs = " ".join(run for stage in lineage(stages, stages[-1]) for run in stage.values("RUN"))
         assert Path(entrypoint[0]).name in installs
@@ -226,14 +250,18 @@ def test_entrypoint_passes_flyte_and_kuberay_commands_through(stages):
 def test_one_image_setting_reaches_the_build_and_the_package():
     image = "registry.example.com/ml/flyte-ray-training:abc123"
     for target in ("image", "package"):
-        dry_run = subprocess.run(["make", "-n", target, f"IMAGE={image}"], cwd=REPO_ROOT, capture_output=True,
-                                 text=True, check=True).stdout
+        dry_run = subprocess.run(
+            ["make", "-n", target, f"IMAGE={image}"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout
         assert image in dry_run, f"`make {target} IMAGE=...` does not use IMAGE"
 
 
 def test_dockerignore_keeps_local_state_out_of_the_build_context():
-    patterns = {line.strip() for line in (REPO_ROOT / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")}
+    patterns = {
+        line.strip()
+        for line in (REPO_ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     for local in (".venv", ".git", "mlruns", "*.db", "**/__pycache__", ".pytest_cache", "tests"):
         assert local in patterns, f".dockerignore does not exclude {local}"
     for needed in ("requirements.lock", "tasks", "workflows", "training_core"):

@@ -5,7 +5,11 @@ import errno
 import pytest
 from ray.exceptions import ActorDiedError, GetTimeoutError, NodeDiedError
 from ray.train import ControllerError, WorkerGroupError
-from ray.train.v2._internal.exceptions import CollectiveTimeoutError, UserExceptionWithTraceback, WorkerHealthCheckFailedError
+from ray.train.v2._internal.exceptions import (
+    CollectiveTimeoutError,
+    UserExceptionWithTraceback,
+    WorkerHealthCheckFailedError,
+)
 
 from training_core.checkpoint import CheckpointError
 from training_core.failures import INFRASTRUCTURE, USER, classify
@@ -18,15 +22,31 @@ def _user(exc: BaseException) -> UserExceptionWithTraceback:
 @pytest.mark.parametrize(
     "exc",
     [
-        WorkerGroupError("worker died", {0: _user(RuntimeError("[gloo/pair.cc:561] Connection closed by peer [127.0.0.1]:40846")), 1: WorkerHealthCheckFailedError("health check failed", ActorDiedError())}),
+        WorkerGroupError(
+            "worker died",
+            {
+                0: _user(RuntimeError("[gloo/pair.cc:561] Connection closed by peer [127.0.0.1]:40846")),
+                1: WorkerHealthCheckFailedError("health check failed", ActorDiedError()),
+            },
+        ),
         WorkerGroupError("lost node", {0: NodeDiedError("node 10.0.0.3 died")}),
         WorkerGroupError("hang", {1: CollectiveTimeoutError("barrier timed out")}),
         ControllerError(GetTimeoutError("timed out")),
-        CheckpointError("uploading s3://b/ckpt/step-000000010/model.pt failed after 6 attempt(s): endpoint unreachable"),
+        CheckpointError(
+            "uploading s3://b/ckpt/step-000000010/model.pt failed after 6 attempt(s): endpoint unreachable"
+        ),
         OSError(errno.ENOSPC, "No space left on device"),
         ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
     ],
-    ids=["peer-crash", "node-died", "collective-timeout", "controller-timeout", "storage-after-retries", "disk-full", "network-reset"],
+    ids=[
+        "peer-crash",
+        "node-died",
+        "collective-timeout",
+        "controller-timeout",
+        "storage-after-retries",
+        "disk-full",
+        "network-reset",
+    ],
 )
 def test_infrastructure_failures_are_retried(exc):
     verdict = classify(exc)

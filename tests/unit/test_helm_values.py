@@ -20,46 +20,113 @@ HELM = REPO_ROOT / "deployment" / "helm"
 # flyteorg/flyte charts/flyte-binary/values.yaml @ 02154d2c9b56de9ae9b83b1f4d54a912750ed7db and
 # ray-project/kuberay helm-chart/kuberay-operator/values.yaml @ 002c26b0530ac50cd8ba52208e0743071654698c.
 FLYTE_BINARY_KEYS = {
-    *(f"configuration.database.{k}" for k in ("username", "password", "passwordPath", "host", "port", "dbname",
-                                              "options")),
+    *(
+        f"configuration.database.{k}"
+        for k in ("username", "password", "passwordPath", "host", "port", "dbname", "options")
+    ),
     *(f"configuration.storage.{k}" for k in ("metadataContainer", "userDataContainer", "provider")),
-    *(f"configuration.storage.providerConfig.s3.{k}" for k in ("region", "disableSSL", "v2Signing", "endpoint",
-                                                               "authType", "accessKey", "secretKey")),
-    *(f"configuration.{k}" for k in ("inline", "inlineConfigMap", "inlineSecretRef", "externalConfigMap",
-                                     "externalSecretRef", "labels", "annotations")),
+    *(
+        f"configuration.storage.providerConfig.s3.{k}"
+        for k in ("region", "disableSSL", "v2Signing", "endpoint", "authType", "accessKey", "secretKey")
+    ),
+    *(
+        f"configuration.{k}"
+        for k in (
+            "inline",
+            "inlineConfigMap",
+            "inlineSecretRef",
+            "externalConfigMap",
+            "externalSecretRef",
+            "labels",
+            "annotations",
+        )
+    ),
     "enabled_plugins.tasks.task-plugins.enabled-plugins",
     "enabled_plugins.tasks.task-plugins.default-for-task-types",
     *(f"deployment.image.{k}" for k in ("repository", "tag", "pullPolicy")),
-    *(f"deployment.{k}" for k in ("extraEnvVars", "extraEnvVarsConfigMap", "extraEnvVarsSecret", "command", "args",
-                                  "livenessProbe", "readinessProbe", "startupProbe", "lifecycleHooks", "labels",
-                                  "annotations", "podLabels", "podAnnotations", "extraVolumeMounts", "extraVolumes",
-                                  "sidecars", "initContainers", "extraPodSpec")),
+    *(
+        f"deployment.{k}"
+        for k in (
+            "extraEnvVars",
+            "extraEnvVarsConfigMap",
+            "extraEnvVarsSecret",
+            "command",
+            "args",
+            "livenessProbe",
+            "readinessProbe",
+            "startupProbe",
+            "lifecycleHooks",
+            "labels",
+            "annotations",
+            "podLabels",
+            "podAnnotations",
+            "extraVolumeMounts",
+            "extraVolumes",
+            "sidecars",
+            "initContainers",
+            "extraPodSpec",
+        )
+    ),
     *(f"deployment.podSecurityContext.{k}" for k in ("enabled", "runAsUser", "runAsGroup", "fsGroup")),
     *(f"rbac.{k}" for k in ("create", "labels", "annotations", "extraRules")),
 }
 KUBERAY_OPERATOR_KEYS = {
-    "nameOverride", "fullnameOverride", "componentOverride", "replicas", "imagePullSecrets", "nodeSelector",
-    "priorityClassName", "labels", "annotations", "affinity", "tolerations", "operatorCommand",
-    "leaderElectionEnabled", "reconcileConcurrency", "rbacEnable", "crNamespacedRbacEnable",
-    "singleNamespaceInstall", "env", "resources", "livenessProbe", "readinessProbe", "hostUsers",
-    "podSecurityContext", "securityContext",
+    "nameOverride",
+    "fullnameOverride",
+    "componentOverride",
+    "replicas",
+    "imagePullSecrets",
+    "nodeSelector",
+    "priorityClassName",
+    "labels",
+    "annotations",
+    "affinity",
+    "tolerations",
+    "operatorCommand",
+    "leaderElectionEnabled",
+    "reconcileConcurrency",
+    "rbacEnable",
+    "crNamespacedRbacEnable",
+    "singleNamespaceInstall",
+    "env",
+    "resources",
+    "livenessProbe",
+    "readinessProbe",
+    "hostUsers",
+    "podSecurityContext",
+    "securityContext",
     *(f"image.{k}" for k in ("repository", "tag", "pullPolicy")),
     *(f"metrics.{k}" for k in ("enabled",)),
 }
 # Keys a chart's templates read although its values.yaml has them only in a comment, or not at all
 # (flyte-binary templates/deployment.yaml reads deployment.resources and deployment.securityContext;
 # kuberay-operator documents watchNamespace in a comment).
-READ_BUT_UNDECLARED = {"flyte-binary": {"deployment.resources", "deployment.securityContext"},
-                       "kuberay-operator": {"watchNamespace"}}
+READ_BUT_UNDECLARED = {
+    "flyte-binary": {"deployment.resources", "deployment.securityContext"},
+    "kuberay-operator": {"watchNamespace"},
+}
 # Values passed through as Flyte configuration or as Kubernetes objects: their inner keys belong to Flyte or to
 # Kubernetes, not to the chart.
-PASS_THROUGH = {"configuration.inline", "enabled_plugins.tasks.task-plugins.default-for-task-types", "resources",
-                "podSecurityContext", "securityContext", "deployment.resources", "deployment.securityContext"}
+PASS_THROUGH = {
+    "configuration.inline",
+    "enabled_plugins.tasks.task-plugins.default-for-task-types",
+    "resources",
+    "podSecurityContext",
+    "securityContext",
+    "deployment.resources",
+    "deployment.securityContext",
+}
 CHART_KEYS = {"flyte-binary": FLYTE_BINARY_KEYS, "kuberay-operator": KUBERAY_OPERATOR_KEYS}
 
 # Keys that hold a reference to a Secret or a file, never the secret itself.
-SECRET_REFERENCES = {"passwordPath", "extraEnvVarsSecret", "secretName", "default-env-from-secrets",
-                     "inlineSecretRef", "externalSecretRef"}
+SECRET_REFERENCES = {
+    "passwordPath",
+    "extraEnvVarsSecret",
+    "secretName",
+    "default-env-from-secrets",
+    "inlineSecretRef",
+    "externalSecretRef",
+}
 SECRET_KEY_NAME = re.compile(r"password|secret|accesskey|access_key|token|credential|privatekey", re.IGNORECASE)
 SECRET_VALUE = re.compile(r"AKIA[0-9A-Z]{16}|-----BEGIN [A-Z ]*PRIVATE KEY-----|\b[0-9a-zA-Z/+]{40}\b")
 
@@ -97,7 +164,9 @@ def quantity(text: str | int | float) -> float:
 
 
 def runtime_uid() -> int:
-    users = [i["value"] for i in DockerfileParser(str(REPO_ROOT / "Dockerfile")).structure if i["instruction"] == "USER"]
+    users = [
+        i["value"] for i in DockerfileParser(str(REPO_ROOT / "Dockerfile")).structure if i["instruction"] == "USER"
+    ]
     return int(users[-1].split(":")[0])
 
 

@@ -5,7 +5,9 @@ HEAVY = ("torch", "ray", "flytekit", "mlflow", "numpy", "pandas", "torchvision")
 
 
 def _imported_modules(statement: str) -> set[str]:
-    result = subprocess.run([sys.executable, "-X", "importtime", "-c", statement], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", statement], capture_output=True, text=True, check=True
+    )
     modules = set()
     for line in result.stderr.splitlines():
         if line.startswith("import time:") and "|" in line:

@@ -69,14 +69,19 @@ SECRET_TEXT = re.compile(r"AKIA[0-9A-Z]{16}|-----BEGIN [A-Z ]*PRIVATE KEY-----|:
 def kubectl() -> str:
     path = shutil.which("kubectl")
     if path is None:
-        pytest.fail("kubectl is not on PATH: it renders the kustomizations (`make system-packages` installs it where apt "
-                    "offers it; otherwise install kubectl >= 1.27)", pytrace=False)
+        pytest.fail(
+            "kubectl is not on PATH: it renders the kustomizations (`make system-packages` installs it where apt "
+            "offers it; otherwise install kubectl >= 1.27)",
+            pytrace=False,
+        )
     return path
 
 
 @functools.cache
 def _render(target: str) -> tuple[dict, ...]:
-    result = subprocess.run([kubectl(), "kustomize", str(KUSTOMIZE_DIR / target)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [kubectl(), "kustomize", str(KUSTOMIZE_DIR / target)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, f"kubectl kustomize {target} failed:\n{result.stderr}"
     return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
 
@@ -137,7 +142,7 @@ def hardening_violations(pod: dict) -> list[tuple[str, str]]:
         name = container.get("name", "?")
         sc = container.get("securityContext", {})
 
-        def setting(key: str) -> Any:
+        def setting(key: str, sc: dict = sc) -> Any:
             return sc.get(key, pod_sc.get(key))
 
         if setting("runAsNonRoot") is not True or setting("runAsUser") == 0:
@@ -165,7 +170,9 @@ def hardening_violations(pod: dict) -> list[tuple[str, str]]:
             if not any(key.startswith("nvidia.com/gpu") for key in pod.get("nodeSelector", {})):
                 violations.append(("gpu.nodeSelector", f"{name}: asks for GPUs without a nvidia.com/gpu* nodeSelector"))
             if not any(t.get("key") == "nvidia.com/gpu" for t in pod.get("tolerations", [])):
-                violations.append(("gpu.tolerations", f"{name}: asks for GPUs without tolerating the nvidia.com/gpu taint"))
+                violations.append(
+                    ("gpu.tolerations", f"{name}: asks for GPUs without tolerating the nvidia.com/gpu taint")
+                )
     return violations
 
 
@@ -210,9 +217,13 @@ def test_kubectl_kustomize_renders_every_target_into_named_namespaced_objects(ta
     for obj in objects:
         assert obj.get("apiVersion") and obj.get("kind") and obj["metadata"].get("name"), obj
         if obj["kind"] not in cluster_scoped:
-            assert obj["metadata"].get("namespace"), f"{ident(obj)} has no namespace: apply would put it in the current one"
+            assert obj["metadata"].get("namespace"), (
+                f"{ident(obj)} has no namespace: apply would put it in the current one"
+            )
     names = [ident(obj) for obj in objects]
-    assert len(names) == len(set(names)), f"{target} renders duplicates: {sorted(n for n in names if names.count(n) > 1)}"
+    assert len(names) == len(set(names)), (
+        f"{target} renders duplicates: {sorted(n for n in names if names.count(n) > 1)}"
+    )
 
 
 def test_every_rendered_built_in_object_validates_strictly_against_the_newest_kubernetes():
@@ -246,7 +257,11 @@ def _closed(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     closed = {key: _closed(value) for key, value in schema.items()}
-    if "properties" in closed and "additionalProperties" not in closed and not closed.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        "properties" in closed
+        and "additionalProperties" not in closed
+        and not closed.get("x-kubernetes-preserve-unknown-fields")
+    ):
         closed["additionalProperties"] = False
     return closed
 
@@ -264,7 +279,9 @@ def crd_validators() -> dict[tuple[str, str], Any]:
     schemas = {}
     for path in sorted(CRDS_DIR.glob("*.yaml")):
         # libyaml when present: the KubeRay CRDs are ~25,000 lines each.
-        for crd in yaml.load_all(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+        for crd in yaml.load_all(
+            path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        ):
             if not crd or crd.get("kind") != "CustomResourceDefinition":
                 continue
             group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
@@ -322,14 +339,24 @@ def test_the_hardening_check_reports_every_rule_an_unhardened_gpu_pod_breaks():
     pod = {"containers": [{"name": "train", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}
     rules = {rule for rule, _ in hardening_violations(pod)}
     assert rules == {
-        "runAsNonRoot", "allowPrivilegeEscalation", "capabilities.drop", "seccompProfile", "readOnlyRootFilesystem",
-        "resources", "gpu.nodeSelector", "gpu.tolerations",
+        "runAsNonRoot",
+        "allowPrivilegeEscalation",
+        "capabilities.drop",
+        "seccompProfile",
+        "readOnlyRootFilesystem",
+        "resources",
+        "gpu.nodeSelector",
+        "gpu.tolerations",
     }
 
 
 def test_gpu_workers_select_and_tolerate_gpu_nodes():
     cluster = next(obj for obj in render("examples") if obj["kind"] == "RayCluster")
-    gpu_groups = [g for g in cluster["spec"]["workerGroupSpecs"] if "nvidia.com/gpu" in g["template"]["spec"]["containers"][0]["resources"]["limits"]]
+    gpu_groups = [
+        g
+        for g in cluster["spec"]["workerGroupSpecs"]
+        if "nvidia.com/gpu" in g["template"]["spec"]["containers"][0]["resources"]["limits"]
+    ]
     assert gpu_groups, "the RayCluster example has no GPU worker group"
     for group in gpu_groups:
         pod = group["template"]["spec"]
@@ -340,12 +367,18 @@ def test_gpu_workers_select_and_tolerate_gpu_nodes():
 
 
 def test_no_manifest_holds_secret_material():
-    findings = [f"{target}: {ident(obj)}: {finding}" for target, obj in all_rendered() for finding in secret_findings(obj)]
+    findings = [
+        f"{target}: {ident(obj)}: {finding}" for target, obj in all_rendered() for finding in secret_findings(obj)
+    ]
     for path in sorted(DEPLOYMENT_DIR.rglob("*")):
         if path.is_file() and path.suffix in (".yaml", ".yml", ".env", ".json"):
-            findings += [f"{path.relative_to(REPO_ROOT)}: {m!r}" for m in SECRET_TEXT.findall(path.read_text(encoding="utf-8"))]
+            findings += [
+                f"{path.relative_to(REPO_ROOT)}: {m!r}" for m in SECRET_TEXT.findall(path.read_text(encoding="utf-8"))
+            ]
     assert not findings, "\n".join(findings)
-    mlflow = next(obj for obj in render("overlays/local") if obj["kind"] == "Deployment" and obj["metadata"]["name"] == "mlflow")
+    mlflow = next(
+        obj for obj in render("overlays/local") if obj["kind"] == "Deployment" and obj["metadata"]["name"] == "mlflow"
+    )
     env = {e["name"]: e for e in mlflow["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["DB_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "mlflow-db"
 
@@ -354,11 +387,25 @@ def test_the_secret_scan_flags_literal_credentials():
     leaky = {
         "kind": "Deployment",
         "metadata": {"name": "leaky"},
-        "spec": {"template": {"spec": {"containers": [{
-            "name": "app",
-            "env": [{"name": "AWS_SECRET_ACCESS_KEY", "value": "wJalrXUtnFEMI"}, {"name": "DB_PASSWORD", "valueFrom": {}}],
-            "args": ["--backend-store-uri=postgresql://mlflow:hunter2@db:5432/mlflow", "--uri=postgresql://u:$(DB_PASSWORD)@db/x"],
-        }]}}},
+        "spec": {
+            "template": {
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "app",
+                            "env": [
+                                {"name": "AWS_SECRET_ACCESS_KEY", "value": "wJalrXUtnFEMI"},
+                                {"name": "DB_PASSWORD", "valueFrom": {}},
+                            ],
+                            "args": [
+                                "--backend-store-uri=postgresql://mlflow:hunter2@db:5432/mlflow",
+                                "--uri=postgresql://u:$(DB_PASSWORD)@db/x",
+                            ],
+                        }
+                    ]
+                }
+            }
+        },
     }
     findings = secret_findings(leaky)
     assert len(findings) == 2, findings
@@ -368,7 +415,9 @@ def test_the_secret_scan_flags_literal_credentials():
 def test_generated_prometheus_rule_and_dashboard_configmaps_equal_what_dashboards_generates():
     rendered = generate.render()
     stale = generate.stale_files(rendered)
-    assert not stale, f"{[str(p.relative_to(REPO_ROOT)) for p in stale]} differ from dashboards/: run `python -m deployment.generate`"
+    assert not stale, (
+        f"{[str(p.relative_to(REPO_ROOT)) for p in stale]} differ from dashboards/: run `python -m deployment.generate`"
+    )
     objects = render("overlays/local")
     rule = next(obj for obj in objects if obj["kind"] == "PrometheusRule")
     source = yaml.safe_load((generate.DASHBOARDS_DIR / generate.RULES_FILE_NAME).read_text(encoding="utf-8"))
@@ -379,7 +428,9 @@ def test_generated_prometheus_rule_and_dashboard_configmaps_equal_what_dashboard
         if obj["kind"] == "ConfigMap" and obj["metadata"].get("labels", {}).get("grafana_dashboard") == "1"
         for name, text in obj["data"].items()
     }
-    dashboards = {path.name: json.loads(path.read_text(encoding="utf-8")) for path in generate.DASHBOARDS_DIR.glob("*.json")}
+    dashboards = {
+        path.name: json.loads(path.read_text(encoding="utf-8")) for path in generate.DASHBOARDS_DIR.glob("*.json")
+    }
     assert configmaps == dashboards
 
 
@@ -401,17 +452,27 @@ def test_project_image_follows_the_makefile_image_setting():
     for target in ("overlays/local", "examples"):
         kustomization = yaml.safe_load((KUSTOMIZE_DIR / target / "kustomization.yaml").read_text(encoding="utf-8"))
         image = next(i for i in kustomization["images"] if i["name"] == PROJECT_IMAGE)
-        assert (image["newName"], image["newTag"]) == match.groups(), f"{target} sets another image than the Makefile's IMAGE"
+        assert (image["newName"], image["newTag"]) == match.groups(), (
+            f"{target} sets another image than the Makefile's IMAGE"
+        )
     image_user, project_containers = _dockerfile_user(), 0
     for target, obj in all_rendered():
         for where, pod in pod_specs(obj):
             for container in pod["containers"]:
                 if f"/{PROJECT_IMAGE}:" in container["image"]:
                     project_containers += 1
-                    user = container.get("securityContext", {}).get("runAsUser", pod.get("securityContext", {}).get("runAsUser"))
-                    assert str(user) == image_user, f"{target}: {ident(obj)} {where}: runAsUser {user}, the image's USER is {image_user}"
-                assert container["image"] != PROJECT_IMAGE, f"{target}: {ident(obj)} {where}: image placeholder not replaced"
-                assert ":" in container["image"].rsplit("/", 1)[-1], f"{target}: {ident(obj)}: {container['image']} has no tag"
+                    user = container.get("securityContext", {}).get(
+                        "runAsUser", pod.get("securityContext", {}).get("runAsUser")
+                    )
+                    assert str(user) == image_user, (
+                        f"{target}: {ident(obj)} {where}: runAsUser {user}, the image's USER is {image_user}"
+                    )
+                assert container["image"] != PROJECT_IMAGE, (
+                    f"{target}: {ident(obj)} {where}: image placeholder not replaced"
+                )
+                assert ":" in container["image"].rsplit("/", 1)[-1], (
+                    f"{target}: {ident(obj)}: {container['image']} has no tag"
+                )
     # MLflow in both overlays, the RayCluster's and the RayJob's heads and workers.
     assert project_containers == 6
 
@@ -428,7 +489,11 @@ def _dockerfile_user() -> str:
 
 
 def _service_url(objects: list[dict], name: str, namespace: str) -> str:
-    service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == name and o["metadata"]["namespace"] == namespace)
+    service = next(
+        o
+        for o in objects
+        if o["kind"] == "Service" and o["metadata"]["name"] == name and o["metadata"]["namespace"] == namespace
+    )
     return f"http://{name}.{namespace}.svc.cluster.local:{service['spec']['ports'][0]['port']}"
 
 
@@ -443,7 +508,9 @@ def test_mlflow_serves_its_in_cluster_name_and_training_pods_point_at_it(overlay
     assert host_port in args["--allowed-hosts"].split(",")
     assert args["--port"] == "5000" and args["--backend-store-uri"].startswith("postgresql+psycopg2://")
     assert args["--artifacts-destination"] == "$(MLFLOW_ARTIFACTS_DESTINATION)"
-    settings = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("mlflow-settings"))
+    settings = next(
+        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("mlflow-settings")
+    )
     assert settings["data"]["MLFLOW_ARTIFACTS_DESTINATION"].startswith("s3://")
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
@@ -455,7 +522,12 @@ def test_mlflow_serves_its_in_cluster_name_and_training_pods_point_at_it(overlay
 
 
 def _egress_ports(policies: list[dict]) -> set[tuple[str, int]]:
-    return {(p.get("protocol", "TCP"), p["port"]) for policy in policies for rule in policy["spec"].get("egress", []) for p in rule.get("ports", [])}
+    return {
+        (p.get("protocol", "TCP"), p["port"])
+        for policy in policies
+        for rule in policy["spec"].get("egress", [])
+        for p in rule.get("ports", [])
+    }
 
 
 def test_training_namespace_denies_all_traffic_but_the_listed_allows():
@@ -478,21 +550,31 @@ def test_monitors_select_existing_pods_and_ports():
     objects = render("overlays/local")
     pushgateway_service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "pushgateway")
     service_monitor = next(o for o in objects if o["kind"] == "ServiceMonitor")
-    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= pushgateway_service["metadata"]["labels"].items()
+    assert (
+        service_monitor["spec"]["selector"]["matchLabels"].items() <= pushgateway_service["metadata"]["labels"].items()
+    )
     assert service_monitor["spec"]["endpoints"][0]["honorLabels"] is True
     assert service_monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in pushgateway_service["spec"]["ports"]}
     dcgm = next(o for o in objects if o["kind"] == "DaemonSet" and o["metadata"]["name"] == "dcgm-exporter")
     dcgm_monitor = next(o for o in objects if o["kind"] == "PodMonitor" and o["metadata"]["name"] == "dcgm-exporter")
     assert dcgm_monitor["spec"]["namespaceSelector"]["matchNames"] == [dcgm["metadata"]["namespace"]]
-    assert dcgm_monitor["spec"]["selector"]["matchLabels"].items() <= dcgm["spec"]["template"]["metadata"]["labels"].items()
-    assert dcgm_monitor["spec"]["podMetricsEndpoints"][0]["port"] in {p["name"] for p in dcgm["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert (
+        dcgm_monitor["spec"]["selector"]["matchLabels"].items()
+        <= dcgm["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert dcgm_monitor["spec"]["podMetricsEndpoints"][0]["port"] in {
+        p["name"] for p in dcgm["spec"]["template"]["spec"]["containers"][0]["ports"]
+    }
     ray_monitor = next(o for o in objects if o["kind"] == "PodMonitor" and o["metadata"]["name"] == "ray-nodes")
     for obj in render("examples"):
         for where, pod in pod_specs(obj):
             ports = {p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])}
             assert ray_monitor["spec"]["podMetricsEndpoints"][0]["portNumber"] in ports, f"{ident(obj)} {where}"
     for obj in render("examples"):
-        for group in [obj["spec"].get("rayClusterSpec", obj["spec"])["headGroupSpec"], *obj["spec"].get("rayClusterSpec", obj["spec"])["workerGroupSpecs"]]:
+        for group in [
+            obj["spec"].get("rayClusterSpec", obj["spec"])["headGroupSpec"],
+            *obj["spec"].get("rayClusterSpec", obj["spec"])["workerGroupSpecs"],
+        ]:
             assert group["rayStartParams"]["metrics-export-port"] == "8080"
 
 

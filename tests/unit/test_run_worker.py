@@ -43,14 +43,16 @@ def digits_dir(tmp_path_factory) -> str:
 
 
 def _config(**loop) -> TrainingConfig:
-    return TrainingConfig.from_dict({
-        "model": {"name": "small_cnn"},
-        "optimizer": {"name": "adamw", "lr": 0.01},
-        "loop": {"epochs": 2, "batch_size": 64, "log_interval_steps": 4, **loop},
-        "checkpoint": {"interval_steps": 7, "keep_last": 3, "async_save": True},
-        "scaling": {"num_workers": 1, "torch_threads_per_worker": 1},
-        "observability": {"enabled": False},
-    })
+    return TrainingConfig.from_dict(
+        {
+            "model": {"name": "small_cnn"},
+            "optimizer": {"name": "adamw", "lr": 0.01},
+            "loop": {"epochs": 2, "batch_size": 64, "log_interval_steps": 4, **loop},
+            "checkpoint": {"interval_steps": 7, "keep_last": 3, "async_save": True},
+            "scaling": {"num_workers": 1, "torch_threads_per_worker": 1},
+            "observability": {"enabled": False},
+        }
+    )
 
 
 def _run(cfg: TrainingConfig, *, data_dir: str, root: Path) -> InProcessRuntime:

@@ -6,13 +6,25 @@ import math
 
 import pytest
 
-from training_core.scaling import TABLE_COLUMNS, ScalingPoint, check_plan, efficiency_table, point_config, scaling_preset
+from training_core.scaling import (
+    TABLE_COLUMNS,
+    ScalingPoint,
+    check_plan,
+    efficiency_table,
+    point_config,
+    scaling_preset,
+)
 
 
 def _point(n: int, launcher: str, samples_per_s: float, model: str = "small_cnn") -> ScalingPoint:
     return ScalingPoint(
-        model=model, num_workers=n, launcher=launcher, samples_per_s=samples_per_s, step_time_p50_s=0.1,
-        step_time_p95_s=0.12, allreduce_fraction=0.0 if n == 1 else 0.05,
+        model=model,
+        num_workers=n,
+        launcher=launcher,
+        samples_per_s=samples_per_s,
+        step_time_p50_s=0.1,
+        step_time_p95_s=0.12,
+        allreduce_fraction=0.0 if n == 1 else 0.05,
     )
 
 
@@ -24,10 +36,16 @@ def test_the_preset_builds_and_splits_its_shards_evenly_over_1_2_4_and_8_workers
 
 
 def test_efficiency_is_per_worker_throughput_over_one_workers_and_parity_is_ray_over_torch():
-    table = efficiency_table([
-        _point(2, "ray", 900.0), _point(1, "torch", 520.0), _point(1, "ray", 500.0), _point(2, "torch", 1000.0),
-        _point(4, "ray", 1600.0), _point(4, "torch", 2080.0),
-    ])
+    table = efficiency_table(
+        [
+            _point(2, "ray", 900.0),
+            _point(1, "torch", 520.0),
+            _point(1, "ray", 500.0),
+            _point(2, "torch", 1000.0),
+            _point(4, "ray", 1600.0),
+            _point(4, "torch", 2080.0),
+        ]
+    )
     assert list(table.columns) == list(TABLE_COLUMNS)
     assert table["num_workers"].tolist() == [1, 2, 4]
     assert table["ray_efficiency"].tolist() == [1.0, 900 / (2 * 500), 1600 / (4 * 500)]
@@ -37,10 +55,18 @@ def test_efficiency_is_per_worker_throughput_over_one_workers_and_parity_is_ray_
 
 
 def test_efficiency_is_relative_to_the_smallest_count_of_each_model():
-    table = efficiency_table([
-        _point(2, "ray", 1000.0), _point(2, "torch", 1000.0), _point(4, "ray", 1800.0), _point(4, "torch", 2000.0),
-        _point(1, "ray", 80.0, "resnet18"), _point(1, "torch", 80.0, "resnet18"), _point(2, "ray", 120.0, "resnet18"), _point(2, "torch", 150.0, "resnet18"),
-    ])
+    table = efficiency_table(
+        [
+            _point(2, "ray", 1000.0),
+            _point(2, "torch", 1000.0),
+            _point(4, "ray", 1800.0),
+            _point(4, "torch", 2000.0),
+            _point(1, "ray", 80.0, "resnet18"),
+            _point(1, "torch", 80.0, "resnet18"),
+            _point(2, "ray", 120.0, "resnet18"),
+            _point(2, "torch", 150.0, "resnet18"),
+        ]
+    )
     rows = {(r.model, r.num_workers): r for r in table.itertuples()}
     assert rows[("small_cnn", 2)].ray_efficiency == 1.0
     assert math.isclose(rows[("small_cnn", 4)].ray_efficiency, 0.9)
@@ -62,7 +88,12 @@ def test_a_point_without_its_other_launcher_or_measured_twice_is_refused_by_name
         ([], [], "worker_counts=[] is invalid"),
         ([1, 0], [], "worker_counts=[1, 0] is invalid: [0] are not whole numbers >= 1"),
         ([1, 1], [], "each count may appear once"),
-        ([1, 2, 3], [], "data.num_shards=8 is invalid for worker_counts=[1, 2, 3]: every count must split the shards evenly; use a multiple of 6"),
+        (
+            [1, 2, 3],
+            [],
+            "data.num_shards=8 is invalid for worker_counts=[1, 2, 3]: every count must split the shards evenly; use "
+            "a multiple of 6",
+        ),
         ([1, 2], ["resnet9000"], "models=['resnet9000'] is invalid: ['resnet9000'] unknown; choose from small_cnn"),
     ],
 )

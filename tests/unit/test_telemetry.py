@@ -14,15 +14,31 @@ import pytest
 from training_core import checkpoint as ckpt
 from training_core.config import ObservabilityConfig, ScalingConfig, TrainingConfig
 from training_core.telemetry import (
-    GpuReading, HostReading, HostSampler, JobLabels, NullTelemetry, NvmlGpus, PrometheusTelemetry, Timeline, build_telemetry,
-    job_cost, mlflow_system_metrics,
+    GpuReading,
+    HostReading,
+    HostSampler,
+    JobLabels,
+    NullTelemetry,
+    NvmlGpus,
+    PrometheusTelemetry,
+    Timeline,
+    build_telemetry,
+    job_cost,
+    mlflow_system_metrics,
 )
 from training_core.telemetry_catalog import BY_NAME, JOB_LABELS, METRICS, PUSHGATEWAY_JOB, series_names
 
 LABELS = JobLabels(execution="exec-1", node="n0", attempt="1", rank="0", model="small_cnn")
 RECORD = {
-    "train_loss": 1.5, "train_accuracy": 0.25, "lr": 0.01, "grad_norm": 2.0, "samples_per_s": 640.0,
-    "step_time_s": 0.1, "data_wait_s": 0.01, "allreduce_fraction": 0.2, "epoch": 0.0,
+    "train_loss": 1.5,
+    "train_accuracy": 0.25,
+    "lr": 0.01,
+    "grad_norm": 2.0,
+    "samples_per_s": 640.0,
+    "step_time_s": 0.1,
+    "data_wait_s": 0.01,
+    "allreduce_fraction": 0.2,
+    "epoch": 0.0,
 }
 
 
@@ -33,7 +49,9 @@ def _free_port() -> int:
 
 
 def _telemetry(labels: JobLabels = LABELS, **cfg) -> PrometheusTelemetry:
-    return PrometheusTelemetry(ObservabilityConfig(**cfg), scaling=ScalingConfig(), labels=labels, world_size=2, start_threads=False)
+    return PrometheusTelemetry(
+        ObservabilityConfig(**cfg), scaling=ScalingConfig(), labels=labels, world_size=2, start_threads=False
+    )
 
 
 def _value(telemetry: PrometheusTelemetry, name: str, **extra: str) -> float | None:
@@ -99,24 +117,38 @@ def test_every_nvml_call_path_survives_nvmls_real_error_returns():
 
 def test_gpu_and_host_readings_go_to_mlflow_under_mlflows_system_metric_names():
     host = HostReading(
-        cpu_utilization_ratio=0.5, memory_used_bytes=2e9, memory_total_bytes=8e9, network_received_bytes=3e6,
-        network_transmitted_bytes=1e6, disk_read_bytes=0.0, disk_written_bytes=0.0,
+        cpu_utilization_ratio=0.5,
+        memory_used_bytes=2e9,
+        memory_total_bytes=8e9,
+        network_received_bytes=3e6,
+        network_transmitted_bytes=1e6,
+        disk_read_bytes=0.0,
+        disk_written_bytes=0.0,
     )
     gpu = GpuReading(gpu="1", utilization_ratio=0.9, memory_used_bytes=4e9, memory_total_bytes=16e9, power_watts=250.0)
     metrics = mlflow_system_metrics(host, [gpu])
-    assert metrics == pytest.approx({
-        "system/cpu_utilization_percentage": 50.0, "system/system_memory_usage_megabytes": 2000.0,
-        "system/system_memory_usage_percentage": 25.0, "system/network_receive_megabytes": 3.0,
-        "system/network_transmit_megabytes": 1.0, "system/gpu_1_utilization_percentage": 90.0,
-        "system/gpu_1_memory_usage_megabytes": 4000.0, "system/gpu_1_memory_usage_percentage": 25.0,
-        "system/gpu_1_power_usage_watts": 250.0,
-    })
+    assert metrics == pytest.approx(
+        {
+            "system/cpu_utilization_percentage": 50.0,
+            "system/system_memory_usage_megabytes": 2000.0,
+            "system/system_memory_usage_percentage": 25.0,
+            "system/network_receive_megabytes": 3.0,
+            "system/network_transmit_megabytes": 1.0,
+            "system/gpu_1_utilization_percentage": 90.0,
+            "system/gpu_1_memory_usage_megabytes": 4000.0,
+            "system/gpu_1_memory_usage_percentage": 25.0,
+            "system/gpu_1_power_usage_watts": 250.0,
+        }
+    )
 
 
 def test_host_byte_counters_grow_with_network_and_disk_traffic(tmp_path):
     telemetry = _telemetry()
     telemetry.sample()
-    before = {name: _value(telemetry, name) for name in ("training_host_network_received_bytes_total", "training_host_disk_written_bytes_total")}
+    before = {
+        name: _value(telemetry, name)
+        for name in ("training_host_network_received_bytes_total", "training_host_disk_written_bytes_total")
+    }
     payload = os.urandom(1 << 20)
     with socket.create_server(("127.0.0.1", 0)) as server:
         sender = threading.Thread(target=lambda: socket.create_connection(server.getsockname()).sendall(payload))
@@ -132,13 +164,20 @@ def test_host_byte_counters_grow_with_network_and_disk_traffic(tmp_path):
         f.flush()
         os.fsync(f.fileno())
     telemetry.sample()
-    assert _value(telemetry, "training_host_network_received_bytes_total") >= before["training_host_network_received_bytes_total"] + len(payload)
+    assert _value(telemetry, "training_host_network_received_bytes_total") >= before[
+        "training_host_network_received_bytes_total"
+    ] + len(payload)
     import psutil
 
     if psutil.disk_io_counters() is not None:  # some containers expose no disk statistics: the counter stays 0
-        assert _value(telemetry, "training_host_disk_written_bytes_total") > before["training_host_disk_written_bytes_total"]
+        assert (
+            _value(telemetry, "training_host_disk_written_bytes_total")
+            > before["training_host_disk_written_bytes_total"]
+        )
     assert 0 <= _value(telemetry, "training_host_cpu_utilization_ratio") <= 1
-    assert 0 < _value(telemetry, "training_host_memory_used_bytes") < _value(telemetry, "training_host_memory_total_bytes")
+    assert (
+        0 < _value(telemetry, "training_host_memory_used_bytes") < _value(telemetry, "training_host_memory_total_bytes")
+    )
     reading = HostSampler().read()
     assert reading.network_received_bytes >= 0 and reading.disk_read_bytes >= 0
 
@@ -149,7 +188,9 @@ def test_job_cost_is_world_size_times_resources_times_wall_time_at_the_configure
     cost = job_cost(gpu_job, prices, wall_s=1800, prior={"gpu_hours": 1.0, "cpu_hours": 10.0})
     assert cost.gpu_seconds == 3600 + 4 * 2 * 1800
     assert cost.cpu_seconds == 36000 + 4 * 8 * 1800
-    assert cost.summary() == pytest.approx({"gpu_hours": 5.0, "cpu_hours": 26.0, "cost_usd": 5 * 2.0 + 26 * 0.1, "gpu_hour_usd": 2.0, "cpu_hour_usd": 0.1})
+    assert cost.summary() == pytest.approx(
+        {"gpu_hours": 5.0, "cpu_hours": 26.0, "cost_usd": 5 * 2.0 + 26 * 0.1, "gpu_hour_usd": 2.0, "cpu_hour_usd": 0.1}
+    )
     cpu_only = job_cost(ScalingConfig(num_workers=2, cpus_per_worker=1.5), prices, wall_s=3600)
     assert (cpu_only.gpu_seconds, cpu_only.cpu_seconds, cpu_only.cost_usd) == (0.0, 3 * 3600, pytest.approx(0.3))
 
@@ -161,7 +202,13 @@ def test_cost_and_timeline_carry_over_a_restart_through_the_checkpoint_meta():
     first.close(finished=False)
     assert set(saved) == {"samples", "cost"} and len(saved["samples"]) == 1
     sample = saved["samples"][0]
-    assert set(sample) == {"elapsed_s", "cpu_utilization", "memory_used_bytes", "gpu_utilization", "gpu_memory_used_bytes"}
+    assert set(sample) == {
+        "elapsed_s",
+        "cpu_utilization",
+        "memory_used_bytes",
+        "gpu_utilization",
+        "gpu_memory_used_bytes",
+    }
     assert sample["gpu_utilization"] == {} and sample["gpu_memory_used_bytes"] == {}
     # Pretend the first attempt held its 2 workers for an hour: the next one starts from there.
     saved = {**saved, "cost": job_cost(ScalingConfig(), ObservabilityConfig(), wall_s=3600).summary()}
@@ -224,7 +271,9 @@ def test_the_pushgateway_url_falls_back_to_the_drivers_environment_and_travels_i
 
     environ = {"TRAINING_PUSHGATEWAY_URL": "http://gateway:9091"}
     assert ObservabilityConfig().resolved(environ).pushgateway_url == "http://gateway:9091"
-    assert ObservabilityConfig(pushgateway_url="http://mine:9091").resolved(environ).pushgateway_url == "http://mine:9091"
+    assert (
+        ObservabilityConfig(pushgateway_url="http://mine:9091").resolved(environ).pushgateway_url == "http://mine:9091"
+    )
     assert ObservabilityConfig().resolved({}).pushgateway_url == ""
     os.environ["TRAINING_PUSHGATEWAY_URL"] = "http://gateway:9091"
     try:
@@ -236,16 +285,19 @@ def test_the_pushgateway_url_falls_back_to_the_drivers_environment_and_travels_i
     assert PUSHGATEWAY_JOB == "flyte_ray_training"
 
 
-@pytest.mark.parametrize(("field", "value", "fix"), [
-    ("pushgateway_url", "gateway:9091", "http://pushgateway:9091"),
-    ("push_interval_s", 0.0, "> 0"),
-    ("push_timeout_s", -1.0, "> 0"),
-    ("http_port", 70000, "1-65535"),
-    ("sample_interval_s", 0.0, "> 0"),
-    ("timeline_max_samples", 1, ">= 2"),
-    ("gpu_hour_usd", -0.5, ">= 0"),
-    ("cpu_hour_usd", -0.1, ">= 0"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "fix"),
+    [
+        ("pushgateway_url", "gateway:9091", "http://pushgateway:9091"),
+        ("push_interval_s", 0.0, "> 0"),
+        ("push_timeout_s", -1.0, "> 0"),
+        ("http_port", 70000, "1-65535"),
+        ("sample_interval_s", 0.0, "> 0"),
+        ("timeline_max_samples", 1, ">= 2"),
+        ("gpu_hour_usd", -0.5, ">= 0"),
+        ("cpu_hour_usd", -0.1, ">= 0"),
+    ],
+)
 def test_invalid_observability_settings_name_the_field_the_value_and_the_fix(field, value, fix):
     with pytest.raises(ValueError) as error:
         TrainingConfig.from_dict({"observability": {field: value}})
@@ -258,12 +310,16 @@ def test_a_checkpointers_real_outcomes_reach_the_save_counters(tmp_path):
 
     telemetry = _telemetry()
     model = torch.nn.Linear(4, 2)
-    meta = ckpt.CheckpointMeta(model_name="m", classes=["a", "b"], input_shape=[4], mean=[0.0], std=[1.0], epoch=0, global_step=1, config={})
+    meta = ckpt.CheckpointMeta(
+        model_name="m", classes=["a", "b"], input_shape=[4], mean=[0.0], std=[1.0], epoch=0, global_step=1, config={}
+    )
     good = ckpt.Checkpointer(ckpt.CheckpointStorage(str(tmp_path / "ok")), keep_last=1, observer=telemetry)
     good.save(1, good.stage(model=model, meta=meta))
     good.wait()
     (tmp_path / "blocked").write_text("a file where the checkpoint directory should go")
-    bad = ckpt.Checkpointer(ckpt.CheckpointStorage(str(tmp_path / "blocked")), keep_last=1, observer=telemetry, max_consecutive_failures=5)
+    bad = ckpt.Checkpointer(
+        ckpt.CheckpointStorage(str(tmp_path / "blocked")), keep_last=1, observer=telemetry, max_consecutive_failures=5
+    )
     bad.save(2, bad.stage(model=model, meta=meta))
     with pytest.raises(ckpt.CheckpointError):
         bad.wait()
@@ -276,9 +332,14 @@ def test_a_checkpointers_real_outcomes_reach_the_save_counters(tmp_path):
 
 def test_checkpoint_meta_written_before_telemetry_existed_still_loads():
     old = {
-        "model_name": "m", "classes": ["a"], "input_shape": [1], "mean": [0.0], "std": [1.0], "epoch": 0,
-        "global_step": 3, "config": {},
+        "model_name": "m",
+        "classes": ["a"],
+        "input_shape": [1],
+        "mean": [0.0],
+        "std": [1.0],
+        "epoch": 0,
+        "global_step": 3,
+        "config": {},
     }
     meta = ckpt.CheckpointMeta(**old)
     assert (meta.telemetry, meta.elapsed_s) == ({}, 0.0)
-

@@ -25,9 +25,18 @@ def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger(optimizer_
     model_a, opt_a, scaler_a = _setup(optimizer_name)
     model_b, opt_b, scaler_b = _setup(optimizer_name)
     for _ in range(3):
-        whole = train_step(model=model_a, optimizer=opt_a, scaler=scaler_a, micro_batches=[(inputs, targets)], autocast_dtype=None, max_grad_norm=0.5)
+        whole = train_step(
+            model=model_a,
+            optimizer=opt_a,
+            scaler=scaler_a,
+            micro_batches=[(inputs, targets)],
+            autocast_dtype=None,
+            max_grad_norm=0.5,
+        )
         micro = list(zip(inputs.chunk(num_micro), targets.chunk(num_micro)))
-        accumulated = train_step(model=model_b, optimizer=opt_b, scaler=scaler_b, micro_batches=micro, autocast_dtype=None, max_grad_norm=0.5)
+        accumulated = train_step(
+            model=model_b, optimizer=opt_b, scaler=scaler_b, micro_batches=micro, autocast_dtype=None, max_grad_norm=0.5
+        )
         assert accumulated.num_samples == whole.num_samples == 16
         # The reported loss is a float32 summary; the update itself is compared strictly below.
         torch.testing.assert_close(accumulated.loss, whole.loss, rtol=1e-6, atol=1e-7)
@@ -38,13 +47,24 @@ def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger(optimizer_
 
 def test_clipping_bounds_the_update_and_reports_the_norm_before_clipping():
     model, _, scaler = _setup("sgd")
-    optimizer = build_optimizer(OptimizerConfig(name="sgd", lr=0.05, momentum=0.0, weight_decay=0.0), model.parameters())
+    optimizer = build_optimizer(
+        OptimizerConfig(name="sgd", lr=0.05, momentum=0.0, weight_decay=0.0), model.parameters()
+    )
     before = copy.deepcopy(model)
     inputs, targets = torch.randn(8, 1, 8, 8, dtype=torch.float64) * 50, torch.randint(0, 10, (8,))
-    result = train_step(model=model, optimizer=optimizer, scaler=scaler, micro_batches=[(inputs, targets)], autocast_dtype=None, max_grad_norm=0.01)
+    result = train_step(
+        model=model,
+        optimizer=optimizer,
+        scaler=scaler,
+        micro_batches=[(inputs, targets)],
+        autocast_dtype=None,
+        max_grad_norm=0.01,
+    )
     assert result.grad_norm > 0.01
     step = torch.sqrt(sum(((p - q) ** 2).sum() for p, q in zip(model.parameters(), before.parameters())))
-    torch.testing.assert_close(step, torch.tensor(0.05 * 0.01, dtype=torch.float64), rtol=1e-4, atol=0)  # lr * max_grad_norm
+    torch.testing.assert_close(
+        step, torch.tensor(0.05 * 0.01, dtype=torch.float64), rtol=1e-4, atol=0
+    )  # lr * max_grad_norm
 
 
 def test_precision_falls_back_cleanly_on_cpu():
@@ -58,7 +78,14 @@ def test_bf16_autocast_step_runs_on_cpu():
     model, optimizer, scaler = _setup("adamw")
     model.float()
     inputs, targets = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
-    result = train_step(model=model, optimizer=optimizer, scaler=scaler, micro_batches=[(inputs, targets)], autocast_dtype=torch.bfloat16, max_grad_norm=1.0)
+    result = train_step(
+        model=model,
+        optimizer=optimizer,
+        scaler=scaler,
+        micro_batches=[(inputs, targets)],
+        autocast_dtype=torch.bfloat16,
+        max_grad_norm=1.0,
+    )
     assert math.isfinite(result.loss.item())
 
 

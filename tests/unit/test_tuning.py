@@ -9,7 +9,6 @@ import pytest
 
 from training_core.config import TrainingConfig
 from training_core.tuning import (
-    AshaConfig,
     ParamSpec,
     TuningConfig,
     apply_params,
@@ -32,52 +31,110 @@ from training_core.tuning import (
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda: ParamSpec("optimizer.lrr", "log_uniform", low=1e-4, high=1e-2),
-         "search_space.path='optimizer.lrr' is invalid: 'optimizer.lrr' is not a config field; fields here: lr, max_grad_norm, momentum, name, weight_decay"),
-        (lambda: ParamSpec("optimizer", "uniform", low=0, high=1),
-         "search_space.path='optimizer' is invalid: it names a section; name one of its fields"),
-        (lambda: ParamSpec("optimizer.lr", "normal", low=1e-4, high=1e-2),
-         "search_space[optimizer.lr].kind='normal' is invalid: choose one of log_uniform, uniform, int, choice"),
-        (lambda: ParamSpec("optimizer.lr", "uniform", low=0.1, high=0.01),
-         "search_space[optimizer.lr].low=0.1 is invalid: it must be below high=0.01"),
-        (lambda: ParamSpec("optimizer.lr", "uniform", low=0.1, high=0.1),
-         "search_space[optimizer.lr].low=0.1 is invalid: it must be below high=0.1"),
-        (lambda: ParamSpec("optimizer.weight_decay", "log_uniform", low=0.0, high=0.1),
-         "search_space[optimizer.weight_decay].low=0.0 is invalid: a log_uniform range must be above 0"),
-        (lambda: ParamSpec("schedule.warmup_steps", "int", low=0.5, high=10),
-         "search_space[schedule.warmup_steps].low=(0.5, 10) is invalid: an int range needs whole-number bounds"),
-        (lambda: TuningConfig(search_space=[ParamSpec("loop.batch_size", "choice", choices=["16", "0"])]),
-         "loop.batch_size=0 is invalid: it must be > 0"),
-        (lambda: ParamSpec("loop.batch_size", "choice", choices=["16", "big"]),
-         "loop.batch_size='big' is invalid: expected a number (int)"),
-        (lambda: TuningConfig(search_space=[ParamSpec("optimizer.name", "choice", choices=["adamw", "lion"])]),
-         "optimizer.name='lion' is invalid: choose one of sgd, adam, adamw"),
-        (lambda: ParamSpec("optimizer.name", "choice", choices=[]),
-         "search_space[optimizer.name].choices=[] is invalid: a choice needs at least one value"),
-        (lambda: TuningConfig.from_dict({"algorithm": "grid", "num_trials": 4}),
-         "num_trials=4 is invalid: the grid has 162 points: raise num_trials to 162 or use fewer grid_points/choices"),
-        (lambda: TuningConfig.from_dict({"algorithm": "asha", "asha": {"min_epochs": 5}}),
-         "asha.min_epochs=5 is invalid: it must be <= base.loop.epochs=4"),
-        (lambda: TuningConfig.from_dict({"algorithm": "pbt", "num_trials": 1}),
-         "num_trials=1 is invalid: pbt needs a population of at least 2"),
-        (lambda: TuningConfig.from_dict({"algorithm": "grid", "strategy": "ray_tune", "num_trials": 200}),
-         "algorithm='grid' is invalid: strategy='ray_tune' runs random, bayesian, asha or pbt; use strategy='flyte' for grid"),
-        (lambda: TuningConfig.from_dict({"algorithm": "hyperband"}),
-         "algorithm='hyperband' is invalid: choose one of random, grid, bayesian, asha, pbt"),
-        (lambda: TuningConfig.from_dict({"metric": "val_f1"}),
-         "metric='val_f1' is invalid: choose one of val_accuracy, val_loss"),
-        (lambda: TuningConfig.from_dict({"asha": {"eta": 1}}),
-         "asha.eta=1 is invalid: it must be >= 2"),
-        (lambda: TuningConfig.from_dict({"algorithm": "asha", "base": {"loop": {"max_steps": 10}}}),
-         "base.loop.max_steps=10 is invalid: asha budgets trials in epochs; set it to 0"),
-        (lambda: TuningConfig.from_dict({"search_space": [{"path": "optimizer.lr", "kind": "uniform", "low": 0.1, "high": 0.2}] * 2}),
-         "search_space=['optimizer.lr', 'optimizer.lr'] is invalid: each path may appear once"),
+        (
+            lambda: ParamSpec("optimizer.lrr", "log_uniform", low=1e-4, high=1e-2),
+            "search_space.path='optimizer.lrr' is invalid: 'optimizer.lrr' is not a config field; fields here: lr, "
+            "max_grad_norm, momentum, name, weight_decay",
+        ),
+        (
+            lambda: ParamSpec("optimizer", "uniform", low=0, high=1),
+            "search_space.path='optimizer' is invalid: it names a section; name one of its fields",
+        ),
+        (
+            lambda: ParamSpec("optimizer.lr", "normal", low=1e-4, high=1e-2),
+            "search_space[optimizer.lr].kind='normal' is invalid: choose one of log_uniform, uniform, int, choice",
+        ),
+        (
+            lambda: ParamSpec("optimizer.lr", "uniform", low=0.1, high=0.01),
+            "search_space[optimizer.lr].low=0.1 is invalid: it must be below high=0.01",
+        ),
+        (
+            lambda: ParamSpec("optimizer.lr", "uniform", low=0.1, high=0.1),
+            "search_space[optimizer.lr].low=0.1 is invalid: it must be below high=0.1",
+        ),
+        (
+            lambda: ParamSpec("optimizer.weight_decay", "log_uniform", low=0.0, high=0.1),
+            "search_space[optimizer.weight_decay].low=0.0 is invalid: a log_uniform range must be above 0",
+        ),
+        (
+            lambda: ParamSpec("schedule.warmup_steps", "int", low=0.5, high=10),
+            "search_space[schedule.warmup_steps].low=(0.5, 10) is invalid: an int range needs whole-number bounds",
+        ),
+        (
+            lambda: TuningConfig(search_space=[ParamSpec("loop.batch_size", "choice", choices=["16", "0"])]),
+            "loop.batch_size=0 is invalid: it must be > 0",
+        ),
+        (
+            lambda: ParamSpec("loop.batch_size", "choice", choices=["16", "big"]),
+            "loop.batch_size='big' is invalid: expected a number (int)",
+        ),
+        (
+            lambda: TuningConfig(search_space=[ParamSpec("optimizer.name", "choice", choices=["adamw", "lion"])]),
+            "optimizer.name='lion' is invalid: choose one of sgd, adam, adamw",
+        ),
+        (
+            lambda: ParamSpec("optimizer.name", "choice", choices=[]),
+            "search_space[optimizer.name].choices=[] is invalid: a choice needs at least one value",
+        ),
+        (
+            lambda: TuningConfig.from_dict({"algorithm": "grid", "num_trials": 4}),
+            "num_trials=4 is invalid: the grid has 162 points: raise num_trials to 162 or use fewer "
+            "grid_points/choices",
+        ),
+        (
+            lambda: TuningConfig.from_dict({"algorithm": "asha", "asha": {"min_epochs": 5}}),
+            "asha.min_epochs=5 is invalid: it must be <= base.loop.epochs=4",
+        ),
+        (
+            lambda: TuningConfig.from_dict({"algorithm": "pbt", "num_trials": 1}),
+            "num_trials=1 is invalid: pbt needs a population of at least 2",
+        ),
+        (
+            lambda: TuningConfig.from_dict({"algorithm": "grid", "strategy": "ray_tune", "num_trials": 200}),
+            "algorithm='grid' is invalid: strategy='ray_tune' runs random, bayesian, asha or pbt; use "
+            "strategy='flyte' for grid",
+        ),
+        (
+            lambda: TuningConfig.from_dict({"algorithm": "hyperband"}),
+            "algorithm='hyperband' is invalid: choose one of random, grid, bayesian, asha, pbt",
+        ),
+        (
+            lambda: TuningConfig.from_dict({"metric": "val_f1"}),
+            "metric='val_f1' is invalid: choose one of val_accuracy, val_loss",
+        ),
+        (lambda: TuningConfig.from_dict({"asha": {"eta": 1}}), "asha.eta=1 is invalid: it must be >= 2"),
+        (
+            lambda: TuningConfig.from_dict({"algorithm": "asha", "base": {"loop": {"max_steps": 10}}}),
+            "base.loop.max_steps=10 is invalid: asha budgets trials in epochs; set it to 0",
+        ),
+        (
+            lambda: TuningConfig.from_dict(
+                {"search_space": [{"path": "optimizer.lr", "kind": "uniform", "low": 0.1, "high": 0.2}] * 2}
+            ),
+            "search_space=['optimizer.lr', 'optimizer.lr'] is invalid: each path may appear once",
+        ),
     ],
     ids=[
-        "unknown-path", "section-path", "bad-kind", "low-above-high", "empty-range", "log-range-at-zero", "fractional-int-range",
-        "zero-batch-choice", "text-batch-choice", "unknown-optimizer-choice", "no-choices", "grid-above-num-trials",
-        "asha-min-epochs-above-epochs", "pbt-single-trial", "ray-tune-grid", "unknown-algorithm", "unknown-metric",
-        "asha-eta-1", "asha-with-max-steps", "duplicate-path",
+        "unknown-path",
+        "section-path",
+        "bad-kind",
+        "low-above-high",
+        "empty-range",
+        "log-range-at-zero",
+        "fractional-int-range",
+        "zero-batch-choice",
+        "text-batch-choice",
+        "unknown-optimizer-choice",
+        "no-choices",
+        "grid-above-num-trials",
+        "asha-min-epochs-above-epochs",
+        "pbt-single-trial",
+        "ray-tune-grid",
+        "unknown-algorithm",
+        "unknown-metric",
+        "asha-eta-1",
+        "asha-with-max-steps",
+        "duplicate-path",
     ],
 )
 def test_invalid_search_names_the_field_the_value_and_the_fix(build, message):
@@ -87,23 +144,35 @@ def test_invalid_search_names_the_field_the_value_and_the_fix(build, message):
 
 
 def test_asha_min_epochs_is_checked_against_the_given_base_not_the_default_one():
-    cfg = TuningConfig.from_dict({"algorithm": "asha", "asha": {"min_epochs": 5, "eta": 2}, "base": {"loop": {"epochs": 10}}})
+    cfg = TuningConfig.from_dict(
+        {"algorithm": "asha", "asha": {"min_epochs": 5, "eta": 2}, "base": {"loop": {"epochs": 10}}}
+    )
     assert asha_rungs(cfg.base.loop.epochs, min_epochs=cfg.asha.min_epochs, eta=cfg.asha.eta) == [5, 10]
 
 
 def test_values_that_no_trial_of_this_base_could_run_fail_before_the_search():
     # A batch size of 0 at the low end of an int range would fail the trials that draw it.
     with pytest.raises(ValueError, match=r"loop.batch_size=0 is invalid"):
-        TuningConfig.from_dict({"algorithm": "random", "search_space": [{"path": "loop.batch_size", "kind": "int", "low": 0, "high": 64}]})
+        TuningConfig.from_dict(
+            {"algorithm": "random", "search_space": [{"path": "loop.batch_size", "kind": "int", "low": 0, "high": 64}]}
+        )
     with pytest.raises(ValueError, match=r"optimizer.momentum=1.5 is invalid"):
-        TuningConfig.from_dict({"algorithm": "random", "search_space": [{"path": "optimizer.momentum", "kind": "uniform", "low": 0.5, "high": 1.5}]})
+        TuningConfig.from_dict(
+            {
+                "algorithm": "random",
+                "search_space": [{"path": "optimizer.momentum", "kind": "uniform", "low": 0.5, "high": 1.5}],
+            }
+        )
 
 
 def test_suggest_accepts_finished_trials_sampled_from_a_narrow_range():
-    cfg = TuningConfig.from_dict({
-        "algorithm": "bayesian", "num_trials": 4,
-        "search_space": [{"path": "optimizer.momentum", "kind": "uniform", "low": 0.123412, "high": 0.123419}],
-    })
+    cfg = TuningConfig.from_dict(
+        {
+            "algorithm": "bayesian",
+            "num_trials": 4,
+            "search_space": [{"path": "optimizer.momentum", "kind": "uniform", "low": 0.123412, "high": 0.123419}],
+        }
+    )
     first = initial_params(cfg)
     assert all(0.123412 <= float(p["optimizer.momentum"]) <= 0.123419 for p in first)
     assert len(suggest(cfg, finished=[(p, 0.5) for p in first], count=2, round_index=1)) == 2
@@ -123,7 +192,12 @@ def test_yaml_file_overlays_the_tuning_defaults_and_environment_overrides_win(tm
         "  loop: {epochs: 3}\n"
         "  optimizer: {name: sgd}\n"
     )
-    env = {"TUNING__NUM_TRIALS": "5", "TUNING__BASE__OPTIMIZER__LR": "0.05", "TUNING__ASHA__ETA": "3", "TRAINING_CORE__LOOP__EPOCHS": "99"}
+    env = {
+        "TUNING__NUM_TRIALS": "5",
+        "TUNING__BASE__OPTIMIZER__LR": "0.05",
+        "TUNING__ASHA__ETA": "3",
+        "TRAINING_CORE__LOOP__EPOCHS": "99",
+    }
     cfg = load_tuning_config(str(path), environ=env)
 
     assert (cfg.algorithm, cfg.num_trials, cfg.seed, cfg.asha.eta) == ("random", 5, 3, 3)
@@ -133,7 +207,9 @@ def test_yaml_file_overlays_the_tuning_defaults_and_environment_overrides_win(tm
     assert cfg.search_space[0].low == pytest.approx(0.001) and cfg.search_space[0].high == pytest.approx(0.1)
     # The partial base lands on the tuning defaults (small_cnn, 1 worker), not the training pipeline's.
     defaults = default_base()
-    assert cfg.base.loop.epochs == 3 and cfg.base.optimizer.name == "sgd" and cfg.base.optimizer.lr == pytest.approx(0.05)
+    assert (
+        cfg.base.loop.epochs == 3 and cfg.base.optimizer.name == "sgd" and cfg.base.optimizer.lr == pytest.approx(0.05)
+    )
     assert cfg.base.model.name == defaults.model.name == "small_cnn"
     assert cfg.base.scaling == defaults.scaling and cfg.base.scaling.num_workers == 1
     assert cfg.base.data.num_shards == 2 and cfg.base.tracking.experiment_name == "tuning"
@@ -152,10 +228,16 @@ def test_no_file_and_no_environment_gives_the_default_search():
 
 def test_apply_params_converts_text_to_each_fields_type_and_leaves_the_base_alone():
     base = default_base()
-    cfg = apply_params(base, {
-        "optimizer.lr": "0.003", "loop.batch_size": "64", "optimizer.name": "sgd", "schedule.warmup_steps": "7",
-        "model.sync_batchnorm": "false",
-    })
+    cfg = apply_params(
+        base,
+        {
+            "optimizer.lr": "0.003",
+            "loop.batch_size": "64",
+            "optimizer.name": "sgd",
+            "schedule.warmup_steps": "7",
+            "model.sync_batchnorm": "false",
+        },
+    )
     assert cfg.optimizer.lr == 0.003 and type(cfg.optimizer.lr) is float
     assert cfg.loop.batch_size == 64 and type(cfg.loop.batch_size) is int
     assert cfg.schedule.warmup_steps == 7 and type(cfg.schedule.warmup_steps) is int
@@ -203,7 +285,11 @@ def test_grid_points_spacing_size_and_stable_order():
 
     assert [p["optimizer.lr"] for p in grid_points([lr])] == ["0.0001", "0.001", "0.01"]
     assert [p["optimizer.momentum"] for p in grid_points([momentum])] == ["0.5", "0.7", "0.9"]
-    assert [p["schedule.warmup_steps"] for p in grid_points([few_ints])] == ["0", "1", "2"]  # an int range smaller than the grid: all of it
+    assert [p["schedule.warmup_steps"] for p in grid_points([few_ints])] == [
+        "0",
+        "1",
+        "2",
+    ]  # an int range smaller than the grid: all of it
     assert [p["loop.epochs"] for p in grid_points([many_ints])] == ["1", "5", "9"]
     single = ParamSpec("optimizer.lr", "log_uniform", low=1e-4, high=1e-2, grid_points=1)
     assert grid_points([single]) == [{"optimizer.lr": "0.001"}]  # the geometric middle
@@ -231,7 +317,9 @@ def test_asha_rungs_grow_by_eta_and_end_at_the_full_budget(max_epochs, min_epoch
 
 
 def test_asha_rounds_train_to_each_rung_and_pbt_to_each_interval():
-    asha = TuningConfig.from_dict({"algorithm": "asha", "asha": {"min_epochs": 1, "eta": 3}, "base": {"loop": {"epochs": 4}}})
+    asha = TuningConfig.from_dict(
+        {"algorithm": "asha", "asha": {"min_epochs": 1, "eta": 3}, "base": {"loop": {"epochs": 4}}}
+    )
     assert num_rounds(asha) == 3 and [round_stop_epoch(asha, i) for i in range(3)] == [1, 3, 4]
     pbt = TuningConfig.from_dict({"algorithm": "pbt", "pbt": {"interval_epochs": 3}, "base": {"loop": {"epochs": 4}}})
     assert num_rounds(pbt) == 2 and [round_stop_epoch(pbt, i) for i in range(2)] == [3, 4]
@@ -287,10 +375,16 @@ def test_perturb_scales_and_clips_numeric_params_and_keeps_choices():
 
 
 def _lr_search(**overrides) -> TuningConfig:
-    return TuningConfig.from_dict({
-        "algorithm": "bayesian", "num_trials": 60, "bayesian": {"num_rounds": 3}, "seed": 7,
-        "search_space": [{"path": "optimizer.lr", "kind": "log_uniform", "low": 1e-4, "high": 1.0}], **overrides,
-    })
+    return TuningConfig.from_dict(
+        {
+            "algorithm": "bayesian",
+            "num_trials": 60,
+            "bayesian": {"num_rounds": 3},
+            "seed": 7,
+            "search_space": [{"path": "optimizer.lr", "kind": "log_uniform", "low": 1e-4, "high": 1.0}],
+            **overrides,
+        }
+    )
 
 
 def _lr_score(params: dict[str, str]) -> float:
@@ -353,4 +447,6 @@ def test_bayesian_first_round_is_random_and_its_size_follows_the_round_split():
     assert bayesian_round_sizes(cfg) == [3, 2, 2] and num_rounds(cfg) == 3
     first = initial_params(cfg)
     assert len(first) == 3 and first == initial_params(cfg)
-    assert bayesian_round_sizes(TuningConfig.from_dict({"algorithm": "bayesian", "num_trials": 1, "bayesian": {"num_rounds": 3}})) == [1]
+    assert bayesian_round_sizes(
+        TuningConfig.from_dict({"algorithm": "bayesian", "num_trials": 1, "bayesian": {"num_rounds": 3}})
+    ) == [1]
