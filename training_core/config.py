@@ -29,30 +29,41 @@ BACKENDS = ("auto", "gloo", "nccl")
 
 ENV_PREFIX = "TRAINING_CORE__"
 
+METRIC_DIRECTIONS = {"val_accuracy": "max", "val_loss": "min"}
+"""Which way each metric that ranks checkpoints and trials improves: ``max`` or ``min``."""
 
-def _fail(path: str, value: Any, fix: str) -> typing.NoReturn:
+
+def is_better(metric: str, value: float, than: float | None) -> bool:
+    """Whether ``value`` of ``metric`` beats ``than`` (anything beats ``None``)."""
+    if than is None:
+        return True
+    return value > than if METRIC_DIRECTIONS[metric] == "max" else value < than
+
+
+def invalid(path: str, value: Any, fix: str) -> typing.NoReturn:
+    """Raise the one kind of config error: the dotted field, the bad value and the fix."""
     raise ValueError(f"{path}={value!r} is invalid: {fix}")
 
 
 def _choice(path: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        _fail(path, value, f"choose one of {', '.join(choices)}")
+        invalid(path, value, f"choose one of {', '.join(choices)}")
 
 
 def _positive(path: str, value: float) -> None:
     if not value > 0:
-        _fail(path, value, "it must be > 0")
+        invalid(path, value, "it must be > 0")
 
 
 def _non_negative(path: str, value: float) -> None:
     if not value >= 0:
-        _fail(path, value, "it must be >= 0")
+        invalid(path, value, "it must be >= 0")
 
 
 def _fraction(path: str, value: float, *, upper_inclusive: bool = False) -> None:
     ok = 0 <= value <= 1 if upper_inclusive else 0 <= value < 1
     if not ok:
-        _fail(path, value, f"it must be in [0, 1{']' if upper_inclusive else ')'}")
+        invalid(path, value, f"it must be in [0, 1{']' if upper_inclusive else ')'}")
 
 
 @dataclass
@@ -97,21 +108,23 @@ class DataConfig:
     def __post_init__(self) -> None:
         _choice("data.dataset", self.dataset, DATASETS)
         if self.dataset in ("cifar10", "image_folder") and not self.path:
-            _fail("data.path", self.path, f"dataset {self.dataset!r} needs data.path set to a local path or s3:// URI")
+            invalid(
+                "data.path", self.path, f"dataset {self.dataset!r} needs data.path set to a local path or s3:// URI"
+            )
         _non_negative("data.image_size", self.image_size)
         if self.dataset == "image_folder" and self.image_size == 0:
-            _fail("data.image_size", self.image_size, "image_folder needs a fixed size such as 64 or 224")
+            invalid("data.image_size", self.image_size, "image_folder needs a fixed size such as 64 or 224")
         _fraction("data.val_fraction", self.val_fraction)
         _fraction("data.test_fraction", self.test_fraction)
         if self.val_fraction + self.test_fraction >= 1:
-            _fail(
+            invalid(
                 "data.val_fraction", self.val_fraction, "val_fraction + test_fraction must leave training samples (< 1)"
             )
         _positive("data.num_shards", self.num_shards)
         _positive("data.synthetic_num_samples", self.synthetic_num_samples)
         _positive("data.synthetic_image_size", self.synthetic_image_size)
         if self.synthetic_num_classes < 2:
-            _fail("data.synthetic_num_classes", self.synthetic_num_classes, "it must be >= 2")
+            invalid("data.synthetic_num_classes", self.synthetic_num_classes, "it must be >= 2")
 
 
 @dataclass
@@ -201,7 +214,7 @@ class LoopConfig:
         _positive("loop.epochs", self.epochs)
         _non_negative("loop.stop_at_epoch", self.stop_at_epoch)
         if self.stop_at_epoch > self.epochs:
-            _fail(
+            invalid(
                 "loop.stop_at_epoch",
                 self.stop_at_epoch,
                 f"it must be <= loop.epochs={self.epochs} (or 0 to run all epochs)",
@@ -254,7 +267,7 @@ class ScalingConfig:
         _positive("scaling.torch_threads_per_worker", self.torch_threads_per_worker)
         _choice("scaling.backend", self.backend, BACKENDS)
         if self.backend == "nccl" and not self.use_gpu:
-            _fail("scaling.backend", self.backend, "nccl needs scaling.use_gpu=true; use gloo or auto on CPU")
+            invalid("scaling.backend", self.backend, "nccl needs scaling.use_gpu=true; use gloo or auto on CPU")
         _positive("scaling.collective_timeout_s", self.collective_timeout_s)
 
     def resolved_backend(self) -> str:
@@ -315,18 +328,18 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _non_negative("checkpoint.interval_steps", self.interval_steps)
         if self.interval_steps == 0 and not self.at_epoch_end:
-            _fail(
+            invalid(
                 "checkpoint.at_epoch_end",
                 self.at_epoch_end,
                 "with checkpoint.interval_steps=0 nothing would be saved; set one of them",
             )
         _positive("checkpoint.keep_last", self.keep_last)
-        _choice("checkpoint.best_metric", self.best_metric, ("val_accuracy", "val_loss"))
+        _choice("checkpoint.best_metric", self.best_metric, tuple(METRIC_DIRECTIONS))
         _non_negative("checkpoint.max_worker_restarts", self.max_worker_restarts)
         _positive("checkpoint.max_consecutive_save_failures", self.max_consecutive_save_failures)
         _choice("checkpoint.s3_server_side_encryption", self.s3_server_side_encryption, ("", "AES256", "aws:kms"))
         if self.s3_kms_key_id and self.s3_server_side_encryption != "aws:kms":
-            _fail(
+            invalid(
                 "checkpoint.s3_kms_key_id",
                 self.s3_kms_key_id,
                 "a KMS key needs checkpoint.s3_server_side_encryption='aws:kms'",
@@ -370,7 +383,7 @@ class TrackingConfig:
     def __post_init__(self) -> None:
         for name in ("tracking_uri", "experiment_name", "registered_model_name", "champion_alias"):
             if not getattr(self, name):
-                _fail(f"tracking.{name}", getattr(self, name), "it must be a non-empty string")
+                invalid(f"tracking.{name}", getattr(self, name), "it must be a non-empty string")
         _fraction("tracking.promotion_min_accuracy", self.promotion_min_accuracy, upper_inclusive=True)
 
 
@@ -424,7 +437,7 @@ class ObservabilityConfig:
 
     def __post_init__(self) -> None:
         if self.pushgateway_url and not self.pushgateway_url.startswith(("http://", "https://")):
-            _fail(
+            invalid(
                 "observability.pushgateway_url",
                 self.pushgateway_url,
                 "give a full URL such as http://pushgateway:9091, or leave it empty",
@@ -432,10 +445,10 @@ class ObservabilityConfig:
         _positive("observability.push_interval_s", self.push_interval_s)
         _positive("observability.push_timeout_s", self.push_timeout_s)
         if not 0 <= self.http_port <= 65535:
-            _fail("observability.http_port", self.http_port, "use a TCP port in 1-65535, or 0 for no HTTP endpoint")
+            invalid("observability.http_port", self.http_port, "use a TCP port in 1-65535, or 0 for no HTTP endpoint")
         _positive("observability.sample_interval_s", self.sample_interval_s)
         if self.timeline_max_samples < 2:
-            _fail("observability.timeline_max_samples", self.timeline_max_samples, "it must be >= 2")
+            invalid("observability.timeline_max_samples", self.timeline_max_samples, "it must be >= 2")
         _non_negative("observability.gpu_hour_usd", self.gpu_hour_usd)
         _non_negative("observability.cpu_hour_usd", self.cpu_hour_usd)
 
@@ -485,7 +498,7 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         if self.data.num_shards < self.scaling.num_workers:
-            _fail(
+            invalid(
                 "data.num_shards",
                 self.data.num_shards,
                 f"each of the scaling.num_workers={self.scaling.num_workers} workers needs a shard of its own; "
@@ -509,12 +522,12 @@ class TrainingConfig:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "TrainingConfig":
         """Build from a (possibly partial) nested mapping; missing fields keep their defaults."""
-        return _build(cls, raw, prefix="")
+        return build_dataclass(cls, raw, prefix="")
 
 
-def _build(cls: type, raw: Mapping[str, Any], *, prefix: str) -> Any:
+def build_dataclass(cls: type, raw: Mapping[str, Any], *, prefix: str) -> Any:
     if not isinstance(raw, Mapping):
-        _fail(prefix.rstrip(".") or "config", raw, "expected a mapping of field names to values")
+        invalid(prefix.rstrip(".") or "config", raw, "expected a mapping of field names to values")
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - fields)
@@ -527,52 +540,71 @@ def _build(cls: type, raw: Mapping[str, Any], *, prefix: str) -> Any:
     for name, value in raw.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value, prefix=f"{prefix}{name}.")
+            kwargs[name] = build_dataclass(hint, value, prefix=f"{prefix}{name}.")
         else:
-            kwargs[name] = _coerce(f"{prefix}{name}", value, hint)
+            kwargs[name] = coerce(f"{prefix}{name}", value, hint)
     return cls(**kwargs)
 
 
-def _coerce(path: str, value: Any, hint: type) -> Any:
+def coerce(path: str, value: Any, hint: type) -> Any:
     if hint is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-        _fail(path, value, "expected true or false")
+        invalid(path, value, "expected true or false")
     if hint in (int, float):
         if isinstance(value, bool):
-            _fail(path, value, f"expected a number ({hint.__name__})")
+            invalid(path, value, f"expected a number ({hint.__name__})")
         try:
             number = hint(value)
         except (TypeError, ValueError):
-            _fail(path, value, f"expected a number ({hint.__name__})")
+            invalid(path, value, f"expected a number ({hint.__name__})")
         if hint is int and float(value) != number:
-            _fail(path, value, "expected a whole number")
+            invalid(path, value, "expected a whole number")
         return number
     if hint is str:
         if not isinstance(value, str):
-            _fail(path, value, "expected a string")
+            invalid(path, value, "expected a string")
         return value
     if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint)
         if isinstance(value, (str, bytes)) or not isinstance(value, typing.Sequence):
-            _fail(path, value, "expected a list")
+            invalid(path, value, "expected a list")
         if dataclasses.is_dataclass(item):
-            return [_build(item, v, prefix=f"{path}[{i}].") for i, v in enumerate(value)]
-        return [_coerce(f"{path}[{i}]", v, item) for i, v in enumerate(value)]
+            return [build_dataclass(item, v, prefix=f"{path}[{i}].") for i, v in enumerate(value)]
+        return [coerce(f"{path}[{i}]", v, item) for i, v in enumerate(value)]
     raise AssertionError(f"unsupported config field type {hint!r} at {path}")
 
 
-def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Nested overrides from ``TRAINING_CORE__SECTION__FIELD=value`` variables (values parsed as YAML)."""
+def read_yaml_mapping(path: str | os.PathLike[str], *, setting: str = "config file") -> dict[str, Any]:
+    """The mapping of fields in the YAML file at ``path`` (partial: only the fields it sets; empty file: none).
+
+    ``setting`` names where the path came from (``--config``, ``config file``) in the error a missing file or
+    a document that is not a mapping raises."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ValueError(f"{setting} {os.fspath(path)!r} is invalid: no file there") from None
+    if not isinstance(raw, Mapping):
+        raise ValueError(
+            f"{setting} {os.fspath(path)!r} is invalid: it must hold a mapping of fields, got {type(raw).__name__}"
+        )
+    return dict(raw)
+
+
+def env_overrides(environ: Mapping[str, str], *, prefix: str = ENV_PREFIX) -> dict[str, Any]:
+    """Nested overrides from ``<prefix>SECTION__FIELD=value`` variables (values parsed as YAML)."""
     import yaml
 
     overrides: dict[str, Any] = {}
     for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX):
+        if not key.startswith(prefix):
             continue
-        parts = [p.lower() for p in key[len(ENV_PREFIX) :].split("__") if p]
+        parts = [p.lower() for p in key[len(prefix) :].split("__") if p]
         if not parts:
             continue
         node = overrides
@@ -582,30 +614,36 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     return overrides
 
 
-def merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+def merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``top`` laid over it, section by section (a nested mapping merges, anything else replaces)."""
     merged = dict(base)
     for key, value in top.items():
         if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = merge(dict(merged[key]), value)
+            merged[key] = merge(merged[key], value)
         else:
             merged[key] = value
     return merged
+
+
+def load_layers(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    env_prefix: str = ENV_PREFIX,
+) -> dict[str, Any]:
+    """The one way a config is read from outside: the YAML file at ``path`` (if given), overlaid by the
+    ``<env_prefix>SECTION__FIELD`` environment variables. A partial mapping, for a config class's ``from_dict``."""
+    raw = read_yaml_mapping(path) if path is not None else {}
+    return merge(raw, env_overrides(os.environ if environ is None else environ, prefix=env_prefix))
+
+
+def overlay(default: Any, fields: Mapping[str, Any]) -> Any:
+    """The config dataclass ``default`` with ``fields`` (a partial nested mapping) on top, validated."""
+    return type(default).from_dict(merge(default.to_dict(), fields))
 
 
 def load_config(
     path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None
 ) -> TrainingConfig:
     """Defaults, overlaid by the YAML file at ``path`` (if given), overlaid by environment overrides."""
-    import yaml
-
-    raw: dict[str, Any] = {}
-    if path is not None:
-        with open(path, encoding="utf-8") as f:
-            loaded = yaml.safe_load(f) or {}
-        if not isinstance(loaded, Mapping):
-            raise ValueError(
-                f"config file {os.fspath(path)!r} must hold a mapping of sections, got {type(loaded).__name__}"
-            )
-        raw = dict(loaded)
-    raw = merge(raw, env_overrides(os.environ if environ is None else environ))
-    return TrainingConfig.from_dict(raw)
+    return TrainingConfig.from_dict(load_layers(path, environ=environ))

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from training_core.config import (
+    METRIC_DIRECTIONS,
     CheckpointConfig,
     DataConfig,
     LoopConfig,
@@ -33,17 +34,16 @@ from training_core.config import (
     ScalingConfig,
     TrackingConfig,
     TrainingConfig,
-    _build,
-    _coerce,
-    _fail,
-    env_overrides,
+    build_dataclass,
+    coerce,
+    invalid,
+    load_layers,
     merge,
 )
 
 ALGORITHMS = ("random", "grid", "bayesian", "asha", "pbt")
 STRATEGIES = ("flyte", "ray_tune")
 KINDS = ("log_uniform", "uniform", "int", "choice")
-METRICS = {"val_accuracy": "max", "val_loss": "min"}
 TUNING_ENV_PREFIX = "TUNING__"
 
 Params = dict[str, str]
@@ -77,22 +77,22 @@ class ParamSpec:
     def __post_init__(self) -> None:
         where = f"search_space[{self.path}]"
         if self.kind not in KINDS:
-            _fail(f"{where}.kind", self.kind, f"choose one of {', '.join(KINDS)}")
+            invalid(f"{where}.kind", self.kind, f"choose one of {', '.join(KINDS)}")
         _field_type(self.path)
         if self.kind == "choice":
             if not self.choices:
-                _fail(f"{where}.choices", self.choices, "a choice needs at least one value")
+                invalid(f"{where}.choices", self.choices, "a choice needs at least one value")
             for value in self.choices:
-                _coerce(self.path, value, _field_type(self.path))  # each value must have the field's type
+                coerce(self.path, value, _field_type(self.path))  # each value must have the field's type
         else:
             if not self.low < self.high:
-                _fail(f"{where}.low", self.low, f"it must be below high={self.high}")
+                invalid(f"{where}.low", self.low, f"it must be below high={self.high}")
             if self.kind == "log_uniform" and not self.low > 0:
-                _fail(f"{where}.low", self.low, "a log_uniform range must be above 0")
+                invalid(f"{where}.low", self.low, "a log_uniform range must be above 0")
             if self.kind == "int" and (self.low != int(self.low) or self.high != int(self.high)):
-                _fail(f"{where}.low", (self.low, self.high), "an int range needs whole-number bounds")
+                invalid(f"{where}.low", (self.low, self.high), "an int range needs whole-number bounds")
         if self.grid_points < 1:
-            _fail(f"{where}.grid_points", self.grid_points, "it must be >= 1")
+            invalid(f"{where}.grid_points", self.grid_points, "it must be >= 1")
 
     @property
     def numeric(self) -> bool:
@@ -132,9 +132,9 @@ class AshaConfig:
 
     def __post_init__(self) -> None:
         if self.min_epochs < 1:
-            _fail("asha.min_epochs", self.min_epochs, "it must be >= 1")
+            invalid("asha.min_epochs", self.min_epochs, "it must be >= 1")
         if self.eta < 2:
-            _fail("asha.eta", self.eta, "it must be >= 2 (2 halves the trials per rung, 3 keeps a third)")
+            invalid("asha.eta", self.eta, "it must be >= 2 (2 halves the trials per rung, 3 keeps a third)")
 
 
 @dataclass
@@ -154,15 +154,15 @@ class PbtConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.quantile <= 0.5:
-            _fail("pbt.quantile", self.quantile, "it must be in (0, 0.5]")
+            invalid("pbt.quantile", self.quantile, "it must be in (0, 0.5]")
         if self.interval_epochs < 1:
-            _fail("pbt.interval_epochs", self.interval_epochs, "it must be >= 1")
+            invalid("pbt.interval_epochs", self.interval_epochs, "it must be >= 1")
         if not self.perturbation_factors or any(f <= 0 for f in self.perturbation_factors):
-            _fail(
+            invalid(
                 "pbt.perturbation_factors", self.perturbation_factors, "give one or more factors > 0, e.g. [0.8, 1.25]"
             )
         if not 0 <= self.resample_probability <= 1:
-            _fail("pbt.resample_probability", self.resample_probability, "it must be in [0, 1]")
+            invalid("pbt.resample_probability", self.resample_probability, "it must be in [0, 1]")
 
 
 @dataclass
@@ -173,7 +173,7 @@ class BayesianConfig:
 
     def __post_init__(self) -> None:
         if self.num_rounds < 1:
-            _fail("bayesian.num_rounds", self.num_rounds, "it must be >= 1")
+            invalid("bayesian.num_rounds", self.num_rounds, "it must be >= 1")
 
 
 @dataclass
@@ -217,35 +217,35 @@ class TuningConfig:
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
-            _fail("algorithm", self.algorithm, f"choose one of {', '.join(ALGORITHMS)}")
+            invalid("algorithm", self.algorithm, f"choose one of {', '.join(ALGORITHMS)}")
         if self.strategy not in STRATEGIES:
-            _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGIES)}")
+            invalid("strategy", self.strategy, f"choose one of {', '.join(STRATEGIES)}")
         if self.strategy == "ray_tune" and self.algorithm == "grid":
-            _fail(
+            invalid(
                 "algorithm",
                 self.algorithm,
                 "strategy='ray_tune' runs random, bayesian, asha or pbt; use strategy='flyte' for grid",
             )
-        if self.metric not in METRICS:
-            _fail("metric", self.metric, f"choose one of {', '.join(METRICS)}")
+        if self.metric not in METRIC_DIRECTIONS:
+            invalid("metric", self.metric, f"choose one of {', '.join(METRIC_DIRECTIONS)}")
         if self.num_trials < 1:
-            _fail("num_trials", self.num_trials, "it must be >= 1")
+            invalid("num_trials", self.num_trials, "it must be >= 1")
         if self.max_concurrency < 1:
-            _fail("max_concurrency", self.max_concurrency, "it must be >= 1")
+            invalid("max_concurrency", self.max_concurrency, "it must be >= 1")
         if not self.search_space:
-            _fail("search_space", self.search_space, "name at least one field to search")
+            invalid("search_space", self.search_space, "name at least one field to search")
         paths = [p.path for p in self.search_space]
         sized = [path for path in paths if path.startswith("scaling.")]
         if sized:
             # flytekit applies a node's task_config override to the shared task object, so every trial node of
             # a round would get the RayJob shape of the last one: the cluster shape is one per search.
-            _fail(
+            invalid(
                 "search_space.path",
                 sized[0],
                 "the RayJob shape is one per search: set base.scaling instead of searching it",
             )
         if len(set(paths)) != len(paths):
-            _fail("search_space", paths, "each path may appear once")
+            invalid("search_space", paths, "each path may appear once")
         for spec in self.search_space:
             # Every value a trial can take must make a valid config on this base, so a bad range fails here
             # rather than in the middle of a search.
@@ -254,32 +254,32 @@ class TuningConfig:
                 apply_params(self.base, {spec.path: value})
         if self.algorithm == "grid" and len(grid_points(self.search_space)) > self.num_trials:
             size = len(grid_points(self.search_space))
-            _fail(
+            invalid(
                 "num_trials",
                 self.num_trials,
                 f"the grid has {size} points: raise num_trials to {size} or use fewer grid_points/choices",
             )
         if self.algorithm == "asha" and self.asha.min_epochs > self.base.loop.epochs:
-            _fail("asha.min_epochs", self.asha.min_epochs, f"it must be <= base.loop.epochs={self.base.loop.epochs}")
+            invalid("asha.min_epochs", self.asha.min_epochs, f"it must be <= base.loop.epochs={self.base.loop.epochs}")
         if self.algorithm in ("asha", "pbt") and self.base.loop.max_steps:
-            _fail(
+            invalid(
                 "base.loop.max_steps",
                 self.base.loop.max_steps,
                 f"{self.algorithm} budgets trials in epochs; set it to 0",
             )
         if self.strategy == "ray_tune" and self.algorithm == "pbt" and len(set(self.pbt.perturbation_factors)) != 2:
-            _fail(
+            invalid(
                 "pbt.perturbation_factors",
                 self.pbt.perturbation_factors,
                 "Ray Tune's PBT takes exactly two factors, e.g. [0.8, 1.25]",
             )
         if self.algorithm == "pbt" and self.num_trials < 2:
-            _fail("num_trials", self.num_trials, "pbt needs a population of at least 2")
+            invalid("num_trials", self.num_trials, "pbt needs a population of at least 2")
 
     @property
     def mode(self) -> str:
         """``max`` or ``min``: which way ``metric`` improves."""
-        return METRICS[self.metric]
+        return METRIC_DIRECTIONS[self.metric]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -296,28 +296,14 @@ class TuningConfig:
         if "base" in raw:
             # A partial base overrides the tuning defaults (small trials), not the pipeline's.
             if not isinstance(raw["base"], Mapping):
-                _fail("base", raw["base"], "expected a mapping of TrainingConfig sections")
+                invalid("base", raw["base"], "expected a mapping of TrainingConfig sections")
             raw["base"] = merge(default_base().to_dict(), raw["base"])
-        return _build(cls, raw, prefix="")
+        return build_dataclass(cls, raw, prefix="")
 
 
 def load_tuning_config(path: str | None = None, *, environ: Mapping[str, str] | None = None) -> TuningConfig:
     """Defaults, overlaid by the YAML file at ``path``, overlaid by ``TUNING__<FIELD>[__<FIELD>]`` variables."""
-    import os
-
-    import yaml
-
-    raw: dict[str, Any] = {}
-    if path is not None:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f) or {}
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"tuning config file {path!r} must hold a mapping, got {type(raw).__name__}")
-    env = os.environ if environ is None else environ
-    renamed = {
-        "TRAINING_CORE__" + k[len(TUNING_ENV_PREFIX) :]: v for k, v in env.items() if k.startswith(TUNING_ENV_PREFIX)
-    }
-    return TuningConfig.from_dict(merge(dict(raw), env_overrides(renamed)))
+    return TuningConfig.from_dict(load_layers(path, environ=environ, env_prefix=TUNING_ENV_PREFIX))
 
 
 def _field_type(path: str) -> type:
@@ -330,12 +316,12 @@ def _field_type(path: str) -> type:
         hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
         if part not in hints:
             valid = ", ".join(sorted(hints)) if hints else "(none: the path ends at a value)"
-            _fail(
+            invalid(
                 "search_space.path", path, f"{'.'.join(parts[: i + 1])!r} is not a config field; fields here: {valid}"
             )
         node = hints[part]
     if dataclasses.is_dataclass(node):
-        _fail("search_space.path", path, "it names a section; name one of its fields")
+        invalid("search_space.path", path, "it names a section; name one of its fields")
     return node
 
 
