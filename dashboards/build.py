@@ -2,7 +2,7 @@
 
 ``python -m dashboards.build`` (re)writes ``dashboards/training.json``; ``--check`` writes nothing and exits 1
 when the committed file differs from what the code builds. Queries name only series from
-:mod:`training_core.telemetry_catalog` (a test holds this), filtered by the ``execution``, ``model`` and
+:mod:`training_core.telemetry.catalog` (a test holds this), filtered by the ``execution``, ``model`` and
 ``rank`` template variables. The JSON is deterministic: sorted keys, two-space indentation, one final newline.
 """
 

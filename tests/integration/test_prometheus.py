@@ -22,7 +22,7 @@ import yaml
 
 from training_core.config import DataConfig, TrainingConfig
 from training_core.data import Manifest, prepare
-from training_core.telemetry_catalog import PUSHGATEWAY_JOB, STEP_DURATION_BUCKETS_S
+from training_core.telemetry.catalog import PUSHGATEWAY_JOB, STEP_DURATION_BUCKETS_S
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXECUTION = "it-prometheus-exec"

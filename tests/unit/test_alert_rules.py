@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from dashboards.promql import metric_names
-from training_core.telemetry_catalog import series_names
+from training_core.telemetry.catalog import series_names
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RULES_PATH = REPO_ROOT / "dashboards" / "alerts.rules.yml"
@@ -114,7 +114,9 @@ def test_every_alert_expression_names_only_catalogue_metrics() -> None:
     for rule in _alerts():
         names = metric_names(rule["expr"])
         assert names, f"{rule['alert']} reads no metric"
-        assert names <= catalogue, f"{rule['alert']} names {sorted(names - catalogue)}, not in telemetry_catalog"
+        assert names <= catalogue, (
+            f"{rule['alert']} names {sorted(names - catalogue)}, not in training_core.telemetry.catalog"
+        )
 
 
 def test_every_alert_has_a_severity_a_summary_a_description_and_a_runbook_section() -> None:

@@ -14,7 +14,7 @@ import yaml
 
 from dashboards import build
 from dashboards.promql import metric_names
-from training_core.telemetry_catalog import series_names
+from training_core.telemetry.catalog import series_names
 
 DASHBOARD_DIR = Path(build.__file__).resolve().parent
 
@@ -160,7 +160,7 @@ def test_every_panel_query_names_only_catalogue_metrics() -> None:
         names = metric_names(expr)
         assert names, f"panel {title!r} reads no metric: {expr}"
         assert names <= catalogue, (
-            f"panel {title!r} names {sorted(names - catalogue)}, not in telemetry_catalog: {expr}"
+            f"panel {title!r} names {sorted(names - catalogue)}, not in training_core.telemetry.catalog: {expr}"
         )
 
 

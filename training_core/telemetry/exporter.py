@@ -2,8 +2,8 @@
 
 Every rank builds one :class:`PrometheusTelemetry` (or a :class:`NullTelemetry` when
 ``observability.enabled`` is false) with :func:`build_telemetry`. It owns a private ``CollectorRegistry``
-holding exactly the metrics of :mod:`training_core.telemetry_catalog`, every series labelled with
-:data:`~training_core.telemetry_catalog.JOB_LABELS`.
+holding exactly the metrics of :mod:`training_core.telemetry.catalog`, every series labelled with
+:data:`~training_core.telemetry.catalog.JOB_LABELS`.
 
 - The loop calls :meth:`~PrometheusTelemetry.step` once per optimizer step (a histogram observation and
   four counter increments, no device sync), :meth:`~PrometheusTelemetry.window` at log windows and
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
 from training_core.config import ObservabilityConfig, ScalingConfig
-from training_core.telemetry_catalog import JOB_LABELS, METRICS, PUSHGATEWAY_JOB
+from training_core.telemetry.catalog import JOB_LABELS, METRICS, PUSHGATEWAY_JOB
 
 log = logging.getLogger("training_core")
 

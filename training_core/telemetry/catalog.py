@@ -1,6 +1,6 @@
 """Every Prometheus series the training code exports: one table, read by the exporter, the dashboards and the tests.
 
-The exporter (:mod:`training_core.telemetry`) creates exactly these metrics, the dashboards and alert rules in
+The exporter (:mod:`training_core.telemetry.exporter`) creates exactly these metrics, the dashboards and alert rules in
 ``dashboards/`` may name only these (a test checks every PromQL expression against :func:`series_names`), and
 the integration test queries them from a real Prometheus. Names follow Prometheus conventions: base units
 (``_seconds``, ``_bytes``, ``_ratio``, ``_celsius``, ``_watts``) and ``_total`` on counters.
