@@ -110,7 +110,7 @@ def test_package_holds_every_task_workflow_and_launch_plan_built_on_the_image_va
     )
     for name, spec in package.tasks.items():
         assert spec.template.container.image == IMAGE, name
-        # Registration fills these in (flytectl or deployment.remote): the package is project-agnostic.
+        # Registration fills these in (flytectl or deployment.registration): the package is project-agnostic.
         assert (spec.template.id.project, spec.template.id.domain, spec.template.id.version) == ("", "", ""), name
     # Every task module is loaded, so tasks only a dynamic workflow calls at run time are registered too.
     assert "tasks.tuning.train_trial" in package.tasks

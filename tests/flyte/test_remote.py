@@ -1,5 +1,5 @@
-"""``deployment.remote`` up to the network: what registration and a launch would send to FlyteAdmin, and the
-error from one that refuses connections. No Flyte backend runs here."""
+"""``deployment.registration`` and ``deployment.remote`` up to the network: what registration and a launch would
+send to FlyteAdmin, and the error from one that refuses connections. No Flyte backend runs here."""
 
 from __future__ import annotations
 
@@ -16,18 +16,15 @@ from pathlib import Path
 import pytest
 from flyteidl.core import identifier_pb2
 
+from deployment.registration import REMOTE_PACKAGE_PATH, default_version, hydrate, read_package
 from deployment.remote import (
-    REMOTE_PACKAGE_PATH,
     TARGETS,
-    default_version,
-    hydrate,
     input_literals,
     jsonable,
     local_launch_plan,
     overlay,
     parse_assignments,
     phase_changes,
-    read_package,
     read_yaml_mapping,
     registered_default,
     typed_outputs,
