@@ -1,14 +1,12 @@
-"""The Prometheus alert rules are valid to promtool, behave as their promtool unit tests say (one firing and one
-non-firing case per alert at least), read only catalogue metrics, and each links to its runbook section."""
+"""The Prometheus alert rules have a promtool unit test with one firing and one non-firing case per alert at least,
+read only catalogue metrics, and each links to its runbook section. That promtool accepts them and their unit tests
+pass is checked in ``tests/tools/test_alert_rules.py``."""
 
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
 from dashboards.promql import metric_names
@@ -37,16 +35,6 @@ def _alerts() -> list[dict]:
     return [rule for group in groups for rule in group["rules"] if "alert" in rule]
 
 
-def _promtool() -> str:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.fail(
-            "promtool is not on PATH: `make system-packages` (run by make test) installs Debian's prometheus package",
-            pytrace=False,
-        )
-    return promtool
-
-
 def _github_anchor(heading: str) -> str:
     """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces as hyphens."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
@@ -57,26 +45,6 @@ def _runbook_sections() -> dict[str, str]:
         _github_anchor(m.group(1)): m.group(1).strip()
         for m in re.finditer(r"^##\s+(.+)$", RUNBOOK_PATH.read_text(encoding="utf-8"), re.MULTILINE)
     }
-
-
-def test_promtool_check_rules_accepts_the_rule_file() -> None:
-    result = subprocess.run(
-        [_promtool(), "check", "rules", str(RULES_PATH)], capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"SUCCESS: {len(_alerts())} rules found" in result.stdout
-
-
-def test_promtool_unit_tests_of_the_rules_pass() -> None:
-    result = subprocess.run(
-        [_promtool(), "test", "rules", RULE_TESTS_PATH.name],
-        cwd=RULE_TESTS_PATH.parent,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS" in result.stdout
 
 
 def test_the_rule_file_has_exactly_the_alerts_other_components_name() -> None:

@@ -1,0 +1,53 @@
+"""A checkpoint save on a full disk keeps the previous checkpoint and reports the error. Needs ``mount`` and
+``umount`` (util-linux, on every Debian system) and root, to put the checkpoints on a real 512 KiB tmpfs; where the
+mount fails (not root), the test runs against a storage whose writes fail with ENOSPC after the first checkpoint.
+The other checkpoint tests are in ``tests/unit/test_checkpoint.py``."""
+
+import logging
+import os
+import subprocess
+
+import pytest
+
+from tests.unit.test_checkpoint import _state
+from training_core import checkpoint as ckpt
+
+
+def test_disk_full_keeps_the_previous_checkpoint_and_reports_the_error(tmp_path, caplog):
+    root = tmp_path / "small-disk"
+    root.mkdir()
+    # A real full filesystem: a 512 KiB tmpfs that one checkpoint (~350 KB) fits and two do not.
+    mounted = (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(root)], capture_output=True).returncode
+        == 0
+    )
+    storage = ckpt.CheckpointStorage(str(root))
+    if not mounted:  # not root: a storage whose writes hit ENOSPC after the first checkpoint
+        original = storage.write
+
+        def write_until_full(name, files, manifest):
+            if storage.list_steps():
+                raise ckpt.CheckpointError(
+                    f"writing checkpoint {storage.uri(name)} failed: [Errno 28] No space left on device"
+                )
+            original(name, files, manifest)
+
+        storage.write = write_until_full
+    try:
+        checkpointer = ckpt.Checkpointer(storage, keep_last=3, max_consecutive_failures=2)
+        checkpointer.save(1, _state(1))
+        checkpointer.save(2, _state(2))  # fails in the background ...
+        with caplog.at_level(logging.ERROR, logger="training_core"):
+            checkpointer.save(3, _state(3))  # ... is reported, tolerated once, and this one fails too
+            with pytest.raises(
+                ckpt.CheckpointError, match="2 checkpoint saves in a row failed.*No space left on device"
+            ):
+                checkpointer.save(4, _state(4))
+        assert "checkpoint save of step 2 failed" in caplog.text and "No space left on device" in caplog.text
+        assert checkpointer.num_failed == 2
+        assert storage.list_steps() == ["step-000000001"]
+        assert not [p for p in os.listdir(root) if p.startswith(".tmp-")], "a failed write must clean up after itself"
+        assert ckpt.load_latest_valid(storage).meta.global_step == 1
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(root)], check=True)
