@@ -102,7 +102,7 @@ def test_without_a_gpu_nvml_turns_off_with_one_info_log_and_training_gpus_is_zer
 
 
 def test_every_nvml_call_path_survives_nvmls_real_error_returns():
-    from training_core.telemetry.exporter import _import_pynvml
+    from training_core.telemetry.gpu import _import_pynvml
 
     pynvml = _import_pynvml()
     # A handle on an uninitialised NVML: each call below reaches the real library binding and gets its error.

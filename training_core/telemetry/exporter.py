@@ -1,55 +1,40 @@
-"""Prometheus telemetry of one training worker: the catalogue's metrics, GPU and host samplers, delivery, cost.
+"""The exporter of one rank: its Prometheus registry, the sampler thread, and delivery (Pushgateway, HTTP).
 
-Every rank builds one :class:`PrometheusTelemetry` (or a :class:`NullTelemetry` when
-``observability.enabled`` is false) with :func:`build_telemetry`. It owns a private ``CollectorRegistry``
-holding exactly the metrics of :mod:`training_core.telemetry.catalog`, every series labelled with
-:data:`~training_core.telemetry.catalog.JOB_LABELS`.
-
-- The loop calls :meth:`~PrometheusTelemetry.step` once per optimizer step (a histogram observation and
-  four counter increments, no device sync), :meth:`~PrometheusTelemetry.window` at log windows and
-  :meth:`~PrometheusTelemetry.validation` at epoch ends; the :class:`~training_core.checkpoint.Checkpointer`
-  reports each save's real outcome through :meth:`~PrometheusTelemetry.checkpoint_saved` /
-  :meth:`~PrometheusTelemetry.checkpoint_failed`.
-- One background thread samples the GPUs (NVML, :class:`NvmlGpus`) and the host (psutil, :class:`HostSampler`)
-  every ``sample_interval_s``, and pushes the registry to the Pushgateway every ``push_interval_s``. On rank 0
-  the same samples go to the MLflow run as ``system/...`` metrics and into a bounded timeline for the Deck,
-  and the job's cost is updated.
-- :meth:`~PrometheusTelemetry.close` (the loop calls it in a ``finally``) stops the thread and pushes a last
-  time, with ``training_run_finished`` = 1 when training returned normally.
-
-Delivery never fails training: a failed push is a (rate-limited) warning.
-
-MLflow's own ``SystemMetricsMonitor`` is not reused: it samples on a thread of its own (its numbers would
-differ from what Prometheus gets), logs through the fluent API's active run, which Ray Train workers do not
-have, and knows no throttling, XID or disk I/O. Here one sample feeds both, under MLflow's metric names.
+Contract: :func:`build_telemetry` returns a :class:`Telemetry`: a :class:`PrometheusTelemetry`, or with
+``observability.enabled`` false a :class:`NullTelemetry` whose every call returns at once. A
+:class:`PrometheusTelemetry` owns a private ``CollectorRegistry`` holding exactly the metrics of
+:mod:`training_core.telemetry.catalog` (without prometheus_client's ``*_created`` samples), every series labelled
+with the rank's :class:`JobLabels`, and is thread-safe: the loop, the checkpoint writer and its own thread record
+into it. That thread reads the GPUs (:mod:`~training_core.telemetry.gpu`) and the host
+(:mod:`~training_core.telemetry.host`) every ``sample_interval_s`` and pushes the registry to the Pushgateway every
+``push_interval_s``, one group per execution, node, attempt and rank (:meth:`JobLabels.grouping_key`);
+``http_port`` + rank, when set, also serves it. On rank 0 each sample also goes to the
+:class:`~training_core.telemetry.timeline.Timeline`, to MLflow when a :class:`SystemMetricsSink` is given
+(:mod:`~training_core.telemetry.mlflow_system`) and into the job's cost (:mod:`~training_core.telemetry.cost`).
+Delivery never fails training:
+:meth:`~PrometheusTelemetry.push` never raises, and a failed push is a warning at most every
+:data:`PUSH_WARNING_INTERVAL_S`. :meth:`~PrometheusTelemetry.close` stops the thread, samples and pushes a last
+time; it is idempotent.
+prometheus_client is imported when an exporter is built, not when this module is.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 from training_core.config import ObservabilityConfig, ScalingConfig
 from training_core.telemetry.catalog import JOB_LABELS, METRICS, PUSHGATEWAY_JOB
+from training_core.telemetry.cost import JobCost, job_cost
+from training_core.telemetry.gpu import GpuReading, NvmlGpus
+from training_core.telemetry.host import HostReading, HostSampler
+from training_core.telemetry.mlflow_system import SystemMetricsSink, mlflow_system_metrics
+from training_core.telemetry.timeline import Timeline
 
 log = logging.getLogger("training_core")
-
-# NVML's clock-event reason bits, as ``training_gpu_throttled{reason=...}`` label values.
-THROTTLE_REASONS: tuple[tuple[str, str], ...] = (
-    ("gpu_idle", "nvmlClocksEventReasonGpuIdle"),
-    ("applications_clocks_setting", "nvmlClocksEventReasonApplicationsClocksSetting"),
-    ("sw_power_cap", "nvmlClocksEventReasonSwPowerCap"),
-    ("hw_slowdown", "nvmlClocksEventReasonHwSlowdown"),
-    ("sync_boost", "nvmlClocksEventReasonSyncBoost"),
-    ("sw_thermal_slowdown", "nvmlClocksEventReasonSwThermalSlowdown"),
-    ("hw_thermal_slowdown", "nvmlClocksEventReasonHwThermalSlowdown"),
-    ("hw_power_brake_slowdown", "nvmlClocksEventReasonHwPowerBrakeSlowdown"),
-)
 
 PUSH_WARNING_INTERVAL_S = 60.0
 """At most one push-failure warning per this many seconds (the others are counted into the next one)."""
@@ -71,257 +56,6 @@ class JobLabels:
     def grouping_key(self) -> dict[str, str]:
         """The Pushgateway group of this rank's metrics: one per execution, node, attempt and rank."""
         return {name: getattr(self, name) for name in ("execution", "node", "attempt", "rank")}
-
-
-# --- GPUs (NVML) ---
-
-
-@dataclass
-class GpuReading:
-    """One GPU at one moment; a field NVML could not give (not supported, an error) is ``None``."""
-
-    gpu: str
-    """Label of the GPU: its NVML (physical) index."""
-    utilization_ratio: float | None = None
-    memory_used_bytes: float | None = None
-    memory_total_bytes: float | None = None
-    temperature_celsius: float | None = None
-    power_watts: float | None = None
-    throttled: dict[str, bool] = field(default_factory=dict)
-    """Clock-event reason -> active, for the reasons in :data:`THROTTLE_REASONS`."""
-
-
-def _import_pynvml():
-    with warnings.catch_warnings():
-        # pynvml 13 is a shim over nvidia-ml-py and warns about it on import; the API is the same.
-        warnings.simplefilter("ignore", FutureWarning)
-        import pynvml
-    return pynvml
-
-
-class NvmlGpus:
-    """The GPUs this process may use, read through NVML.
-
-    :meth:`open` returns ``None`` (after one info log) where NVML is unusable: no library, no driver, no GPU.
-    Every read guards each NVML call on its own, so a field a GPU does not support (power on some boards,
-    XID events on others) is left out without losing the rest. ``nvml`` is the pynvml module; a test hands
-    handles to a real, uninitialised pynvml to walk every call path through NVML's error returns.
-    """
-
-    def __init__(self, nvml: Any, handles: Mapping[str, Any]) -> None:
-        self.nvml = nvml
-        self.handles = dict(handles)
-        self._events = None
-        self._failed_calls: set[str] = set()
-
-    @classmethod
-    def open(cls) -> "NvmlGpus | None":
-        try:
-            nvml = _import_pynvml()
-        except ImportError as exc:
-            log.info("GPU metrics off: the NVML bindings (pynvml) are not installed (%s)", exc)
-            return None
-        try:
-            nvml.nvmlInit()
-        except nvml.NVMLError as exc:
-            log.info("GPU metrics off: NVML is not available on this machine (%s)", exc)
-            return None
-        try:
-            handles = cls._visible_handles(nvml)
-        except nvml.NVMLError as exc:
-            log.info("GPU metrics off: NVML could not list the GPUs (%s)", exc)
-            nvml.nvmlShutdown()
-            return None
-        if not handles:
-            log.info("GPU metrics off: NVML sees no GPU this process may use")
-            nvml.nvmlShutdown()
-            return None
-        gpus = cls(nvml, handles)
-        gpus.watch_xid_errors()
-        return gpus
-
-    @staticmethod
-    def _visible_handles(nvml: Any) -> dict[str, Any]:
-        """NVML sees every GPU of the node; keep those ``CUDA_VISIBLE_DEVICES`` gives this process (as Ray
-        and Kubernetes set it), so ranks sharing a node do not report each other's GPUs."""
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is None:
-            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
-        else:
-            entries = [e.strip() for e in visible.split(",") if e.strip() and e.strip() != "-1"]
-            handles = [
-                nvml.nvmlDeviceGetHandleByUUID(e)
-                if e.startswith(("GPU-", "MIG-"))
-                else nvml.nvmlDeviceGetHandleByIndex(int(e))
-                for e in entries
-            ]
-        return {str(nvml.nvmlDeviceGetIndex(h)): h for h in handles}
-
-    def _call(self, name: str, *args: Any) -> Any:
-        """``nvml.<name>(*args)``, or ``None`` on an NVML error (logged once per function)."""
-        try:
-            return getattr(self.nvml, name)(*args)
-        except self.nvml.NVMLError as exc:
-            if name not in self._failed_calls:
-                self._failed_calls.add(name)
-                log.info("NVML %s unavailable (%s): that GPU figure is left out", name, exc)
-            return None
-
-    def read(self) -> list[GpuReading]:
-        readings = []
-        for gpu, handle in self.handles.items():
-            reading = GpuReading(gpu=gpu)
-            utilization = self._call("nvmlDeviceGetUtilizationRates", handle)
-            if utilization is not None:
-                reading.utilization_ratio = utilization.gpu / 100.0
-            memory = self._call("nvmlDeviceGetMemoryInfo", handle)
-            if memory is not None:
-                reading.memory_used_bytes, reading.memory_total_bytes = float(memory.used), float(memory.total)
-            temperature = self._call("nvmlDeviceGetTemperature", handle, self.nvml.NVML_TEMPERATURE_GPU)
-            if temperature is not None:
-                reading.temperature_celsius = float(temperature)
-            power_mw = self._call("nvmlDeviceGetPowerUsage", handle)
-            if power_mw is not None:
-                reading.power_watts = power_mw / 1000.0
-            reasons = self._call("nvmlDeviceGetCurrentClocksEventReasons", handle)
-            if reasons is not None:
-                reading.throttled = {label: bool(reasons & getattr(self.nvml, bit)) for label, bit in THROTTLE_REASONS}
-            readings.append(reading)
-        return readings
-
-    def watch_xid_errors(self) -> None:
-        """Register for critical XID events on every GPU that supports them (many do not: then none are counted)."""
-        events = self._call("nvmlEventSetCreate")
-        if events is None:
-            return
-        registered = False
-        for gpu, handle in self.handles.items():
-            try:
-                self.nvml.nvmlDeviceRegisterEvents(handle, self.nvml.nvmlEventTypeXidCriticalError, events)
-                registered = True
-            except self.nvml.NVMLError as exc:
-                log.info("GPU %s: NVML XID events unavailable (%s); its XID errors are not counted", gpu, exc)
-        if registered:
-            self._events = events
-        else:
-            self._call("nvmlEventSetFree", events)
-
-    def take_xid_errors(self) -> dict[str, int]:
-        """Critical XID events since the previous call, per GPU label (never blocks)."""
-        counts: dict[str, int] = {}
-        if self._events is None:
-            return counts
-        while True:
-            try:
-                data = self.nvml.nvmlEventSetWait(self._events, 0)
-            except self.nvml.NVMLError_Timeout:
-                return counts
-            except self.nvml.NVMLError as exc:
-                log.info("NVML XID event wait failed (%s): XID errors are no longer counted", exc)
-                self._events = None
-                return counts
-            index = self._call("nvmlDeviceGetIndex", data.device)
-            gpu = str(index) if index is not None else "unknown"
-            log.warning("GPU %s reported critical XID error %s", gpu, data.eventData)
-            counts[gpu] = counts.get(gpu, 0) + 1
-
-    def close(self) -> None:
-        if self._events is not None:
-            self._call("nvmlEventSetFree", self._events)
-            self._events = None
-        self._call("nvmlShutdown")
-
-
-# --- host (psutil) ---
-
-
-@dataclass
-class HostReading:
-    cpu_utilization_ratio: float
-    memory_used_bytes: float
-    memory_total_bytes: float
-    network_received_bytes: float
-    """Bytes received on all interfaces since the sampler started (likewise the three below)."""
-    network_transmitted_bytes: float
-    disk_read_bytes: float
-    disk_written_bytes: float
-
-
-class HostSampler:
-    """CPU, memory, network and disk I/O of the host, as deltas since construction for the byte counters."""
-
-    def __init__(self) -> None:
-        import psutil
-
-        self.psutil = psutil
-        psutil.cpu_percent(interval=None)  # the first call only starts the measurement period
-        self._start_net = self._net()
-        self._start_disk = self._disk()
-
-    def _net(self) -> tuple[float, float]:
-        counters = self.psutil.net_io_counters()
-        return (float(counters.bytes_recv), float(counters.bytes_sent)) if counters else (0.0, 0.0)
-
-    def _disk(self) -> tuple[float, float]:
-        counters = self.psutil.disk_io_counters()  # None in some containers
-        return (float(counters.read_bytes), float(counters.write_bytes)) if counters else (0.0, 0.0)
-
-    def read(self) -> HostReading:
-        memory = self.psutil.virtual_memory()
-        net, disk = self._net(), self._disk()
-        return HostReading(
-            cpu_utilization_ratio=self.psutil.cpu_percent(interval=None) / 100.0,
-            memory_used_bytes=float(memory.used),
-            memory_total_bytes=float(memory.total),
-            network_received_bytes=max(0.0, net[0] - self._start_net[0]),
-            network_transmitted_bytes=max(0.0, net[1] - self._start_net[1]),
-            disk_read_bytes=max(0.0, disk[0] - self._start_disk[0]),
-            disk_written_bytes=max(0.0, disk[1] - self._start_disk[1]),
-        )
-
-
-# --- cost ---
-
-
-@dataclass(frozen=True)
-class JobCost:
-    gpu_seconds: float
-    cpu_seconds: float
-    gpu_hour_usd: float
-    cpu_hour_usd: float
-
-    @property
-    def cost_usd(self) -> float:
-        return self.gpu_seconds / 3600 * self.gpu_hour_usd + self.cpu_seconds / 3600 * self.cpu_hour_usd
-
-    def summary(self) -> dict[str, float]:
-        """The ``cost`` entry of the checkpoint's ``meta.telemetry`` (what the Deck shows)."""
-        return {
-            "gpu_hours": self.gpu_seconds / 3600,
-            "cpu_hours": self.cpu_seconds / 3600,
-            "cost_usd": self.cost_usd,
-            "gpu_hour_usd": self.gpu_hour_usd,
-            "cpu_hour_usd": self.cpu_hour_usd,
-        }
-
-
-def job_cost(
-    scaling: ScalingConfig, prices: ObservabilityConfig, *, wall_s: float, prior: Mapping[str, float] | None = None
-) -> JobCost:
-    """What the job's workers held over ``wall_s`` seconds, plus ``prior`` (the ``cost`` summary of earlier
-    attempts and restarts): world size x GPUs (or CPUs) per worker x wall time, at the configured prices."""
-    prior = prior or {}
-    gpus = scaling.num_workers * scaling.gpus_per_worker if scaling.use_gpu else 0
-    cpus = scaling.num_workers * scaling.cpus_per_worker
-    return JobCost(
-        gpu_seconds=float(prior.get("gpu_hours", 0.0)) * 3600 + gpus * wall_s,
-        cpu_seconds=float(prior.get("cpu_hours", 0.0)) * 3600 + cpus * wall_s,
-        gpu_hour_usd=prices.gpu_hour_usd,
-        cpu_hour_usd=prices.cpu_hour_usd,
-    )
-
-
-# --- the exporter ---
 
 
 class Telemetry(Protocol):
@@ -377,12 +111,6 @@ class NullTelemetry:
         pass
 
 
-class SystemMetricsSink(Protocol):
-    """Where rank 0's samples go as MLflow system metrics (a :class:`training_core.metrics.MlflowSink`)."""
-
-    def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None: ...
-
-
 class _WithoutCreated:
     """The registry's families without prometheus_client's ``*_created`` samples, which are not in the
     catalogue (turning them off process-wide would also change other libraries' metrics)."""
@@ -394,56 +122,6 @@ class _WithoutCreated:
         for family in self.registry.collect():
             family.samples = [s for s in family.samples if not s.name.endswith("_created")]
             yield family
-
-
-def mlflow_system_metrics(host: HostReading | None, gpus: list[GpuReading]) -> dict[str, float]:
-    """A sample under MLflow's own system-metric names (those of ``mlflow.system_metrics``), so it shows in
-    the run's System Metrics tab next to what MLflow's monitor would log."""
-    metrics: dict[str, float] = {}
-    if host is not None:
-        metrics.update(
-            {
-                "system/cpu_utilization_percentage": host.cpu_utilization_ratio * 100,
-                "system/system_memory_usage_megabytes": host.memory_used_bytes / 1e6,
-                "system/system_memory_usage_percentage": host.memory_used_bytes / host.memory_total_bytes * 100
-                if host.memory_total_bytes
-                else 0.0,
-                "system/network_receive_megabytes": host.network_received_bytes / 1e6,
-                "system/network_transmit_megabytes": host.network_transmitted_bytes / 1e6,
-            }
-        )
-    for gpu in gpus:
-        prefix = f"system/gpu_{gpu.gpu}_"
-        if gpu.utilization_ratio is not None:
-            metrics[prefix + "utilization_percentage"] = gpu.utilization_ratio * 100
-        if gpu.memory_used_bytes is not None:
-            metrics[prefix + "memory_usage_megabytes"] = gpu.memory_used_bytes / 1e6
-            if gpu.memory_total_bytes:
-                metrics[prefix + "memory_usage_percentage"] = gpu.memory_used_bytes / gpu.memory_total_bytes * 100
-        if gpu.power_watts is not None:
-            metrics[prefix + "power_usage_watts"] = gpu.power_watts
-    return metrics
-
-
-class Timeline:
-    """At most ``max_samples`` readings for the Deck; when full, every other one is dropped, so the whole run
-    stays covered at a coarser interval."""
-
-    def __init__(self, max_samples: int, samples: list[dict[str, Any]] | None = None) -> None:
-        self.max_samples = max_samples
-        self.samples: list[dict[str, Any]] = list(samples or [])
-        self._stride = 1
-        self._skipped = 0
-
-    def add(self, sample: dict[str, Any]) -> None:
-        self._skipped += 1
-        if self._skipped < self._stride:
-            return
-        self._skipped = 0
-        self.samples.append(sample)
-        if len(self.samples) >= self.max_samples:
-            self.samples = self.samples[::2]
-            self._stride *= 2
 
 
 class PrometheusTelemetry:

@@ -1,0 +1,52 @@
+"""The job's cost: the GPUs and CPUs its workers hold over wall time, at the configured prices.
+
+Contract: :func:`job_cost` only computes: world size x GPUs (or CPUs) per worker x this attempt's wall seconds, plus
+``prior``, the ``cost`` summary of earlier attempts and restarts as :meth:`JobCost.summary` writes it into a
+checkpoint's ``meta.telemetry``, so the cost carries across restarts and retries. It measures nothing; the exporter
+reports it (counters of GPU- and CPU-seconds, a gauge of dollars) and logs the final one to MLflow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from training_core.config import ObservabilityConfig, ScalingConfig
+
+
+@dataclass(frozen=True)
+class JobCost:
+    gpu_seconds: float
+    cpu_seconds: float
+    gpu_hour_usd: float
+    cpu_hour_usd: float
+
+    @property
+    def cost_usd(self) -> float:
+        return self.gpu_seconds / 3600 * self.gpu_hour_usd + self.cpu_seconds / 3600 * self.cpu_hour_usd
+
+    def summary(self) -> dict[str, float]:
+        """The ``cost`` entry of the checkpoint's ``meta.telemetry`` (what the Deck shows)."""
+        return {
+            "gpu_hours": self.gpu_seconds / 3600,
+            "cpu_hours": self.cpu_seconds / 3600,
+            "cost_usd": self.cost_usd,
+            "gpu_hour_usd": self.gpu_hour_usd,
+            "cpu_hour_usd": self.cpu_hour_usd,
+        }
+
+
+def job_cost(
+    scaling: ScalingConfig, prices: ObservabilityConfig, *, wall_s: float, prior: Mapping[str, float] | None = None
+) -> JobCost:
+    """What the job's workers held over ``wall_s`` seconds, plus ``prior`` (the ``cost`` summary of earlier
+    attempts and restarts): world size x GPUs (or CPUs) per worker x wall time, at the configured prices."""
+    prior = prior or {}
+    gpus = scaling.num_workers * scaling.gpus_per_worker if scaling.use_gpu else 0
+    cpus = scaling.num_workers * scaling.cpus_per_worker
+    return JobCost(
+        gpu_seconds=float(prior.get("gpu_hours", 0.0)) * 3600 + gpus * wall_s,
+        cpu_seconds=float(prior.get("cpu_hours", 0.0)) * 3600 + cpus * wall_s,
+        gpu_hour_usd=prices.gpu_hour_usd,
+        cpu_hour_usd=prices.cpu_hour_usd,
+    )

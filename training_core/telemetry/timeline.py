@@ -1,0 +1,32 @@
+"""The bounded timeline of rank 0's samples that checkpoints carry to the Deck.
+
+Contract: a :class:`Timeline` keeps at most ``max_samples`` samples (dicts, stored as given) however long the run:
+when full it drops every other one and from then on keeps one new sample in two (then four, ...), so the whole run
+stays covered at a coarser interval. Built with a checkpoint's saved samples, it continues them. It has no lock of
+its own: the exporter holds its lock around it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Timeline:
+    """At most ``max_samples`` readings for the Deck; when full, every other one is dropped, so the whole run
+    stays covered at a coarser interval."""
+
+    def __init__(self, max_samples: int, samples: list[dict[str, Any]] | None = None) -> None:
+        self.max_samples = max_samples
+        self.samples: list[dict[str, Any]] = list(samples or [])
+        self._stride = 1
+        self._skipped = 0
+
+    def add(self, sample: dict[str, Any]) -> None:
+        self._skipped += 1
+        if self._skipped < self._stride:
+            return
+        self._skipped = 0
+        self.samples.append(sample)
+        if len(self.samples) >= self.max_samples:
+            self.samples = self.samples[::2]
+            self._stride *= 2
