@@ -34,8 +34,8 @@ def _state(model_name: str):
 
     from training_core import checkpoint as ckpt
     from training_core.config import OptimizerConfig, TrainingConfig
-    from training_core.loop import build_optimizer
     from training_core.models import build_model
+    from training_core.optim import build_optimizer
 
     torch.manual_seed(0)
     model = build_model(model_name, num_classes=1000, input_shape=(3, 32, 32))

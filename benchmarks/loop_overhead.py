@@ -105,9 +105,9 @@ def ours(
         warmup_steps_excluded=warmup_steps,
     )
     return {
-        "samples_per_s": result.metrics["steady_samples_per_s"],
+        "samples_per_s": result.metrics.steady_samples_per_s,
         "steps": result.meta.global_step,
-        "steady_steps": int(result.metrics["steady_steps"]),
+        "steady_steps": int(result.metrics.steady_steps),
     }
 
 

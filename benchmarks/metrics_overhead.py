@@ -226,7 +226,7 @@ def train(
         warmup_steps_excluded=args.warmup_steps,
         job_labels={"execution": "metrics-overhead", "node": "benchmark", "attempt": str(run_index)},
     )
-    return float(result.metrics["steady_samples_per_s"])
+    return float(result.metrics.steady_samples_per_s)
 
 
 def main() -> None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 import base64
 import html
 import io
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from training_core.records import EpochRecord, StepRecord
 
 STYLE = (
     ".report{font-family:system-ui,sans-serif;color:#222;max-width:1100px}"
@@ -130,8 +133,8 @@ def _axes(title: str, *, xlabel: str, ylabel: str, ncols: int = 1):
 def training_sections(
     *,
     summary: Sequence[tuple[str, object]],
-    history: Sequence[Mapping[str, float]],
-    step_log: Sequence[Mapping[str, float]],
+    history: Sequence[EpochRecord],
+    step_log: Sequence[StepRecord],
     telemetry: Mapping[str, Any],
 ) -> list[str]:
     """The training report: summary, loss, accuracy, LR, throughput, GPU (or host CPU) timeline, cost.
@@ -163,8 +166,8 @@ def training_sections(
 
 def _epoch_and_step_curve(history, step_log, metric: str, *, ylabel: str) -> str:
     """Train ``metric`` per logged step window and validation ``metric`` at each epoch end."""
-    train = [(r["step"], r[f"train_{metric}"]) for r in step_log if f"train_{metric}" in r]
-    val = [(r["global_step"], r[f"val_{metric}"]) for r in history if f"val_{metric}" in r]
+    train = [(r.step, getattr(r, f"train_{metric}")) for r in step_log]
+    val = [(r.global_step, getattr(r, f"val_{metric}")) for r in history]
     if not train and not val:
         return note(f"No {metric} was recorded.")
     fig, (ax,) = _axes(f"{metric}: train and validation", xlabel="optimizer step", ylabel=ylabel)
@@ -179,7 +182,7 @@ def _epoch_and_step_curve(history, step_log, metric: str, *, ylabel: str) -> str
 
 
 def _learning_rate(step_log) -> str:
-    points = [(r["step"], r["lr"]) for r in step_log if "lr" in r]
+    points = [(r.step, r.lr) for r in step_log]
     if not points:
         return note("No learning rate was recorded.")
     fig, (ax,) = _axes("learning rate schedule", xlabel="optimizer step", ylabel="learning rate")
@@ -189,14 +192,14 @@ def _learning_rate(step_log) -> str:
 
 
 def _throughput(step_log) -> str:
-    """Samples/s against elapsed seconds; against the step when the records have no ``elapsed_s``."""
-    records = [r for r in step_log if "samples_per_s" in r]
+    """Samples/s against elapsed seconds; against the step when the records have no ``elapsed_s`` (older runs)."""
+    records = list(step_log)
     if not records:
         return note("No throughput was recorded.")
-    timed = all("elapsed_s" in r for r in records)
+    timed = all(r.elapsed_s > 0 for r in records)
     xlabel = "elapsed time (s)" if timed else "optimizer step"
     fig, (ax,) = _axes("throughput, all workers", xlabel=xlabel, ylabel="samples/s")
-    ax.plot([r["elapsed_s"] if timed else r["step"] for r in records], [r["samples_per_s"] for r in records], "-")
+    ax.plot([r.elapsed_s if timed else r.step for r in records], [r.samples_per_s for r in records], "-")
     ax.set_ylim(bottom=0)
     return _png(fig)
 

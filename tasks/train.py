@@ -61,7 +61,8 @@ def run_training(config: TrainingConfig, data: PreparedData, resume_from: Option
 
     from training_core import tracking
     from training_core.failures import classify
-    from training_core.trainer import MlflowRun, fit
+    from training_core.records import MlflowRun
+    from training_core.trainer import fit
 
     ctx = current_context()
     # Workers read shards from where Flyte stored them (a local path here, s3:// on a cluster).
@@ -113,10 +114,8 @@ def trained_model(config: TrainingConfig, result, *, tracking_uri: str, run_id: 
     """The typed output of a finished run (a ``FitResult``), with its training report as a Deck."""
     from tasks import reports
 
-    meta, last = result.meta, result.meta.history[-1]
-    metrics = TrainMetrics.from_record(
-        epochs=meta.epoch, global_step=meta.global_step, record={**last, **result.metrics}
-    )
+    meta = result.meta
+    metrics = TrainMetrics.from_record(epochs=meta.epoch, global_step=meta.global_step, record=result.metrics)
     summary = [
         ("model", meta.model_name),
         ("epochs", meta.epoch),

@@ -322,7 +322,7 @@ def tune_with_ray(config: TuningConfig, data: PreparedData, state: SearchState) 
     parent, name = uri.rstrip("/").rsplit("/", 1)
     ckpt.CheckpointStorage(parent).fs.get(uri.rstrip("/") + "/", local + "/", recursive=True)
     meta = ckpt.load_meta(local)
-    result = FitResult(checkpoint_dir=local, checkpoint_uri=uri, metrics=dict(meta.history[-1]), meta=meta)
+    result = FitResult(checkpoint_dir=local, checkpoint_uri=uri, metrics=meta.history[-1], meta=meta)
     best.model = trained_model(
         tuning.apply_params(config.base, best.params),
         result,

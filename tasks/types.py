@@ -7,12 +7,16 @@ location; scalar results are plain typed fields so FlyteConsole shows them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
 from training_core.evaluation import EvalReport
 from training_core.tracking import Promotion
+
+if TYPE_CHECKING:
+    from training_core.records import EpochRecord
 
 
 @dataclass
@@ -49,19 +53,20 @@ class TrainMetrics:
     """Share of the steady-state step time during which gradient all-reduces were in flight (0 on 1 worker)."""
 
     @classmethod
-    def from_record(cls, *, epochs: int, global_step: int, record: dict[str, float]) -> "TrainMetrics":
-        """The figures of a run's last epoch record (see ``training_core.loop``)."""
+    def from_record(cls, *, epochs: int, global_step: int, record: EpochRecord) -> "TrainMetrics":
+        """The figures of a run's last epoch record (``training_core.records.EpochRecord``)."""
         return cls(
             epochs=epochs,
             global_step=global_step,
-            train_loss=record["train_loss"],
-            train_accuracy=record["train_accuracy"],
-            val_loss=record["val_loss"],
-            val_accuracy=record["val_accuracy"],
-            samples_per_s=float(record.get("steady_samples_per_s") or record["samples_per_s"]),
-            step_time_p50_s=float(record.get("step_time_p50_s", 0.0)),
-            step_time_p95_s=float(record.get("step_time_p95_s", 0.0)),
-            allreduce_fraction=float(record.get("allreduce_fraction", 0.0)),
+            train_loss=record.train_loss,
+            train_accuracy=record.train_accuracy,
+            val_loss=record.val_loss,
+            val_accuracy=record.val_accuracy,
+            # A slice too short to leave warm-up has no steady-state figure: its epoch throughput stands in.
+            samples_per_s=record.steady_samples_per_s or record.samples_per_s,
+            step_time_p50_s=record.step_time_p50_s,
+            step_time_p95_s=record.step_time_p95_s,
+            allreduce_fraction=record.allreduce_fraction,
         )
 
 

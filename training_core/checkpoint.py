@@ -32,6 +32,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol
 
+from training_core.records import EpochRecord, StepLog, StepRecord
+
 log = logging.getLogger("training_core")
 
 MODEL_FILE = "model.pt"
@@ -39,6 +41,8 @@ TRAINER_STATE_FILE = "trainer_state.pt"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 STEP_PREFIX = "step-"
+STEP_LOG_CAPACITY = 64
+"""Step windows a checkpoint's ``meta.json`` keeps (about 25 KB); MLflow has every window."""
 
 
 @dataclass
@@ -59,10 +63,12 @@ class CheckpointMeta:
     """Best value so far of the metric that ranks checkpoints (see ``CheckpointConfig``)."""
     metric: float | None = None
     """This checkpoint's value of that metric, when it was measured here."""
-    history: list[dict[str, float]] = field(default_factory=list)
+    history: list[EpochRecord] = field(default_factory=list)
     """One record per completed epoch: train/val loss and accuracy, LR, throughput."""
-    step_log: list[dict[str, float]] = field(default_factory=list)
-    """One record per logged step window: loss, accuracy, LR, grad norm, samples/s."""
+    step_log: list[StepRecord] = field(default_factory=list)
+    """Logged step windows (loss, accuracy, LR, grad norm, samples/s), at most ``STEP_LOG_CAPACITY``: once full,
+    adjacent windows are merged (see :class:`~training_core.records.StepLog`), so the file's size does not grow
+    with the run's length. Every window is in MLflow at full resolution."""
     rng: dict[str, Any] = field(default_factory=dict)
     """Python and numpy RNG states per rank (JSON-safe); torch states live in ``trainer_state.pt``."""
     resumed_from_steps: list[int] = field(default_factory=list)
@@ -79,6 +85,12 @@ class CheckpointMeta:
     """Rank 0's telemetry for the Deck: ``samples`` (a bounded timeline of ``elapsed_s``, ``cpu_utilization``
     and ``gpu_utilization`` per GPU as ratios 0-1, ``memory_used_bytes`` and ``gpu_memory_used_bytes`` per GPU)
     and ``cost`` (``gpu_hours``, ``cpu_hours``, ``cost_usd`` and the prices). Empty with observability off."""
+
+    def __post_init__(self) -> None:
+        # From JSON the records arrive as mappings; a checkpoint written before the step log was bounded holds
+        # every window, merged down here to the bound.
+        self.history = [r if isinstance(r, EpochRecord) else EpochRecord.from_dict(r) for r in self.history]
+        self.step_log = StepLog.from_list(self.step_log, capacity=STEP_LOG_CAPACITY).records
 
 
 class CheckpointError(RuntimeError):
@@ -335,6 +347,8 @@ class Checkpointer:
         storage: CheckpointStorage,
         *,
         keep_last: int,
+        interval_steps: int = 0,
+        at_epoch_end: bool = True,
         keep_best: bool = False,
         best_mode: str = "max",
         async_save: bool = True,
@@ -343,6 +357,8 @@ class Checkpointer:
     ) -> None:
         assert keep_last >= 1 and max_consecutive_failures >= 1, "validated by CheckpointConfig"
         self.storage = storage
+        self.interval_steps = interval_steps
+        self.at_epoch_end = at_epoch_end
         self.max_consecutive_failures = max_consecutive_failures
         self.consecutive_failures = 0
         self.keep_last = keep_last
@@ -358,6 +374,13 @@ class Checkpointer:
         self.last_save_s = 0.0
         self.observer = observer
         self._last_stage_s = 0.0
+
+    def should_save(self, global_step: int, *, epoch_end: bool) -> bool:
+        """The save policy: every ``interval_steps`` optimizer steps, and at epoch ends when ``at_epoch_end``.
+        A step that is both an interval step and an epoch's last is saved once, at the epoch end (after
+        validation, so the checkpoint carries the epoch's metric). The final checkpoint is always saved."""
+        on_interval = bool(self.interval_steps) and global_step % self.interval_steps == 0
+        return (self.at_epoch_end or on_interval) if epoch_end else on_interval
 
     def stage(self, **snapshot_args: Any) -> dict[str, Any]:
         """:func:`snapshot` into buffers reused from save to save. It first lets the write in flight finish

@@ -16,11 +16,14 @@ import io
 import json
 import logging
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
 from training_core.config import DataConfig
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -269,3 +272,21 @@ class ShardStream:
             images, labels = read_shard(self.manifest, shard)
             for start in range(0, len(labels), batch_size):
                 yield images[start : start + batch_size], labels[start : start + batch_size]
+
+
+class Normalizer:
+    """uint8 numpy batches -> normalised float tensors on the device."""
+
+    def __init__(self, manifest: Manifest, device: torch.device) -> None:
+        import torch
+
+        self.device = device
+        self.mean = torch.tensor(manifest.mean, device=device).view(1, -1, 1, 1)
+        self.std = torch.tensor(manifest.std, device=device).view(1, -1, 1, 1)
+
+    def __call__(self, images: np.ndarray, labels: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        x = torch.from_numpy(images).to(self.device, non_blocking=True).float().div_(255.0)
+        y = torch.from_numpy(labels).to(self.device, non_blocking=True)
+        return (x - self.mean) / self.std, y

@@ -17,10 +17,11 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from training_core.config import TrainingConfig
-from training_core.trainer import FitResult, checkpoint_root, collect_final, worker_loop_config
+from training_core.records import EpochRecord, WorkerArgs
+from training_core.trainer import FitResult, checkpoint_root, collect_final
 
 if TYPE_CHECKING:
     import torch
@@ -100,7 +101,7 @@ class TorchDistributedRuntime:
 class _Spec:
     """What every spawned process needs besides its index (picklable)."""
 
-    loop_config: dict[str, Any]
+    args: WorkerArgs
     world_size: int
     backend: str
     init_method: str
@@ -127,7 +128,7 @@ def _worker_main(local_rank: int, spec: _Spec) -> None:
         records_path=spec.records_path,
     )
     try:
-        run_worker(spec.loop_config, runtime)
+        run_worker(spec.args, runtime)
     finally:
         runtime.close()
 
@@ -190,12 +191,17 @@ def launch(
                 f"{torch.cuda.device_count()} GPU(s) and each worker needs one; lower scaling.num_workers"
             )
     root = checkpoint_root(storage_path, run_name)
-    loop_config = worker_loop_config(cfg, data_dir=data_dir, root=root, run_name=run_name, job_labels=job_labels)
-    if warmup_steps_excluded is not None:
-        loop_config["warmup_steps_excluded"] = warmup_steps_excluded
+    args = WorkerArgs.build(
+        cfg,
+        data_dir=data_dir,
+        checkpoint_root=root,
+        run_name=run_name,
+        job_labels=job_labels,
+        warmup_steps_excluded=warmup_steps_excluded,
+    )
     with tempfile.TemporaryDirectory(prefix="launch-") as scratch:
         spec = _Spec(
-            loop_config=loop_config,
+            args=args,
             world_size=cfg.scaling.num_workers,
             backend=cfg.scaling.resolved_backend(),
             init_method=f"tcp://127.0.0.1:{free_port()}",
@@ -206,7 +212,7 @@ def launch(
         with _child_environment(cfg):
             mp.spawn(_worker_main, args=(spec,), nprocs=cfg.scaling.num_workers, join=True)
         with open(spec.records_path, encoding="utf-8") as f:
-            records = [json.loads(line) for line in f if line.strip()]
+            records = [EpochRecord.from_dict(json.loads(line)) for line in f if line.strip()]
     return collect_final(
         cfg, root, checkpoint_dir, what=f"plain torch.distributed run {run_name!r}", metrics=records[-1]
     )

@@ -87,7 +87,8 @@ def _trial_driver(tune_config: dict[str, Any]) -> None:
     from ray import tune
 
     from training_core import tracking
-    from training_core.trainer import MlflowRun, fit
+    from training_core.records import MlflowRun
+    from training_core.trainer import fit
 
     cfg = TuningConfig.from_dict(tune_config["tuning"])
     params = _params(cfg.search_space, tune_config)
@@ -130,7 +131,7 @@ def _trial_driver(tune_config: dict[str, Any]) -> None:
         log_params, resume_from, trained = False, result.checkpoint_uri, stop - epoch
         epoch = stop
         metrics = {
-            cfg.metric: float(result.metrics[cfg.metric]),
+            cfg.metric: result.metrics.metric(cfg.metric),
             "epoch": epoch,
             "slice_epochs": trained,
             "checkpoint_uri": result.checkpoint_uri,

@@ -1,12 +1,20 @@
-"""MLflow tracking runs and the Model Registry promotion gate."""
+"""MLflow tracking: runs, metrics, the trained model logged with its signature, and the Model Registry
+promotion gate."""
 
 from __future__ import annotations
 
 import os
 import shlex
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from training_core.config import TrackingConfig
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from training_core.data import Manifest
+    from training_core.records import MlflowRun
 
 TEST_ACCURACY_TAG = "test_accuracy"
 
@@ -144,3 +152,35 @@ def register_and_promote(cfg: TrackingConfig, *, model_uri: str, run_id: str, te
         previous_champion_version=previous_version,
         previous_champion_accuracy=previous_accuracy,
     )
+
+
+def log_model(model: nn.Module, manifest: Manifest, run: MlflowRun) -> str:
+    """Log the trained model with its input/output signature; returns its ``models:/`` URI."""
+    import copy
+
+    import mlflow
+    import numpy as np
+    import torch
+    import torchvision
+    from mlflow.models import infer_signature
+
+    bare = copy.deepcopy(getattr(model, "module", model)).cpu().eval()
+    example = np.zeros((2, *manifest.input_shape), dtype=np.float32)
+    with torch.no_grad():
+        output = bare(torch.from_numpy(example)).numpy()
+    mlflow.set_tracking_uri(run.tracking_uri)
+    # Pinned requirements: skips MLflow's slow dependency inference, which imports the model in a subprocess.
+    requirements = [
+        f"torch=={torch.__version__.split('+')[0]}",
+        f"torchvision=={torchvision.__version__.split('+')[0]}",
+    ]
+    # The driver that created the run owns its final status; re-entering it here only attaches the model.
+    with mlflow.start_run(run_id=run.run_id):
+        info = mlflow.pytorch.log_model(
+            bare,
+            name="model",
+            signature=infer_signature(example, output),
+            input_example=example,
+            pip_requirements=requirements,
+        )
+    return info.model_uri

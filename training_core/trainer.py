@@ -6,15 +6,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Mapping
 
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
+from training_core.records import EpochRecord, MlflowRun, WorkerArgs
 
 log = logging.getLogger("training_core")
 
@@ -25,15 +25,9 @@ class FitResult:
     """Local copy of the final checkpoint (see :mod:`training_core.checkpoint`)."""
     checkpoint_uri: str
     """The final checkpoint where training wrote it (local path or s3:// URI)."""
-    metrics: dict[str, Any]
+    metrics: EpochRecord
     """The final epoch's record: train/val metrics and the steady-state throughput."""
     meta: ckpt.CheckpointMeta = field(repr=False)
-
-
-@dataclass
-class MlflowRun:
-    tracking_uri: str
-    run_id: str
 
 
 def ray_scaling_config(cfg: TrainingConfig):
@@ -86,8 +80,9 @@ def fit(
     the newest valid one there (after a worker restart inside this call, or on a new call with the same
     names). ``resume_from`` is a checkpoint directory to continue from when there is none yet. ``log_params``
     says whether the config goes to the MLflow run as params (default: unless resuming). ``job_labels``
-    (``execution``, ``node``, ``attempt``) label the workers' metrics; see :func:`worker_job_labels`. Raises what
-    the training function raised, wrapped by Ray Train, once ``checkpoint.max_worker_restarts`` is spent.
+    (``execution``, ``node``, ``attempt``) label the workers' metrics; see
+    :func:`~training_core.records.worker_job_labels`. Raises what the training function raised, wrapped by Ray
+    Train, once ``checkpoint.max_worker_restarts`` is spent.
     """
     import ray
     from ray.train import FailureConfig, RunConfig
@@ -100,18 +95,20 @@ def fit(
         _check_slice(cfg, root, resume_from)
     if not ray.is_initialized():
         ray.init()
-    loop_config = worker_loop_config(cfg, data_dir=data_dir, root=root, run_name=run_name, job_labels=job_labels)
-    if mlflow_run is not None:
-        loop_config["mlflow"] = {"tracking_uri": mlflow_run.tracking_uri, "run_id": mlflow_run.run_id}
-    if resume_from:
-        loop_config["resume_from"] = resume_from
-    if log_params is not None:
-        loop_config["log_params"] = log_params
-    if warmup_steps_excluded is not None:
-        loop_config["warmup_steps_excluded"] = warmup_steps_excluded
+    args = WorkerArgs.build(
+        cfg,
+        data_dir=data_dir,
+        checkpoint_root=root,
+        run_name=run_name,
+        job_labels=job_labels,
+        mlflow=mlflow_run,
+        resume_from=resume_from or "",
+        log_params=log_params,
+        warmup_steps_excluded=warmup_steps_excluded,
+    )
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config,
+        train_loop_config=args.to_dict(),
         torch_config=TorchConfig(backend=cfg.scaling.resolved_backend(), timeout_s=cfg.scaling.collective_timeout_s),
         scaling_config=ray_scaling_config(cfg),
         run_config=RunConfig(
@@ -124,35 +121,8 @@ def fit(
     return collect_final(cfg, root, checkpoint_dir, what=f"Ray Train run {run_name!r}")
 
 
-def worker_job_labels(run_name: str, job_labels: Mapping[str, str] | None) -> dict[str, str]:
-    """``execution``, ``node`` and ``attempt`` for the workers' metrics: the caller's (the Flyte task knows
-    them), else the run name as the execution, ``local`` and attempt 0 (tuning, benchmarks, tests)."""
-    labels = {"execution": run_name, "node": "local", "attempt": "0"}
-    labels.update({k: str(v) for k, v in (job_labels or {}).items() if k in labels and str(v)})
-    return labels
-
-
-def worker_loop_config(
-    cfg: TrainingConfig,
-    *,
-    data_dir: str,
-    root: str,
-    run_name: str,
-    job_labels: Mapping[str, str] | None,
-) -> dict[str, Any]:
-    """What every worker's loop receives. The Pushgateway URL is resolved here, on the driver, from
-    ``TRAINING_PUSHGATEWAY_URL`` when the config has none: workers may not share the driver's environment."""
-    cfg = dataclasses.replace(cfg, observability=cfg.observability.resolved())
-    return {
-        "config": cfg.to_dict(),
-        "data_dir": data_dir,
-        "checkpoint_root": root,
-        "job_labels": worker_job_labels(run_name, job_labels),
-    }
-
-
 def collect_final(
-    cfg: TrainingConfig, root: str, checkpoint_dir: str, *, what: str, metrics: dict[str, Any] | None = None
+    cfg: TrainingConfig, root: str, checkpoint_dir: str, *, what: str, metrics: EpochRecord | None = None
 ) -> FitResult:
     """The newest valid checkpoint under ``root``, copied to local ``checkpoint_dir``; ``metrics`` default to
     its last epoch record."""
@@ -164,5 +134,7 @@ def collect_final(
         shutil.rmtree(checkpoint_dir)
     storage.fs.get(f"{storage.path}/{final.name}/", checkpoint_dir.rstrip("/") + "/", recursive=True)
     if metrics is None:
-        metrics = dict(final.meta.history[-1]) if final.meta.history else {}
+        if not final.meta.history:
+            raise RuntimeError(f"{what} left {final.uri} without a finished epoch; see the worker logs above")
+        metrics = final.meta.history[-1]
     return FitResult(checkpoint_dir=checkpoint_dir, checkpoint_uri=final.uri, metrics=metrics, meta=final.meta)

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from training_core.config import DataConfig, OptimizerConfig, TrainingConfig
-from training_core.data import Manifest, ShardStream, prepare
-from training_core.loop import Normalizer, build_optimizer, train_step
+from training_core.data import Manifest, Normalizer, ShardStream, prepare
+from training_core.loop import train_step
 from training_core.models import build_model
+from training_core.optim import build_optimizer
 
 NUM_STEPS = 3
 MICRO_BATCH = 8
@@ -145,23 +146,24 @@ def test_fit_trains_two_workers_to_a_loadable_checkpoint(ray_session, digits_dir
     )
     steps_per_epoch = Manifest.load(digits_dir).steps_per_epoch(world_size=2, batch_size=32, grad_accum_steps=2)
     assert result.meta.global_step == 2 * steps_per_epoch
-    assert [r["epoch"] for r in result.meta.history] == [1.0, 2.0]
-    assert result.metrics["steady_samples_per_s"] > 0
+    assert [r.epoch for r in result.meta.history] == [1.0, 2.0]
+    assert result.metrics.steady_samples_per_s > 0
     # Gradient all-reduces are timed by a DDP comm hook: a real, partial share of the step.
-    assert 0 < result.metrics["allreduce_fraction"] < 1
-    assert 0 < result.metrics["step_time_p50_s"] <= result.metrics["step_time_p95_s"]
+    assert 0 < result.metrics.allreduce_fraction < 1
+    assert 0 < result.metrics.step_time_p50_s <= result.metrics.step_time_p95_s
     global_batch = 32 * 2 * 2
     for record in result.meta.step_log:
         # samples/s over a window times the mean step time of that window is the global batch.
-        assert record["samples_per_s"] * record["step_time_s"] == pytest.approx(global_batch, rel=1e-9)
-        assert 0 <= record["data_wait_s"] < record["step_time_s"] and record["grad_norm"] > 0 and record["lr"] > 0
+        assert record.samples_per_s * record.step_time_s == pytest.approx(global_batch, rel=1e-9)
+        assert 0 <= record.data_wait_s < record.step_time_s and record.grad_norm > 0 and record.lr > 0
     for epoch in (0, 1):
-        windows = [r for r in result.meta.step_log if r["epoch"] == epoch]
-        steps = [r["step"] - p for r, p in zip(windows, [epoch * steps_per_epoch] + [w["step"] for w in windows[:-1]])]
+        windows = [r for r in result.meta.step_log if r.epoch == epoch]
+        steps = [r.step - p for r, p in zip(windows, [epoch * steps_per_epoch] + [w.step for w in windows[:-1]])]
+        assert steps == [w.num_steps for w in windows]
         # The epoch's loss is the step-weighted mean of its log windows (every step lands in a window).
-        weighted = sum(w["train_loss"] * n for w, n in zip(windows, steps)) / sum(steps)
+        weighted = sum(w.train_loss * n for w, n in zip(windows, steps)) / sum(steps)
         assert sum(steps) == steps_per_epoch
-        assert result.meta.history[epoch]["train_loss"] == pytest.approx(weighted, rel=1e-9)
+        assert result.meta.history[epoch].train_loss == pytest.approx(weighted, rel=1e-9)
     report = evaluate_checkpoint(result.checkpoint_dir, digits_dir)
     assert report.num_samples == 359
     assert report.accuracy > 0.5  # 10 classes: chance is 0.1

@@ -97,7 +97,7 @@ def test_sigkill_of_a_worker_mid_epoch_resumes_bit_identical_losing_at_most_one_
         for field, value in state.items():
             assert torch.equal(torch.as_tensor(got_trainer["optimizer"]["state"][key][field]), torch.as_tensor(value))
     # The resumed epoch's record is the same as the uninterrupted one's, too.
-    assert [r["train_loss"] for r in result.meta.history] == [r["train_loss"] for r in reference.meta.history]
+    assert [r.train_loss for r in result.meta.history] == [r.train_loss for r in reference.meta.history]
 
 
 def test_training_in_slices_with_stop_at_epoch_equals_one_uninterrupted_run(ray_session, digits_dir, tmp_path):
@@ -140,7 +140,7 @@ def test_training_in_slices_with_stop_at_epoch_equals_one_uninterrupted_run(ray_
     got = torch.load(Path(slice_2.checkpoint_dir) / ckpt.MODEL_FILE, weights_only=True)
     for name, tensor in expected.items():
         assert torch.equal(got[name], tensor), f"{name} differs between sliced and whole training"
-    assert [r["val_accuracy"] for r in slice_2.meta.history] == [r["val_accuracy"] for r in whole.meta.history]
+    assert [r.val_accuracy for r in slice_2.meta.history] == [r.val_accuracy for r in whole.meta.history]
 
     # A slice whose stop is not past its checkpoint has nothing to do, and says so.
     with pytest.raises(Exception, match="stop_at_epoch"):
@@ -157,7 +157,7 @@ def test_training_in_slices_with_stop_at_epoch_equals_one_uninterrupted_run(ray_
 def test_a_resumed_slice_follows_the_configs_new_learning_rate_and_weight_decay(ray_session, digits_dir, tmp_path):
     """PBT continues a copied checkpoint with perturbed hyperparameters: the optimizer moments and the
     schedule position come from the checkpoint, the peak LR and weight decay from the new config."""
-    from training_core.loop import lr_factor
+    from training_core.optim import lr_factor
 
     base = TrainingConfig.from_dict(
         {
@@ -186,11 +186,11 @@ def test_a_resumed_slice_follows_the_configs_new_learning_rate_and_weight_decay(
         resume_from=first.checkpoint_dir,
     )
     total_steps = second.meta.global_step
-    resumed = [r for r in second.meta.step_log if r["step"] > first.meta.global_step]
+    resumed = [r for r in second.meta.step_log if r.step > first.meta.global_step]
     assert resumed, "the second slice logged its steps"
     for record in resumed:
-        step = int(record["step"]) - 1  # the LR a step used is set before the scheduler advances
-        assert record["lr"] == pytest.approx(
+        step = int(record.step) - 1  # the LR a step used is set before the scheduler advances
+        assert record.lr == pytest.approx(
             0.005 * lr_factor(step, cfg=perturbed.schedule, total_steps=total_steps), rel=1e-9
         )
     trainer_state = torch.load(Path(second.checkpoint_dir) / ckpt.TRAINER_STATE_FILE, weights_only=True)

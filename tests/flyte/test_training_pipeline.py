@@ -57,8 +57,7 @@ def test_default_run_reaches_95_percent_and_registers_a_loadable_champion(defaul
     import torch
 
     from training_core.config import DataConfig
-    from training_core.data import ShardStream, prepare
-    from training_core.loop import Normalizer
+    from training_core.data import Normalizer, ShardStream, prepare
 
     workdir, _, output = default_run
     accuracy = float(re.search(r"test accuracy\s*: ([0-9.]+)", output).group(1))

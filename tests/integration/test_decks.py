@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from training_core.records import EpochRecord, StepRecord
+
 CHROMIUM = shutil.which("chromium")
 # `make test` installs Debian's chromium when it is missing: without it these tests fail, they do not skip.
 needs_chromium = pytest.mark.usefixtures("chromium_installed")
@@ -118,8 +120,8 @@ def _training_sections(*, num_gpus: int, timed: bool = True, telemetry: dict | N
     ]
     return reports.training_sections(
         summary=summary,
-        history=_history(),
-        step_log=_step_log(timed=timed),
+        history=[EpochRecord.from_dict(r) for r in _history()],
+        step_log=[StepRecord.from_dict(r) for r in _step_log(timed=timed)],
         telemetry=_telemetry(num_gpus=num_gpus) if telemetry is None else telemetry,
     )
 

@@ -128,7 +128,8 @@ def pushed_run(prometheus_stack, ray_session, tmp_path_factory) -> dict:
     """One short 2-worker training that pushes to the stack every second; Prometheus holds its final push."""
     from training_core import tracking
     from training_core.config import TrackingConfig
-    from training_core.trainer import MlflowRun, fit
+    from training_core.records import MlflowRun
+    from training_core.trainer import fit
 
     tmp_path = tmp_path_factory.mktemp("pushed-run")
     data_dir = str(tmp_path / "data")
@@ -222,7 +223,7 @@ def test_a_two_worker_run_pushes_step_checkpoint_and_host_metrics_that_prometheu
     # The same run's timeline and cost went into the final checkpoint for the Deck.
     telemetry = result.meta.telemetry
     assert telemetry["samples"] and telemetry["cost"]["cpu_hours"] > 0 and telemetry["cost"]["gpu_hours"] == 0
-    assert all(r["elapsed_s"] > 0 for r in result.meta.step_log)
+    assert all(r.elapsed_s > 0 for r in result.meta.step_log)
 
     # Rank 0 sent the same samples to MLflow's System Metrics, under MLflow's names, and the cost at the end.
     client = MlflowClient(tracking_uri)
@@ -333,7 +334,7 @@ def test_a_cuda_oom_on_an_early_step_is_counted_pushed_unfinished_and_fires_the_
 
     from training_core import loop
     from training_core.launch import TorchDistributedRuntime, free_port
-    from training_core.trainer import worker_loop_config
+    from training_core.records import WorkerArgs
 
     data_dir = str(tmp_path / "data")
     prepare(DataConfig(dataset="synthetic", synthetic_num_samples=256, synthetic_image_size=8, num_shards=1), data_dir)
@@ -356,8 +357,12 @@ def test_a_cuda_oom_on_an_early_step_is_counted_pushed_unfinished_and_fires_the_
 
     monkeypatch.setattr(loop, "train_step", train_step_that_runs_out_of_memory)
     execution = "it-oom-exec"
-    loop_config = worker_loop_config(
-        cfg, data_dir=data_dir, root=str(tmp_path / "ckpt"), run_name="oom", job_labels={"execution": execution}
+    args = WorkerArgs.build(
+        cfg,
+        data_dir=data_dir,
+        checkpoint_root=str(tmp_path / "ckpt"),
+        run_name="oom",
+        job_labels={"execution": execution},
     )
     runtime = TorchDistributedRuntime.connect(
         rank=0,
@@ -371,7 +376,7 @@ def test_a_cuda_oom_on_an_early_step_is_counted_pushed_unfinished_and_fires_the_
     )
     try:
         with pytest.raises(torch.cuda.OutOfMemoryError):
-            loop.run_worker(loop_config, runtime)
+            loop.run_worker(args, runtime)
     finally:
         runtime.close()
 

@@ -16,7 +16,7 @@ from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
 from training_core.data import prepare
 from training_core.loop import run_worker
-from training_core.trainer import worker_loop_config
+from training_core.records import WorkerArgs
 
 
 @dataclass
@@ -31,8 +31,8 @@ class InProcessRuntime:
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.to(self.device)
 
-    def report(self, metrics) -> None:
-        self.reports.append(dict(metrics.to_dict() if hasattr(metrics, "to_dict") else metrics))
+    def report(self, metrics: dict[str, float]) -> None:
+        self.reports.append(metrics)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def _config(**loop) -> TrainingConfig:
 
 def _run(cfg: TrainingConfig, *, data_dir: str, root: Path) -> InProcessRuntime:
     runtime = InProcessRuntime()
-    args = worker_loop_config(cfg, data_dir=data_dir, root=str(root), run_name="unit", job_labels=None)
+    args = WorkerArgs.build(cfg, data_dir=data_dir, checkpoint_root=str(root), run_name="unit")
     run_worker(args, runtime)
     return runtime
 
@@ -85,11 +85,11 @@ def test_run_worker_reports_each_epoch_logs_windows_and_leaves_a_final_checkpoin
     final = _final(tmp_path / "ckpt")
     meta = final.meta
     assert meta.global_step == 2 * steps_per_epoch and meta.epoch == 2 and meta.step_in_epoch == 0
-    assert [r["epoch"] for r in meta.history] == [1.0, 2.0]
-    assert meta.history[-1]["val_accuracy"] == runtime.reports[-1]["val_accuracy"]
+    assert [r.epoch for r in meta.history] == [1.0, 2.0]
+    assert meta.history[-1].val_accuracy == runtime.reports[-1]["val_accuracy"]
     assert meta.best_metric == max(r["val_accuracy"] for r in runtime.reports)
     # Every logged window closes at a log step, an epoch end or a checkpoint step, in step order.
-    logged_steps = [int(r["step"]) for r in meta.step_log]
+    logged_steps = [r.step for r in meta.step_log]
     assert logged_steps == sorted(logged_steps) and logged_steps[-1] == meta.global_step
     for step in logged_steps:
         assert step % 4 == 0 or step % 7 == 0 or step % steps_per_epoch == 0
@@ -111,7 +111,7 @@ def test_run_worker_in_two_calls_ends_bit_identical_to_one_call(digits_dir, tmp_
     whole_moments = whole.trainer["optimizer"]["state"]
     for index, state in sliced.trainer["optimizer"]["state"].items():
         assert torch.equal(state["exp_avg"], whole_moments[index]["exp_avg"])
-    assert whole.meta.history[-1]["val_loss"] == sliced.meta.history[-1]["val_loss"]
+    assert whole.meta.history[-1].val_loss == sliced.meta.history[-1].val_loss
     assert sliced.meta.resumed_from_steps == [whole.meta.global_step // 2]
 
 
@@ -133,6 +133,80 @@ def test_run_worker_resumes_mid_epoch_from_an_interval_checkpoint_bit_identical(
     for name, tensor in whole.model.items():
         assert torch.equal(tensor, resumed.model[name]), name
     # The epoch's record counts the steps before the resume too.
-    assert runtime.reports[-1]["train_loss"] == pytest.approx(whole.meta.history[-1]["train_loss"], rel=1e-9)
+    assert runtime.reports[-1]["train_loss"] == pytest.approx(whole.meta.history[-1].train_loss, rel=1e-9)
     for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "global_step"):
-        assert resumed.meta.history[-1][key] == whole.meta.history[-1][key], key
+        assert getattr(resumed.meta.history[-1], key) == getattr(whole.meta.history[-1], key), key
+
+
+FIXTURE_CHECKPOINT = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint_before_typed_records"
+
+
+def _synthetic_config(**loop) -> TrainingConfig:
+    """The config the fixture checkpoint was trained with (by the loop as it was before typed records)."""
+    return TrainingConfig.from_dict(
+        {
+            "data": {"dataset": "synthetic", "synthetic_num_samples": 256, "synthetic_image_size": 8, "num_shards": 1},
+            "model": {"name": "small_cnn"},
+            "loop": {"epochs": 2, "batch_size": 16, "log_interval_steps": 2, **loop},
+            "checkpoint": {"interval_steps": 0, "keep_last": 1},
+            "scaling": {"num_workers": 1, "torch_threads_per_worker": 1},
+            "observability": {"enabled": False},
+        }
+    )
+
+
+def test_a_checkpoint_written_before_typed_records_still_resumes_bit_identical(tmp_path):
+    """``tests/fixtures/checkpoint_before_typed_records`` was written by the previous loop (dict records, the
+    whole step log in meta.json) after epoch 1 of 2. Resumed now, the run ends where a run of today's loop does."""
+    import shutil
+
+    cfg = _synthetic_config()
+    data_dir = str(tmp_path / "data")
+    prepare(cfg.data, data_dir)
+    _run(cfg, data_dir=data_dir, root=tmp_path / "today")
+    shutil.copytree(FIXTURE_CHECKPOINT, tmp_path / "old")
+    old = ckpt.load_latest_valid(ckpt.CheckpointStorage(str(tmp_path / "old")))
+    assert old is not None and old.meta.global_step == 11 and len(old.meta.step_log) == 6
+    assert old.meta.step_log[0].step == 2 and old.meta.history[0].epoch == 1
+
+    runtime = _run(cfg, data_dir=data_dir, root=tmp_path / "old")
+    today, resumed = _final(tmp_path / "today"), _final(tmp_path / "old")
+    assert [r["epoch"] for r in runtime.reports] == [2.0] and resumed.meta.resumed_from_steps == [11]
+    for name, tensor in today.model.items():
+        assert torch.equal(tensor, resumed.model[name]), name
+    assert [r.val_loss for r in resumed.meta.history] == [r.val_loss for r in today.meta.history]
+    assert [r.step for r in resumed.meta.step_log] == [r.step for r in today.meta.step_log]
+
+
+def _meta_json_bytes(tmp_path: Path, num_windows: int) -> int:
+    """Size of meta.json of a checkpoint saved by the Checkpointer after ``num_windows`` logged windows."""
+    from training_core.records import EpochRecord, StepLog, StepRecord
+
+    step_log = StepLog(capacity=ckpt.STEP_LOG_CAPACITY)
+    for i in range(num_windows):
+        # Full-precision floats, as the loop writes them: every record costs the same bytes.
+        x = (i + 1) / 3
+        step_log.append(StepRecord(i + 1, i // 50, x, x, x, x, x, x, x, x, elapsed_s=x, num_steps=1))
+    meta = ckpt.CheckpointMeta(
+        model_name="small_cnn",
+        classes=["a", "b"],
+        input_shape=[1, 8, 8],
+        mean=[0.5],
+        std=[0.2],
+        epoch=0,
+        global_step=num_windows,
+        config=TrainingConfig().to_dict(),
+        history=[EpochRecord(1, 50, 1.0, 0.5, 1.0, 0.5, 0.1, 100.0)],
+        step_log=step_log.records,
+    )
+    root = tmp_path / f"windows-{num_windows}"
+    checkpointer = ckpt.Checkpointer(ckpt.CheckpointStorage(str(root)), keep_last=1, async_save=False)
+    checkpointer.save(num_windows, checkpointer.stage(model=torch.nn.Linear(2, 2), meta=meta))
+    return (root / ckpt.step_name(num_windows) / ckpt.META_FILE).stat().st_size
+
+
+def test_meta_json_is_the_same_size_after_100_and_after_10000_logged_steps(tmp_path):
+    small, large = _meta_json_bytes(tmp_path, 100), _meta_json_bytes(tmp_path, 10_000)
+    # The same number of records (the log is full after 64 windows); only the digits of step numbers differ.
+    assert abs(large - small) < 64 * 30, (small, large)
+    assert small < 40_000

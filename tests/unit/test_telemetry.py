@@ -267,7 +267,7 @@ def test_the_http_endpoint_serves_this_ranks_metrics_on_port_plus_rank():
 
 
 def test_the_pushgateway_url_falls_back_to_the_drivers_environment_and_travels_in_the_loop_config():
-    from training_core.trainer import worker_loop_config
+    from training_core.records import WorkerArgs
 
     environ = {"TRAINING_PUSHGATEWAY_URL": "http://gateway:9091"}
     assert ObservabilityConfig().resolved(environ).pushgateway_url == "http://gateway:9091"
@@ -277,11 +277,11 @@ def test_the_pushgateway_url_falls_back_to_the_drivers_environment_and_travels_i
     assert ObservabilityConfig().resolved({}).pushgateway_url == ""
     os.environ["TRAINING_PUSHGATEWAY_URL"] = "http://gateway:9091"
     try:
-        loop_config = worker_loop_config(TrainingConfig(), data_dir="d", root="r", run_name="run-7", job_labels=None)
+        args = WorkerArgs.build(TrainingConfig(), data_dir="d", checkpoint_root="r", run_name="run-7")
     finally:
         del os.environ["TRAINING_PUSHGATEWAY_URL"]
-    assert loop_config["config"]["observability"]["pushgateway_url"] == "http://gateway:9091"
-    assert loop_config["job_labels"] == {"execution": "run-7", "node": "local", "attempt": "0"}
+    assert args.config.observability.pushgateway_url == "http://gateway:9091"
+    assert args.job_labels == {"execution": "run-7", "node": "local", "attempt": "0"}
     assert PUSHGATEWAY_JOB == "flyte_ray_training"
 
 

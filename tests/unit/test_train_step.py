@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from training_core.config import OptimizerConfig, ScheduleConfig
-from training_core.loop import build_optimizer, lr_factor, resolve_precision, train_step
+from training_core.loop import resolve_precision, train_step
 from training_core.models import build_model
+from training_core.optim import build_optimizer, lr_factor
 
 
 def _setup(optimizer_name: str):

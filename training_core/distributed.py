@@ -1,0 +1,106 @@
+"""What the loop needs from the process group: the runtime that started it, metric all-reduces, buffer
+broadcasts, and the timing of DDP's gradient all-reduces."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+def broadcast_buffers_from_rank0(model: nn.Module) -> None:
+    """Give every rank rank 0's BatchNorm running stats, so validation describes the checkpointed model.
+
+    DDP broadcasts buffers only at the start of a forward pass; after the last step each rank still holds
+    the statistics of its own batches."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        for buffer in getattr(model, "module", model).buffers():
+            torch.distributed.broadcast(buffer, src=0)
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(tensor)
+    return tensor.tolist()
+
+
+class WorkerRuntime(Protocol):
+    """What the loop needs from the launcher that started its process group (Ray Train, or plain
+    ``torch.distributed`` for the parity baseline)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Move ``model`` to ``device`` and wrap it in DDP when ``world_size > 1``."""
+
+    def report(self, metrics: dict[str, float]) -> None:
+        """Called by every rank once per epoch with the epoch's record (``EpochRecord.to_dict()``)."""
+
+
+class RayTrainRuntime:
+    """The runtime inside a Ray Train worker (``TorchTrainer`` set up the process group)."""
+
+    def __init__(self) -> None:
+        import ray.train
+        import ray.train.torch
+
+        context = ray.train.get_context()
+        self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
+        self.device = ray.train.torch.get_device()
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        import ray.train.torch
+
+        return ray.train.torch.prepare_model(model)
+
+    def report(self, metrics: dict[str, float]) -> None:
+        import ray.train
+
+        ray.train.report(metrics)
+
+
+class CommTimer:
+    """Measures how long DDP's gradient all-reduces are in flight during each step.
+
+    A DDP communication hook stamps each bucket's all-reduce when it is launched and when it completes; the
+    union of those intervals is the step's communication time (overlapping buckets count once). It does
+    not change what is reduced: the hook is the default all-reduce plus two clock reads.
+    """
+
+    def __init__(self) -> None:
+        self._intervals: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+
+    def install(self, model: nn.Module) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def timed_allreduce(state, bucket):
+            started = time.perf_counter()
+            future = default_hooks.allreduce_hook(state, bucket)
+
+            def finished(fut):
+                with self._lock:
+                    self._intervals.append((started, time.perf_counter()))
+                return fut.value()
+
+            return future.then(finished)
+
+        model.register_comm_hook(None, timed_allreduce)
+
+    def take_step_seconds(self) -> float:
+        """Communication time since the previous call (the intervals' union), and reset."""
+        with self._lock:
+            intervals, self._intervals = sorted(self._intervals), []
+        total, end = 0.0, -math.inf
+        for start, stop in intervals:
+            if stop > end:
+                total += stop - max(start, end)
+                end = stop
+        return total

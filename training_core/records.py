@@ -1,0 +1,242 @@
+"""Typed records that cross module boundaries: what a worker is asked to do, and what it reports.
+
+- :class:`WorkerArgs`: the arguments of every rank's loop, built once by :func:`WorkerArgs.build` for Ray Train
+  (:mod:`training_core.trainer`) and for the plain ``torch.distributed`` launcher (:mod:`training_core.launch`).
+- :class:`StepRecord`: one logged window of optimizer steps (what goes to MLflow, the metrics and the step log).
+- :class:`EpochRecord`: one finished epoch (what each rank reports, and the run's history in its checkpoint).
+- :class:`StepLog`: the step records a checkpoint keeps, bounded so a checkpoint does not grow with the run.
+
+Plain dataclasses of numbers and strings: importing this module loads neither torch nor Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from training_core.config import TrainingConfig
+
+
+def _known_fields(cls: type, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``raw`` that are fields of ``cls``, converted to the field's type (JSON stores ints as floats)."""
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    return {name: int(value) if types[name] == "int" else value for name, value in raw.items() if name in types}
+
+
+@dataclass
+class StepRecord:
+    """The mean figures of one logged window of optimizer steps, over all ranks."""
+
+    step: int
+    """Global step that closed the window."""
+    epoch: int
+    """Epoch the window belongs to (0-based)."""
+    train_loss: float
+    train_accuracy: float
+    lr: float
+    """Learning rate the window's last step used."""
+    grad_norm: float
+    """Global gradient norm of the window's last step, before clipping."""
+    samples_per_s: float
+    """Samples of all ranks over the window's wall time."""
+    step_time_s: float
+    """Mean wall time of one step in the window."""
+    data_wait_s: float
+    """Mean time one step waited for its batches."""
+    allreduce_fraction: float
+    """Share of the window's time during which gradient all-reduces were in flight."""
+    elapsed_s: float = 0.0
+    """Seconds the run had trained when the window closed, across resumes."""
+    num_steps: int = 0
+    """Optimizer steps in the window (0 in records written before it was recorded)."""
+
+    def metrics(self) -> dict[str, float]:
+        """The figures logged per window (MLflow, console), keyed by metric name."""
+        skipped = ("step", "elapsed_s", "num_steps")
+        return {k: float(v) for k, v in dataclasses.asdict(self).items() if k not in skipped}
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> StepRecord:
+        return cls(**_known_fields(cls, raw))
+
+
+@dataclass
+class EpochRecord:
+    """One finished epoch: train figures over all ranks, validation, and the steady-state throughput."""
+
+    epoch: int
+    """Epochs completed (1-based)."""
+    global_step: int
+    train_loss: float
+    train_accuracy: float
+    val_loss: float
+    val_accuracy: float
+    lr: float
+    """Learning rate after the epoch's last step."""
+    samples_per_s: float
+    """Samples of all ranks over the epoch's step time (this run's part of the epoch when it resumed mid-epoch)."""
+    steady_samples_per_s: float = 0.0
+    """Throughput since the run (or its resume) started, warm-up steps excluded."""
+    steady_steps: int = 0
+    step_time_p50_s: float = 0.0
+    step_time_p95_s: float = 0.0
+    allreduce_fraction: float = 0.0
+    """Share of the steady-state step time during which gradient all-reduces were in flight."""
+
+    def metric(self, name: str) -> float:
+        """The value of a ranking metric (``val_accuracy``, ``val_loss``, see ``config.METRIC_DIRECTIONS``)."""
+        return float(getattr(self, name))
+
+    def to_dict(self) -> dict[str, float]:
+        """Numbers only, as ``ray.train.report`` and the checkpoint's JSON take them."""
+        return {k: float(v) for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> EpochRecord:
+        return cls(**_known_fields(cls, raw))
+
+
+@dataclass
+class StepLog:
+    """Step records in step order, at most ``capacity`` of them.
+
+    Once full, each new record first merges the two adjacent records that cover the fewest steps together
+    (their figures averaged, weighted by steps): the log keeps a point every few steps over the whole run,
+    and its size stops growing after ``capacity`` windows. The newest record is never merged away.
+    """
+
+    capacity: int = 64
+    records: list[StepRecord] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        assert self.capacity >= 2, "a step log needs room to merge"
+        while len(self.records) > self.capacity:
+            self._merge_narrowest()
+
+    def append(self, record: StepRecord) -> None:
+        self.records.append(record)
+        if len(self.records) > self.capacity:
+            self._merge_narrowest()
+
+    def _span(self, index: int) -> int:
+        """Steps covered by record ``index`` (from the previous record's step)."""
+        before = self.records[index - 1].step if index else self.records[index].step - max(1, self.records[0].num_steps)
+        return self.records[index].step - before
+
+    def _merge_narrowest(self) -> None:
+        spans = [self._span(i) for i in range(len(self.records))]
+        # Pairs (i, i + 1), never the newest record's pair: the run's last figures stay as logged.
+        pairs = range(len(self.records) - 2)
+        i = min(pairs, key=lambda j: (spans[j] + spans[j + 1], j)) if len(self.records) > 2 else 0
+        a, b = self.records[i], self.records[i + 1]
+        na, nb = max(1, spans[i]), max(1, spans[i + 1])
+        self.records[i : i + 2] = [_merged(a, b, na, nb)]
+
+    def to_list(self) -> list[dict[str, float]]:
+        return [r.to_dict() for r in self.records]
+
+    @classmethod
+    def from_list(cls, raw: Iterable[Mapping[str, Any] | StepRecord], *, capacity: int = 64) -> StepLog:
+        records = [r if isinstance(r, StepRecord) else StepRecord.from_dict(r) for r in raw]
+        return cls(capacity=capacity, records=records)
+
+
+def _merged(a: StepRecord, b: StepRecord, na: int, nb: int) -> StepRecord:
+    """One record for two adjacent windows of ``na`` and ``nb`` steps: step-weighted means, ``b``'s position."""
+    total_time_s = a.step_time_s * na + b.step_time_s * nb
+    samples = a.samples_per_s * a.step_time_s * na + b.samples_per_s * b.step_time_s * nb
+
+    def mean(x: float, y: float) -> float:
+        return (x * na + y * nb) / (na + nb)
+
+    return StepRecord(
+        step=b.step,
+        epoch=b.epoch,
+        train_loss=mean(a.train_loss, b.train_loss),
+        train_accuracy=mean(a.train_accuracy, b.train_accuracy),
+        lr=b.lr,
+        grad_norm=b.grad_norm,
+        samples_per_s=samples / total_time_s if total_time_s else 0.0,
+        step_time_s=total_time_s / (na + nb),
+        data_wait_s=mean(a.data_wait_s, b.data_wait_s),
+        allreduce_fraction=(
+            (a.allreduce_fraction * a.step_time_s * na + b.allreduce_fraction * b.step_time_s * nb) / total_time_s
+            if total_time_s
+            else 0.0
+        ),
+        elapsed_s=b.elapsed_s,
+        num_steps=na + nb,
+    )
+
+
+@dataclass
+class MlflowRun:
+    """The MLflow run a training run logs into."""
+
+    tracking_uri: str
+    run_id: str
+
+
+@dataclass
+class WorkerArgs:
+    """What every rank's loop receives (:func:`training_core.loop.run_worker`)."""
+
+    config: TrainingConfig
+    data_dir: str
+    """The prepared data (see :mod:`training_core.data`)."""
+    checkpoint_root: str
+    """Where this run's checkpoints live; the loop resumes from the newest valid one there."""
+    job_labels: dict[str, str]
+    """``execution``, ``node`` and ``attempt`` of the job, for the metrics' labels."""
+    resume_from: str = ""
+    """A checkpoint directory to continue from when ``checkpoint_root`` holds none (fine-tune, next slice)."""
+    mlflow: MlflowRun | None = None
+    log_params: bool | None = None
+    """Log the config as MLflow params; ``None``: when the run does not resume."""
+    warmup_steps_excluded: int | None = None
+    """Steps left out of steady-state throughput and step-time percentiles; ``None``: min(5, total / 4)."""
+
+    @classmethod
+    def build(
+        cls,
+        cfg: TrainingConfig,
+        *,
+        data_dir: str,
+        checkpoint_root: str,
+        run_name: str,
+        job_labels: Mapping[str, str] | None = None,
+        **options: Any,
+    ) -> WorkerArgs:
+        """The one place worker arguments are made. The Pushgateway URL is resolved here, on the driver, from
+        ``TRAINING_PUSHGATEWAY_URL`` when the config has none: workers may not share the driver's environment."""
+        cfg = dataclasses.replace(cfg, observability=cfg.observability.resolved())
+        return cls(
+            config=cfg,
+            data_dir=data_dir,
+            checkpoint_root=checkpoint_root,
+            job_labels=worker_job_labels(run_name, job_labels),
+            **options,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe, for Ray Train's ``train_loop_config``."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> WorkerArgs:
+        raw = dict(raw)
+        raw["config"] = TrainingConfig.from_dict(raw["config"])
+        raw["mlflow"] = MlflowRun(**raw["mlflow"]) if raw.get("mlflow") else None
+        return cls(**raw)
+
+
+def worker_job_labels(run_name: str, job_labels: Mapping[str, str] | None) -> dict[str, str]:
+    """``execution``, ``node`` and ``attempt`` for the workers' metrics: the caller's (the Flyte task knows
+    them), else the run name as the execution, ``local`` and attempt 0 (tuning, benchmarks, tests)."""
+    labels = {"execution": run_name, "node": "local", "attempt": "0"}
+    labels.update({k: str(v) for k, v in (job_labels or {}).items() if k in labels and str(v)})
+    return labels
