@@ -45,7 +45,7 @@ from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
 from deployment.registration import register_package
-from training_core.config import merge as merge_mappings
+from training_core.config import overlay, read_yaml_mapping
 
 Report = Callable[[str], None]
 
@@ -170,25 +170,6 @@ def parse_assignments(
             raise ValueError(f"input {name!r} is given twice: give it once")
         values[name] = parse_value(name, text, hints[name])
     return values
-
-
-def read_yaml_mapping(path: str) -> dict[str, Any]:
-    """The mapping in a YAML config file (partial: only the fields it changes)."""
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f) or {}
-    except FileNotFoundError:
-        raise ValueError(f"--config {path!r} is invalid: no file there") from None
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"--config {path!r} is invalid: it must hold a mapping of fields, got {type(raw).__name__}")
-    return dict(raw)
-
-
-def overlay(default: Any, fields: Mapping[str, Any]) -> Any:
-    """The config dataclass ``default`` with ``fields`` (a partial nested mapping) on top, validated."""
-    return type(default).from_dict(merge_mappings(default.to_dict(), fields))
 
 
 def registered_default(plan: LaunchPlan, parameters: Any, name: str, ctx: FlyteContext) -> Any:
@@ -340,7 +321,7 @@ def launch(
     """
     plan = local_launch_plan(name)
     values = parse_assignments(plan, assignments, config_path=config_path)
-    fields = read_yaml_mapping(config_path) if config_path is not None else None
+    fields = read_yaml_mapping(config_path, setting="--config") if config_path is not None else None
     registered = remote.fetch_launch_plan(project, domain, plan.name, version)
     with remote.remote_context() as ctx:
         if fields is not None:

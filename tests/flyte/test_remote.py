@@ -22,14 +22,13 @@ from deployment.remote import (
     input_literals,
     jsonable,
     local_launch_plan,
-    overlay,
     parse_assignments,
     phase_changes,
-    read_yaml_mapping,
     registered_default,
     typed_outputs,
 )
 from tests.conftest import REPO_ROOT
+from training_core.config import overlay, read_yaml_mapping
 
 IMAGE = "registry.example.com/ml/flyte-ray-training:remote-1"
 PROJECT, DOMAIN, VERSION = "ml", "staging", "v42"
@@ -203,7 +202,7 @@ def test_a_launch_sends_the_registered_default_config_with_the_yaml_fields_on_to
     config_file = tmp_path / "run.yaml"
     config_file.write_text("model: {name: small_cnn}\nloop: {epochs: 2}\n")
     values = parse_assignments(plan, [], config_path=str(config_file))
-    values["config"] = overlay(default, read_yaml_mapping(str(config_file)))
+    values["config"] = overlay(default, read_yaml_mapping(str(config_file), setting="--config"))
     literals = input_literals(plan, values, variables=variables, ctx=ctx)
 
     assert set(literals) == {"config"}  # resume_from is fixed: FlyteAdmin takes it from the launch plan
@@ -239,7 +238,7 @@ def test_launch_inputs_are_checked_before_flyte_is_contacted(tmp_path):
     with pytest.raises(ValueError, match=r"resume_from='/data/ckpt' is invalid: give a URI the cluster can read"):
         parse_assignments(pipeline, ["resume_from=/data/ckpt"])
     with pytest.raises(ValueError, match=r"--config '.*missing.yaml' is invalid: no file there"):
-        read_yaml_mapping(str(tmp_path / "missing.yaml"))
+        read_yaml_mapping(str(tmp_path / "missing.yaml"), setting="--config")
 
     values = parse_assignments(pipeline, ["resume_from=s3://bucket/run/checkpoints/step-19"])
     literal = input_literals(pipeline, values)["resume_from"]
