@@ -389,12 +389,9 @@ class Trainer:
             first_step = state.step_in_epoch
             steps_this_epoch = min(self.steps_per_epoch, first_step + self.total_steps - state.global_step)
             batches = self.train_stream.train_batches(
-                epoch=epoch,
-                seed=cfg.loop.seed,
-                batch_size=cfg.loop.batch_size,
-                num_batches=steps_this_epoch * accum,
-                start_batch=first_step * accum,
-            )
+                epoch=epoch, seed=cfg.loop.seed, batch_size=cfg.loop.batch_size,
+                num_batches=steps_this_epoch * accum, start_batch=first_step * accum,
+            )  # fmt: skip
             # A step's wall time runs from the previous step's end, so logging and metric all-reduces count
             # against throughput; only the epoch boundary (validation, checkpoint) and checkpoint stalls do not.
             last_step_end = time.perf_counter()
@@ -413,27 +410,13 @@ class Trainer:
                     torch.cuda.synchronize()  # queued kernels belong to this window's time, not the next one's
                 step_end = time.perf_counter()
                 step_time_s, last_step_end = step_end - last_step_end, step_end
-                comm_s = self.comm_timer.take_step_seconds()
-                self.meter.step(
-                    result,
-                    global_step=state.global_step,
-                    step_time_s=step_time_s,
-                    data_wait_s=data_wait_s,
-                    comm_s=comm_s,
-                )
-                self.telemetry.step(
-                    duration_s=step_time_s, num_samples=result.num_samples, data_wait_s=data_wait_s, comm_s=comm_s
-                )
+                self.measure_step(result, step_time_s=step_time_s, data_wait_s=data_wait_s)
                 if is_log_step:
-                    self.emit(
-                        self.meter.close_window(
-                            global_step=state.global_step,
-                            epoch=epoch,
-                            lr=lr,
-                            grad_norm=float(result.grad_norm),
-                            elapsed_s=state.elapsed_s,
-                        )
+                    grad_norm, elapsed_s = float(result.grad_norm), state.elapsed_s
+                    window = self.meter.close_window(
+                        global_step=state.global_step, epoch=epoch, lr=lr, grad_norm=grad_norm, elapsed_s=elapsed_s
                     )
+                    self.emit(window)
                 if save_now:
                     self.save_checkpoint()
                     last_step_end = time.perf_counter()  # the stall is measured on its own, not as step time
@@ -471,6 +454,16 @@ class Trainer:
             self.state.resume_timings[-1]["first_step_unix"] = time.time()
             self.awaiting_first_step = False
         return result, lr
+
+    def measure_step(self, result: StepResult, *, step_time_s: float, data_wait_s: float) -> None:
+        """A finished step's times (and its all-reduce time) into the meter's sums and the telemetry."""
+        comm_s = self.comm_timer.take_step_seconds()
+        self.meter.step(
+            result, global_step=self.state.global_step, step_time_s=step_time_s, data_wait_s=data_wait_s, comm_s=comm_s
+        )
+        self.telemetry.step(
+            duration_s=step_time_s, num_samples=result.num_samples, data_wait_s=data_wait_s, comm_s=comm_s
+        )
 
     def emit(self, record: StepRecord) -> None:
         """The one place a window's record goes: the step log, the metric sink and the telemetry."""
