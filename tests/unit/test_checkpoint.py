@@ -98,28 +98,45 @@ def test_the_snapshot_is_immune_to_training_after_save(tmp_path):
 
 def test_an_async_save_returns_before_the_write_finishes_and_one_waits_for_the_other(tmp_path):
     storage = ckpt.CheckpointStorage(str(tmp_path))
-    release = threading.Event()
+    started, release = threading.Event(), threading.Event()
     original_write = storage.write
-    writes = []
+    in_flight, overlaps, written = [], [], []
 
-    def slow_write(name, files, manifest):
-        release.wait(timeout=30)
-        writes.append(name)
+    def gated_write(name, files, manifest):
+        in_flight.append(name)
+        if len(in_flight) > 1:
+            overlaps.append(list(in_flight))
+        started.set()
+        release.wait(timeout=60)  # only this test sets it; the timeout keeps a broken save from hanging the run
         original_write(name, files, manifest)
+        in_flight.remove(name)
+        written.append(name)
 
-    storage.write = slow_write
+    storage.write = gated_write
     checkpointer = ckpt.Checkpointer(storage, keep_last=5)
-    blocked_s = checkpointer.save(1, _state(1))
-    assert blocked_s < 1.0 and writes == []  # the step goes on while the write is pending
+    checkpointer.save(1, _state(1))
+    # save() came back while the write it queued is held at the gate: the step goes on during the write.
+    assert started.wait(timeout=60), "the queued write never started"
+    assert in_flight == ["step-000000001"] and written == [] and storage.list_steps() == []
 
-    second = threading.Thread(target=checkpointer.save, args=(2, _state(2)))
+    state_2, seen_by_second = _state(2), []
+
+    def second_save():
+        checkpointer.save(2, state_2)
+        seen_by_second.append(list(written))
+
+    second = threading.Thread(target=second_save)
     second.start()
-    time.sleep(0.3)
-    assert second.is_alive(), "a second save must wait for the one in flight, not pile up"
     release.set()
-    second.join(timeout=30)
+    second.join(timeout=60)
     checkpointer.wait()
-    assert writes == ["step-000000001", "step-000000002"]
+    # A second save waits for the one in flight instead of piling up: when it returned, the first write had
+    # landed, and the two writes never ran at the same time.
+    assert seen_by_second == [["step-000000001"]]
+    assert overlaps == []
+    assert written == ["step-000000001", "step-000000002"]
+    assert storage.list_steps() == ["step-000000001", "step-000000002"]
+    assert ckpt.load_latest_valid(storage).meta.global_step == 2
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip-byte", "no-manifest"])
