@@ -8,8 +8,10 @@ import torch
 
 from training_core import checkpoint as ckpt
 from training_core.config import CheckpointConfig, OptimizerConfig, ScheduleConfig, TrainingConfig
-from training_core.loop import build_optimizer, build_scheduler, train_step
+from training_core.loop import train_step
 from training_core.models import build_model
+from training_core.optim import build_optimizer, build_scheduler
+from training_core.records import EpochRecord
 
 
 def _trained_objects(seed: int):
@@ -44,7 +46,7 @@ def _meta(global_step: int, metric: float | None = None) -> ckpt.CheckpointMeta:
         global_step=global_step,
         config=TrainingConfig().to_dict(),
         metric=metric,
-        history=[{"epoch": 1.0, "val_accuracy": 0.5}],
+        history=[EpochRecord(1, 10, 1.2, 0.4, 1.3, 0.5, 0.01, 900.0)],
         epoch_partial={"loss": 1.5, "correct": 3.0, "samples": 8.0, "time_s": 0.1},
     )
 
