@@ -13,6 +13,7 @@ from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
 from tasks import reports
+from training_core.config import CheckpointConfig
 
 
 def tracked_directory(local_path: str) -> FlyteDirectory:
@@ -40,9 +41,19 @@ def publish_report(title: str, sections: Sequence[str]) -> FlyteFile:
     return FlyteFile(path, remote_path=remote_path)
 
 
-def report_location(report: FlyteFile) -> str:
-    """Where a report from ``publish_report`` lives, as a downstream task sees it."""
-    return str(report.remote_source or report.path)
+def artifact_location(artifact: FlyteFile | FlyteDirectory) -> str:
+    """Where Flyte stored a task's file or directory input: s3:// on a cluster, a local path in a local run.
+
+    Ray workers and downstream tasks read it from there, not from this pod's download location.
+    """
+    return str(artifact.remote_source or artifact.path)
+
+
+def checkpoint_storage_path(config: CheckpointConfig) -> str:
+    """Where a run's checkpoints go: ``config.storage_path``, or when that is empty ``checkpoints`` under the
+    execution's raw-output location (s3:// on a cluster or with ``--raw-output-data-prefix``)."""
+    raw_output_prefix = FlyteContextManager.current_context().file_access.raw_output_prefix
+    return config.storage_path or f"{raw_output_prefix.rstrip('/')}/checkpoints"
 
 
 def local_deck_path(report: FlyteFile) -> str | None:
@@ -56,7 +67,7 @@ def local_deck_path(report: FlyteFile) -> str | None:
     written is the publishing task's.
     """
     sandbox = FlyteContextManager.current_context().file_access.local_sandbox_dir
-    marker = f"data-report='{html.escape(report_location(report), quote=True)}'"
+    marker = f"data-report='{html.escape(artifact_location(report), quote=True)}'"
     for path in sorted(glob.glob(os.path.join(os.fspath(sandbox), "*", DECK_FILE_NAME)), key=os.path.getmtime):
         with open(path, encoding="utf-8") as f:
             if marker in f.read():

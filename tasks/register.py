@@ -6,7 +6,7 @@ from datetime import timedelta
 
 from flytekit import Resources, task
 
-from tasks.artifacts import local_deck_path, report_location
+from tasks.artifacts import artifact_location, local_deck_path
 from tasks.types import Evaluation, Registration, TrainedModel
 from training_core.config import TrackingConfig
 
@@ -37,7 +37,7 @@ def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Ev
         run_id=model.mlflow_run_id,
         test_accuracy=evaluation.metrics.accuracy,
     )
-    reports = [report_location(model.report), report_location(evaluation.report)]
+    reports = [artifact_location(model.report), artifact_location(evaluation.report)]
     # Only Decks that exist are listed: on a cluster (each task in its own pod) FlyteConsole shows them.
     decks = [
         (label, local_deck_path(report))

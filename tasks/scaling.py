@@ -15,7 +15,7 @@ from flytekit import FlyteContextManager, Resources, current_context, task
 from flytekit.types.file import FlyteFile
 from flytekit.types.structured import StructuredDataset
 
-from tasks.artifacts import publish_report
+from tasks.artifacts import artifact_location, publish_report
 from tasks.train import TRAIN_TIMEOUT
 from tasks.types import PreparedData, TrainMetrics
 from training_core.config import ScalingConfig, TrainingConfig
@@ -67,7 +67,7 @@ def torch_baseline(config: TrainingConfig, data: PreparedData) -> TrainMetrics:
     workdir = current_context().working_directory
     result = launch(
         config,
-        data_dir=data.directory.remote_source or data.directory.path,
+        data_dir=artifact_location(data.directory),
         checkpoint_dir=os.path.join(workdir, "final_checkpoint"),
         run_name="torch-baseline",
         storage_path=os.path.join(workdir, "runs"),

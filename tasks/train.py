@@ -10,10 +10,10 @@ import os
 from datetime import timedelta
 from typing import Optional
 
-from flytekit import FlyteContextManager, Resources, current_context, task
+from flytekit import Resources, current_context, task
 from flytekit.types.directory import FlyteDirectory
 
-from tasks.artifacts import publish_report, tracked_directory
+from tasks.artifacts import artifact_location, checkpoint_storage_path, publish_report, tracked_directory
 from tasks.ray_config import ray_job_config
 from tasks.types import PreparedData, TrainedModel, TrainMetrics
 from training_core.config import ScalingConfig, TrainingConfig
@@ -24,20 +24,24 @@ from training_core.config import ScalingConfig, TrainingConfig
 DEFAULT_RAY_JOB = ray_job_config(ScalingConfig())
 
 
-# A train node can run on preemptible (spot) nodes: a preemption costs at most one checkpoint interval,
-# since the retry resumes from the latest checkpoint. The timeout bounds a hung collective or a stuck pod.
+# The timeout bounds a hung collective or a stuck pod.
 TRAIN_TIMEOUT = timedelta(hours=12)
 
+# What every task that drives Ray Train from its pod shares (``train``, ``train_trial``, ``tune_with_ray``):
+# the timeout, the driver pod's size (the workers are the RayJob's) and the Deck with the report.
+RAY_DRIVER_TASK_ARGS = {
+    "timeout": TRAIN_TIMEOUT,
+    "requests": Resources(cpu="1", mem="2Gi"),
+    "limits": Resources(cpu="2", mem="4Gi"),
+    "enable_deck": True,
+}
 
-@task(
-    task_config=DEFAULT_RAY_JOB,
-    retries=2,
-    interruptible=True,
-    timeout=TRAIN_TIMEOUT,
-    requests=Resources(cpu="1", mem="2Gi"),
-    limits=Resources(cpu="2", mem="4Gi"),
-    enable_deck=True,
-)
+# A train node can run on preemptible (spot) nodes: a preemption costs at most one checkpoint interval,
+# since the retry resumes from the latest checkpoint. ``train`` and the tuning's ``train_trial`` share these.
+TRAIN_TASK_ARGS = {**RAY_DRIVER_TASK_ARGS, "retries": 2, "interruptible": True}
+
+
+@task(task_config=DEFAULT_RAY_JOB, **TRAIN_TASK_ARGS)
 def train(config: TrainingConfig, data: PreparedData, resume_from: Optional[FlyteDirectory] = None) -> TrainedModel:
     """Train ``config.model`` with PyTorch DDP on ``config.scaling.num_workers`` Ray Train workers.
 
@@ -66,23 +70,22 @@ def run_training(config: TrainingConfig, data: PreparedData, resume_from: Option
 
     ctx = current_context()
     # Workers read shards from where Flyte stored them (a local path here, s3:// on a cluster).
-    data_dir = data.directory.remote_source or data.directory.path
+    data_dir = artifact_location(data.directory)
     _require_prepared_data(data_dir)
     location = _run_location(config, data_dir)
-    # Params go to an MLflow run once, when it is created: a retry (same run) and a trial's later slice
-    # (config.tracking.run_id) log into a run that has them.
-    log_params: bool | None = None
-    if location.mlflow_run_id:
-        tracking_uri, run_id = tracking.resume_run(config.tracking, location.mlflow_run_id)
-    elif config.tracking.run_id:
-        tracking_uri, run_id = tracking.resume_run(config.tracking, config.tracking.run_id)
-        log_params = False
-    else:
-        tags = {"flyte.execution_id": ctx.execution_id.name}
-        if config.tracking.parent_run_id:
-            tags["mlflow.parentRunId"] = config.tracking.parent_run_id
-        tracking_uri, run_id = tracking.create_run(config.tracking, run_name=location.run_name, tags=tags)
-        log_params = True
+    tags = {"flyte.execution_id": ctx.execution_id.name}
+    if config.tracking.parent_run_id:
+        tags["mlflow.parentRunId"] = config.tracking.parent_run_id
+    # A retry continues the run its earlier attempt created, a trial's later slice the run of its first slice.
+    tracking_uri, run_id = tracking.resume_or_create_run(
+        config.tracking,
+        run_id=location.mlflow_run_id or config.tracking.run_id,
+        run_name=location.run_name,
+        tags=tags,
+    )
+    # Params go to an MLflow run once, when it is created (True): a trial's later slice logs into a run that has
+    # them (False), and a retry leaves it to the loop (None), which logs them unless it resumes a checkpoint.
+    log_params = None if location.mlflow_run_id else not config.tracking.run_id
     _write_pointer(dataclasses.replace(location, mlflow_run_id=run_id))
     storage_path, run_name = location.storage_path, location.run_name
     try:
@@ -93,7 +96,7 @@ def run_training(config: TrainingConfig, data: PreparedData, resume_from: Option
             run_name=run_name,
             storage_path=storage_path,
             mlflow_run=MlflowRun(tracking_uri=tracking_uri, run_id=run_id),
-            resume_from=(resume_from.remote_source or resume_from.path) if resume_from is not None else None,
+            resume_from=artifact_location(resume_from) if resume_from is not None else None,
             log_params=log_params,
             job_labels=_job_labels(),
         )
@@ -201,10 +204,9 @@ def _run_location(config: TrainingConfig, data_dir: str) -> RunLocation:
         return previous
     ctx = current_context()
     digest = hashlib.sha256(json.dumps([config.to_dict(), data_dir], sort_keys=True).encode()).hexdigest()[:12]
-    # The run's raw-output location as configured (s3:// on a cluster or with --raw-output-data-prefix).
-    raw_output_prefix = FlyteContextManager.current_context().file_access.raw_output_prefix
-    storage_path = config.checkpoint.storage_path or f"{raw_output_prefix.rstrip('/')}/checkpoints"
-    return RunLocation(storage_path=storage_path, run_name=f"train-{ctx.execution_id.name}-{digest}")
+    return RunLocation(
+        storage_path=checkpoint_storage_path(config.checkpoint), run_name=f"train-{ctx.execution_id.name}-{digest}"
+    )
 
 
 def _flyte_checkpoint():

@@ -20,9 +20,9 @@ from flytekit import Resources, task
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
-from tasks.artifacts import publish_report
+from tasks.artifacts import artifact_location, checkpoint_storage_path, publish_report
 from tasks.ray_config import ray_job_config
-from tasks.train import TRAIN_TIMEOUT, run_training, trained_model
+from tasks.train import RAY_DRIVER_TASK_ARGS, TRAIN_TASK_ARGS, run_training, trained_model
 from tasks.types import PreparedData, TrainedModel
 from training_core import tuning
 from training_core.config import TrainingConfig
@@ -36,12 +36,7 @@ TRIAL_CACHE_VERSION = "1"
     task_config=ray_job_config(tuning.default_base().scaling),
     cache=True,
     cache_version=TRIAL_CACHE_VERSION,
-    retries=2,
-    interruptible=True,
-    timeout=TRAIN_TIMEOUT,
-    requests=Resources(cpu="1", mem="2Gi"),
-    limits=Resources(cpu="2", mem="4Gi"),
-    enable_deck=True,
+    **TRAIN_TASK_ARGS,
 )
 def train_trial(
     config: TrainingConfig, data: PreparedData, resume_from: Optional[FlyteDirectory] = None
@@ -266,29 +261,19 @@ def finish_search(config: TuningConfig, state: SearchState) -> TuningOutputs:
     return _finish(config, state)
 
 
-@task(
-    task_config=ray_job_config(tuning.ray_tune_scaling(TuningConfig())),
-    retries=1,
-    timeout=TRAIN_TIMEOUT,
-    requests=Resources(cpu="1", mem="2Gi"),
-    limits=Resources(cpu="2", mem="4Gi"),
-    enable_deck=True,
-)
+@task(task_config=ray_job_config(tuning.ray_tune_scaling(TuningConfig())), retries=1, **RAY_DRIVER_TASK_ARGS)
 def tune_with_ray(config: TuningConfig, data: PreparedData, state: SearchState) -> TuningOutputs:
     """The ``ray_tune`` strategy: Ray Tune's ``Tuner`` (ASHA, PBT, OptunaSearch or random) runs every trial
     on this task's RayCluster; the result has the same shape as the Flyte strategy's.
 
     The RayJob is sized per search by the workflow: ``max_concurrency`` trials of ``base.scaling`` workers.
     """
-    from flytekit import FlyteContextManager, current_context
+    from flytekit import current_context
 
     from training_core import checkpoint as ckpt
     from training_core.ray_tune_search import run_search
     from training_core.trainer import FitResult
 
-    data_dir = data.directory.remote_source or data.directory.path
-    raw_output_prefix = FlyteContextManager.current_context().file_access.raw_output_prefix
-    storage_path = config.base.checkpoint.storage_path or f"{raw_output_prefix.rstrip('/')}/checkpoints"
     # Tune runs each trial driver in its own working directory: a relative sqlite URI must be made absolute.
     config = dataclasses.replace(
         config,
@@ -298,8 +283,8 @@ def tune_with_ray(config: TuningConfig, data: PreparedData, state: SearchState) 
     )
     outcomes = run_search(
         config,
-        data_dir=data_dir,
-        storage_path=storage_path,
+        data_dir=artifact_location(data.directory),
+        storage_path=checkpoint_storage_path(config.base.checkpoint),
         run_name=f"tune-{current_context().execution_id.name}",
         parent_run_id=state.parent_run_id,
     )

@@ -104,11 +104,12 @@ def _trial_driver(tune_config: dict[str, Any]) -> None:
         # only the former continues the trial's MLflow run; a copy with new hyperparameters gets a new one.
         run_id = pointer["mlflow_run_id"] if pointer["tune_trial_id"] == trial_id else ""
     log_params = not run_id
-    if run_id:
-        tracking_uri, run_id = tracking.resume_run(trial_cfg.tracking, run_id)
-    else:
-        tags = {"mlflow.parentRunId": tune_config["parent_run_id"], "tune.trial_id": trial_id}
-        tracking_uri, run_id = tracking.create_run(trial_cfg.tracking, run_name=f"tune-{trial_id}", tags=tags)
+    tracking_uri, run_id = tracking.resume_or_create_run(
+        trial_cfg.tracking,
+        run_id=run_id,
+        run_name=f"tune-{trial_id}",
+        tags={"mlflow.parentRunId": tune_config["parent_run_id"], "tune.trial_id": trial_id},
+    )
     step = slice_epochs(cfg)
     # Unique per driver start: a PBT copy may retrain epochs this trial already trained before the copy.
     attempt = uuid.uuid4().hex[:8]

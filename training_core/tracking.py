@@ -76,6 +76,16 @@ def resume_run(cfg: TrackingConfig, run_id: str) -> tuple[str, str]:
     return uri, run_id
 
 
+def resume_or_create_run(
+    cfg: TrackingConfig, *, run_id: str, run_name: str, tags: dict[str, str] | None = None
+) -> tuple[str, str]:
+    """Reopen ``run_id`` when there is one (a retry, a trial's later slice), else create a run named
+    ``run_name`` with ``tags`` (they apply to a new run only); returns ``(tracking_uri, run_id)``."""
+    if run_id:
+        return resume_run(cfg, run_id)
+    return create_run(cfg, run_name=run_name, tags=tags)
+
+
 def finish_run(tracking_uri: str, run_id: str, *, status: str = "FINISHED") -> None:
     from mlflow.tracking import MlflowClient
 
