@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
+import reprlib
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -40,9 +42,49 @@ def is_better(metric: str, value: float, than: float | None) -> bool:
     return value > than if METRIC_DIRECTIONS[metric] == "max" else value < than
 
 
+MAX_QUOTE_CHARS = 200
+"""Longest quote of a value in an error message: the start of a long string or a big nested value is enough to
+find it, and a message stays readable (and small) whatever the input holds."""
+
+
+class _BoundedRepr(reprlib.Repr):
+    """``repr`` that looks at a bounded part of a value: a few items of each container, a few levels deep, the
+    two ends of a long string, and the size of a huge integer (whose full text Python refuses to write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = self.maxdeque = self.maxarray = 6
+        self.maxdict = 6
+        self.maxstring = 120
+        self.maxother = 120
+        self.maxlong = 40
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:
+            return f"<int of about {int(x.bit_length() * math.log10(2)) + 1} digits>"
+        return super().repr_int(x, level)
+
+
+_bounded_repr = _BoundedRepr()
+
+
+def clip(text: str, limit: int = MAX_QUOTE_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, with ``...`` marking the cut."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def quote(value: Any) -> str:
+    """``repr(value)`` bounded in size (and in the work it takes), for error messages."""
+    return clip(_bounded_repr.repr(value))
+
+
 def invalid(path: str, value: Any, fix: str) -> typing.NoReturn:
-    """Raise the one kind of config error: the dotted field, the bad value and the fix."""
-    raise ValueError(f"{path}={value!r} is invalid: {fix}")
+    """Raise the one kind of config error: the dotted field, the bad value and the fix.
+
+    The value is quoted bounded in size (:func:`quote`), and the field and the fix are clipped too, so a message
+    stays under a few kilobytes whatever the input."""
+    raise ValueError(f"{clip(path)}={quote(value)} is invalid: {clip(fix, 2000)}")
 
 
 def _choice(path: str, value: str, choices: tuple[str, ...]) -> None:
@@ -530,11 +572,16 @@ def build_dataclass(cls: type, raw: Mapping[str, Any], *, prefix: str) -> Any:
         invalid(prefix.rstrip(".") or "config", raw, "expected a mapping of field names to values")
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - fields)
+    unknown = [key for key in raw if not isinstance(key, str) or key not in fields]
     if unknown:
         where = prefix.rstrip(".") or "config"
+        names = sorted(
+            clip(key, 60) if isinstance(key, str) else f"{quote(key)} ({type(key).__name__})" for key in unknown
+        )
+        listed = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        strings = "" if all(isinstance(key, str) for key in unknown) else "field names are strings; "
         raise ValueError(
-            f"{where} has unknown field(s) {', '.join(unknown)}: valid fields are {', '.join(sorted(fields))}"
+            f"{where} has unknown field(s) {listed}: {strings}valid fields are {', '.join(sorted(fields))}"
         )
     kwargs = {}
     for name, value in raw.items():
