@@ -11,7 +11,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import random
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
@@ -171,8 +170,8 @@ def start_search(config: TuningConfig) -> SearchState:
 def record_round(
     config: TuningConfig, state: SearchState, trial_ids: list[int], models: list[TrainedModel]
 ) -> SearchState:
-    """Record a round's results and decide the next round: who continues (successive halving), who copies
-    whom (PBT), which new points to try (Bayesian)."""
+    """Record a round's results and apply :func:`training_core.tuning.decide_round`'s decision for the next
+    round: who continues (successive halving), who copies whom (PBT), which new points to try (Bayesian)."""
     by_id = {t.trial_id: t for t in state.trials}
     for trial_id, model in zip(trial_ids, models, strict=True):
         trial = by_id[trial_id]
@@ -182,38 +181,30 @@ def record_round(
         trial.score_epochs.append(model.metrics.epochs)
         trial.checkpoint, trial.model, trial.mlflow_run_id = model.checkpoint, model, model.mlflow_run_id
         trial.status = "done"
-    next_round = state.round_index + 1
-    if next_round < tuning.num_rounds(config):
-        trained = [by_id[i] for i in trial_ids]
-        scores = [t.scores[-1] for t in trained]
-        if config.algorithm == "asha":
-            keep = tuning.successive_halving_keep(scores, eta=config.asha.eta, mode=config.mode)
-            for index, trial in enumerate(trained):
-                trial.status = "pending" if index in keep else "stopped"
-        elif config.algorithm == "pbt":
-            rng = random.Random(config.seed * 7919 + state.round_index)
-            copies = tuning.pbt_exploit(scores, quantile=config.pbt.quantile, mode=config.mode, rng=rng)
-            for loser, winner in copies.items():
-                _copy_trial(trained[loser], trained[winner], config, rng)
-            for trial in trained:
-                trial.status = "pending"
-        elif config.algorithm == "bayesian":
-            finished = [(t.params, t.scores[-1]) for t in state.trials if t.scores]
-            count = tuning.bayesian_round_sizes(config)[next_round]
-            for params in tuning.suggest(config, finished=finished, count=count, round_index=next_round):
-                state.trials.append(Trial(trial_id=len(state.trials), params=params))
-    return dataclasses.replace(state, round_index=next_round)
-
-
-def _copy_trial(loser: Trial, winner: Trial, config: TuningConfig, rng: random.Random) -> None:
-    """PBT exploit + explore: ``loser`` continues from ``winner``'s checkpoint with perturbed params."""
-    loser.params = tuning.perturb(
-        winner.params,
-        config.search_space,
-        factors=config.pbt.perturbation_factors,
-        resample_probability=config.pbt.resample_probability,
-        rng=rng,
+    decision = tuning.decide_round(
+        config,
+        round_index=state.round_index,
+        trained=[_scored(by_id[i]) for i in trial_ids],
+        finished=[_scored(t) for t in state.trials if t.scores],
     )
+    for copy in decision.copies:
+        _copy_trial(by_id[copy.trial_id], by_id[copy.source_trial_id], copy.params)
+    for trial_id in decision.continuing:
+        by_id[trial_id].status = "pending"
+    for trial_id in decision.stopped:
+        by_id[trial_id].status = "stopped"
+    for params in decision.new_params:
+        state.trials.append(Trial(trial_id=len(state.trials), params=params))
+    return dataclasses.replace(state, round_index=state.round_index + 1)
+
+
+def _scored(trial: Trial) -> tuning.ScoredTrial:
+    return tuning.ScoredTrial(trial_id=trial.trial_id, params=trial.params, score=trial.scores[-1])
+
+
+def _copy_trial(loser: Trial, winner: Trial, params: tuning.Params) -> None:
+    """PBT: ``loser`` continues from ``winner``'s checkpoint with ``params`` (the winner's, perturbed)."""
+    loser.params = params
     loser.checkpoint, loser.epochs_trained = winner.checkpoint, winner.epochs_trained
     loser.lineage.append(winner.trial_id)
     loser.mlflow_run_id = ""  # new hyperparameters: a new child run, so each run's params stay true

@@ -12,6 +12,9 @@ drive both strategies: Flyte fan-out, where every trial is a node of the executi
 - ``pbt`` trains all trials in slices of ``pbt.interval_epochs``; between slices the bottom quantile copies
   the checkpoint of a top trial and perturbs its hyperparameters (:func:`pbt_exploit`, :func:`perturb`).
 
+After each round, :func:`decide_round` turns the trials' scores into a :class:`RoundDecision`: which trials
+continue, which stop, which copy whom with what params, and which new ones start.
+
 A trial's config is ``base`` with the trial's params applied by dotted path (:func:`apply_params`); the
 params are kept as text (``"0.003"``, ``"adamw"``) and converted to the field's type by the config tree.
 """
@@ -532,3 +535,101 @@ def perturb(
         value = min(spec.high, max(spec.low, float(params[spec.path]) * rng.choice(list(factors))))
         out[spec.path] = _format(value, spec)
     return out
+
+
+@dataclass
+class ScoredTrial:
+    """A trial as the decisions between rounds see it."""
+
+    trial_id: int
+    params: Params
+    score: float
+    """The search metric after the trial's latest slice."""
+
+
+@dataclass
+class PbtCopy:
+    """PBT's exploit and explore for one trial of the bottom quantile."""
+
+    trial_id: int
+    """The trial that drops its own checkpoint and hyperparameters."""
+    source_trial_id: int
+    """The top trial whose checkpoint it continues from."""
+    params: Params
+    """The source's params, perturbed: the copy's params from now on."""
+
+
+@dataclass
+class RoundDecision:
+    """What a search does after a round. Trials of the round named nowhere here are done."""
+
+    continuing: list[int] = field(default_factory=list)
+    """Trials of the round that train in the next one (ASHA's survivors, every PBT trial), in the round's order."""
+    stopped: list[int] = field(default_factory=list)
+    """Trials of the round that successive halving prunes."""
+    copies: list[PbtCopy] = field(default_factory=list)
+    """PBT: bottom trials that continue from a top trial's checkpoint with perturbed params."""
+    new_params: list[Params] = field(default_factory=list)
+    """Bayesian: the points of the next round's new trials."""
+
+
+def decide_round(
+    cfg: TuningConfig, *, round_index: int, trained: Sequence[ScoredTrial], finished: Sequence[ScoredTrial]
+) -> RoundDecision:
+    """The decision after round ``round_index``: ``trained`` are the trials it trained, ``finished`` every
+    trial of the search scored so far (TPE learns from all of them). After the last round nobody continues.
+
+    PBT's choices are seeded by ``cfg.seed`` and the round, so a re-run of a search makes the same copies.
+    """
+    next_round = round_index + 1
+    if next_round >= num_rounds(cfg):
+        return RoundDecision()
+    if cfg.algorithm == "asha":
+        return asha_decision(cfg, trained)
+    if cfg.algorithm == "pbt":
+        return pbt_decision(cfg, trained, rng=random.Random(cfg.seed * 7919 + round_index))
+    if cfg.algorithm == "bayesian":
+        return bayesian_decision(cfg, finished, round_index=next_round)
+    return RoundDecision()
+
+
+def asha_decision(cfg: TuningConfig, trained: Sequence[ScoredTrial]) -> RoundDecision:
+    """Successive halving: the top ``1/eta`` of the rung's trials train on to the next rung, the rest stop."""
+    keep = set(successive_halving_keep([t.score for t in trained], eta=cfg.asha.eta, mode=cfg.mode))
+    return RoundDecision(
+        continuing=[t.trial_id for i, t in enumerate(trained) if i in keep],
+        stopped=[t.trial_id for i, t in enumerate(trained) if i not in keep],
+    )
+
+
+def pbt_decision(cfg: TuningConfig, trained: Sequence[ScoredTrial], *, rng: random.Random) -> RoundDecision:
+    """PBT: every trial trains on; each of the bottom quantile first copies a random top trial (exploit) and
+    perturbs that trial's params (explore)."""
+    sources = pbt_exploit([t.score for t in trained], quantile=cfg.pbt.quantile, mode=cfg.mode, rng=rng)
+    copies = [
+        PbtCopy(
+            trial_id=trained[loser].trial_id,
+            source_trial_id=trained[winner].trial_id,
+            params=perturb(
+                trained[winner].params,
+                cfg.search_space,
+                factors=cfg.pbt.perturbation_factors,
+                resample_probability=cfg.pbt.resample_probability,
+                rng=rng,
+            ),
+        )
+        for loser, winner in sources.items()
+    ]
+    return RoundDecision(continuing=[t.trial_id for t in trained], copies=copies)
+
+
+def bayesian_decision(cfg: TuningConfig, finished: Sequence[ScoredTrial], *, round_index: int) -> RoundDecision:
+    """Bayesian: round ``round_index`` gets new trials, suggested by TPE from every finished one."""
+    return RoundDecision(
+        new_params=suggest(
+            cfg,
+            finished=[(t.params, t.score) for t in finished],
+            count=bayesian_round_sizes(cfg)[round_index],
+            round_index=round_index,
+        )
+    )

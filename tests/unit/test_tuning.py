@@ -10,15 +10,20 @@ import pytest
 from training_core.config import TrainingConfig
 from training_core.tuning import (
     ParamSpec,
+    PbtCopy,
+    RoundDecision,
+    ScoredTrial,
     TuningConfig,
     apply_params,
     asha_rungs,
     bayesian_round_sizes,
+    decide_round,
     default_base,
     grid_points,
     initial_params,
     load_tuning_config,
     num_rounds,
+    pbt_decision,
     pbt_exploit,
     perturb,
     round_stop_epoch,
@@ -450,3 +455,139 @@ def test_bayesian_first_round_is_random_and_its_size_follows_the_round_split():
     assert bayesian_round_sizes(
         TuningConfig.from_dict({"algorithm": "bayesian", "num_trials": 1, "bayesian": {"num_rounds": 3}})
     ) == [1]
+
+
+def _scored(params: list[dict[str, str]], scores: list[float], trial_ids: list[int] | None = None) -> list[ScoredTrial]:
+    ids = range(len(scores)) if trial_ids is None else trial_ids
+    return [ScoredTrial(trial_id=i, params=p, score=s) for i, p, s in zip(ids, params, scores, strict=True)]
+
+
+def test_asha_rounds_continue_the_top_trials_of_each_rung_and_stop_the_rest():
+    cfg = TuningConfig.from_dict(
+        {"algorithm": "asha", "num_trials": 6, "asha": {"min_epochs": 1, "eta": 2}, "base": {"loop": {"epochs": 4}}}
+    )
+    params = initial_params(cfg)
+    first = _scored(params, [0.5, 0.9, 0.7, 0.8, 0.6, 0.85])
+    assert decide_round(cfg, round_index=0, trained=first, finished=first) == RoundDecision(
+        continuing=[1, 3, 5], stopped=[0, 2, 4]
+    )
+    # Rung 2 trains the survivors only; the decision names them by trial id, not by place in the round.
+    second = _scored([params[i] for i in (1, 3, 5)], [0.91, 0.84, 0.93], trial_ids=[1, 3, 5])
+    assert decide_round(cfg, round_index=1, trained=second, finished=second) == RoundDecision(
+        continuing=[5], stopped=[1, 3]
+    )
+    # The last rung decides nothing: its trials are done.
+    last = _scored([params[5]], [0.95], trial_ids=[5])
+    assert decide_round(cfg, round_index=2, trained=last, finished=last) == RoundDecision()
+
+    by_loss = TuningConfig.from_dict({**cfg.to_dict(), "metric": "val_loss"})
+    assert decide_round(by_loss, round_index=0, trained=first, finished=first).continuing == [0, 2, 4]
+
+
+def _pbt(**pbt) -> TuningConfig:
+    return TuningConfig.from_dict(
+        {
+            "algorithm": "pbt",
+            "num_trials": 4,
+            "base": {"loop": {"epochs": 2}},
+            "pbt": {"interval_epochs": 1, "quantile": 0.25, **pbt},
+            "search_space": [
+                {"path": "optimizer.lr", "kind": "log_uniform", "low": 1e-4, "high": 1e-1},
+                {"path": "schedule.warmup_steps", "kind": "int", "low": 0, "high": 40},
+                {"path": "optimizer.name", "kind": "choice", "choices": ["adamw", "sgd"]},
+            ],
+        }
+    )
+
+
+def test_pbt_round_copies_the_worst_trial_from_the_best_with_its_params_perturbed_and_clipped():
+    cfg = _pbt(perturbation_factors=[1.25], resample_probability=0.0)
+    params = [
+        {"optimizer.lr": "0.001", "schedule.warmup_steps": "10", "optimizer.name": "sgd"},
+        {"optimizer.lr": "0.004", "schedule.warmup_steps": "36", "optimizer.name": "adamw"},
+        {"optimizer.lr": "0.0002", "schedule.warmup_steps": "0", "optimizer.name": "sgd"},
+        {"optimizer.lr": "0.01", "schedule.warmup_steps": "20", "optimizer.name": "adamw"},
+    ]
+    trained = _scored(params, [0.5, 0.9, 0.2, 0.7])
+    decision = decide_round(cfg, round_index=0, trained=trained, finished=trained)
+    # One trial per quantile of four: trial 2 (the worst) continues from trial 1 (the best); everyone trains on.
+    # The copy's lr is 1.25 times the source's, its warmup 36 * 1.25 clipped to the range's 40, its optimizer kept.
+    assert decision == RoundDecision(
+        continuing=[0, 1, 2, 3],
+        copies=[
+            PbtCopy(
+                trial_id=2,
+                source_trial_id=1,
+                params={"optimizer.lr": "0.005", "schedule.warmup_steps": "40", "optimizer.name": "adamw"},
+            )
+        ],
+    )
+    assert params[1] == {"optimizer.lr": "0.004", "schedule.warmup_steps": "36", "optimizer.name": "adamw"}
+    assert decide_round(cfg, round_index=1, trained=trained, finished=trained) == RoundDecision()  # the last slice
+
+
+def test_pbt_copies_come_from_the_top_quantile_scaled_by_a_seeded_choice_of_factor():
+    cfg = TuningConfig.from_dict(
+        {**_pbt(perturbation_factors=[0.8, 1.25], resample_probability=0.0).to_dict(), "num_trials": 8}
+    )
+    lrs = ["0.001", "0.002", "0.003", "0.004", "0.005", "0.006", "0.007", "0.008"]
+    params = [
+        {"optimizer.lr": lr, "schedule.warmup_steps": "20", "optimizer.name": "sgd" if i % 2 else "adamw"}
+        for i, lr in enumerate(lrs)
+    ]
+    trained = _scored(params, [0.61, 0.95, 0.40, 0.88, 0.72, 0.30, 0.90, 0.55])  # top: 1, 6; bottom: 5, 2
+    sources = set()
+    for seed in range(20):
+        decision = pbt_decision(cfg, trained, rng=random.Random(seed))
+        assert decision == pbt_decision(cfg, trained, rng=random.Random(seed)), "the same seed, the same copies"
+        assert decision.continuing == list(range(8)) and not decision.stopped and not decision.new_params
+        assert sorted(c.trial_id for c in decision.copies) == [2, 5]
+        for copy in decision.copies:
+            assert copy.source_trial_id in (1, 6)
+            source = params[copy.source_trial_id]
+            ratio = float(copy.params["optimizer.lr"]) / float(source["optimizer.lr"])
+            assert ratio == pytest.approx(0.8) or ratio == pytest.approx(1.25), (seed, ratio)
+            assert copy.params["schedule.warmup_steps"] in ("16", "25")
+            assert copy.params["optimizer.name"] == source["optimizer.name"]
+            sources.add(copy.source_trial_id)
+    assert sources == {1, 6}
+    # decide_round seeds PBT by the search's seed and the round: a re-run of the search makes the same copies.
+    assert decide_round(cfg, round_index=0, trained=trained, finished=trained) == decide_round(
+        cfg, round_index=0, trained=trained, finished=trained
+    )
+
+
+def test_pbt_resampling_draws_a_copys_numeric_params_from_the_whole_range():
+    cfg = TuningConfig.from_dict({**_pbt(resample_probability=1.0).to_dict(), "num_trials": 8})
+    params = [{"optimizer.lr": "0.001", "schedule.warmup_steps": "20", "optimizer.name": "sgd"} for _ in range(8)]
+    trained = _scored(params, [0.61, 0.95, 0.40, 0.88, 0.72, 0.30, 0.90, 0.55])
+    drawn = [copy.params for seed in range(10) for copy in pbt_decision(cfg, trained, rng=random.Random(seed)).copies]
+    assert len(drawn) == 20
+    assert all(1e-4 <= float(p["optimizer.lr"]) <= 1e-1 and 0 <= int(p["schedule.warmup_steps"]) <= 40 for p in drawn)
+    assert all(p["optimizer.name"] == "sgd" for p in drawn)
+    assert {p["optimizer.lr"] for p in drawn} - {"0.0008", "0.00125"}, "resampled, not scaled"
+
+
+def test_bayesian_round_adds_the_trials_tpe_suggests_from_every_finished_trial():
+    cfg = TuningConfig.from_dict({"algorithm": "bayesian", "num_trials": 5, "bayesian": {"num_rounds": 2}, "seed": 3})
+    first = initial_params(cfg)
+    finished = _scored(first, [0.3, 0.6, 0.9])
+    decision = decide_round(cfg, round_index=0, trained=finished, finished=finished)
+    expected = suggest(cfg, finished=[(p, s) for p, s in zip(first, [0.3, 0.6, 0.9])], count=2, round_index=1)
+    assert decision == RoundDecision(new_params=expected)  # the round's own trials are done
+    # TPE learns from every finished trial of the search, not only from the round's.
+    assert decide_round(cfg, round_index=0, trained=finished[2:], finished=finished) == decision
+    assert decide_round(cfg, round_index=1, trained=finished, finished=finished) == RoundDecision()
+
+
+@pytest.mark.parametrize("algorithm", ["random", "grid"])
+def test_single_round_searches_continue_no_trial(algorithm):
+    cfg = TuningConfig.from_dict(
+        {
+            "algorithm": algorithm,
+            "num_trials": 4,
+            "search_space": [{"path": "optimizer.name", "kind": "choice", "choices": ["adamw", "sgd"]}],
+        }
+    )
+    trained = _scored(initial_params(cfg)[:2], [0.4, 0.8])
+    assert decide_round(cfg, round_index=0, trained=trained, finished=trained) == RoundDecision()
