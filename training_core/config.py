@@ -12,6 +12,7 @@ FlyteConsole can render it. Load it from YAML with :func:`load_config`; environm
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -624,29 +625,203 @@ def coerce(path: str, value: Any, hint: type) -> Any:
     raise AssertionError(f"unsupported config field type {hint!r} at {path}")
 
 
-def read_yaml_mapping(path: str | os.PathLike[str], *, setting: str = "config file") -> dict[str, Any]:
-    """The mapping of fields in the YAML file at ``path`` (partial: only the fields it sets; empty file: none).
+MAX_YAML_DEPTH = 32
+"""Deepest nesting config input may have. The deepest config field is four levels down; refusing more keeps a
+hostile document from exhausting Python's recursion limit."""
 
-    ``setting`` names where the path came from (``--config``, ``config file``) in the error a missing file or
-    a document that is not a mapping raises."""
+_YAML_INT = r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+"
+_YAML_FLOAT = r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"
+_YAML_BOOL = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
+
+
+@functools.cache
+def _yaml_loader() -> type:
+    """The ``yaml.SafeLoader`` all config input is read with.
+
+    - Plain scalars follow the YAML 1.2 core schema: ``010`` is 10, ``1:30`` and ``yes``/``no``/``on``/``off`` stay
+      strings, only ``true``/``false`` are booleans, and dates stay strings. YAML 1.1 (PyYAML's default) reads
+      ``010`` as 8 and ``1:30`` as 90, which no one writing a config means.
+    - Anchors and aliases are refused: a few hundred bytes of nested aliases expand to billions of values.
+    - A key that appears twice in a mapping is refused (YAML 1.1 keeps the last and drops the first block).
+    - Tags other than the core schema's (``!!timestamp``, ``!!binary``, ``!!set``, ...) are refused.
+    """
+    import re
+
+    import yaml
+    from yaml.constructor import ConstructorError
+    from yaml.events import AliasEvent
+
+    int_pattern, float_pattern = re.compile(_YAML_INT), re.compile(_YAML_FLOAT)
+
+    class Refused(ConstructorError):
+        """Input this loader refuses on purpose; its ``problem`` says what to write instead."""
+
+    class ConfigLoader(yaml.SafeLoader):
+        yaml_implicit_resolvers: dict = {}
+        yaml_constructors: dict = {}
+        yaml_multi_constructors: dict = {}
+        refused = Refused
+
+        def compose_node(self, parent, index):
+            event = self.peek_event()
+            if isinstance(event, AliasEvent) or event.anchor is not None:
+                sign = "*" if isinstance(event, AliasEvent) else "&"
+                raise Refused(
+                    None,
+                    None,
+                    f"found {sign}{clip(event.anchor, 60)}: anchors and aliases are not supported in config input; "
+                    "write each value out in full",
+                    event.start_mark,
+                )
+            self.depth = getattr(self, "depth", 0) + 1
+            try:
+                if self.depth > MAX_YAML_DEPTH:
+                    raise Refused(
+                        None,
+                        None,
+                        f"values nest deeper than {MAX_YAML_DEPTH} levels; config fields are at most four deep",
+                        event.start_mark,
+                    )
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+        def construct_mapping(self, node, deep=False):
+            if not isinstance(node, yaml.MappingNode):
+                raise Refused(None, None, f"expected a mapping, found a {node.id}", node.start_mark)
+            mapping: dict = {}
+            first_lines: dict = {}
+            for key_node, value_node in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    hash(key)
+                except TypeError:
+                    raise Refused(
+                        None,
+                        None,
+                        f"a {type(key).__name__} cannot be a key: field names are strings",
+                        key_node.start_mark,
+                    ) from None
+                if key in mapping:
+                    raise Refused(
+                        None,
+                        None,
+                        f"duplicate key {quote(key)} (first at line {first_lines[key]}): YAML would keep only the "
+                        "last one; write each key once, merging the two",
+                        key_node.start_mark,
+                    )
+                first_lines[key] = key_node.start_mark.line + 1
+                mapping[key] = self.construct_object(value_node, deep=deep)
+            return mapping
+
+    def construct_bool(loader, node):
+        text = loader.construct_scalar(node)
+        if text not in _YAML_BOOL:
+            raise Refused(None, None, f"{quote(text)} is not a boolean: write true or false", node.start_mark)
+        return _YAML_BOOL[text]
+
+    def construct_int(loader, node):
+        text = loader.construct_scalar(node)
+        if not int_pattern.fullmatch(text):
+            raise Refused(None, None, f"{quote(text)} is not an integer: write one in decimal digits", node.start_mark)
+        base = {"0o": 8, "0x": 16}.get(text[:2], 10)
+        try:
+            return int(text[2:] if base != 10 else text, base)
+        except ValueError:  # more digits than Python converts
+            raise Refused(None, None, f"an integer of {len(text)} digits is out of range", node.start_mark) from None
+
+    def construct_float(loader, node):
+        text = loader.construct_scalar(node)
+        if not float_pattern.fullmatch(text):
+            raise Refused(None, None, f"{quote(text)} is not a number: write one such as 0.5 or 1e-3", node.start_mark)
+        if text.lower().endswith(".inf"):
+            return -math.inf if text.startswith("-") else math.inf
+        return math.nan if text.lower() == ".nan" else float(text)
+
+    def construct_undefined(loader, node):
+        tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+        raise Refused(
+            None,
+            None,
+            f"the tag {quote(tag)} is not supported: config input holds strings, numbers, true/false, null, "
+            "lists and mappings",
+            node.start_mark,
+        )
+
+    safe = yaml.SafeLoader
+    for tag, construct in (
+        ("null", safe.construct_yaml_null),
+        ("bool", construct_bool),
+        ("int", construct_int),
+        ("float", construct_float),
+        ("str", safe.construct_yaml_str),
+        ("seq", safe.construct_yaml_seq),
+        ("map", safe.construct_yaml_map),
+    ):
+        ConfigLoader.add_constructor(f"tag:yaml.org,2002:{tag}", construct)
+    ConfigLoader.add_constructor(None, construct_undefined)
+    for tag, pattern, first in (
+        ("bool", "|".join(_YAML_BOOL), "tTfF"),
+        ("int", _YAML_INT, "-+0123456789"),
+        ("float", _YAML_FLOAT, "-+0123456789."),
+        ("null", "~|null|Null|NULL|", ["~", "n", "N", ""]),
+    ):
+        ConfigLoader.add_implicit_resolver(f"tag:yaml.org,2002:{tag}", re.compile(f"^(?:{pattern})$"), list(first))
+    return ConfigLoader
+
+
+def parse_yaml(text: str, *, where: str) -> Any:
+    """The value of the YAML document ``text`` read by the config loader (see :func:`_yaml_loader`).
+
+    ``where`` names the input (a file, an environment variable) in the ``ValueError`` that bad YAML raises, with
+    the line and column."""
     import yaml
 
+    loader = _yaml_loader()
+    try:
+        return yaml.load(text, Loader=loader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        if isinstance(exc, loader.refused):
+            problem = exc.problem
+        else:
+            context = f"{exc.context}: " if exc.context else ""
+            problem = f"{context}{exc.problem}; fix the YAML there (quote a value to keep it as text)"
+        raise ValueError(f"{where} is invalid: {at}{clip(problem, 1000)}") from None
+    except yaml.reader.ReaderError as exc:
+        char = f"U+{exc.character:04X}" if isinstance(exc.character, int) else repr(exc.character)
+        raise ValueError(
+            f"{where} is invalid: character {char} at position {exc.position} is not allowed in YAML; remove it"
+        ) from None
+
+
+def read_yaml_mapping(path: str | os.PathLike[str], *, setting: str = "config file") -> dict[str, Any]:
+    """The mapping of fields in the YAML file at ``path`` (partial: only the fields it sets; empty file: none),
+    read by the config loader (YAML 1.2 numbers and booleans; no anchors, aliases or duplicate keys).
+
+    ``setting`` names where the path came from (``--config``, ``config file``) in the error a missing file, bad
+    YAML or a document that is not a mapping raises."""
+    where = f"{setting} {quote(os.fspath(path))}"
     try:
         with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f) or {}
+            text = f.read()
     except FileNotFoundError:
-        raise ValueError(f"{setting} {os.fspath(path)!r} is invalid: no file there") from None
+        raise ValueError(f"{where} is invalid: no file there") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where} is invalid: byte {exc.start} is not UTF-8; save the file as UTF-8 text") from None
+    except OSError as exc:
+        raise ValueError(f"{where} is invalid: it cannot be read ({exc.strerror}); give a readable YAML file") from None
+    raw = parse_yaml(text, where=where)
+    if raw is None:
+        return {}
     if not isinstance(raw, Mapping):
-        raise ValueError(
-            f"{setting} {os.fspath(path)!r} is invalid: it must hold a mapping of fields, got {type(raw).__name__}"
-        )
+        raise ValueError(f"{where} is invalid: it must hold a mapping of fields, got {type(raw).__name__}")
     return dict(raw)
 
 
 def env_overrides(environ: Mapping[str, str], *, prefix: str = ENV_PREFIX) -> dict[str, Any]:
     """Nested overrides from ``<prefix>SECTION__FIELD=value`` variables (values parsed as YAML)."""
-    import yaml
-
     overrides: dict[str, Any] = {}
     for key, raw in environ.items():
         if not key.startswith(prefix):
@@ -657,7 +832,7 @@ def env_overrides(environ: Mapping[str, str], *, prefix: str = ENV_PREFIX) -> di
         node = overrides
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = parse_yaml(raw, where=f"{clip(key)}={quote(raw)}")
     return overrides
 
 

@@ -3,7 +3,7 @@
 
 import pytest
 
-from training_core.config import TrainingConfig
+from training_core.config import TrainingConfig, load_config, read_yaml_mapping
 
 MAX_MESSAGE_CHARS = 4096
 
@@ -53,3 +53,76 @@ def test_many_unknown_fields_are_listed_up_to_ten_each_clipped():
     message = _error(TrainingConfig.from_dict, raw)
     assert message.startswith("loop has unknown field(s) field_000_yyy")
     assert "and 490 more: valid fields are batch_size, epochs," in message
+
+
+def _alias_bomb() -> str:
+    """The "billion laughs": ten levels of nine aliases to the level below, 9**10 strings once expanded."""
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    return "\n".join(lines) + "\nmodel:\n  name: *a9\n"
+
+
+def test_a_yaml_alias_bomb_is_refused_at_its_first_anchor_naming_the_file_and_line(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb())
+    assert path.stat().st_size < 600
+    message = _error(load_config, path, environ={})
+    assert message == (
+        f"config file {str(path)!r} is invalid: line 1, column 5: found &a0: anchors and aliases are not supported in "
+        "config input; write each value out in full"
+    )
+    anchored = tmp_path / "anchor.yaml"
+    anchored.write_text("loop: &defaults {epochs: 3}\n")
+    assert "line 1, column 7: found &defaults: anchors and aliases" in _error(load_config, anchored, environ={})
+
+
+def test_a_duplicate_key_is_refused_naming_the_key_both_lines_and_the_file(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("loop:\n  epochs: 3\nmodel:\n  name: small_cnn\nloop:\n  seed: 7\n")
+    message = _error(read_yaml_mapping, path, setting="--config")
+    assert message == (
+        f"--config {str(path)!r} is invalid: line 5, column 1: duplicate key 'loop' (first at line 1): YAML would "
+        "keep only the last one; write each key once, merging the two"
+    )
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("loop:\n  epochs: 3\n  epochs: 4\n")
+    assert "line 3, column 3: duplicate key 'epochs' (first at line 2)" in _error(load_config, nested, environ={})
+
+
+def test_yaml_numbers_and_booleans_follow_yaml_1_2(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "loop: {epochs: 010, seed: 0x10, max_steps: 1e3}\n"
+        "tracking: {experiment_name: no, champion_alias: 2024-01-01}\n"
+        "scaling: {use_gpu: false}\n"
+        "checkpoint: {at_epoch_end: TRUE}\n"
+    )
+    cfg = load_config(path, environ={})
+    assert (cfg.loop.epochs, cfg.loop.seed, cfg.loop.max_steps) == (10, 16, 1000)
+    assert (cfg.tracking.experiment_name, cfg.tracking.champion_alias) == ("no", "2024-01-01")
+    assert cfg.scaling.use_gpu is False and cfg.checkpoint.at_epoch_end is True
+
+    path.write_text("loop:\n  epochs: 1:30\n")
+    assert _error(load_config, path, environ={}) == "loop.epochs='1:30' is invalid: expected a number (int)"
+    path.write_text("scaling:\n  use_gpu: on\n")
+    assert _error(load_config, path, environ={}) == "scaling.use_gpu='on' is invalid: expected true or false"
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("loop: !!timestamp 2024-01-01\n", "line 1, column 7: the tag '!!timestamp' is not supported"),
+        ("loop: !!python/object:os.system {}\n", "the tag '!!python/object:os.system' is not supported"),
+        ("loop: !!bool yes\n", "line 1, column 7: 'yes' is not a boolean: write true or false"),
+        ("? [loop]\n: 1\n", "line 1, column 3: a list cannot be a key: field names are strings"),
+        ("loop: " + "[" * 40 + "]" * 40 + "\n", "values nest deeper than 32 levels"),
+        ("loop: " + "9" * 5000 + "\n", "line 1, column 7: an integer of 5000 digits is out of range"),
+        ("loop: [1\n", "while parsing a flow sequence: expected ',' or ']'"),
+        ("loop: \x00\n", "character U+0000 at position 6 is not allowed in YAML; remove it"),
+    ],
+)
+def test_other_yaml_the_config_loader_refuses_names_the_file_and_the_problem(tmp_path, text, problem):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    message = _error(load_config, path, environ={})
+    assert message.startswith(f"config file {str(path)!r} is invalid: ") and problem in message
