@@ -821,18 +821,39 @@ def read_yaml_mapping(path: str | os.PathLike[str], *, setting: str = "config fi
 
 
 def env_overrides(environ: Mapping[str, str], *, prefix: str = ENV_PREFIX) -> dict[str, Any]:
-    """Nested overrides from ``<prefix>SECTION__FIELD=value`` variables (values parsed as YAML)."""
-    overrides: dict[str, Any] = {}
-    for key, raw in environ.items():
+    """Nested overrides from ``<prefix>SECTION__FIELD=value`` variables (values parsed as YAML).
+
+    A variable that sets a whole section (``<prefix>LOOP``) beside one that sets a field in it
+    (``<prefix>LOOP__EPOCHS``), two variables for the same field (their names differ only in case), and a value that
+    is not valid YAML each raise a ``ValueError`` naming the variable."""
+    named: dict[tuple[str, ...], str] = {}
+    for key in sorted(environ):
         if not key.startswith(prefix):
             continue
-        parts = [p.lower() for p in key[len(prefix) :].split("__") if p]
+        parts = tuple(p.lower() for p in key[len(prefix) :].split("__") if p)
         if not parts:
             continue
+        if parts in named:
+            raise ValueError(
+                f"{clip(key)}={quote(environ[key])} is invalid: {clip(named[parts])} sets the same field "
+                f"{clip('.'.join(parts))}; unset one of them"
+            )
+        named[parts] = key
+    for parts, key in named.items():
+        for depth in range(1, len(parts)):
+            section = named.get(parts[:depth])
+            if section is not None:
+                raise ValueError(
+                    f"{clip(section)}={quote(environ[section])} is invalid: it sets {clip('.'.join(parts[:depth]))} "
+                    f"whole while {clip(key)} sets a field in it; unset {clip(section)} and set each field as "
+                    f"{clip(section)}__<FIELD>"
+                )
+    overrides: dict[str, Any] = {}
+    for parts, key in named.items():
         node = overrides
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = parse_yaml(raw, where=f"{clip(key)}={quote(raw)}")
+        node[parts[-1]] = parse_yaml(environ[key], where=f"{clip(key)}={quote(environ[key])}")
     return overrides
 
 

@@ -4,6 +4,7 @@
 import pytest
 
 from training_core.config import TrainingConfig, load_config, read_yaml_mapping
+from training_core.tuning import load_tuning_config
 
 MAX_MESSAGE_CHARS = 4096
 
@@ -126,3 +127,39 @@ def test_other_yaml_the_config_loader_refuses_names_the_file_and_the_problem(tmp
     path.write_text(text)
     message = _error(load_config, path, environ={})
     assert message.startswith(f"config file {str(path)!r} is invalid: ") and problem in message
+
+
+def test_a_section_variable_beside_a_field_variable_is_refused_naming_both():
+    env = {"TRAINING_CORE__LOOP": "5", "TRAINING_CORE__LOOP__EPOCHS": "3"}
+    assert _error(load_config, environ=env) == (
+        "TRAINING_CORE__LOOP='5' is invalid: it sets loop whole while TRAINING_CORE__LOOP__EPOCHS sets a field in "
+        "it; unset TRAINING_CORE__LOOP and set each field as TRAINING_CORE__LOOP__<FIELD>"
+    )
+    twice = {"TRAINING_CORE__LOOP__EPOCHS": "3", "TRAINING_CORE__loop__epochs": "4"}
+    assert _error(load_config, environ=twice) == (
+        "TRAINING_CORE__loop__epochs='4' is invalid: TRAINING_CORE__LOOP__EPOCHS sets the same field loop.epochs; "
+        "unset one of them"
+    )
+    # A whole section as one YAML mapping still works, as does each field on its own.
+    assert load_config(environ={"TRAINING_CORE__LOOP": "{epochs: 3, seed: 7}"}).loop.seed == 7
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "problem"),
+    [
+        ("TRAINING_CORE__LOOP", "{epochs: 3", "line 1, column 11: while parsing a flow mapping: expected ',' or '}'"),
+        ("TRAINING_CORE__DATA__PATH", "a: b: c", "line 1, column 5: mapping values are not allowed here"),
+        ("TRAINING_CORE__LOOP__EPOCHS", "&n 3", "line 1, column 1: found &n: anchors and aliases are not supported"),
+        ("TRAINING_CORE__LOOP", "{epochs: 3, epochs: 4}", "line 1, column 13: duplicate key 'epochs'"),
+    ],
+)
+def test_malformed_yaml_in_an_environment_variable_names_the_variable_and_its_value(name, value, problem):
+    message = _error(load_config, environ={name: value})
+    assert message.startswith(f"{name}={value!r} is invalid: ") and problem in message
+
+
+def test_the_tuning_config_reads_its_variables_through_the_same_checks():
+    env = {"TUNING__ASHA": "{eta: 3}", "TUNING__ASHA__ETA": "4"}
+    assert _error(load_tuning_config, environ=env).startswith(
+        "TUNING__ASHA='{eta: 3}' is invalid: it sets asha whole while TUNING__ASHA__ETA sets a field in it"
+    )
