@@ -36,6 +36,25 @@ METRIC_DIRECTIONS = {"val_accuracy": "max", "val_loss": "min"}
 """Which way each metric that ranks checkpoints and trials improves: ``max`` or ``min``."""
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Range of every int field: counts, steps and sizes reach torch and numpy as int64."""
+
+MAX_EPOCHS = 1_000_000
+"""Most ``loop.epochs``: far beyond any run, and it keeps epoch-based arithmetic (schedules, rungs) small."""
+
+MAX_SEED = 2**32 - 1
+"""Largest seed: numpy's legacy seeding (``np.random.seed``) and many libraries take seeds in [0, 2**32 - 1]."""
+
+MIN_CPUS, MAX_CPUS = 0.001, 1024.0
+"""Range of a pod's CPU request: Kubernetes counts CPU in millicores (0.001 is the least it can express, and
+smaller values print as ``1e-05``, which is no quantity), and no node has more than 1024 CPUs."""
+
+MIN_MEMORY_GIB, MAX_MEMORY_GIB = 0.25, 32_768.0
+"""Range of a pod's memory, GiB. It is written as whole MiB (``1e-9`` GiB would be ``0Mi``, no memory at all), and
+a Ray node's raylet and worker process need a few hundred MiB to start, so 256 MiB is the floor; 32 TiB is more than
+any machine has."""
+
+
 def is_better(metric: str, value: float, than: float | None) -> bool:
     """Whether ``value`` of ``metric`` beats ``than`` (anything beats ``None``)."""
     if than is None:
@@ -103,6 +122,17 @@ def _non_negative(path: str, value: float) -> None:
         invalid(path, value, "it must be >= 0")
 
 
+def _between(path: str, value: float, low: float, high: float, why: str = "") -> None:
+    if not low <= value <= high:
+        bounds = ", ".join(f"{bound:_}" if isinstance(bound, int) else f"{bound:g}" for bound in (low, high))
+        invalid(path, value, f"it must be in [{bounds}]{why}")
+
+
+def _seed(path: str, value: int) -> None:
+    if not 0 <= value <= MAX_SEED:
+        invalid(path, value, f"use a seed in [0, {MAX_SEED}] (2**32 - 1), the range numpy's seeding takes")
+
+
 def _fraction(path: str, value: float, *, upper_inclusive: bool = False) -> None:
     ok = 0 <= value <= 1 if upper_inclusive else 0 <= value < 1
     if not ok:
@@ -137,7 +167,7 @@ class DataConfig:
     be >= ``scaling.num_workers``; a multiple of it balances the workers."""
 
     split_seed: int = 0
-    """Seed of the train/val/test split and shard assignment; part of the prep cache key."""
+    """Seed of the train/val/test split and shard assignment, in [0, 2**32 - 1]; part of the prep cache key."""
 
     synthetic_num_samples: int = 4096
     """Number of samples the ``synthetic`` dataset generates."""
@@ -155,6 +185,7 @@ class DataConfig:
                 "data.path", self.path, f"dataset {self.dataset!r} needs data.path set to a local path or s3:// URI"
             )
         _non_negative("data.image_size", self.image_size)
+        _seed("data.split_seed", self.split_seed)
         if self.dataset == "image_folder" and self.image_size == 0:
             invalid("data.image_size", self.image_size, "image_folder needs a fixed size such as 64 or 224")
         _fraction("data.val_fraction", self.val_fraction)
@@ -230,7 +261,7 @@ class ScheduleConfig:
 @dataclass
 class LoopConfig:
     epochs: int = 12
-    """Passes over the training split."""
+    """Passes over the training split, at most ``MAX_EPOCHS`` (1,000,000)."""
 
     batch_size: int = 32
     """Samples per micro-batch on each worker. The global batch of one optimizer step is
@@ -246,7 +277,8 @@ class LoopConfig:
     """Log step metrics (stdout, MLflow) every this many optimizer steps, on rank 0."""
 
     seed: int = 0
-    """Seed of model init, shuffling and dropout. Every worker uses it, so replicas start identical."""
+    """Seed of model init, shuffling and dropout, in [0, 2**32 - 1]. Every worker uses it, so replicas start
+    identical."""
 
     stop_at_epoch: int = 0
     """End this run after this many epochs (counted from the start of training, not of this run) while the
@@ -254,7 +286,7 @@ class LoopConfig:
     such slices, each resuming from the previous slice's checkpoint, so no work is repeated."""
 
     def __post_init__(self) -> None:
-        _positive("loop.epochs", self.epochs)
+        _between("loop.epochs", self.epochs, 1, MAX_EPOCHS)
         _non_negative("loop.stop_at_epoch", self.stop_at_epoch)
         if self.stop_at_epoch > self.epochs:
             invalid(
@@ -266,6 +298,7 @@ class LoopConfig:
         _positive("loop.grad_accum_steps", self.grad_accum_steps)
         _non_negative("loop.max_steps", self.max_steps)
         _positive("loop.log_interval_steps", self.log_interval_steps)
+        _seed("loop.seed", self.seed)
 
 
 @dataclass
@@ -277,19 +310,21 @@ class ScalingConfig:
     """Give each worker ``gpus_per_worker`` GPUs and train with CUDA and nccl."""
 
     cpus_per_worker: float = 1.0
-    """CPUs Ray reserves per worker; also the worker pods' CPU request on a cluster."""
+    """CPUs Ray reserves per worker; also the worker pods' CPU request on a cluster. In [0.001, 1024]: a
+    millicore is the least Kubernetes can request."""
 
     gpus_per_worker: int = 1
     """GPUs per worker when ``use_gpu``; also the worker pods' GPU limit."""
 
     memory_per_worker_gib: float = 4.0
-    """Memory request and limit of each Ray worker pod, GiB."""
+    """Memory request and limit of each Ray worker pod, GiB, in [0.25, 32768]: below 256 MiB a Ray worker does not
+    start (see ``MIN_MEMORY_GIB``)."""
 
     head_cpus: float = 1.0
-    """CPU request of the Ray head pod, which runs the task driver."""
+    """CPU request of the Ray head pod, which runs the task driver; in [0.001, 1024] like ``cpus_per_worker``."""
 
     head_memory_gib: float = 4.0
-    """Memory request and limit of the Ray head pod, GiB."""
+    """Memory request and limit of the Ray head pod, GiB, in [0.25, 32768] like ``memory_per_worker_gib``."""
 
     torch_threads_per_worker: int = 1
     """``torch.set_num_threads`` in each worker; match it to ``cpus_per_worker`` to avoid oversubscription."""
@@ -302,11 +337,15 @@ class ScalingConfig:
 
     def __post_init__(self) -> None:
         _positive("scaling.num_workers", self.num_workers)
-        _positive("scaling.cpus_per_worker", self.cpus_per_worker)
+        cpus_why = ": a millicore (0.001) is the least CPU a pod can request, and no node has more than 1024"
+        memory_why = " GiB: a pod's memory is written in whole MiB, and a Ray node needs at least 256 MiB to start"
+        _between("scaling.cpus_per_worker", self.cpus_per_worker, MIN_CPUS, MAX_CPUS, cpus_why)
         _positive("scaling.gpus_per_worker", self.gpus_per_worker)
-        _positive("scaling.memory_per_worker_gib", self.memory_per_worker_gib)
-        _positive("scaling.head_cpus", self.head_cpus)
-        _positive("scaling.head_memory_gib", self.head_memory_gib)
+        _between(
+            "scaling.memory_per_worker_gib", self.memory_per_worker_gib, MIN_MEMORY_GIB, MAX_MEMORY_GIB, memory_why
+        )
+        _between("scaling.head_cpus", self.head_cpus, MIN_CPUS, MAX_CPUS, cpus_why)
+        _between("scaling.head_memory_gib", self.head_memory_gib, MIN_MEMORY_GIB, MAX_MEMORY_GIB, memory_why)
         _positive("scaling.torch_threads_per_worker", self.torch_threads_per_worker)
         _choice("scaling.backend", self.backend, BACKENDS)
         if self.backend == "nccl" and not self.use_gpu:
@@ -602,14 +641,28 @@ def coerce(path: str, value: Any, hint: type) -> Any:
             return value.lower() in ("true", "1", "yes")
         invalid(path, value, "expected true or false")
     if hint in (int, float):
-        if isinstance(value, bool):
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             invalid(path, value, f"expected a number ({hint.__name__})")
+        if hint is float:
+            try:
+                number = float(value)
+            except ValueError:
+                invalid(path, value, "expected a number (float)")
+            except OverflowError:  # an int beyond any float
+                number = math.inf
+            if not math.isfinite(number):
+                invalid(path, value, "expected a finite number (float), not inf or nan")
+            return number
+        if isinstance(value, float) and not math.isfinite(value):
+            invalid(path, value, "expected a finite whole number (int)")
         try:
-            number = hint(value)
-        except (TypeError, ValueError):
-            invalid(path, value, f"expected a number ({hint.__name__})")
-        if hint is int and float(value) != number:
+            number = int(value)
+        except ValueError:
+            invalid(path, value, "expected a number (int)")
+        if not isinstance(value, str) and number != value:
             invalid(path, value, "expected a whole number")
+        if not INT64_MIN <= number <= INT64_MAX:
+            invalid(path, value, "expected a whole number in [-2**63, 2**63 - 1] (int64)")
         return number
     if hint is str:
         if not isinstance(value, str):

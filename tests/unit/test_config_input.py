@@ -1,6 +1,11 @@
 """Hostile config input: every defect of issue 16's "Config input" fails as a ``ValueError`` that names the field
 (or the file or environment variable), the value quoted bounded in size, and the fix."""
 
+import dataclasses
+import functools
+import math
+import typing
+
 import pytest
 
 from training_core.config import TrainingConfig, load_config, read_yaml_mapping
@@ -163,3 +168,113 @@ def test_the_tuning_config_reads_its_variables_through_the_same_checks():
     assert _error(load_tuning_config, environ=env).startswith(
         "TUNING__ASHA='{eta: 3}' is invalid: it sets asha whole while TUNING__ASHA__ETA sets a field in it"
     )
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (
+            {"optimizer": {"lr": math.inf}},
+            "optimizer.lr=inf is invalid: expected a finite number (float), not inf or nan",
+        ),
+        ({"optimizer": {"weight_decay": "nan"}}, "optimizer.weight_decay='nan' is invalid: expected a finite number"),
+        ({"optimizer": {"max_grad_norm": 10**400}}, "optimizer.max_grad_norm=<int of about 401 digits> is invalid"),
+        ({"scaling": {"cpus_per_worker": "inf"}}, "scaling.cpus_per_worker='inf' is invalid: expected a finite number"),
+        (
+            {"scaling": {"cpus_per_worker": 1e-4}},
+            "scaling.cpus_per_worker=0.0001 is invalid: it must be in [0.001, 1024]: a millicore (0.001) is the least",
+        ),
+        ({"scaling": {"head_cpus": 4096}}, "scaling.head_cpus=4096.0 is invalid: it must be in [0.001, 1024]"),
+        (
+            {"scaling": {"memory_per_worker_gib": 1e-9}},
+            "scaling.memory_per_worker_gib=1e-09 is invalid: it must be in [0.25, 32768] GiB: a pod's memory is "
+            "written in whole MiB, and a Ray node needs at least 256 MiB",
+        ),
+        ({"scaling": {"head_memory_gib": 0.1}}, "scaling.head_memory_gib=0.1 is invalid: it must be in [0.25, 32768]"),
+        ({"loop": {"epochs": math.inf}}, "loop.epochs=inf is invalid: expected a finite whole number (int)"),
+        (
+            {"loop": {"epochs": 10**400}},
+            "loop.epochs=<int of about 401 digits> is invalid: expected a whole number in [-2**63, 2**63 - 1] (int64)",
+        ),
+        ({"loop": {"epochs": 2_000_000}}, "loop.epochs=2000000 is invalid: it must be in [1, 1_000_000]"),
+        ({"loop": {"seed": -1}}, "loop.seed=-1 is invalid: use a seed in [0, 4294967295] (2**32 - 1)"),
+        ({"loop": {"seed": 2**33}}, "loop.seed=8589934592 is invalid: use a seed in [0, 4294967295]"),
+        ({"loop": {"seed": 2**64}}, "loop.seed=18446744073709551616 is invalid: expected a whole number in [-2**63"),
+        ({"data": {"split_seed": -5}}, "data.split_seed=-5 is invalid: use a seed in [0, 4294967295]"),
+        ({"loop": {"max_steps": 2**63}}, "loop.max_steps=9223372036854775808 is invalid: expected a whole number in"),
+        ({"loop": {"batch_size": [1]}}, "loop.batch_size=[1] is invalid: expected a number (int)"),
+    ],
+)
+def test_numbers_must_be_finite_and_in_range_naming_field_value_and_fix(raw, message):
+    assert _error(TrainingConfig.from_dict, raw).startswith(message)
+
+
+def test_inf_written_in_a_yaml_file_is_refused_and_the_smallest_sizes_still_load(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optimizer:\n  lr: .inf\n")
+    assert _error(load_config, path, environ={}).startswith("optimizer.lr=inf is invalid: expected a finite number")
+    path.write_text("scaling: {cpus_per_worker: 0.001, memory_per_worker_gib: 0.25, head_cpus: 1024}\n")
+    env = {"TRAINING_CORE__LOOP__EPOCHS": "1000000", "TRAINING_CORE__LOOP__SEED": "4294967295"}
+    cfg = load_config(path, environ=env)
+    assert (cfg.scaling.cpus_per_worker, cfg.scaling.memory_per_worker_gib, cfg.scaling.head_cpus) == (
+        0.001,
+        0.25,
+        1024,
+    )
+    assert (cfg.loop.epochs, cfg.loop.seed) == (1_000_000, 2**32 - 1)
+
+
+def _leaf_fields(cls=TrainingConfig, prefix=()):
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from _leaf_fields(hint, (*prefix, f.name))
+        else:
+            yield (*prefix, f.name), hint
+
+
+HOSTILE = [
+    math.inf,
+    -math.inf,
+    math.nan,
+    10**400,
+    -(10**400),
+    2**64,
+    -1,
+    0,
+    1e-300,
+    "1:30",
+    "010",
+    "",
+    "x" * 100_000,
+    None,
+    True,
+    [],
+    {},
+    {1: 2},
+    [[[["deep"]]]],
+    b"bytes",
+]
+
+
+@pytest.mark.parametrize(("path", "hint"), list(_leaf_fields()), ids=[".".join(path) for path, _ in _leaf_fields()])
+def test_every_field_takes_a_hostile_value_or_refuses_it_by_name(path, hint):
+    dotted = ".".join(path)
+    for value in HOSTILE:
+        raw: dict = {}
+        node = raw
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+        try:
+            cfg = TrainingConfig.from_dict(raw)
+        except ValueError as exc:
+            assert str(exc).startswith(dotted) or "data.num_shards" in str(exc), str(exc)[:300]
+            assert len(str(exc)) < MAX_MESSAGE_CHARS
+            continue
+        kept = functools.reduce(getattr, path, cfg)
+        assert type(kept) is hint, (dotted, value)
+        if hint is float:
+            assert math.isfinite(kept), (dotted, value)
+        if hint is int:
+            assert -(2**63) <= kept < 2**63, (dotted, value)
