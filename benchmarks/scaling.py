@@ -1,6 +1,6 @@
 """Scaling efficiency of our loop under Ray Train, and its parity with plain ``torch.distributed``.
 
-What ``scaling_benchmark`` (``workflows/scaling.py``) measures, outside Flyte: for each worker count, the
+What ``scaling_benchmark`` (``workflows/scaling_benchmark.py``) measures, outside Flyte: for each worker count, the
 same config (the workflow's preset, longer) is trained by :func:`training_core.trainer.fit` (Ray Train) and by
 :func:`training_core.launch.launch` (processes spawned here, the same loop without Ray). Throughput is steady
 state, over all workers: the first ``--warmup-steps`` steps and epoch boundaries are left out of both.
@@ -59,7 +59,7 @@ KEEP_FREED_BYTES = 4 * 1024**3
 def run_point(launcher: str, cfg, *, data_dir: str, workdir: str, warmup_steps: int):
     """Train ``cfg`` with one launcher; the point's steady-state figures."""
     from training_core.launch import launch
-    from training_core.scaling import ScalingPoint
+    from training_core.scaling_benchmark import ScalingPoint
     from training_core.trainer import fit
 
     run = fit if launcher == "ray" else launch
@@ -132,7 +132,7 @@ def main() -> None:
 
     from training_core.config import TrainingConfig
     from training_core.data import prepare
-    from training_core.scaling import check_plan, efficiency_table, point_config, scaling_preset
+    from training_core.scaling_benchmark import check_plan, efficiency_table, point_config, scaling_preset
 
     preset = scaling_preset().to_dict()
     preset["data"].update(synthetic_num_samples=args.samples, synthetic_image_size=args.image_size)

@@ -1,6 +1,6 @@
 """Scaling benchmark tasks: the plain ``torch.distributed`` baseline and the report.
 
-The Ray side of each point is the pipeline's own ``train`` task (see ``workflows/scaling.py``); the baseline
+The Ray side of each point is the pipeline's own ``train`` task (see ``workflows/scaling_benchmark.py``); the baseline
 runs the same loop on the same config and data, started by ``training_core.launch`` instead of Ray Train.
 """
 
@@ -49,7 +49,7 @@ def baseline_resources(scaling: ScalingConfig) -> Resources:
     # A preempted measurement is simply taken again; it may run as long as the Ray run it is compared with.
     interruptible=True,
     timeout=TRAIN_TIMEOUT,
-    # One worker's share; the scaling workflow overrides requests and limits per node with ``baseline_resources``.
+    # One worker's share; the benchmark workflow overrides requests and limits per node with ``baseline_resources``.
     requests=baseline_resources(ScalingConfig(num_workers=1)),
     limits=baseline_resources(ScalingConfig(num_workers=1)),
 )
@@ -96,7 +96,7 @@ def scaling_report(
     :param torch_runs: Figures of each point's plain ``torch.distributed`` run, parallel to ``models``.
     :return: The table as a DataFrame and as CSV, and the report page.
     """
-    from training_core.scaling import ScalingPoint, efficiency_table
+    from training_core.scaling_benchmark import ScalingPoint, efficiency_table
 
     lengths = {
         "models": len(models),

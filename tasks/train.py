@@ -20,7 +20,7 @@ from training_core.config import ScalingConfig, TrainingConfig
 
 # The RayJob's shape is fixed when the task is declared; it follows the default ScalingConfig. A run
 # with other worker counts or sizes gets a matching RayJob via ``train.with_overrides(task_config=
-# ray_job_config(scaling))`` (the scaling and tuning workflows do this per node).
+# ray_job_config(scaling))`` (the scaling benchmark and tuning workflows do this per node).
 DEFAULT_RAY_JOB = ray_job_config(ScalingConfig())
 
 

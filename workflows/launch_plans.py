@@ -30,7 +30,7 @@ from flytekit.core.base_task import PythonTask
 
 from training_core.config import load_config
 from training_core.tuning import load_tuning_config
-from workflows import scaling
+from workflows import scaling_benchmark as benchmark
 from workflows.training import training_pipeline
 from workflows.tuning import tuning_pipeline
 
@@ -98,10 +98,10 @@ weekly_tuning = LaunchPlan.get_or_create(
 
 # On demand only: a benchmark measures the cluster when someone asks, with the task's own defaults.
 scaling_benchmark_workflow = workflow_around(
-    scaling.scaling_benchmark, "workflows.launch_plans.scaling_benchmark_workflow"
+    benchmark.scaling_benchmark, "workflows.launch_plans.scaling_benchmark_workflow"
 )
 scaling_benchmark = LaunchPlan.get_or_create(
     scaling_benchmark_workflow,
     name="scaling_benchmark",
-    default_inputs=scaling.scaling_benchmark.python_interface.default_inputs_as_kwargs,
+    default_inputs=benchmark.scaling_benchmark.python_interface.default_inputs_as_kwargs,
 )

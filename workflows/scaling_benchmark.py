@@ -7,11 +7,11 @@ from flytekit import dynamic
 
 from tasks.data import prepare_data
 from tasks.ray_config import ray_job_config
-from tasks.scaling import ScalingReport, baseline_resources, scaling_report, torch_baseline
+from tasks.scaling_benchmark import ScalingReport, baseline_resources, scaling_report, torch_baseline
 from tasks.train import train
 from tasks.types import PreparedData, TrainMetrics
 from training_core.config import TrainingConfig
-from training_core.scaling import DEFAULT_WORKER_COUNTS, check_plan, point_config, point_name, scaling_preset
+from training_core.scaling_benchmark import DEFAULT_WORKER_COUNTS, check_plan, point_config, point_name, scaling_preset
 
 
 # A dynamic node only compiles its graph; its sub-nodes carry their own timeouts. Interruptible here is also the

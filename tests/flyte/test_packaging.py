@@ -232,15 +232,15 @@ def test_weekly_tuning_is_a_weekly_cron_over_the_tuning_pipeline_with_the_defaul
 
 def test_scaling_benchmark_runs_on_demand_with_the_benchmark_task_defaults(package):
     from training_core.config import TrainingConfig
-    from training_core.scaling import DEFAULT_WORKER_COUNTS, scaling_preset
+    from training_core.scaling_benchmark import DEFAULT_WORKER_COUNTS, scaling_preset
 
     spec = package.launch_plans["scaling_benchmark"].spec
     assert not spec.entity_metadata.HasField("schedule") and not spec.entity_metadata.notifications
     # A launch plan points at a workflow; the benchmark is a @dynamic task, so a one-node workflow wraps it.
     wrapper = package.workflows[spec.workflow_id.name].template
     (node,) = wrapper.nodes
-    assert node.task_node.reference_id.name == "workflows.scaling.scaling_benchmark"
-    benchmark = package.tasks["workflows.scaling.scaling_benchmark"].template
+    assert node.task_node.reference_id.name == "workflows.scaling_benchmark.scaling_benchmark"
+    benchmark = package.tasks["workflows.scaling_benchmark.scaling_benchmark"].template
     for side in ("inputs", "outputs"):
         wrapped, own = getattr(wrapper.interface, side).variables, getattr(benchmark.interface, side).variables
         assert {k: v.type for k, v in wrapped.items()} == {k: v.type for k, v in own.items()}, side
@@ -260,7 +260,7 @@ def test_default_launch_plans_have_no_schedule(package):
     ("workflow", "dynamic"),
     [
         ("workflows.tuning.tuning_pipeline", "workflows.tuning.search_round"),
-        ("workflows.launch_plans.scaling_benchmark_workflow", "workflows.scaling.scaling_benchmark"),
+        ("workflows.launch_plans.scaling_benchmark_workflow", "workflows.scaling_benchmark.scaling_benchmark"),
     ],
     ids=["tuning-rounds", "scaling-points"],
 )

@@ -17,15 +17,15 @@ from flytekit.models.task import Resources
 from flytekit.types.directory import FlyteDirectory
 
 from tasks.ray_config import WORKER_GROUP
-from tasks.scaling import scaling_report, torch_baseline
+from tasks.scaling_benchmark import scaling_report, torch_baseline
 from tasks.train import train
 from tasks.types import PreparedData
 from tests.conftest import REPO_ROOT, VENV_BIN
 from training_core.config import TrainingConfig
-from training_core.scaling import point_config, scaling_preset
-from workflows.scaling import ray_point, scaling_benchmark
+from training_core.scaling_benchmark import point_config, scaling_preset
+from workflows.scaling_benchmark import ray_point, scaling_benchmark
 
-WORKFLOW = str(REPO_ROOT / "workflows" / "scaling.py")
+WORKFLOW = str(REPO_ROOT / "workflows" / "scaling_benchmark.py")
 ResourceName = Resources.ResourceName
 
 

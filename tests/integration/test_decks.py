@@ -173,8 +173,8 @@ def _tuning_sections() -> list[str]:
 
 
 def _scaling_sections() -> list[str]:
-    from tasks.scaling import report_sections
-    from training_core.scaling import ScalingPoint, efficiency_table
+    from tasks.scaling_benchmark import report_sections
+    from training_core.scaling_benchmark import ScalingPoint, efficiency_table
 
     measured = {("ray", 1): 520.0, ("ray", 2): 800.0, ("torch", 1): 540.0, ("torch", 2): 990.0}
     points = [

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from training_core.scaling import (
+from training_core.scaling_benchmark import (
     TABLE_COLUMNS,
     ScalingPoint,
     check_plan,
