@@ -278,3 +278,73 @@ def test_every_field_takes_a_hostile_value_or_refuses_it_by_name(path, hint):
             assert math.isfinite(kept), (dotted, value)
         if hint is int:
             assert -(2**63) <= kept < 2**63, (dotted, value)
+
+
+def _mutated_configs(st):
+    """Valid config dicts with a few random edits: a field, a section or a top-level key set to a random value of
+    mixed type (numbers of any size, inf and nan, text, None, nested lists and mappings with non-string keys), or
+    a field dropped."""
+    keys = st.one_of(
+        st.sampled_from([f.name for f in dataclasses.fields(TrainingConfig)] + ["epochs", "lr", "seed", "name"]),
+        st.text(max_size=12),
+        st.integers(),
+        st.none(),
+        st.booleans(),
+    )
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-3, max_value=100),
+        st.floats(min_value=0, max_value=1),
+        st.integers(),
+        st.integers(min_value=-(10**500), max_value=10**500),
+        st.floats(),
+        st.text(max_size=30),
+        st.sampled_from(["inf", "nan", "1:30", "010", "1e400", "yes", "on", "digits", "small_cnn", "adamw", "fp16"]),
+    )
+    values = st.recursive(
+        scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(keys, inner, max_size=4), max_leaves=12
+    )
+
+    @st.composite
+    def mutated(draw):
+        raw = TrainingConfig().to_dict()
+        fields = {section: sorted(raw[section]) for section in raw}
+        for _ in range(draw(st.integers(min_value=1, max_value=3))):
+            edit = draw(st.sampled_from(["field"] * 6 + ["unknown field", "section", "top-level key", "drop"]))
+            section = draw(st.sampled_from(sorted(fields)))
+            if edit == "top-level key":
+                raw[draw(keys)] = draw(values)
+            elif edit == "section" or not isinstance(raw[section], dict):
+                raw[section] = draw(values)
+            elif edit == "drop":
+                raw[section].pop(draw(st.sampled_from(fields[section])), None)
+            elif edit == "unknown field":
+                raw[section][draw(keys)] = draw(values)
+            else:
+                raw[section][draw(st.sampled_from(fields[section]))] = draw(values)
+        return raw
+
+    return mutated()
+
+
+def test_a_mutated_config_loads_or_raises_a_short_value_error_from_a_dict_and_from_yaml():
+    hypothesis = pytest.importorskip("hypothesis", reason="the property tier needs hypothesis (not installed)")
+    import yaml
+
+    from training_core.config import parse_yaml
+
+    cases = []
+
+    @hypothesis.settings(max_examples=400, deadline=None, database=None, derandomize=True)
+    @hypothesis.given(_mutated_configs(hypothesis.strategies))
+    def check(raw):
+        cases.append(raw)
+        for load in (lambda: raw, lambda: parse_yaml(yaml.safe_dump(raw), where="document")):
+            try:
+                TrainingConfig.from_dict(load())
+            except ValueError as exc:
+                assert len(str(exc)) < MAX_MESSAGE_CHARS, str(exc)[:500]
+
+    check()
+    print(f"hypothesis: {len(cases)} mutated configs, each from a dict and from YAML")
