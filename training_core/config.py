@@ -46,8 +46,8 @@ MAX_SEED = 2**32 - 1
 """Largest seed: numpy's legacy seeding (``np.random.seed``) and many libraries take seeds in [0, 2**32 - 1]."""
 
 MIN_CPUS, MAX_CPUS = 0.001, 1024.0
-"""Range of a pod's CPU request: Kubernetes counts CPU in millicores (0.001 is the least it can express, and
-smaller values print as ``1e-05``, which is no quantity), and no node has more than 1024 CPUs."""
+"""Range of a pod's CPU request: Kubernetes counts CPU in millicores, so 0.001 is the least it can express, and no
+node has more than 1024 CPUs."""
 
 MIN_MEMORY_GIB, MAX_MEMORY_GIB = 0.25, 32_768.0
 """Range of a pod's memory, GiB. It is written as whole MiB (``1e-9`` GiB would be ``0Mi``, no memory at all), and
