@@ -12,7 +12,11 @@ import io
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 if TYPE_CHECKING:
+    import pandas as pd
+
+    from tasks.tuning import Trial
     from training_core.records import EpochRecord, StepRecord
+    from training_core.tuning import TuningConfig
 
 STYLE = (
     ".report{font-family:system-ui,sans-serif;color:#222;max-width:1100px}"
@@ -334,6 +338,41 @@ def confusion_matrix(confusion: Sequence[Sequence[int]], classes: Sequence[str])
 # --- tuning ---------------------------------------------------------------------------------------------------
 
 
+def tuning_sections(
+    config: TuningConfig, trials: Sequence[Trial], *, best: Trial, frame: pd.DataFrame, parent_run_id: str
+) -> list[str]:
+    """The tuning report: the best trial and its params, every trial's metric against epochs, the trial table.
+
+    :param best: The trial the search picked (``tasks.tuning.best_trial``).
+    :param frame: The trial table (``tasks.tuning.trial_table``), one row per trial.
+    """
+    summary = table(
+        [
+            ("algorithm", f"{config.algorithm} ({config.strategy})"),
+            ("trials", len(trials)),
+            (f"best {config.metric}", best.scores[-1]),
+            ("best trial", best.trial_id),
+            *[(path, value) for path, value in best.params.items()],
+            ("epochs used (all trials)", int(frame["epochs_used"].sum())),
+            ("epochs if every trial ran in full", len(trials) * config.base.loop.epochs),
+            ("MLflow parent run", parent_run_id),
+        ]
+    )
+    return [
+        section("Best trial", summary, section_id="best"),
+        section(
+            f"{config.metric} against epochs",
+            metric_vs_epochs(
+                {t.trial_id: (t.score_epochs, t.scores) for t in trials}, metric=config.metric, best=best.trial_id
+            ),
+            section_id="curves",
+        ),
+        section(
+            "Trials", frame.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep=""), section_id="trials"
+        ),
+    ]
+
+
 def metric_vs_epochs(curves: dict[int, tuple[Sequence[int], Sequence[float]]], *, metric: str, best: int) -> str:
     """One line per trial (its metric at each scored epoch), the best trial highlighted."""
     plt = _pyplot()
@@ -358,4 +397,59 @@ def metric_vs_epochs(curves: dict[int, tuple[Sequence[int], Sequence[float]]], *
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
+    return _png(fig)
+
+
+# --- scaling benchmark ----------------------------------------------------------------------------------------
+
+# Shown with the figures: what was measured, so nobody compares them with a different definition.
+SCALING_METHOD_NOTE = (
+    "Steady state: the first steps of each run and epoch boundaries (validation, checkpoints) are excluded. "
+    "Throughput is samples per second over all workers; efficiency_n = (throughput_n / n) / (throughput_b / b) "
+    "for the smallest worker count b; parity = Ray Train throughput / plain torch.distributed throughput at the "
+    "same worker count. The all-reduce share is the time DDP's gradient all-reduces were in flight (a comm hook) "
+    "over the step time, on rank 0. Ray starts its workers at nice 15 (RAY_worker_niceness): on a machine with "
+    "other busy processes that alone lowers Ray's throughput against the plain launcher, which runs at nice 0."
+)
+
+
+def scaling_sections(efficiency: pd.DataFrame) -> list[str]:
+    """The scaling benchmark's report of an ``efficiency_table`` (``training_core.scaling_benchmark``): how it
+    was measured, the table, throughput and efficiency."""
+    return [
+        section("How it was measured", f"<p>{html.escape(SCALING_METHOD_NOTE)}</p>", section_id="method"),
+        section(
+            "Results",
+            efficiency.to_html(index=False, float_format=lambda v: f"{v:.4f}", border=0),
+            section_id="results",
+        ),
+        section("Throughput and efficiency", _scaling_plots(efficiency), section_id="plots"),
+    ]
+
+
+def _scaling_plots(efficiency: pd.DataFrame) -> str:
+    """Per model: throughput against workers (with linear scaling from the smallest count), and efficiency."""
+    plt = _pyplot()
+    fig, (throughput_ax, efficiency_ax) = plt.subplots(1, 2, figsize=(12, 4))
+    for model, rows in efficiency.groupby("model", sort=True):
+        counts = rows["num_workers"].tolist()
+        base_count, base_ray = counts[0], rows["ray_samples_per_s"].iloc[0]
+        throughput_ax.plot(counts, rows["ray_samples_per_s"], "o-", label=f"{model} Ray Train")
+        throughput_ax.plot(counts, rows["torch_samples_per_s"], "s--", label=f"{model} plain torch")
+        throughput_ax.plot(
+            counts, [base_ray * n / base_count for n in counts], ":", color="gray", label=f"{model} linear"
+        )
+        efficiency_ax.plot(counts, rows["ray_efficiency"], "o-", label=f"{model} Ray Train")
+        efficiency_ax.plot(counts, rows["torch_efficiency"], "s--", label=f"{model} plain torch")
+    throughput_ax.set_title("throughput, all workers")
+    throughput_ax.set_ylabel("samples/s")
+    efficiency_ax.set_title("scaling efficiency")
+    efficiency_ax.set_ylabel("efficiency (1 = linear)")
+    efficiency_ax.axhline(1.0, color="gray", linestyle=":")
+    efficiency_ax.set_ylim(0, 1.1)
+    for ax in (throughput_ax, efficiency_ax):
+        ax.set_xlabel("workers")
+        ax.set_xticks(sorted(efficiency["num_workers"].unique()))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     return _png(fig)

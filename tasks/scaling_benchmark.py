@@ -6,7 +6,6 @@ runs the same loop on the same config and data, started by ``training_core.launc
 
 from __future__ import annotations
 
-import html
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,6 +14,7 @@ from flytekit import FlyteContextManager, Resources, current_context, task
 from flytekit.types.file import FlyteFile
 from flytekit.types.structured import StructuredDataset
 
+from tasks import reports
 from tasks.artifacts import artifact_location, publish_report
 from tasks.train import TRAIN_TIMEOUT
 from tasks.types import PreparedData, TrainMetrics
@@ -126,67 +126,9 @@ def scaling_report(
     table.to_csv(csv_path, index=False)
     file_access = FlyteContextManager.current_context().file_access
     csv = FlyteFile(csv_path, remote_path=file_access.get_random_remote_path("scaling.csv"))
-    report = _publish(table)
+    report = publish_report("Scaling report", reports.scaling_sections(table))
     _print_summary(table, csv=csv, report=report)
     return ScalingReport(table=StructuredDataset(dataframe=table), csv=csv, report=report)
-
-
-# Shown with the figures: what was measured, so nobody compares them with a different definition.
-METHOD_NOTE = (
-    "Steady state: the first steps of each run and epoch boundaries (validation, checkpoints) are excluded. "
-    "Throughput is samples per second over all workers; efficiency_n = (throughput_n / n) / (throughput_b / b) "
-    "for the smallest worker count b; parity = Ray Train throughput / plain torch.distributed throughput at the "
-    "same worker count. The all-reduce share is the time DDP's gradient all-reduces were in flight (a comm hook) "
-    "over the step time, on rank 0. Ray starts its workers at nice 15 (RAY_worker_niceness): on a machine with "
-    "other busy processes that alone lowers Ray's throughput against the plain launcher, which runs at nice 0."
-)
-
-
-def _publish(table) -> FlyteFile:
-    return publish_report("Scaling report", report_sections(table))
-
-
-def report_sections(table) -> list[str]:
-    """The scaling report of an ``efficiency_table``: how it was measured, the table, throughput and efficiency."""
-    from tasks import reports
-
-    return [
-        reports.section("How it was measured", f"<p>{html.escape(METHOD_NOTE)}</p>", section_id="method"),
-        reports.section(
-            "Results", table.to_html(index=False, float_format=lambda v: f"{v:.4f}", border=0), section_id="results"
-        ),
-        reports.section("Throughput and efficiency", _plots(table), section_id="plots"),
-    ]
-
-
-def _plots(table) -> str:
-    """Per model: throughput against workers (with linear scaling from the smallest count), and efficiency."""
-    from tasks.reports import _png, _pyplot
-
-    plt = _pyplot()
-    fig, (throughput_ax, efficiency_ax) = plt.subplots(1, 2, figsize=(12, 4))
-    for model, rows in table.groupby("model", sort=True):
-        counts = rows["num_workers"].tolist()
-        base_count, base_ray = counts[0], rows["ray_samples_per_s"].iloc[0]
-        throughput_ax.plot(counts, rows["ray_samples_per_s"], "o-", label=f"{model} Ray Train")
-        throughput_ax.plot(counts, rows["torch_samples_per_s"], "s--", label=f"{model} plain torch")
-        throughput_ax.plot(
-            counts, [base_ray * n / base_count for n in counts], ":", color="gray", label=f"{model} linear"
-        )
-        efficiency_ax.plot(counts, rows["ray_efficiency"], "o-", label=f"{model} Ray Train")
-        efficiency_ax.plot(counts, rows["torch_efficiency"], "s--", label=f"{model} plain torch")
-    throughput_ax.set_title("throughput, all workers")
-    throughput_ax.set_ylabel("samples/s")
-    efficiency_ax.set_title("scaling efficiency")
-    efficiency_ax.set_ylabel("efficiency (1 = linear)")
-    efficiency_ax.axhline(1.0, color="gray", linestyle=":")
-    efficiency_ax.set_ylim(0, 1.1)
-    for ax in (throughput_ax, efficiency_ax):
-        ax.set_xlabel("workers")
-        ax.set_xticks(sorted(table["num_workers"].unique()))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    return _png(fig)
 
 
 def _print_summary(table, *, csv: FlyteFile, report: FlyteFile) -> None:

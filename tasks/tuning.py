@@ -19,6 +19,7 @@ from flytekit import Resources, task
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
+from tasks import reports
 from tasks.artifacts import artifact_location, checkpoint_storage_path, publish_report
 from tasks.ray_config import ray_job_config
 from tasks.train import RAY_DRIVER_TASK_ARGS, TRAIN_TASK_ARGS, run_training, trained_model
@@ -329,7 +330,8 @@ def _finish(config: TuningConfig, state: SearchState) -> TuningOutputs:
     csv_path = _working_path("trials.csv")
     frame.to_csv(csv_path, index=False)
     report = publish_report(
-        "Tuning report", report_sections(config, state.trials, frame=frame, parent_run_id=state.parent_run_id)
+        "Tuning report",
+        reports.tuning_sections(config, state.trials, best=best, frame=frame, parent_run_id=state.parent_run_id),
     )
     from flytekit import FlyteContextManager
 
@@ -350,40 +352,6 @@ def _finish(config: TuningConfig, state: SearchState) -> TuningOutputs:
         mlflow_parent_run_id=state.parent_run_id,
     )
     return TuningOutputs(result=result, trials=frame)
-
-
-def report_sections(config: TuningConfig, trials: list[Trial], *, frame: pd.DataFrame, parent_run_id: str) -> list[str]:
-    """The tuning report: the best trial and its params, every trial's metric against epochs, the trial table."""
-    from tasks import reports
-
-    best = best_trial(config, trials)
-    summary = reports.table(
-        [
-            ("algorithm", f"{config.algorithm} ({config.strategy})"),
-            ("trials", len(trials)),
-            (f"best {config.metric}", best.scores[-1]),
-            ("best trial", best.trial_id),
-            *[(path, value) for path, value in best.params.items()],
-            ("epochs used (all trials)", int(frame["epochs_used"].sum())),
-            ("epochs if every trial ran in full", len(trials) * config.base.loop.epochs),
-            ("MLflow parent run", parent_run_id),
-        ]
-    )
-    return [
-        reports.section("Best trial", summary, section_id="best"),
-        reports.section(
-            f"{config.metric} against epochs",
-            reports.metric_vs_epochs(
-                {t.trial_id: (t.score_epochs, t.scores) for t in trials},
-                metric=config.metric,
-                best=best.trial_id,
-            ),
-            section_id="curves",
-        ),
-        reports.section(
-            "Trials", frame.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep=""), section_id="trials"
-        ),
-    ]
 
 
 def _working_path(name: str) -> str:

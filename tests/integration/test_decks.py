@@ -148,7 +148,8 @@ def _eval_report():
 
 
 def _tuning_sections() -> list[str]:
-    from tasks.tuning import Trial, report_sections, trial_table
+    from tasks.reports import tuning_sections
+    from tasks.tuning import Trial, best_trial, trial_table
     from training_core.tuning import TuningConfig, sample
 
     config = TuningConfig()
@@ -169,11 +170,17 @@ def _tuning_sections() -> list[str]:
                 score_epochs=epochs,
             )
         )
-    return report_sections(config, trials, frame=trial_table(config, trials), parent_run_id="0123456789abcdef")
+    return tuning_sections(
+        config,
+        trials,
+        best=best_trial(config, trials),
+        frame=trial_table(config, trials),
+        parent_run_id="0123456789abcdef",
+    )
 
 
 def _scaling_sections() -> list[str]:
-    from tasks.scaling_benchmark import report_sections
+    from tasks.reports import scaling_sections
     from training_core.scaling_benchmark import ScalingPoint, efficiency_table
 
     measured = {("ray", 1): 520.0, ("ray", 2): 800.0, ("torch", 1): 540.0, ("torch", 2): 990.0}
@@ -189,7 +196,7 @@ def _scaling_sections() -> list[str]:
         )
         for (launcher, n), v in measured.items()
     ]
-    return report_sections(efficiency_table(points))
+    return scaling_sections(efficiency_table(points))
 
 
 # --- looking at the HTML and at Chromium's rendering -------------------------------------------------------
