@@ -45,6 +45,7 @@ from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
 from deployment.registration import register_package
+from tasks.artifacts import artifact_location
 from training_core.config import overlay, read_yaml_mapping
 
 Report = Callable[[str], None]
@@ -222,7 +223,7 @@ def typed_outputs(
 def jsonable(value: Any) -> Any:
     """A JSON-printable view of an output: dataclasses as objects, files and directories as their URI."""
     if isinstance(value, (FlyteFile, FlyteDirectory)):
-        return value.remote_source or value.path
+        return artifact_location(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):

@@ -64,12 +64,12 @@ def tune_space(space: list[ParamSpec]) -> dict[str, Any]:
 
 
 def _params(space: list[ParamSpec], tune_config: dict[str, Any]) -> dict[str, str]:
-    from training_core.tuning import _format
+    from training_core.tuning import format_param
 
     return {
         spec.path: str(tune_config[_key(spec.path)])
         if spec.kind == "choice"
-        else _format(float(tune_config[_key(spec.path)]), spec)
+        else format_param(float(tune_config[_key(spec.path)]), spec)
         for spec in space
     }
 

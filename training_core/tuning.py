@@ -252,7 +252,9 @@ class TuningConfig:
         for spec in self.search_space:
             # Every value a trial can take must make a valid config on this base, so a bad range fails here
             # rather than in the middle of a search.
-            values = spec.choices if spec.kind == "choice" else [_format(spec.low, spec), _format(spec.high, spec)]
+            values = (
+                spec.choices if spec.kind == "choice" else [format_param(spec.low, spec), format_param(spec.high, spec)]
+            )
             for value in values:
                 apply_params(self.base, {spec.path: value})
         if self.algorithm == "grid" and len(grid_points(self.search_space)) > self.num_trials:
@@ -340,7 +342,7 @@ def apply_params(base: TrainingConfig, params: Mapping[str, str]) -> TrainingCon
     return TrainingConfig.from_dict(tree)
 
 
-def _format(value: float, spec: ParamSpec) -> str:
+def format_param(value: float, spec: ParamSpec) -> str:
     """A value as param text: ints as ints, floats to 4 significant digits unless that would leave the range
     (a narrow range keeps full precision), so every text lies in ``[low, high]``."""
     if spec.kind == "int":
@@ -356,9 +358,9 @@ def sample(space: Sequence[ParamSpec], rng: random.Random) -> Params:
         if spec.kind == "choice":
             params[spec.path] = rng.choice(spec.choices)
         elif spec.kind == "log_uniform":
-            params[spec.path] = _format(math.exp(rng.uniform(math.log(spec.low), math.log(spec.high))), spec)
+            params[spec.path] = format_param(math.exp(rng.uniform(math.log(spec.low), math.log(spec.high))), spec)
         elif spec.kind == "uniform":
-            params[spec.path] = _format(rng.uniform(spec.low, spec.high), spec)
+            params[spec.path] = format_param(rng.uniform(spec.low, spec.high), spec)
         else:
             params[spec.path] = str(rng.randint(int(spec.low), int(spec.high)))
     return params
@@ -379,7 +381,7 @@ def _axis(spec: ParamSpec) -> list[str]:
         points = [spec.low * ratio**i for i in range(n)]
     else:
         points = [spec.low + (spec.high - spec.low) * i / (n - 1) for i in range(n)]
-    return list(dict.fromkeys(_format(p, spec) for p in points))
+    return list(dict.fromkeys(format_param(p, spec) for p in points))
 
 
 def grid_points(space: Sequence[ParamSpec]) -> list[Params]:
@@ -445,7 +447,9 @@ def suggest(
         suggestions.append(
             {
                 spec.path: (
-                    str(trial.params[spec.path]) if spec.kind == "choice" else _format(trial.params[spec.path], spec)
+                    str(trial.params[spec.path])
+                    if spec.kind == "choice"
+                    else format_param(trial.params[spec.path], spec)
                 )
                 for spec in cfg.search_space
             }
@@ -533,7 +537,7 @@ def perturb(
             out[spec.path] = sample([spec], rng)[spec.path]
             continue
         value = min(spec.high, max(spec.low, float(params[spec.path]) * rng.choice(list(factors))))
-        out[spec.path] = _format(value, spec)
+        out[spec.path] = format_param(value, spec)
     return out
 
 
