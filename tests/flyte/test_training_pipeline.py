@@ -250,4 +250,4 @@ def test_resume_from_an_earlier_checkpoint_continues_training_instead_of_startin
     ]
     meta = ckpt.load_meta(str(final))
     assert meta.resumed_from_steps == [default_epochs * steps_per_epoch]
-    assert [r["epoch"] for r in meta.history] == [float(e) for e in range(1, default_epochs + 3)]
+    assert [r.epoch for r in meta.history] == list(range(1, default_epochs + 3))
