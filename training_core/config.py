@@ -16,6 +16,7 @@ import functools
 import logging
 import math
 import os
+import re
 import reprlib
 import typing
 from dataclasses import dataclass, field
@@ -687,6 +688,77 @@ _YAML_FLOAT = r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\
 _YAML_BOOL = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
 
 
+def _construct_bool(loader, node) -> bool:
+    """A ``!!bool`` scalar: only true/false (YAML 1.2 core schema)."""
+    text = loader.construct_scalar(node)
+    if text not in _YAML_BOOL:
+        raise loader.refused(None, None, f"{quote(text)} is not a boolean: write true or false", node.start_mark)
+    return _YAML_BOOL[text]
+
+
+def _construct_int(loader, node) -> int:
+    """A ``!!int`` scalar: decimal, ``0o`` octal or ``0x`` hex."""
+    text = loader.construct_scalar(node)
+    if not re.fullmatch(_YAML_INT, text):
+        raise loader.refused(
+            None, None, f"{quote(text)} is not an integer: write one in decimal digits", node.start_mark
+        )
+    base = {"0o": 8, "0x": 16}.get(text[:2], 10)
+    try:
+        return int(text[2:] if base != 10 else text, base)
+    except ValueError:  # more digits than Python converts
+        raise loader.refused(None, None, f"an integer of {len(text)} digits is out of range", node.start_mark) from None
+
+
+def _construct_float(loader, node) -> float:
+    """A ``!!float`` scalar, ``.inf`` and ``.nan`` included (``coerce`` refuses them for fields)."""
+    text = loader.construct_scalar(node)
+    if not re.fullmatch(_YAML_FLOAT, text):
+        raise loader.refused(
+            None, None, f"{quote(text)} is not a number: write one such as 0.5 or 1e-3", node.start_mark
+        )
+    if text.lower().endswith(".inf"):
+        return -math.inf if text.startswith("-") else math.inf
+    return math.nan if text.lower() == ".nan" else float(text)
+
+
+def _construct_undefined(loader, node):
+    """Any tag outside the core schema is refused."""
+    tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+    raise loader.refused(
+        None,
+        None,
+        f"the tag {quote(tag)} is not supported: config input holds strings, numbers, true/false, null, "
+        "lists and mappings",
+        node.start_mark,
+    )
+
+
+def _register_core_schema(loader_class: type) -> None:
+    """Give ``loader_class`` exactly the YAML 1.2 core schema's tags and implicit resolvers."""
+    import yaml
+
+    safe = yaml.SafeLoader
+    for tag, construct in (
+        ("null", safe.construct_yaml_null),
+        ("bool", _construct_bool),
+        ("int", _construct_int),
+        ("float", _construct_float),
+        ("str", safe.construct_yaml_str),
+        ("seq", safe.construct_yaml_seq),
+        ("map", safe.construct_yaml_map),
+    ):
+        loader_class.add_constructor(f"tag:yaml.org,2002:{tag}", construct)
+    loader_class.add_constructor(None, _construct_undefined)
+    for tag, pattern, first in (
+        ("bool", "|".join(_YAML_BOOL), "tTfF"),
+        ("int", _YAML_INT, "-+0123456789"),
+        ("float", _YAML_FLOAT, "-+0123456789."),
+        ("null", "~|null|Null|NULL|", ["~", "n", "N", ""]),
+    ):
+        loader_class.add_implicit_resolver(f"tag:yaml.org,2002:{tag}", re.compile(f"^(?:{pattern})$"), list(first))
+
+
 @functools.cache
 def _yaml_loader() -> type:
     """The ``yaml.SafeLoader`` all config input is read with.
@@ -698,13 +770,9 @@ def _yaml_loader() -> type:
     - A key that appears twice in a mapping is refused (YAML 1.1 keeps the last and drops the first block).
     - Tags other than the core schema's (``!!timestamp``, ``!!binary``, ``!!set``, ...) are refused.
     """
-    import re
-
     import yaml
     from yaml.constructor import ConstructorError
     from yaml.events import AliasEvent
-
-    int_pattern, float_pattern = re.compile(_YAML_INT), re.compile(_YAML_FLOAT)
 
     class Refused(ConstructorError):
         """Input this loader refuses on purpose; its ``problem`` says what to write instead."""
@@ -767,59 +835,7 @@ def _yaml_loader() -> type:
                 mapping[key] = self.construct_object(value_node, deep=deep)
             return mapping
 
-    def construct_bool(loader, node):
-        text = loader.construct_scalar(node)
-        if text not in _YAML_BOOL:
-            raise Refused(None, None, f"{quote(text)} is not a boolean: write true or false", node.start_mark)
-        return _YAML_BOOL[text]
-
-    def construct_int(loader, node):
-        text = loader.construct_scalar(node)
-        if not int_pattern.fullmatch(text):
-            raise Refused(None, None, f"{quote(text)} is not an integer: write one in decimal digits", node.start_mark)
-        base = {"0o": 8, "0x": 16}.get(text[:2], 10)
-        try:
-            return int(text[2:] if base != 10 else text, base)
-        except ValueError:  # more digits than Python converts
-            raise Refused(None, None, f"an integer of {len(text)} digits is out of range", node.start_mark) from None
-
-    def construct_float(loader, node):
-        text = loader.construct_scalar(node)
-        if not float_pattern.fullmatch(text):
-            raise Refused(None, None, f"{quote(text)} is not a number: write one such as 0.5 or 1e-3", node.start_mark)
-        if text.lower().endswith(".inf"):
-            return -math.inf if text.startswith("-") else math.inf
-        return math.nan if text.lower() == ".nan" else float(text)
-
-    def construct_undefined(loader, node):
-        tag = node.tag.replace("tag:yaml.org,2002:", "!!")
-        raise Refused(
-            None,
-            None,
-            f"the tag {quote(tag)} is not supported: config input holds strings, numbers, true/false, null, "
-            "lists and mappings",
-            node.start_mark,
-        )
-
-    safe = yaml.SafeLoader
-    for tag, construct in (
-        ("null", safe.construct_yaml_null),
-        ("bool", construct_bool),
-        ("int", construct_int),
-        ("float", construct_float),
-        ("str", safe.construct_yaml_str),
-        ("seq", safe.construct_yaml_seq),
-        ("map", safe.construct_yaml_map),
-    ):
-        ConfigLoader.add_constructor(f"tag:yaml.org,2002:{tag}", construct)
-    ConfigLoader.add_constructor(None, construct_undefined)
-    for tag, pattern, first in (
-        ("bool", "|".join(_YAML_BOOL), "tTfF"),
-        ("int", _YAML_INT, "-+0123456789"),
-        ("float", _YAML_FLOAT, "-+0123456789."),
-        ("null", "~|null|Null|NULL|", ["~", "n", "N", ""]),
-    ):
-        ConfigLoader.add_implicit_resolver(f"tag:yaml.org,2002:{tag}", re.compile(f"^(?:{pattern})$"), list(first))
+    _register_core_schema(ConfigLoader)
     return ConfigLoader
 
 
