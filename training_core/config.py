@@ -22,6 +22,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from training_core.redact import redact
+
 log = logging.getLogger(__name__)
 
 DATASETS = ("digits", "synthetic", "cifar10", "image_folder")
@@ -96,8 +98,13 @@ def clip(text: str, limit: int = MAX_QUOTE_CHARS) -> str:
 
 
 def quote(value: Any) -> str:
-    """``repr(value)`` bounded in size (and in the work it takes), for error messages."""
-    return clip(_bounded_repr.repr(value))
+    """``repr(value)`` bounded in size (and in the work it takes), for error messages, with the credentials of
+    any URL in it redacted (:func:`~training_core.redact.redact`)."""
+    # A string is redacted whole first, so the cut of a long one cannot split a URL's userinfo from its "@";
+    # containers are only redacted as their bounded repr, never walked (they may hold a billion items).
+    if isinstance(value, str) and len(value) <= 1_000_000:
+        value = redact(value)
+    return clip(redact(_bounded_repr.repr(value)))
 
 
 def invalid(path: str, value: Any, fix: str) -> typing.NoReturn:
