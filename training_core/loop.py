@@ -36,6 +36,7 @@ from training_core.metrics import MetricSink, MlflowSink, build_sink, flatten
 from training_core.models import build_model
 from training_core.optim import apply_hyperparameters, build_optimizer, build_scheduler
 from training_core.records import EpochRecord, StepLog, StepRecord, WorkerArgs
+from training_core.redact import redact
 from training_core.rng import gather_rng_states, restore_rng, seed_everything
 from training_core.telemetry import JobLabels, build_telemetry
 
@@ -364,7 +365,7 @@ class Trainer:
             if self.rank == 0:
                 log.warning(
                     "resumed from %s: epoch %d, step %d of it, global step %d",
-                    loaded.uri,
+                    redact(loaded.uri),
                     state.epoch,
                     state.step_in_epoch,
                     state.global_step,
@@ -523,7 +524,7 @@ class Trainer:
             epoch=state.epoch,
             step_in_epoch=state.step_in_epoch,
             global_step=state.global_step,
-            config=cfg.to_dict(),
+            config=redact(cfg.to_dict()),  # a record only: the run's real config stays in memory
             best_metric=state.best_metric,
             metric=metric,
             history=list(state.history),
