@@ -12,10 +12,15 @@ import sys
 import time
 from typing import Any, Mapping, Protocol, Sequence
 
+from training_core.redact import redact
+
 log = logging.getLogger("training_core")
 
 
 class MetricSink(Protocol):
+    """Where the loop's numbers and config go. A sink that writes outside the process strips URL credentials
+    from params and payloads (:func:`~training_core.redact.redact`); the caller passes the real config."""
+
     def log_params(self, params: Mapping[str, Any]) -> None: ...
 
     def log_dict(self, payload: Mapping[str, Any], name: str) -> None:
@@ -63,7 +68,8 @@ class ConsoleSink:
 
 
 class MlflowSink:
-    """Logs into an existing MLflow run with batched client calls (one request per ``log_metrics``)."""
+    """Logs into an existing MLflow run with batched client calls (one request per ``log_metrics``). Params and
+    dicts are redacted (keys and values) before they leave the process."""
 
     def __init__(self, *, tracking_uri: str, run_id: str) -> None:
         from mlflow.tracking import MlflowClient
@@ -74,13 +80,13 @@ class MlflowSink:
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(key, str(value)[:6000]) for key, value in params.items()]
+        items = [Param(redact(key), redact(str(value))[:6000]) for key, value in params.items()]
         # The backend caps params per request; send them in slices.
         for start in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[start : start + 100])
 
     def log_dict(self, payload: Mapping[str, Any], name: str) -> None:
-        self.client.log_dict(self.run_id, dict(payload), name)
+        self.client.log_dict(self.run_id, redact(dict(payload)), name)
 
     def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
         from mlflow.entities import Metric

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from training_core.config import TrackingConfig
+from training_core.redact import redact
 
 if TYPE_CHECKING:
     from torch import nn
@@ -29,18 +30,21 @@ def resolve_tracking_uri(uri: str) -> str:
 
 
 def ui_command(tracking_uri: str) -> str:
-    return f"mlflow ui --backend-store-uri {shlex.quote(tracking_uri)} --host 127.0.0.1 --port 5000"
+    """The command that browses ``tracking_uri``, for a person to read in a log: credentials in the URI are
+    redacted (the reader supplies their own)."""
+    return f"mlflow ui --backend-store-uri {shlex.quote(redact(tracking_uri))} --host 127.0.0.1 --port 5000"
 
 
 def create_run(cfg: TrackingConfig, *, run_name: str, tags: dict[str, str] | None = None) -> tuple[str, str]:
-    """Create a run in ``cfg.experiment_name`` (created if missing); returns ``(tracking_uri, run_id)``."""
+    """Create a run in ``cfg.experiment_name`` (created if missing); returns ``(tracking_uri, run_id)``. The tags
+    are recorded redacted."""
     from mlflow.tracking import MlflowClient
 
     uri = resolve_tracking_uri(cfg.tracking_uri)
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name(cfg.experiment_name)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(cfg.experiment_name)
-    run = client.create_run(experiment_id, run_name=run_name, tags=tags or {})
+    run = client.create_run(experiment_id, run_name=run_name, tags=redact(tags or {}))
     return uri, run.info.run_id
 
 
@@ -48,8 +52,8 @@ def find_or_create_run(
     cfg: TrackingConfig, *, key: str, run_name: str, params: dict[str, object], payload: dict
 ) -> tuple[str, str]:
     """The run tagged ``search.key=key`` in ``cfg.experiment_name`` (set RUNNING again), or a new one with
-    ``params`` and ``payload`` (as ``config.json``). A re-run of the same search lands in the same parent
-    run, so its cached trials (children of that run) keep their place."""
+    ``params`` and ``payload`` (as ``config.json``), both recorded redacted. A re-run of the same search lands
+    in the same parent run, so its cached trials (children of that run) keep their place."""
     from mlflow.tracking import MlflowClient
 
     uri = resolve_tracking_uri(cfg.tracking_uri)
@@ -62,8 +66,8 @@ def find_or_create_run(
         return uri, found[0].info.run_id
     run = client.create_run(experiment_id, run_name=run_name, tags={"search.key": key})
     for name, value in params.items():
-        client.log_param(run.info.run_id, name, value)
-    client.log_dict(run.info.run_id, payload, "config.json")
+        client.log_param(run.info.run_id, redact(name), redact(str(value)))
+    client.log_dict(run.info.run_id, redact(payload), "config.json")
     return uri, run.info.run_id
 
 
