@@ -362,11 +362,13 @@ class PrometheusTelemetry:
             self._push_failures += 1
             now = time.monotonic()
             if now - self._last_push_warning >= PUSH_WARNING_INTERVAL_S:
+                from training_core.redact import redact
+
                 log.warning(
                     "pushing metrics to %s failed (%d failure(s) since the last warning): %s; training goes on",
-                    self.cfg.pushgateway_url,
+                    redact(self.cfg.pushgateway_url),
                     self._push_failures,
-                    exc,
+                    redact(str(exc)),
                 )
                 self._last_push_warning, self._push_failures = now, 0
             return False
