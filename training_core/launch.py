@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from training_core.config import TrainingConfig
 from training_core.records import EpochRecord, WorkerArgs
+from training_core.redact import install_log_redaction
 from training_core.trainer import FitResult, checkpoint_root, collect_final
 
 if TYPE_CHECKING:
@@ -117,6 +118,7 @@ def _worker_main(local_rank: int, spec: _Spec) -> None:
     # The same variables torchrun and Ray Train set, for code that reads them.
     os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec.world_size)})
     logging.basicConfig(level=logging.INFO, format=f"[rank {local_rank}] %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()
     runtime = TorchDistributedRuntime.connect(
         rank=local_rank,
         world_size=spec.world_size,

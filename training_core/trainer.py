@@ -10,11 +10,12 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
 from training_core.records import EpochRecord, MlflowRun, WorkerArgs
+from training_core.redact import install_log_redaction, redact
 
 log = logging.getLogger("training_core")
 
@@ -56,7 +57,8 @@ def _check_slice(cfg: TrainingConfig, root: str, resume_from: str) -> None:
     epoch = ckpt.load_meta(resume_from).epoch
     if cfg.loop.stop_at_epoch <= epoch:
         raise ValueError(
-            f"loop.stop_at_epoch={cfg.loop.stop_at_epoch} is not past epoch {epoch} of resume_from={resume_from!r}: "
+            f"loop.stop_at_epoch={cfg.loop.stop_at_epoch} is not past epoch {epoch} of "
+            f"resume_from={redact(resume_from)!r}: "
             "there is nothing to train; raise loop.stop_at_epoch"
         )
 
@@ -82,14 +84,14 @@ def fit(
     says whether the config goes to the MLflow run as params (default: unless resuming). ``job_labels``
     (``execution``, ``node``, ``attempt``) label the workers' metrics; see
     :func:`~training_core.records.worker_job_labels`. Raises what the training function raised, wrapped by Ray
-    Train, once ``checkpoint.max_worker_restarts`` is spent.
+    Train, once ``checkpoint.max_worker_restarts`` is spent. The project's loggers redact URL credentials, here
+    and in every worker (:func:`~training_core.redact.install_log_redaction`).
     """
     import ray
     from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from training_core.loop import train_loop_per_worker
-
+    install_log_redaction()
     root = checkpoint_root(storage_path, run_name)
     if resume_from and cfg.loop.stop_at_epoch:
         _check_slice(cfg, root, resume_from)
@@ -107,7 +109,7 @@ def fit(
         warmup_steps_excluded=warmup_steps_excluded,
     )
     trainer = TorchTrainer(
-        train_loop_per_worker,
+        redacting_train_loop_per_worker,
         train_loop_config=args.to_dict(),
         torch_config=TorchConfig(backend=cfg.scaling.resolved_backend(), timeout_s=cfg.scaling.collective_timeout_s),
         scaling_config=ray_scaling_config(cfg),
@@ -121,6 +123,15 @@ def fit(
     return collect_final(cfg, root, checkpoint_dir, what=f"Ray Train run {run_name!r}")
 
 
+def redacting_train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """The Ray Train workers' entry point: :func:`~training_core.redact.install_log_redaction` in the worker's
+    process (Ray starts it with its own logging), then :func:`training_core.loop.train_loop_per_worker`."""
+    from training_core.loop import train_loop_per_worker
+
+    install_log_redaction()
+    train_loop_per_worker(loop_config)
+
+
 def collect_final(
     cfg: TrainingConfig, root: str, checkpoint_dir: str, *, what: str, metrics: EpochRecord | None = None
 ) -> FitResult:
@@ -129,12 +140,12 @@ def collect_final(
     storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options(root))
     final = ckpt.load_latest_valid(storage)
     if final is None:
-        raise RuntimeError(f"{what} left no valid checkpoint under {root}; see the worker logs above")
+        raise RuntimeError(f"{what} left no valid checkpoint under {redact(root)}; see the worker logs above")
     if os.path.exists(checkpoint_dir):
         shutil.rmtree(checkpoint_dir)
     storage.fs.get(f"{storage.path}/{final.name}/", checkpoint_dir.rstrip("/") + "/", recursive=True)
     if metrics is None:
         if not final.meta.history:
-            raise RuntimeError(f"{what} left {final.uri} without a finished epoch; see the worker logs above")
+            raise RuntimeError(f"{what} left {redact(final.uri)} without a finished epoch; see the worker logs above")
         metrics = final.meta.history[-1]
     return FitResult(checkpoint_dir=checkpoint_dir, checkpoint_uri=final.uri, metrics=metrics, meta=final.meta)
