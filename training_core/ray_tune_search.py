@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from training_core.config import TrainingConfig
+from training_core.redact import install_log_redaction, redact
 from training_core.tuning import ParamSpec, TuningConfig, apply_params
 
 POINTER_FILE = "pointer.json"
@@ -86,6 +87,8 @@ def _trial_driver(tune_config: dict[str, Any]) -> None:
     """A Tune trial: train in slices, report the metric and a pointer checkpoint after each."""
     from ray import tune
 
+    install_log_redaction()  # the trial runs in a Ray worker process, with Ray's logging
+
     from training_core import tracking
     from training_core.records import MlflowRun
     from training_core.trainer import fit
@@ -151,9 +154,12 @@ def _trial_driver(tune_config: dict[str, Any]) -> None:
 def run_search(
     cfg: TuningConfig, *, data_dir: str, storage_path: str, run_name: str, parent_run_id: str
 ) -> list[TrialOutcome]:
-    """Run the whole search with Ray Tune on the connected Ray cluster; one outcome per trial."""
+    """Run the whole search with Ray Tune on the connected Ray cluster; one outcome per trial. A trial's error is
+    its exception's repr with URL credentials redacted: the outcome is a record, shown, never used to connect."""
     import ray
     from ray import tune
+
+    install_log_redaction()
 
     if not ray.is_initialized():
         ray.init()
@@ -231,7 +237,7 @@ def run_search(
                 checkpoint_uri=str(last.get("checkpoint_uri", "")),
                 mlflow_run_id=str(last.get("mlflow_run_id", "")),
                 status="done" if epochs_trained >= cfg.base.loop.epochs else "stopped",
-                error=repr(result.error) if result.error else "",
+                error=redact(repr(result.error)) if result.error else "",
             )
         )
     return outcomes
