@@ -10,15 +10,22 @@ variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...).
 
 from __future__ import annotations
 
+import codecs
+import functools
 import io
-import os
+import lzma
+import math
 import pickle
+import pickletools
+import posixpath
+import struct
 import tarfile
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
-from training_core.config import DataConfig
+from training_core.config import DataConfig, clip, quote
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -31,6 +38,33 @@ class RawDataset:
 
     classes: list[str]
     """Class names, indexed by label."""
+
+    def check(self, source: str) -> None:
+        """Raise ``ValueError`` naming ``source`` unless the classes are unique strings and every split holds uint8
+        images N x C x H x W of one shape across splits, with N int64 labels in ``[0, len(classes))``.
+
+        Each reader checks its own format; this is the contract data prep relies on, whichever reader ran."""
+        if not self.classes or not all(isinstance(c, str) for c in self.classes):
+            raise ValueError(f"{source} gave classes {quote(self.classes)}; expected a non-empty list of names")
+        if len(set(self.classes)) != len(self.classes):
+            raise ValueError(f"{source} gave classes {quote(self.classes)}; class names must be unique")
+        shapes = set()
+        for name, (images, labels) in self.splits.items():
+            where = f"{source} gave split {name!r}"
+            if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 4:
+                raise ValueError(f"{where} images {_describe(images)}; expected uint8 N x C x H x W")
+            if not isinstance(labels, np.ndarray) or labels.dtype != np.int64 or labels.shape != images.shape[:1]:
+                raise ValueError(
+                    f"{where} labels {_describe(labels)} for {len(images)} images; expected one int64 label each"
+                )
+            if len(labels) and (labels.min() < 0 or labels.max() >= len(self.classes)):
+                raise ValueError(
+                    f"{where} labels {labels.min()}..{labels.max()}; expected 0..{len(self.classes) - 1}, one per "
+                    f"class of {len(self.classes)}"
+                )
+            shapes.add(images.shape[1:])
+        if len(shapes) > 1:
+            raise ValueError(f"{source} gave splits of different image shapes {sorted(shapes)}; expected one shape")
 
 
 def load_raw(cfg: DataConfig) -> RawDataset:
@@ -45,6 +79,8 @@ def load_raw(cfg: DataConfig) -> RawDataset:
     raw = loaders[cfg.dataset](cfg)
     if cfg.image_size and cfg.dataset != "image_folder":
         raw.splits = {name: (_resize(x, cfg.image_size), y) for name, (x, y) in raw.splits.items()}
+    source = f"data.dataset={cfg.dataset!r}" + (f" at data.path={quote(cfg.path)}" if cfg.path else "")
+    raw.check(source)
     return raw
 
 
@@ -75,65 +111,211 @@ def _existing(path: str, field: str = "data.path"):
 
     fs, fs_path = fsspec.core.url_to_fs(path)
     if not fs.exists(fs_path):
-        raise ValueError(f"{field}={path!r} is invalid: nothing exists there; point it at the dataset's location")
+        raise ValueError(f"{field}={quote(path)} is invalid: nothing exists there; point it at the dataset's location")
     return fs, fs_path
+
+
+CIFAR10_BATCHES = tuple(f"cifar-10-batches-py/data_batch_{i}" for i in range(1, 6)) + (
+    "cifar-10-batches-py/test_batch",
+)
+"""The archive members the CIFAR-10 python format reads, by their exact names."""
+
+CIFAR10_MAX_MEMBER_BYTES = 64 * 2**20
+"""A batch member larger than this is refused unread: the format's are 31 MB (10,000 rows of 3,072 pixels)."""
+
+_CIFAR10_PIXELS = 3 * 32 * 32
+_CIFAR10_KEYS = (b"data", b"labels")
+_CIFAR10_OPTIONAL_KEYS = (b"batch_label", b"filenames")
+# A batch pickle is some 90,000 opcodes (10,000 labels and file names); this bounds the pure-Python scan below.
+_CIFAR10_MAX_PICKLE_OPS = 1_000_000
+_REDOWNLOAD = "download cifar-10-python.tar.gz again"
+# What a damaged or hostile archive can raise from tarfile and the decompressors under it.
+_ARCHIVE_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError)
+# What a damaged or hostile pickle can raise from the scan, the unpickler and the numpy calls it may make.
+_PICKLE_ERRORS = (
+    pickle.UnpicklingError,
+    ValueError,
+    TypeError,
+    EOFError,
+    OverflowError,
+    MemoryError,
+    KeyError,
+    IndexError,
+    AttributeError,
+    RecursionError,
+    struct.error,
+)
 
 
 def _cifar10(cfg: DataConfig) -> RawDataset:
     fs, fs_path = _existing(cfg.path)
     if fs.isdir(fs_path):
         raise ValueError(
-            f"data.path={cfg.path!r} is invalid: it is a directory; point it at the cifar-10-python.tar.gz tarball "
-            "itself"
+            f"data.path={quote(cfg.path)} is invalid: it is a directory; point it at the cifar-10-python.tar.gz "
+            "tarball itself"
         )
     with fs.open(fs_path, "rb") as f:
         payload = f.read()
     try:
         archive = tarfile.open(fileobj=io.BytesIO(payload), mode="r:*")
-    except tarfile.TarError:
+    except _ARCHIVE_ERRORS:
         raise ValueError(
-            f"data.path={cfg.path!r} is invalid: not a tar archive (neither gzip, bz2, xz nor plain tar); expected "
-            "the CIFAR-10 python-version tarball cifar-10-python.tar.gz"
+            f"data.path={quote(cfg.path)} is invalid: not a tar archive (neither gzip, bz2, xz nor plain tar); "
+            "expected the CIFAR-10 python-version tarball cifar-10-python.tar.gz"
         ) from None
     try:
         with archive:
             return _cifar10_batches(archive, cfg.path)
-    except (tarfile.TarError, EOFError, OSError, pickle.UnpicklingError, KeyError, ValueError) as exc:
-        if isinstance(exc, ValueError) and str(exc).startswith("data.path="):
-            raise
+    except _ARCHIVE_ERRORS as exc:
         raise ValueError(
-            f"data.path={cfg.path!r} is invalid: the tarball is truncated or not in the CIFAR-10 python format "
-            f"({type(exc).__name__}: {exc}); download cifar-10-python.tar.gz again"
+            f"data.path={quote(cfg.path)} is invalid: the tarball is truncated or damaged "
+            f"({type(exc).__name__}: {clip(str(exc))}); {_REDOWNLOAD}"
         ) from None
 
 
 def _cifar10_batches(archive: tarfile.TarFile, path: str) -> RawDataset:
-    """The five training batches and the test batch of an open CIFAR-10 python tarball."""
-    members = {os.path.basename(m.name): m for m in archive.getmembers() if m.isfile()}
-    wanted = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-    missing = [name for name in wanted if name not in members]
+    """The five training batches and the test batch of an open CIFAR-10 python tarball, each checked."""
+    wanted = {posixpath.basename(name): name for name in CIFAR10_BATCHES}
+    found: dict[str, list[tarfile.TarInfo]] = {name: [] for name in CIFAR10_BATCHES}
+    for member in archive.getmembers():
+        name = wanted.get(posixpath.basename(member.name.rstrip("/")))
+        if name is not None:
+            found[name].append(member)
+    missing = [name for name, members in found.items() if not members]
     if missing:
         raise ValueError(
-            f"data.path={path!r} is invalid: the tarball lacks {', '.join(missing)}; expected the CIFAR-10 "
+            f"data.path={quote(path)} is invalid: the tarball lacks {', '.join(missing)}; expected the CIFAR-10 "
             "python-version tarball cifar-10-python.tar.gz"
         )
-
-    def batch(name: str) -> tuple[np.ndarray, np.ndarray]:
-        extracted = archive.extractfile(members[name])
-        assert extracted is not None
-        # The official batches are pickled dicts of arrays and lists: unpickle with a loader that only
-        # rebuilds builtins and numpy arrays, never arbitrary classes.
-        record = _SafeNumpyUnpickler(extracted).load()
-        images = np.asarray(record[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
-        return images, np.asarray(record[b"labels"], dtype=np.int64)
-
-    train = [batch(f"data_batch_{i}") for i in range(1, 6)]
-    test = batch("test_batch")
-    splits = {"train": (np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train])), "test": test}
+    for name, members in found.items():
+        # Matching by base name alone would let a second data_batch_1 anywhere in the archive replace the real one.
+        if [m.name for m in members] != [name]:
+            listed = ", ".join(quote(m.name) for m in members[:5]) + (
+                f" and {len(members) - 5} more" if len(members) > 5 else ""
+            )
+            raise ValueError(
+                f"data.path={quote(path)} is invalid: the tarball has {len(members)} member(s) named "
+                f"{posixpath.basename(name)}: {listed}; the format has exactly one, {name!r}. Remove the others, or "
+                f"{_REDOWNLOAD}"
+            )
+    batches = {name: _cifar10_batch(archive, found[name][0], path) for name in CIFAR10_BATCHES}
+    train = [batches[name] for name in CIFAR10_BATCHES[:5]]
+    splits = {
+        "train": (np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train])),
+        "test": batches[CIFAR10_BATCHES[5]],
+    }
     return RawDataset(splits=splits, classes=list(CIFAR10_CLASSES))
 
 
+def _cifar10_batch(archive: tarfile.TarFile, member: tarfile.TarInfo, path: str) -> tuple[np.ndarray, np.ndarray]:
+    """One batch member as (uint8 images N x 3 x 32 x 32, int64 labels N), or a ``ValueError`` naming the member,
+    what it holds and the fix."""
+
+    def refuse(found: str) -> ValueError:
+        return ValueError(f"data.path={quote(path)} is invalid: member {member.name!r} {found}; {_REDOWNLOAD}")
+
+    if not member.isfile():
+        raise refuse("is not a regular file (a link, directory or device)")
+    if member.size > CIFAR10_MAX_MEMBER_BYTES:
+        raise refuse(f"declares {member.size} bytes, more than a batch's {CIFAR10_MAX_MEMBER_BYTES}")
+    extracted = archive.extractfile(member)
+    assert extracted is not None, "a regular file member always extracts"
+    data = extracted.read()
+    try:
+        _check_pickle_sizes(data)
+        record = _SafeNumpyUnpickler(io.BytesIO(data), max_items=len(data)).load()
+    except _PICKLE_ERRORS as exc:
+        raise refuse(f"is not a readable batch pickle ({type(exc).__name__}: {clip(str(exc))})") from None
+
+    if not isinstance(record, dict):
+        raise refuse(f"holds a {type(record).__name__}; the format's batch is a dict with keys b'data' and b'labels'")
+    missing = [key for key in _CIFAR10_KEYS if key not in record]
+    unknown = [key for key in record if key not in _CIFAR10_KEYS + _CIFAR10_OPTIONAL_KEYS]
+    if missing or unknown:
+        keys = ", ".join(quote(k) for k in list(record)[:10])
+        raise refuse(
+            f"has the keys {clip(keys)}; the format's batch is a dict with b'data' and b'labels' (and optionally "
+            "b'batch_label', b'filenames'), nothing else"
+        )
+
+    pixels = record[b"data"]
+    if (
+        not isinstance(pixels, np.ndarray)
+        or pixels.dtype.kind not in "ui"
+        or pixels.ndim != 2
+        or pixels.shape[1] != _CIFAR10_PIXELS
+    ):
+        raise refuse(
+            f"has b'data' {_describe(pixels)}; the format's is a uint8 array of N rows x {_CIFAR10_PIXELS} pixels "
+            "(3 x 32 x 32)"
+        )
+    if len(pixels) == 0:
+        raise refuse("has no rows in b'data'; a batch holds images")
+    # A cast to uint8 would wrap 300 to 44 and -1 to 255: integers outside the byte range are refused instead.
+    if pixels.dtype != np.uint8 and (pixels.min() < 0 or pixels.max() > 255):
+        raise refuse(f"has b'data' pixels {pixels.min()}..{pixels.max()}; the format's pixels are 0..255")
+
+    labels = _cifar10_labels(record[b"labels"], refuse)
+    if len(labels) != len(pixels):
+        raise refuse(
+            f"has {len(pixels)} rows in b'data' but {len(labels)} entries in b'labels'; every image needs its label"
+        )
+    return pixels.astype(np.uint8).reshape(-1, 3, 32, 32), labels
+
+
+def _cifar10_labels(value: object, refuse) -> np.ndarray:
+    """The labels of a batch as int64, each in 0..9, or ``refuse(found)`` raised."""
+    num_classes = len(CIFAR10_CLASSES)
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "ui" or value.ndim != 1:
+            raise refuse(f"has b'labels' {_describe(value)}; the format's is a list of integers 0..{num_classes - 1}")
+        bad = np.flatnonzero((value < 0) | (value >= num_classes))
+        if len(bad):
+            raise refuse(f"has b'labels'[{bad[0]}]={value[bad[0]]}; labels are 0..{num_classes - 1}")
+        return value.astype(np.int64)
+    if not isinstance(value, list):
+        raise refuse(f"has b'labels' {_describe(value)}; the format's is a list of integers 0..{num_classes - 1}")
+    for index, label in enumerate(value):
+        # bool is an int subclass, and a float label 2.9 would truncate to 2: only true integers are labels.
+        if not isinstance(label, (int, np.integer)) or isinstance(label, bool):
+            raise refuse(
+                f"has b'labels'[{index}]={quote(label)} ({type(label).__name__}); labels are integers "
+                f"0..{num_classes - 1}"
+            )
+        if not 0 <= label < num_classes:
+            raise refuse(f"has b'labels'[{index}]={quote(label)}; labels are 0..{num_classes - 1}")
+    return np.asarray(value, dtype=np.int64)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, np.ndarray):
+        return f"of dtype {value.dtype} and shape {value.shape}"
+    return f"of type {type(value).__name__}"
+
+
+_MEMO_PUTS = ("PUT", "BINPUT", "LONG_BINPUT")
+
+
+def _check_pickle_sizes(data: bytes) -> None:
+    """Raise ``ValueError`` when the pickle declares more than it holds.
+
+    The C unpickler allocates a declared length (``BINBYTES8``, ``LONG_BINUNICODE``, a frame) and grows its memo
+    table to a declared index before reading, so a 20-byte pickle can ask for a terabyte. ``pickletools.genops``
+    refuses lengths beyond the bytes that remain; the memo indices and the opcode count are bounded here."""
+    for count, (opcode, arg, position) in enumerate(pickletools.genops(data)):
+        if count > _CIFAR10_MAX_PICKLE_OPS:
+            raise ValueError(f"more than {_CIFAR10_MAX_PICKLE_OPS} pickle opcodes, far more than a batch has")
+        if opcode.name == "FRAME" and arg > len(data) - position:
+            raise ValueError(f"a frame of {arg} bytes at offset {position}, beyond the {len(data)} bytes there are")
+        # Picklers number memo slots 0, 1, 2, ... as they go: a larger index only inflates the table.
+        if opcode.name in _MEMO_PUTS and arg > count:
+            raise ValueError(f"memo index {arg} at offset {position}, beyond the {count} objects before it")
+
+
 class _SafeNumpyUnpickler(pickle.Unpickler):
+    """Rebuilds builtins and plain numpy integer arrays only: never arbitrary classes, object arrays, or arrays
+    larger than the pickle."""
+
     _ALLOWED = {
         ("numpy.core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "_reconstruct"),
@@ -145,45 +327,83 @@ class _SafeNumpyUnpickler(pickle.Unpickler):
         ("_codecs", "encode"),
     }
 
-    def __init__(self, file) -> None:
+    def __init__(self, file, *, max_items: int) -> None:
         super().__init__(file, encoding="bytes")
+        self._max_items = max_items
 
     def find_class(self, module: str, name: str):
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a dataset file")
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {clip(module)}.{clip(name)} from a dataset file")
+        found = super().find_class(module, name)
+        if name == "_reconstruct":
+            return functools.partial(self._reconstruct, found)
+        if name == "dtype":
+            return self._dtype
+        if name == "encode":
+            return self._latin1
+        return found
+
+    def _reconstruct(self, reconstruct, subtype, shape, dtype):
+        if subtype is not np.ndarray:
+            raise pickle.UnpicklingError(f"refusing to rebuild {quote(subtype)}: only plain numpy arrays")
+        if (
+            not isinstance(shape, tuple)
+            or not all(isinstance(n, int) and n >= 0 for n in shape)
+            or math.prod(shape) > self._max_items
+        ):
+            raise pickle.UnpicklingError(f"refusing an array of shape {quote(shape)}: larger than the file")
+        return reconstruct(subtype, shape, dtype)
+
+    @staticmethod
+    def _dtype(*args):
+        built = np.dtype(*args)
+        if built.hasobject:
+            raise pickle.UnpicklingError(f"refusing a numpy object array (dtype {built}): the format holds integers")
+        return built
+
+    @staticmethod
+    def _latin1(text, encoding="utf-8", errors="strict"):
+        if encoding not in ("latin1", "latin-1"):
+            raise pickle.UnpicklingError(f"refusing _codecs.encode with encoding {quote(encoding)}")
+        return codecs.encode(text, encoding, errors)
 
 
 def _image_folder(cfg: DataConfig) -> RawDataset:
     fs, root = _existing(cfg.path)
     if not fs.isdir(root):
         raise ValueError(
-            f"data.path={cfg.path!r} is invalid: not a directory; point it at the root of <class>/<image> folders"
+            f"data.path={quote(cfg.path)} is invalid: not a directory; point it at the root of <class>/<image> folders"
         )
     top = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.isdir(p))
     split_dirs = [s for s in ("train", "val", "test") if s in top]
+    # Messages name data.path as the user wrote it (redacted) plus the folder under it, never the resolved
+    # filesystem path, which for a remote store carries the bucket's credentials without a URL scheme to redact.
     if "train" in split_dirs:
-        classes = _class_names(fs, f"{root}/train", cfg.path)
-        splits = {}
-        for split in split_dirs:
-            images, labels = _read_class_tree(fs, f"{root}/{split}", classes, cfg.image_size)
-            splits["test" if split == "test" else ("val" if split == "val" else "train")] = (images, labels)
+        classes = _class_names(fs, f"{root}/train", cfg.path, "train/")
+        splits = {
+            split: _read_class_tree(fs, f"{root}/{split}", classes, cfg.image_size, cfg.path, f"{split}/")
+            for split in split_dirs
+        }
         return RawDataset(splits=splits, classes=classes)
-    classes = _class_names(fs, root, cfg.path)
-    return RawDataset(splits={"train": _read_class_tree(fs, root, classes, cfg.image_size)}, classes=classes)
+    classes = _class_names(fs, root, cfg.path, "")
+    return RawDataset(
+        splits={"train": _read_class_tree(fs, root, classes, cfg.image_size, cfg.path, "")}, classes=classes
+    )
 
 
-def _class_names(fs, root: str, user_path: str) -> list[str]:
+def _class_names(fs, root: str, user_path: str, under: str) -> list[str]:
     classes = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.isdir(p))
     if len(classes) < 2:
         raise ValueError(
-            f"data.path={user_path!r} is invalid: found {len(classes)} class folder(s) under {root!r}; an image folder "
-            "needs at least two <class>/ subfolders of images"
+            f"data.path={quote(user_path)} is invalid: found {len(classes)} class folder(s) under "
+            f"{quote(under or './')}; an image folder needs at least two <class>/ subfolders of images"
         )
     return classes
 
 
-def _read_class_tree(fs, root: str, classes: list[str], size: int) -> tuple[np.ndarray, np.ndarray]:
+def _read_class_tree(
+    fs, root: str, classes: list[str], size: int, user_path: str, under: str
+) -> tuple[np.ndarray, np.ndarray]:
     from PIL import Image
 
     images, labels = [], []
@@ -197,8 +417,8 @@ def _read_class_tree(fs, root: str, classes: list[str], size: int) -> tuple[np.n
             labels.append(label)
     if not images:
         raise ValueError(
-            f"data.path={root!r} is invalid: no images ({', '.join(IMAGE_SUFFIXES)}) in its class folders; add "
-            "images or point data.path elsewhere"
+            f"data.path={quote(user_path)} is invalid: no images ({', '.join(IMAGE_SUFFIXES)}) in the class folders "
+            f"under {quote(under or './')}; add images or point data.path elsewhere"
         )
     return np.stack(images), np.asarray(labels, dtype=np.int64)
 

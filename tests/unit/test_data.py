@@ -87,7 +87,7 @@ def test_a_tarball_without_cifar_batches_is_rejected(tmp_path):
     with tarfile.open(path, "w:gz") as archive:
         info = tarfile.TarInfo("readme.txt")
         archive.addfile(info, io.BytesIO(b""))
-    with pytest.raises(ValueError, match="the tarball lacks data_batch_1"):
+    with pytest.raises(ValueError, match="the tarball lacks cifar-10-batches-py/data_batch_1, "):
         prepare(DataConfig(dataset="cifar10", path=str(path)), str(tmp_path / "out"))
 
 
@@ -120,10 +120,11 @@ def test_cifar10_loader_refuses_pickles_that_build_other_objects(tmp_path):
     with tarfile.open(path, "w:gz") as archive:
         for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
             payload = pickle.dumps({b"data": __import__("collections").OrderedDict()})
-            info = tarfile.TarInfo(name)
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
             info.size = len(payload)
             archive.addfile(info, io.BytesIO(payload))
-    with pytest.raises(ValueError, match=r"data.path=.* is invalid: .*refusing to load collections.OrderedDict"):
+    with pytest.raises(ValueError, match=r"data.path=.* is invalid: member 'cifar-10-batches-py/data_batch_1' is not a readable batch pickle "
+        r"\(UnpicklingError: refusing to load collections.OrderedDict"):
         prepare(DataConfig(dataset="cifar10", path=str(path)), str(tmp_path / "out"))
 
 
