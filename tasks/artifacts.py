@@ -14,6 +14,7 @@ from flytekit.types.file import FlyteFile
 
 from tasks import reports
 from training_core.config import CheckpointConfig
+from training_core.redact import redact
 
 
 def tracked_directory(local_path: str) -> FlyteDirectory:
@@ -67,7 +68,8 @@ def local_deck_path(report: FlyteFile) -> str | None:
     written is the publishing task's.
     """
     sandbox = FlyteContextManager.current_context().file_access.local_sandbox_dir
-    marker = f"data-report='{html.escape(artifact_location(report), quote=True)}'"
+    # The Deck holds the marker redacted, as all of its text (tasks.reports.deck).
+    marker = f"data-report='{redact(html.escape(artifact_location(report), quote=True))}'"
     for path in sorted(glob.glob(os.path.join(os.fspath(sandbox), "*", DECK_FILE_NAME)), key=os.path.getmtime):
         with open(path, encoding="utf-8") as f:
             if marker in f.read():

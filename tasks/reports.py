@@ -11,6 +11,8 @@ import html
 import io
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from training_core.redact import redact
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -34,8 +36,9 @@ STYLE = (
 
 
 def page(title: str, sections: Sequence[str]) -> str:
-    """A standalone HTML page with ``sections``: the same content the Deck shows, readable without Flyte."""
-    return (
+    """A standalone HTML page with ``sections``: the same content the Deck shows, readable without Flyte. URL
+    credentials anywhere in it are redacted."""
+    return redact(
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         f"<style>body{{margin:16px}}{STYLE}</style></head><body><div class='report'>"
         f"<h1>{html.escape(title)}</h1>{''.join(sections)}</div></body></html>"
@@ -46,10 +49,11 @@ def deck(sections: Sequence[str], *, marker: str = "") -> str:
     """The Deck body: ``sections`` with their style, inside flytekit's own page template.
 
     ``marker`` goes into a ``data-report`` attribute, so the deck.html flytekit writes can be found again
-    by content (``tasks.artifacts.local_deck_path``).
+    by content (``tasks.artifacts.local_deck_path``). URL credentials anywhere in it, the marker's included, are
+    redacted.
     """
     attribute = html.escape(marker, quote=True)
-    return f"<div class='report' data-report='{attribute}'><style>{STYLE}</style>{''.join(sections)}</div>"
+    return redact(f"<div class='report' data-report='{attribute}'><style>{STYLE}</style>{''.join(sections)}</div>")
 
 
 def section(heading: str, body: str, *, section_id: str) -> str:

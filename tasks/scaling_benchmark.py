@@ -19,6 +19,7 @@ from tasks.artifacts import artifact_location, publish_report
 from tasks.train import TRAIN_TIMEOUT
 from tasks.types import PreparedData, TrainMetrics
 from training_core.config import ScalingConfig, TrainingConfig
+from training_core.redact import redact
 
 
 @dataclass
@@ -145,4 +146,4 @@ def _print_summary(table, *, csv: FlyteFile, report: FlyteFile) -> None:
             f"{row.torch_samples_per_s:>17.1f}{row.torch_efficiency:>11.3f}{row.parity:>8.3f}{row.ray_allreduce_fraction:>12.3f}"
         )
     lines += [f"scaling table    : {csv.remote_path}", f"scaling report   : {report.remote_path}", ""]
-    print("\n".join(lines), flush=True)
+    print(redact("\n".join(lines)), flush=True)

@@ -17,6 +17,7 @@ from tasks.artifacts import artifact_location, checkpoint_storage_path, publish_
 from tasks.ray_config import ray_job_config
 from tasks.types import PreparedData, TrainedModel, TrainMetrics
 from training_core.config import ScalingConfig, TrainingConfig
+from training_core.redact import install_log_redaction, redact
 
 # The RayJob's shape is fixed when the task is declared; it follows the default ScalingConfig. A run
 # with other worker counts or sizes gets a matching RayJob via ``train.with_overrides(task_config=
@@ -68,6 +69,7 @@ def run_training(config: TrainingConfig, data: PreparedData, resume_from: Option
     from training_core.records import MlflowRun
     from training_core.trainer import fit
 
+    install_log_redaction()
     ctx = current_context()
     # Workers read shards from where Flyte stored them (a local path here, s3:// on a cluster).
     data_dir = artifact_location(data.directory)
@@ -106,7 +108,7 @@ def run_training(config: TrainingConfig, data: PreparedData, resume_from: Option
         if verdict.retryable:
             # Only this exception type makes Flyte retry; the new attempt resumes from the latest checkpoint.
             raise FlyteRecoverableException(
-                f"training hit an infrastructure failure ({verdict.reason}); retrying"
+                f"training hit an infrastructure failure ({redact(verdict.reason)}); retrying"
             ) from exc
         raise
     tracking.finish_run(tracking_uri, run_id)
@@ -178,8 +180,9 @@ def _require_prepared_data(data_dir: str) -> None:
     fs, root = fsspec.core.url_to_fs(data_dir)
     if not fs.exists(f"{root.rstrip('/')}/{MANIFEST_NAME}"):
         raise ValueError(
-            f"data.directory={data_dir!r} has no {MANIFEST_NAME}: the prepared data is gone (a cached prepare_data "
-            "output whose files were deleted, e.g. a cleaned /tmp). Run `pyflyte local-cache clear` and re-run."
+            f"data.directory={redact(data_dir)!r} has no {MANIFEST_NAME}: the prepared data is gone (a cached "
+            "prepare_data output whose files were deleted, e.g. a cleaned /tmp). Run `pyflyte local-cache clear` and "
+            "re-run."
         )
 
 
@@ -200,7 +203,9 @@ def _run_location(config: TrainingConfig, data_dir: str) -> RunLocation:
     """
     previous = _read_pointer()
     if previous is not None:
-        logging.getLogger("training_core").warning("retry: resuming in %s/%s", previous.storage_path, previous.run_name)
+        logging.getLogger("training_core").warning(
+            "retry: resuming in %s/%s", redact(previous.storage_path), previous.run_name
+        )
         return previous
     ctx = current_context()
     digest = hashlib.sha256(json.dumps([config.to_dict(), data_dir], sort_keys=True).encode()).hexdigest()[:12]

@@ -26,6 +26,7 @@ from tasks.train import RAY_DRIVER_TASK_ARGS, TRAIN_TASK_ARGS, run_training, tra
 from tasks.types import PreparedData, TrainedModel
 from training_core import tuning
 from training_core.config import TrainingConfig
+from training_core.redact import redact
 from training_core.tuning import TuningConfig
 
 # Bump when a change to training makes earlier trial results wrong to reuse.
@@ -212,10 +213,14 @@ def _copy_trial(loser: Trial, winner: Trial, params: tuning.Params) -> None:
 
 
 def trial_table(config: TuningConfig, trials: list[Trial]) -> pd.DataFrame:
-    """One row per trial: params, the metric at each epoch it was scored, epochs used, status."""
+    """One row per trial: params (redacted: a searched field may hold a URL), the metric at each epoch it was
+    scored, epochs used, status."""
     rows = []
     for t in trials:
-        row: dict[str, object] = {"trial": t.trial_id, **{p.path: t.params.get(p.path) for p in config.search_space}}
+        row: dict[str, object] = {
+            "trial": t.trial_id,
+            **{p.path: redact(t.params.get(p.path)) for p in config.search_space},
+        }
         for epoch, score in zip(t.score_epochs, t.scores):
             row[f"{config.metric}@{epoch}"] = score
         row.update(
