@@ -47,6 +47,7 @@ from flytekit.types.file import FlyteFile
 from deployment.registration import register_package
 from tasks.artifacts import artifact_location
 from training_core.config import overlay, read_yaml_mapping
+from training_core.redact import redact
 
 Report = Callable[[str], None]
 
@@ -473,16 +474,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     remote = connect(config_file=args.config_file, project=args.project, domain=args.domain)
 
+    # Everything the CLI prints goes through redact: outputs hold configs and URIs, errors quote what they name.
     def report(line: str) -> None:
-        print(line, flush=True)
+        print(redact(line), flush=True)
 
     try:
         return _run(args, remote, report)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(redact(f"error: {exc}"), file=sys.stderr)
         return EXIT_BAD_INPUT
     except TimeoutError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(redact(f"error: {exc}"), file=sys.stderr)
         return EXIT_TIMEOUT
     except Exception as exc:
         unavailable = _unavailable_cause(exc)
@@ -490,10 +492,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         platform = remote.config.platform
         print(
-            f"error: FlyteAdmin at {platform.endpoint} ({'insecure' if platform.insecure else 'TLS'}) is "
-            f"unreachable: {unavailable}\n"
-            "Point FLYTE_PLATFORM_URL (and FLYTE_PLATFORM_INSECURE) or --config-file at your cluster; for a local one, "
-            "run `flytectl demo start` and use the config file it writes (~/.flyte/config-sandbox.yaml).",
+            redact(
+                f"error: FlyteAdmin at {platform.endpoint} ({'insecure' if platform.insecure else 'TLS'}) is "
+                f"unreachable: {unavailable}\n"
+                "Point FLYTE_PLATFORM_URL (and FLYTE_PLATFORM_INSECURE) or --config-file at your cluster; for a local "
+                "one, run `flytectl demo start` and use the config file it writes (~/.flyte/config-sandbox.yaml)."
+            ),
             file=sys.stderr,
         )
         return EXIT_UNREACHABLE
