@@ -10,6 +10,13 @@ such as ``s3://bucket/prefix``):
 - ``manifest.json``: size and sha256 of each file above. It is written last, so a directory without a
   valid manifest is an incomplete checkpoint.
 
+Everything read back is data, checked before use: the manifest against its schema (the three file names above and
+nothing else, so it cannot point outside its directory), every file against the manifest, the tensor files by
+``torch.load(weights_only=True)`` and their shape, ``meta.json`` by :meth:`CheckpointMeta.from_dict`. A checkpoint
+that fails any check raises :class:`CheckpointError`, and :func:`load_latest_valid` falls back to the next older one.
+Step directories are ordered by their parsed step. Messages and log lines show storage URIs with their credentials
+redacted (:func:`~training_core.redact.redact`); the I/O uses the real root.
+
 Local roots are written to a temporary directory and renamed into place (atomic). Object stores get the
 files first and the manifest last. Every file is verified against the manifest before loading, and tensor
 files are read with ``torch.load(weights_only=True)``, which never executes pickled code.
@@ -21,18 +28,23 @@ flight; the next ``save`` waits for it instead of piling up.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import hashlib
 import io
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol
 
+from training_core.config import clip, quote
 from training_core.records import EpochRecord, StepLog, StepRecord
+from training_core.redact import redact
 
 log = logging.getLogger("training_core")
 
@@ -40,9 +52,14 @@ MODEL_FILE = "model.pt"
 TRAINER_STATE_FILE = "trainer_state.pt"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
+CHECKPOINT_FILES = (MODEL_FILE, TRAINER_STATE_FILE, META_FILE)
+"""The files a manifest lists: exactly these, each a plain name inside the checkpoint's directory."""
 STEP_PREFIX = "step-"
+_STEP_NAME = re.compile(r"step-([0-9]+)")
 STEP_LOG_CAPACITY = 64
 """Step windows a checkpoint's ``meta.json`` keeps (about 25 KB); MLflow has every window."""
+MAX_REASON_CHARS = 1000
+"""Longest quote of an underlying error (torch's unpickling errors run to pages) in a message of this module."""
 
 
 @dataclass
@@ -91,6 +108,136 @@ class CheckpointMeta:
         # every window, merged down here to the bound.
         self.history = [r if isinstance(r, EpochRecord) else EpochRecord.from_dict(r) for r in self.history]
         self.step_log = StepLog.from_list(self.step_log, capacity=STEP_LOG_CAPACITY).records
+
+    @classmethod
+    def from_dict(cls, raw: Any, *, where: str = META_FILE) -> CheckpointMeta:
+        """The metadata in ``raw`` (the parsed ``meta.json``), checked before use.
+
+        ``raw`` must be a JSON object with every required field, no unknown field, and each field of the type this
+        module writes (records must hold their required figures as numbers). Fields added later take their
+        defaults, so metadata written by earlier versions loads. Raises ``ValueError`` naming ``where``, the field,
+        its value (quoted bounded in size) and what was expected."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where} holds {quote(raw)}: expected a JSON object of checkpoint metadata")
+        fields = dataclasses.fields(cls)
+        unknown = [key for key in raw if key not in _META_FIELD_TYPES]
+        if unknown:
+            raise ValueError(
+                f"{where} has unknown field(s) {_listed(unknown)}: it was not written by this module; "
+                f"valid fields are {', '.join(f.name for f in fields)}"
+            )
+        required = [
+            f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        missing = [name for name in required if name not in raw]
+        if missing:
+            raise ValueError(f"{where} lacks the required field(s) {', '.join(missing)}")
+        for key, value in raw.items():
+            is_valid, expected = _META_FIELD_TYPES[key]
+            if not is_valid(value):
+                raise ValueError(f"{where} field {key}={quote(value)} is invalid: expected {expected}")
+        return cls(**raw)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_count(value: Any) -> bool:
+    return _is_int(value) and value >= 0
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_mapping(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+def _list_of(is_item: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, list) and all(is_item(v) for v in value)
+
+
+def _numbers_by_name(value: Any) -> bool:
+    return isinstance(value, dict) and all(_is_number(v) for v in value.values())
+
+
+def _record_of(cls: type) -> Callable[[Any], bool]:
+    """Whether a value is one record of ``cls`` as JSON holds it: its required fields present, its fields numbers
+    (integral where the field is an int; JSON stores them as floats). Other keys are left to ``cls.from_dict``."""
+    fields = dataclasses.fields(cls)
+    required = {f.name for f in fields if f.default is dataclasses.MISSING}
+    integral = {f.name for f in fields if f.type == "int"}
+    numeric = {f.name for f in fields}
+
+    def is_record(value: Any) -> bool:
+        if not isinstance(value, dict) or not required <= value.keys():
+            return False
+        for key in numeric & value.keys():
+            number = value[key]
+            if not _is_number(number) or (key in integral and not float(number).is_integer()):
+                return False
+        return True
+
+    return is_record
+
+
+def _is_rng_states(value: Any) -> bool:
+    """Whether a value is the per-rank python/numpy RNG states :func:`training_core.rng.restore_rng` takes."""
+    if not isinstance(value, dict):
+        return False
+    for rank, states in value.items():
+        if not (isinstance(rank, str) and rank.isdigit() and isinstance(states, dict)):
+            return False
+        python, numpy = states.get("python"), states.get("numpy")
+        if not (isinstance(python, list) and len(python) == 3 and _list_of(_is_int)(python[1])):
+            return False
+        if not (isinstance(numpy, list) and len(numpy) == 5 and _list_of(_is_int)(numpy[1])):
+            return False
+    return True
+
+
+_META_FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "model_name": (_is_str, "a string"),
+    "classes": (_list_of(_is_str), "a list of strings"),
+    "input_shape": (_list_of(_is_count), "a list of integers >= 0"),
+    "mean": (_list_of(_is_number), "a list of numbers"),
+    "std": (_list_of(_is_number), "a list of numbers"),
+    "epoch": (_is_count, "an integer >= 0"),
+    "global_step": (_is_count, "an integer >= 0"),
+    "config": (_is_mapping, "a JSON object (the resolved config)"),
+    "step_in_epoch": (_is_count, "an integer >= 0"),
+    "best_metric": (lambda v: v is None or _is_number(v), "a number or null"),
+    "metric": (lambda v: v is None or _is_number(v), "a number or null"),
+    "history": (_list_of(_record_of(EpochRecord)), "a list of epoch records (objects of numbers)"),
+    "step_log": (_list_of(_record_of(StepRecord)), "a list of step records (objects of numbers)"),
+    "rng": (_is_rng_states, "an object of per-rank 'python' and 'numpy' RNG states"),
+    "resumed_from_steps": (_list_of(_is_count), "a list of integers >= 0"),
+    "resume_timings": (_list_of(_numbers_by_name), "a list of objects of numbers"),
+    "epoch_partial": (_numbers_by_name, "an object of numbers"),
+    "mlflow_model_uri": (_is_str, "a string"),
+    "mlflow_run_id": (_is_str, "a string"),
+    "elapsed_s": (_is_number, "a number"),
+    "telemetry": (_is_mapping, "a JSON object"),
+}
+"""How each field of :class:`CheckpointMeta` is checked when read from JSON, and what the message says it expects."""
+
+
+def _listed(names: list[Any], limit: int = 10) -> str:
+    """Up to ``limit`` names, each quoted bounded in size, and how many more there are."""
+    shown = ", ".join(quote(n) for n in names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+def _reason(exc: BaseException) -> str:
+    """An underlying error for a message: its type (unless it is this module's own) and its text, clipped."""
+    text = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+    return clip(text, MAX_REASON_CHARS)
 
 
 class CheckpointError(RuntimeError):
@@ -183,8 +330,157 @@ def manifest_for(files: dict[str, bytes], *, global_step: int, metric: float | N
     ).encode()
 
 
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_MANIFEST_KEYS = ("global_step", "metric", "files", "written_at")
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """What the manifest says one file of the checkpoint is."""
+
+    num_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class CheckpointManifest:
+    """A checkpoint's ``manifest.json``, checked: see :meth:`parse`."""
+
+    global_step: int
+    metric: float | None
+    files: dict[str, ManifestEntry]
+    written_at: float
+
+    @classmethod
+    def parse(cls, data: bytes, *, where: str) -> CheckpointManifest:
+        """The manifest in ``data``, checked against its schema before any file it names is read.
+
+        It must be a JSON object of exactly ``global_step`` (an integer >= 0), ``metric`` (a number or null),
+        ``written_at`` (a number) and ``files``: an object that maps each of :data:`CHECKPOINT_FILES` (plain names
+        inside the checkpoint's directory, nothing else) to ``{"bytes": integer >= 0, "sha256": 64 hex digits}``.
+        Raises :class:`CheckpointError` naming ``where``, the key, the value (bounded in size) and what was expected.
+        """
+        raw = _parse_json(data, where=where)
+        if not isinstance(raw, dict):
+            raise CheckpointError(
+                f"{where} holds {quote(raw)}: expected a JSON object with {', '.join(_MANIFEST_KEYS)}"
+            )
+        unknown = [key for key in raw if key not in _MANIFEST_KEYS]
+        missing = [key for key in _MANIFEST_KEYS if key not in raw]
+        if unknown or missing:
+            found = f"unknown key(s) {_listed(unknown)}" if unknown else f"no {', '.join(missing)}"
+            raise CheckpointError(f"{where} has {found}: expected exactly the keys {', '.join(_MANIFEST_KEYS)}")
+        checks = {
+            "global_step": (_is_count, "an integer >= 0"),
+            "metric": (lambda v: v is None or _is_number(v), "a number or null"),
+            "written_at": (_is_number, "a number (seconds since the epoch)"),
+            "files": (_is_mapping, f"an object of {', '.join(CHECKPOINT_FILES)}"),
+        }
+        for key, (is_valid, expected) in checks.items():
+            if not is_valid(raw[key]):
+                raise CheckpointError(f"{where} key {key}={quote(raw[key])} is invalid: expected {expected}")
+        for name in raw["files"]:
+            _check_file_name(name, where=where)
+        if set(raw["files"]) != set(CHECKPOINT_FILES):
+            raise CheckpointError(
+                f"{where} lists the files {_listed(sorted(raw['files']))}: "
+                f"expected exactly {', '.join(CHECKPOINT_FILES)}"
+            )
+        files = {}
+        for name, entry in raw["files"].items():
+            if not (
+                isinstance(entry, dict)
+                and set(entry) == {"bytes", "sha256"}
+                and _is_count(entry["bytes"])
+                and isinstance(entry["sha256"], str)
+                and _SHA256_HEX.fullmatch(entry["sha256"])
+            ):
+                raise CheckpointError(
+                    f"{where} entry of {name}={quote(entry)} is invalid: expected "
+                    '{"bytes": an integer >= 0, "sha256": 64 lowercase hex digits}'
+                )
+            files[name] = ManifestEntry(num_bytes=entry["bytes"], sha256=entry["sha256"])
+        return cls(global_step=raw["global_step"], metric=raw["metric"], files=files, written_at=raw["written_at"])
+
+
+def _check_file_name(name: Any, *, where: str) -> None:
+    """Refuse a file name read from a manifest unless it is a plain name inside the checkpoint's directory: no
+    path separator, no ``..``, no drive or URI scheme (``:``), not empty. Checked before anything is read."""
+    if not isinstance(name, str) or not name or name == "." or ".." in name or any(c in name for c in "/\\:\0"):
+        raise CheckpointError(
+            f"{where} names the file {quote(name)}, which is not a plain name inside the checkpoint's directory: "
+            f"a manifest lists only {', '.join(CHECKPOINT_FILES)}"
+        )
+
+
+def _parse_json(data: bytes, *, where: str) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser's stack
+        raise CheckpointError(f"{where} is not valid JSON: {_reason(exc)}") from None
+
+
+_NOT_RETRYABLE_ERRNOS = frozenset(
+    {
+        errno.ENOENT,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EACCES,
+        errno.EPERM,
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EROFS,
+        errno.EEXIST,
+        errno.ENAMETOOLONG,
+        errno.ELOOP,
+        errno.EINVAL,
+    }
+)
+_NOT_RETRYABLE_TYPES = (
+    FileNotFoundError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+    FileExistsError,
+    ValueError,
+    TypeError,
+    KeyError,
+    AttributeError,
+    NotImplementedError,
+)
+_THROTTLING_CODES = frozenset(
+    {"Throttling", "ThrottlingException", "SlowDown", "RequestLimitExceeded", "RequestTimeout"}
+)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether waiting could make a storage error go away.
+
+    Connection errors, timeouts, throttling and server errors (HTTP 5xx, 408, 429, as botocore reports them) are
+    retried, and so is an error of a kind not known here (object-store clients raise many of their own). A path
+    that is missing, is a directory (or is not one), may not be accessed, a full or read-only disk, and a bad
+    argument are answers that stay the same however long one waits."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(exc, _NOT_RETRYABLE_TYPES) or getattr(exc, "errno", None) in _NOT_RETRYABLE_ERRNOS:
+        return False
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):  # botocore's ClientError
+        error, metadata = response.get("Error"), response.get("ResponseMetadata")
+        code = error.get("Code") if isinstance(error, dict) else None
+        status = metadata.get("HTTPStatusCode") if isinstance(metadata, dict) else None
+        if code in _THROTTLING_CODES or status in (408, 429):
+            return True
+        if _is_int(status) and 400 <= status < 500:
+            return False
+    return True
+
+
 class CheckpointStorage:
-    """Where checkpoint directories live: a local path or an fsspec URI, with bounded retries."""
+    """Where checkpoint directories live: a local path or an fsspec URI, with bounded retries of transient errors.
+
+    :meth:`uri` is the real location, for I/O; :meth:`display_uri` and :meth:`scrub` are what messages and logs
+    show, with any credentials in the root redacted."""
 
     def __init__(
         self, root: str, *, storage_options: dict[str, Any] | None = None, retries: int = 5, retry_wait_s: float = 1.0
@@ -196,22 +492,50 @@ class CheckpointStorage:
         self.is_local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
         self.retries = retries
         self.retry_wait_s = retry_wait_s
+        # The filesystem's own errors quote its path, where a root's userinfo stays without the "scheme://" that
+        # redact() looks for (s3://KEY:SECRET@bucket is the path KEY:SECRET@bucket): scrub() removes it by value.
+        userinfo = re.match(r"(?i)[a-z][a-z0-9+.\-]*://([^/?#]*)@", self.root)
+        self._userinfo = userinfo.group(1) + "@" if userinfo and userinfo.group(1) else ""
 
     def uri(self, name: str) -> str:
+        """The real URI of checkpoint ``name``, for I/O: never put it in a message (see :meth:`display_uri`)."""
         return f"{self.root}/{name}"
 
+    def display_uri(self, name: str = "") -> str:
+        """The URI of checkpoint ``name`` (of the root when empty) as messages show it: credentials redacted."""
+        return self.scrub(f"{self.root}/{name}" if name else self.root)
+
+    def scrub(self, text: str) -> str:
+        """``text`` with the credentials of any URL, and the root's own userinfo wherever it appears, redacted."""
+        text = redact(text)
+        return text.replace(self._userinfo, "***@") if self._userinfo else text
+
     def _retry(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, retried with exponential backoff while its error :func:`is_retryable`. A missing path is
+        raised as ``FileNotFoundError`` at once (the caller decides what it means); any other error that waiting
+        will not fix, or the last retryable one, as :class:`CheckpointError`. ``what`` is scrubbed of credentials."""
+        what = self.scrub(what)
         delay = self.retry_wait_s
         for attempt in range(self.retries + 1):
             try:
                 return fn()
             except FileNotFoundError:
-                raise  # an answer, not a hiccup: the caller decides what a missing path means
+                raise
             except Exception as exc:  # noqa: BLE001 - botocore's connection errors are not OSErrors
-                # A full disk will not empty itself by waiting: fail at once so the caller reports it.
-                if getattr(exc, "errno", None) == 28 or attempt == self.retries:
-                    raise CheckpointError(f"{what} failed after {attempt + 1} attempt(s): {exc}") from exc
-                log.warning("%s failed (%s); retrying in %.1fs (%d/%d)", what, exc, delay, attempt + 1, self.retries)
+                retryable = is_retryable(exc)
+                if not retryable or attempt == self.retries:
+                    kind = "" if retryable else ", not retryable"
+                    raise CheckpointError(
+                        f"{what} failed after {attempt + 1} attempt(s){kind}: {self.scrub(_reason(exc))}"
+                    ) from exc
+                log.warning(
+                    "%s failed (%s); retrying in %.1fs (%d/%d)",
+                    what,
+                    self.scrub(_reason(exc)),
+                    delay,
+                    attempt + 1,
+                    self.retries,
+                )
                 time.sleep(delay)
                 delay = min(delay * 2, 30.0)
 
@@ -220,8 +544,8 @@ class CheckpointStorage:
         final = f"{self.path}/{name}"
         if self.is_local:
             staging = f"{self.path}/.tmp-{name}-{uuid.uuid4().hex[:8]}"
-            os.makedirs(staging, exist_ok=True)
             try:
+                os.makedirs(staging, exist_ok=True)
                 for file, data in {**files, MANIFEST_FILE: manifest}.items():
                     with open(os.path.join(staging, file), "wb") as f:
                         f.write(data)
@@ -232,7 +556,9 @@ class CheckpointStorage:
                 os.rename(staging, final)
             except OSError as exc:
                 _remove_local(staging)
-                raise CheckpointError(f"writing checkpoint {self.uri(name)} failed: {exc}") from exc
+                raise CheckpointError(
+                    f"writing checkpoint {self.display_uri(name)} failed: {self.scrub(_reason(exc))}"
+                ) from exc
             return
         for file, data in files.items():
             self._retry(
@@ -247,13 +573,15 @@ class CheckpointStorage:
         return self._retry(f"reading {self.uri(name)}/{file}", lambda: self.fs.cat_file(f"{self.path}/{name}/{file}"))
 
     def list_steps(self) -> list[str]:
-        """Checkpoint directory names, oldest first (staging directories excluded)."""
+        """Checkpoint directory names (``step-<digits>``), oldest first by their parsed step; any other name
+        (a staging directory, a stray file) is ignored."""
         try:
             entries = self._retry(f"listing {self.root}", lambda: self.fs.ls(self.path, detail=False, refresh=True))
         except FileNotFoundError:
             return []
         names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
-        return sorted(n for n in names if n.startswith(STEP_PREFIX) and n[len(STEP_PREFIX) :].isdigit())
+        steps = [(int(match.group(1)), name) for name in names if (match := _STEP_NAME.fullmatch(name))]
+        return [name for _, name in sorted(steps)]
 
     def delete(self, name: str) -> None:
         if self.is_local:
@@ -272,38 +600,78 @@ def _remove_local(path: str) -> None:
 class LoadedCheckpoint:
     name: str
     uri: str
+    """Where the checkpoint is, for I/O (with any credentials of its root): log :attr:`display_uri` instead."""
     model: dict[str, Any]
     trainer: dict[str, Any]
     meta: CheckpointMeta
 
+    @property
+    def display_uri(self) -> str:
+        """:attr:`uri` as messages show it, credentials redacted."""
+        return redact(self.uri)
+
+
+_TRAINER_STATE_KEYS = ("optimizer", "scheduler", "scaler", "rng")
+
 
 def verify_and_load(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
-    """Read one checkpoint, check every file against its manifest, and decode it safely."""
+    """Read one checkpoint, check every file against its manifest, and decode it safely.
+
+    Raises :class:`CheckpointError` naming the checkpoint and the reason for anything that keeps it from loading:
+    a missing or malformed manifest (see :meth:`CheckpointManifest.parse`), a missing, truncated or corrupt file,
+    a tensor file that ``torch.load(weights_only=True)`` refuses or that does not hold a state dict (model) or the
+    trainer's state dicts, and metadata that :meth:`CheckpointMeta.from_dict` refuses."""
     import torch
 
+    where = storage.display_uri(name)
     try:
-        manifest = json.loads(storage.read(name, MANIFEST_FILE))
-    except (CheckpointError, FileNotFoundError, ValueError) as exc:
+        manifest_bytes = storage.read(name, MANIFEST_FILE)
+    except (CheckpointError, FileNotFoundError) as exc:
         raise CheckpointError(
-            f"{storage.uri(name)} has no readable {MANIFEST_FILE} (incomplete write?): {exc}"
+            f"{where} has no readable {MANIFEST_FILE} (incomplete write?): {storage.scrub(_reason(exc))}"
         ) from None
+    manifest = CheckpointManifest.parse(manifest_bytes, where=f"{where}/{MANIFEST_FILE}")
     payloads = {}
-    for file, entry in manifest["files"].items():
+    for file, entry in manifest.files.items():
         try:
             data = storage.read(name, file)
         except (CheckpointError, FileNotFoundError) as exc:
-            raise CheckpointError(f"{storage.uri(name)}/{file} is missing: {exc}") from None
-        if len(data) != entry["bytes"]:
-            raise CheckpointError(
-                f"{storage.uri(name)}/{file} is truncated: {len(data)} bytes, manifest says {entry['bytes']}"
-            )
-        if _sha256(data) != entry["sha256"]:
-            raise CheckpointError(f"{storage.uri(name)}/{file} is corrupt: sha256 differs from the manifest")
+            raise CheckpointError(f"{where}/{file} is missing: {storage.scrub(_reason(exc))}") from None
+        if len(data) != entry.num_bytes:
+            raise CheckpointError(f"{where}/{file} is truncated: {len(data)} bytes, manifest says {entry.num_bytes}")
+        if _sha256(data) != entry.sha256:
+            raise CheckpointError(f"{where}/{file} is corrupt: sha256 differs from the manifest")
         payloads[file] = data
-    model = torch.load(io.BytesIO(payloads[MODEL_FILE]), map_location="cpu", weights_only=True)
-    trainer = torch.load(io.BytesIO(payloads[TRAINER_STATE_FILE]), map_location="cpu", weights_only=True)
-    meta = CheckpointMeta(**json.loads(payloads[META_FILE]))
+    tensors = {}
+    for file in (MODEL_FILE, TRAINER_STATE_FILE):
+        try:
+            tensors[file] = torch.load(io.BytesIO(payloads[file]), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, ... for bad bytes
+            raise CheckpointError(
+                f"{where}/{file} cannot be loaded with torch.load(weights_only=True): {_reason(exc)}"
+            ) from None
+    model, trainer = tensors[MODEL_FILE], tensors[TRAINER_STATE_FILE]
+    if not (isinstance(model, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in model.items())):
+        raise CheckpointError(f"{where}/{MODEL_FILE} holds {quote(model)}: expected a model's state dict of tensors")
+    if not (
+        isinstance(trainer, dict)
+        and set(trainer) <= set(_TRAINER_STATE_KEYS)
+        and all(isinstance(v, dict) for v in trainer.values())
+    ):
+        raise CheckpointError(
+            f"{where}/{TRAINER_STATE_FILE} holds {quote(trainer)}: expected a mapping of state dicts named "
+            f"{', '.join(_TRAINER_STATE_KEYS)}"
+        )
+    meta = _decode_meta(payloads[META_FILE], where=f"{where}/{META_FILE}")
     return LoadedCheckpoint(name=name, uri=storage.uri(name), model=model, trainer=trainer, meta=meta)
+
+
+def _decode_meta(data: bytes, *, where: str) -> CheckpointMeta:
+    raw = _parse_json(data, where=where)
+    try:
+        return CheckpointMeta.from_dict(raw, where=where)
+    except (ValueError, TypeError, ArithmeticError) as exc:  # the records' own checks, past the schema
+        raise CheckpointError(clip(str(exc), 2 * MAX_REASON_CHARS)) from None
 
 
 def load_directory(uri: str) -> LoadedCheckpoint:
@@ -313,18 +681,29 @@ def load_directory(uri: str) -> LoadedCheckpoint:
 
 
 def load_latest_valid(storage: CheckpointStorage) -> LoadedCheckpoint | None:
-    """The newest checkpoint that verifies; each newer one that does not is skipped with a warning."""
+    """The newest checkpoint that verifies and loads; each newer one that does not, for whatever reason, is skipped
+    with a warning naming it and the reason. ``None`` when there is none."""
     rejected: list[str] = []
     for name in reversed(storage.list_steps()):
         try:
             loaded = verify_and_load(storage, name)
         except CheckpointError as exc:
-            log.warning("skipping checkpoint %s: %s", storage.uri(name), exc)
+            log.warning("skipping checkpoint %s: %s", storage.display_uri(name), storage.scrub(str(exc)))
+            rejected.append(name)
+            continue
+        except Exception as exc:  # noqa: BLE001 - the last line of defence: a resume must reach an older checkpoint
+            log.warning(
+                "skipping checkpoint %s: it could not be loaded: %s",
+                storage.display_uri(name),
+                storage.scrub(_reason(exc)),
+            )
             rejected.append(name)
             continue
         if rejected:
             log.warning(
-                "resuming from %s instead of the newer %s, which failed verification", loaded.uri, ", ".join(rejected)
+                "resuming from %s instead of the newer %s, which failed verification",
+                storage.display_uri(name),
+                ", ".join(rejected),
             )
         return loaded
     return None
@@ -463,7 +842,7 @@ class Checkpointer:
         self.last_save_s = time.perf_counter() - start
         if self.observer is not None:
             self.observer.checkpoint_saved(duration_s=self._last_stage_s + self.last_save_s, bytes_written=num_bytes)
-        log.info("checkpoint %s written in %.2fs", self.storage.uri(name), self.last_save_s)
+        log.info("checkpoint %s written in %.2fs", self.storage.display_uri(name), self.last_save_s)
         self._prune(keep=name)
 
     def _prune(self, *, keep: str) -> None:
@@ -481,18 +860,21 @@ class Checkpointer:
         scored = []
         for name in names:
             try:
-                metric = json.loads(self.storage.read(name, MANIFEST_FILE)).get("metric")
-            except (CheckpointError, FileNotFoundError, ValueError):
-                continue
+                where = f"{self.storage.display_uri(name)}/{MANIFEST_FILE}"
+                metric = CheckpointManifest.parse(self.storage.read(name, MANIFEST_FILE), where=where).metric
+            except (CheckpointError, FileNotFoundError):
+                continue  # not a candidate; load_latest_valid reports it when it matters
             if metric is not None:
                 scored.append((metric if self.best_mode == "max" else -metric, name))
         return max(scored)[1] if scored else None
 
 
 def load_meta(directory: str) -> CheckpointMeta:
-    """The metadata of the checkpoint at ``directory`` (local or ``s3://``), without loading its tensors."""
+    """The metadata of the checkpoint at ``directory`` (local or ``s3://``), without loading its tensors (nor
+    verifying it against the manifest). Raises :class:`CheckpointError` when it is not valid metadata."""
     parent, name = directory.rstrip("/").rsplit("/", 1)
-    return CheckpointMeta(**json.loads(CheckpointStorage(parent).read(name, META_FILE)))
+    storage = CheckpointStorage(parent)
+    return _decode_meta(storage.read(name, META_FILE), where=f"{storage.display_uri(name)}/{META_FILE}")
 
 
 def load_model(directory: str, *, map_location: str = "cpu"):
