@@ -435,3 +435,187 @@ def test_credentials_in_the_root_never_reach_a_message_and_io_still_uses_them(ca
         assert storage.uri(OLDER) == f"{root}/{OLDER}"
     finally:
         fsspec.filesystem("memory").rm(storage.path, recursive=True)
+
+
+def _assert_well_typed(meta: ckpt.CheckpointMeta) -> None:
+    """Whatever loads holds every field with the type the code that reads it expects (an oracle independent of
+    the module's schema table)."""
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    checks = {
+        "model_name": isinstance(meta.model_name, str),
+        "classes": isinstance(meta.classes, list) and all(isinstance(c, str) for c in meta.classes),
+        "input_shape": isinstance(meta.input_shape, list) and all(is_int(n) and n >= 0 for n in meta.input_shape),
+        "mean": isinstance(meta.mean, list) and all(is_number(x) for x in meta.mean),
+        "std": isinstance(meta.std, list) and all(is_number(x) for x in meta.std),
+        "epoch": is_int(meta.epoch) and meta.epoch >= 0,
+        "global_step": is_int(meta.global_step) and meta.global_step >= 0,
+        "config": isinstance(meta.config, dict),
+        "step_in_epoch": is_int(meta.step_in_epoch) and meta.step_in_epoch >= 0,
+        "best_metric": meta.best_metric is None or is_number(meta.best_metric),
+        "metric": meta.metric is None or is_number(meta.metric),
+        "history": all(
+            isinstance(r, EpochRecord) and all(is_number(v) for v in dataclasses.asdict(r).values())
+            for r in meta.history
+        ),
+        "step_log": all(
+            isinstance(r, StepRecord) and all(is_number(v) for v in dataclasses.asdict(r).values())
+            for r in meta.step_log
+        ),
+        "rng": isinstance(meta.rng, dict)
+        and all(isinstance(s, dict) and {"python", "numpy"} <= s.keys() for s in meta.rng.values()),
+        "resumed_from_steps": all(is_int(n) for n in meta.resumed_from_steps),
+        "resume_timings": all(isinstance(t, dict) for t in meta.resume_timings),
+        "epoch_partial": isinstance(meta.epoch_partial, dict)
+        and all(is_number(v) for v in meta.epoch_partial.values()),
+        "mlflow_model_uri": isinstance(meta.mlflow_model_uri, str),
+        "mlflow_run_id": isinstance(meta.mlflow_run_id, str),
+        "elapsed_s": is_number(meta.elapsed_s),
+        "telemetry": isinstance(meta.telemetry, dict),
+    }
+    assert set(checks) == {f.name for f in dataclasses.fields(meta)}
+    assert all(checks.values()), [name for name, ok in checks.items() if not ok]
+
+
+PATH_LIKE_NAMES = [
+    "../model.pt",
+    "../../etc/hostname",
+    "/etc/hostname",
+    "s3://bucket/model.pt",
+    "file:///etc/passwd",
+    "sub\\model.pt",
+    "model.pt/..",
+    "C:model.pt",
+    "",
+    ".",
+    "..",
+    "model.pt\x00",
+]
+HOSTILE_TEXTS = [
+    b"",
+    b"\xff\xfe\x00",
+    b"[" * 100_000,
+    b'{"files": ' + b"1" * 5000 + b"}",
+    b"NaN",
+    b"null",
+    b'{"a": 1, "a": 2}',
+]
+
+
+def _mutations(st):
+    """A target file (``manifest.json`` as is, or ``meta.json`` re-signed) and a list of edits of its parsed JSON:
+    drop, add or replace keys with random JSON values (numbers of any size, NaN and inf, text, nested lists and
+    objects), path-like file names, record fields, or the whole document replaced by JSON or by hostile text."""
+    texts = st.text(max_size=12)
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-3, max_value=100),
+        st.integers(min_value=-(10**40), max_value=10**40),
+        st.floats(),
+        texts,
+        st.sampled_from(PATH_LIKE_NAMES + ["0" * 64, "f" * 64, "F" * 64, "model.pt"]),
+    )
+    values = st.recursive(
+        scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(texts, inner, max_size=4), max_leaves=10
+    )
+    manifest_keys = ["global_step", "metric", "files", "written_at"]
+    meta_keys = [f.name for f in dataclasses.fields(ckpt.CheckpointMeta)]
+    edit = st.one_of(
+        st.tuples(st.just("drop"), st.sampled_from(manifest_keys + meta_keys)),
+        st.tuples(st.just("set"), st.sampled_from(manifest_keys + meta_keys) | texts, values),
+        st.tuples(st.just("drop file"), st.sampled_from(ckpt.CHECKPOINT_FILES)),
+        st.tuples(
+            st.just("rename file"), st.sampled_from(ckpt.CHECKPOINT_FILES), st.sampled_from(PATH_LIKE_NAMES) | texts
+        ),
+        st.tuples(
+            st.just("set entry"), st.sampled_from(ckpt.CHECKPOINT_FILES), st.sampled_from(["bytes", "sha256"]), values
+        ),
+        st.tuples(
+            st.just("set record"),
+            st.sampled_from(["history", "step_log"]),
+            st.sampled_from(["epoch", "lr"]) | texts,
+            values,
+        ),
+        st.tuples(
+            st.just("drop record field"), st.sampled_from(["history", "step_log"]), st.sampled_from(["epoch", "lr"])
+        ),
+        st.tuples(st.just("replace"), values),
+        st.tuples(st.just("raw"), st.sampled_from(HOSTILE_TEXTS)),
+    )
+    return st.tuples(st.sampled_from([ckpt.MANIFEST_FILE, ckpt.META_FILE]), st.lists(edit, min_size=1, max_size=3))
+
+
+def _apply(raw, edits):
+    """``raw`` (parsed JSON) with ``edits`` applied; bytes when an edit replaced the text itself."""
+    for edit in edits:
+        kind = edit[0]
+        if kind == "raw":
+            return edit[1]
+        if kind == "replace":
+            raw = edit[1]
+        elif not isinstance(raw, dict):
+            continue
+        elif kind == "drop":
+            raw.pop(edit[1], None)
+        elif kind == "set":
+            raw[edit[1]] = edit[2]
+        elif isinstance(raw.get("files"), dict) and kind == "drop file":
+            raw["files"].pop(edit[1], None)
+        elif isinstance(raw.get("files"), dict) and kind == "rename file" and edit[1] in raw["files"]:
+            raw["files"][edit[2]] = raw["files"].pop(edit[1])
+        elif isinstance(raw.get("files"), dict) and kind == "set entry" and isinstance(raw["files"].get(edit[1]), dict):
+            raw["files"][edit[1]][edit[2]] = edit[3]
+        elif kind in ("set record", "drop record field") and isinstance(raw.get(edit[1]), list) and raw[edit[1]]:
+            record = raw[edit[1]][0]
+            if isinstance(record, dict):
+                if kind == "set record":
+                    record[edit[2]] = edit[3]
+                else:
+                    record.pop(edit[2], None)
+    return json.dumps(raw).encode()
+
+
+def test_a_mutated_manifest_or_meta_loads_unchanged_or_falls_back_with_a_short_warning(template, tmp_path, caplog):
+    hypothesis = pytest.importorskip("hypothesis", reason="the property tier needs hypothesis (not installed)")
+    root = tmp_path / "ckpt"
+    shutil.copytree(template, root)
+    newest = root / NEWER
+    originals = {name: (newest / name).read_bytes() for name in (ckpt.MANIFEST_FILE, ckpt.META_FILE)}
+    storage = ckpt.CheckpointStorage(str(root), retries=0)
+    expected = {name: ckpt.verify_and_load(storage, name) for name in (OLDER, NEWER)}
+    outcomes = {OLDER: 0, NEWER: 0}
+
+    @hypothesis.settings(max_examples=200, deadline=None, database=None, derandomize=True)
+    @hypothesis.given(_mutations(hypothesis.strategies))
+    def check(mutation):
+        target, edits = mutation
+        for name, data in originals.items():
+            (newest / name).write_bytes(data)
+        (newest / target).write_bytes(_apply(json.loads(originals[target]), edits))
+        if target == ckpt.META_FILE:
+            _resign(newest)
+        loaded, warnings = _load_with_warnings(storage, caplog)
+        assert loaded is not None and loaded.name in (OLDER, NEWER), warnings
+        outcomes[loaded.name] += 1
+        want = expected[loaded.name]
+        assert loaded.model.keys() == want.model.keys()
+        assert all(torch.equal(loaded.model[k], want.model[k]) for k in want.model)
+        assert loaded.trainer.keys() == want.trainer.keys()
+        _assert_well_typed(loaded.meta)
+        if loaded.name == NEWER:
+            assert "skipping" not in warnings, warnings
+        else:
+            assert f"skipping checkpoint {newest}: " in warnings, warnings
+            assert loaded.meta == want.meta
+
+    caplog.set_level(logging.WARNING, logger="training_core")
+    check()
+    num_cases = sum(outcomes.values())
+    print(f"hypothesis: {num_cases} mutated checkpoint manifests and metas: {outcomes}")
+    assert num_cases >= 100 and outcomes[OLDER] > 0 and outcomes[NEWER] > 0, outcomes
