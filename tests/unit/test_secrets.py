@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
+from tests.unit.test_run_worker import InProcessRuntime
+from training_core.config import TrainingConfig
+from training_core.data import prepare
+from training_core.loop import run_worker
+from training_core.records import WorkerArgs
 from training_core.redact import REDACTED_LOGGERS, RedactingFilter, install_log_redaction, redact
 
 
@@ -137,3 +143,171 @@ def test_the_log_filter_passes_a_malformed_record_through_unchanged_for_its_hand
     record = logging.LogRecord("training_core", logging.WARNING, __file__, 1, "bad %d", ("http://u:p@h",), None)
     assert RedactingFilter().filter(record) is True
     assert record.msg == "bad %d" and record.args == ("http://u:p@h",)
+
+
+def test_report_pages_and_decks_carry_no_url_credentials():
+    from tasks import reports
+
+    sections = [
+        reports.section("Run", reports.table([("checkpoints", "s3://RPTKEY:RPTSECRET@bucket/ckpt")]), section_id="run")
+    ]
+    page = reports.page("Training report", sections)
+    deck = reports.deck(sections, marker="s3://RPTKEY:RPTSECRET@bucket/raw/report.html")
+    for text in (page, deck):
+        assert "RPTKEY" not in text and "RPTSECRET" not in text
+    assert "s3://***@bucket/ckpt" in page and "data-report='s3://***@bucket/raw/report.html'" in deck
+
+
+# One user and password per field, each unique, so a leak names the field it came from.
+MARKERS = {
+    "observability.pushgateway_url": ("MKPGUSER7q", "MKPGPASS9z"),
+    "TRAINING_PUSHGATEWAY_URL": ("MKENVUSER4k", "MKENVPASS2w"),
+    "checkpoint.storage_path": ("MKCKUSER6t", "MKCKPASS1x"),
+    "tracking.tracking_uri": ("MKTRUSER3v", "MKTRPASS8n"),
+    "data.path": ("MKDATAUSER5m", "MKDATAPASS0p"),
+}
+
+
+def _leaks(text: str | bytes, where: str) -> list[str]:
+    """``field: where`` for each marker found in ``text`` (case-insensitive, in case a store folds case)."""
+    haystack = (text.decode("utf-8", "replace") if isinstance(text, bytes) else text).lower()
+    return [f"{field}: {where}" for field, pair in MARKERS.items() for m in pair if m.lower() in haystack]
+
+
+def _url(field: str, host: str) -> str:
+    user, password = MARKERS[field]
+    return f"{host.split('://')[0]}://{user}:{password}@{host.split('://')[1]}"
+
+
+@pytest.fixture
+def memory_storage():
+    """fsspec's in-memory filesystem, where a URL's userinfo survives as part of the path: the checkpoints are
+    written to and read from a real ``memory://user:password@bucket/...`` location. Emptied afterwards."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    yield fs
+    for path in list(fs.store):
+        if MARKERS["checkpoint.storage_path"][0] in path:
+            fs.store.pop(path, None)
+    for path in list(fs.pseudo_dirs):
+        if MARKERS["checkpoint.storage_path"][0] in path:
+            fs.pseudo_dirs.remove(path)
+
+
+def test_marker_credentials_in_every_url_field_reach_no_log_mlflow_record_or_checkpoint(
+    tmp_path, monkeypatch, caplog, capfd, memory_storage
+):
+    """Two runs of the real loop (in this process, one rank): the first gets the Pushgateway from
+    ``TRAINING_PUSHGATEWAY_URL``, the second (a fine-tune of the first's checkpoint) from the config. Every URL
+    field carries marker credentials; the pushes fail (a closed port) and are logged, the checkpoints are
+    written to and read back from the credentialed location. Then logs, the MLflow store (params, tags, every
+    artifact, the database file) and every file of every checkpoint are searched for the markers."""
+    from mlflow.tracking import MlflowClient
+
+    from training_core import tracking
+    from training_core.config import DataConfig, TrackingConfig
+    from training_core.launch import free_port
+    from training_core.records import MlflowRun
+    from training_core.trainer import checkpoint_root, collect_final
+
+    monkeypatch.chdir(tmp_path)  # MLflow's default artifact root (./mlruns) lands here
+    closed = f"127.0.0.1:{free_port()}"
+    storage_path = _url("checkpoint.storage_path", "memory://bucket/runs")
+    monkeypatch.setenv("TRAINING_PUSHGATEWAY_URL", _url("TRAINING_PUSHGATEWAY_URL", f"http://{closed}"))
+    data_dir = str(tmp_path / "digits")
+    prepare(TrainingConfig().data, data_dir)
+
+    def config(*, stop_at_epoch: int, pushgateway_url: str) -> TrainingConfig:
+        return TrainingConfig.from_dict(
+            {
+                "data": {"path": _url("data.path", "s3://bucket/raw/digits")},  # digits ignores it: only recorded
+                "model": {"name": "small_cnn"},
+                "loop": {"epochs": 2, "stop_at_epoch": stop_at_epoch, "batch_size": 128, "log_interval_steps": 4},
+                "checkpoint": {"storage_path": storage_path, "interval_steps": 5, "keep_last": 2, "async_save": False},
+                "scaling": {"num_workers": 1, "torch_threads_per_worker": 1},
+                # The loop connects to the MLflow run it is given (sqlite below); the config's URI is only recorded.
+                "tracking": {"tracking_uri": _url("tracking.tracking_uri", f"http://{closed}/mlflow")},
+                "observability": {
+                    "pushgateway_url": pushgateway_url,
+                    "push_timeout_s": 1.0,
+                    "nvml": False,
+                    "host": False,
+                    "mlflow_system_metrics": False,
+                },
+            }
+        )
+
+    store = TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment_name="secrets")
+    run_ids, finals = [], []
+    caplog.set_level(logging.INFO)
+    for name, cfg, resume_from in (
+        ("from-env", config(stop_at_epoch=1, pushgateway_url=""), ""),
+        (
+            "fine-tune",
+            config(stop_at_epoch=0, pushgateway_url=_url("observability.pushgateway_url", f"http://{closed}")),
+            None,
+        ),
+    ):
+        tracking_uri, run_id = tracking.create_run(store, run_name=name, tags={"storage": storage_path})
+        root = checkpoint_root(storage_path, name)
+        args = WorkerArgs.build(
+            cfg,
+            data_dir=data_dir,
+            checkpoint_root=root,
+            run_name=name,
+            mlflow=MlflowRun(tracking_uri=tracking_uri, run_id=run_id),
+            resume_from=finals[-1].checkpoint_uri if resume_from is None else "",
+            log_params=True,
+        )
+        run_worker(args, InProcessRuntime())
+        tracking.finish_run(tracking_uri, run_id)
+        run_ids.append(run_id)
+        finals.append(collect_final(cfg, root, str(tmp_path / name), what=name))
+
+    # A data.path whose credentials reach an error message: a dataset that reads it, at a missing location.
+    with pytest.raises(ValueError) as missing:
+        prepare(DataConfig(dataset="cifar10", path=_url("data.path", "memory://bucket/missing.tar.gz")), data_dir)
+    logging.getLogger("training_core").error("prepare failed: %s", missing.value)
+
+    client = MlflowClient(tracking_uri=store.tracking_uri)
+    params = [client.get_run(run_id).data.params for run_id in run_ids]
+    leaks: list[str] = []
+    captured = capfd.readouterr()
+    leaks += _leaks(captured.out + captured.err, "stdout/stderr")
+    leaks += _leaks(caplog.text, "log records")
+    leaks += _leaks(str(missing.value), "the missing data.path error")
+    for run_id, run_params in zip(run_ids, params):
+        run = client.get_run(run_id)
+        leaks += _leaks(json.dumps(run_params), f"params of {run_id}")
+        leaks += _leaks(json.dumps(run.data.tags), f"tags of {run_id}")
+        assert "config.json" in {a.path for a in client.list_artifacts(run_id)}
+    artifact_files = [p for p in (tmp_path / "mlruns").rglob("*") if p.is_file()]
+    assert any(p.name == "config.json" for p in artifact_files)
+    for path in [*artifact_files, tmp_path / "mlflow.db"]:
+        leaks += _leaks(path.read_bytes(), str(path.relative_to(tmp_path)))
+    # Every file of every checkpoint: where training wrote them (their paths hold the real URL, their contents
+    # must not), and the local copies collect_final made.
+    written = [p for p in memory_storage.find(storage_path.split("://", 1)[1]) if "/step-" in p]
+    assert len(written) > 6
+    for path in written:
+        leaks += _leaks(memory_storage.cat_file(path), path.rsplit("/runs/", 1)[1])
+    for final in finals:
+        for path in Path(final.checkpoint_dir).rglob("*"):
+            if path.is_file():
+                leaks += _leaks(path.read_bytes(), str(path.relative_to(tmp_path)))
+    assert not leaks, "\n".join(leaks)
+
+    # The runs used the real values: they pushed (and failed) to both URLs, resumed from the credentialed
+    # location and recorded every field, redacted.
+    assert finals[1].meta.resumed_from_steps == [finals[0].meta.global_step]
+    assert finals[0].checkpoint_uri.startswith(storage_path)
+    pushes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pushing metrics to")]
+    assert len(pushes) == 2 and all(f"http://***@{closed}" in p for p in pushes), pushes
+    assert any(r.getMessage().startswith("resumed from memory://***@bucket/runs/") for r in caplog.records)
+    for run_params in params:
+        assert run_params["checkpoint.storage_path"] == "memory://***@bucket/runs"
+        assert run_params["tracking.tracking_uri"] == f"http://***@{closed}/mlflow"
+        assert run_params["data.path"] == "s3://***@bucket/raw/digits"
+        assert run_params["observability.pushgateway_url"] == f"http://***@{closed}"
+    assert finals[1].meta.config["observability"]["pushgateway_url"] == f"http://***@{closed}"
