@@ -2,7 +2,12 @@
 
 ``prepare`` writes each split as ``num_shards`` ``.npz`` files (uint8 images, int64 labels; no pickles)
 plus ``manifest.json``: split counts, classes, input shape, normalisation stats and every shard with its
-sha256. The directory may be local or any fsspec URI (``s3://...``).
+sha256, sample count and label range. The directory may be local or any fsspec URI (``s3://...``).
+
+A manifest is data, never a path out: it is validated whole against its schema when read (every shard file a
+plain name inside the directory, counts that add up, label ranges within the classes), and each shard is checked
+against it when read (sha256, count, shape, dtypes, labels), so bad data fails when training starts, naming the
+file, rather than thousands of steps in.
 
 Worker ``rank`` of ``world_size`` streams only shards ``rank, rank + world_size, ...`` of a split, one shard
 in memory at a time. Every rank derives the same number of steps per epoch from the manifest, so DDP
@@ -15,12 +20,16 @@ import hashlib
 import io
 import json
 import logging
+import math
+import re
+import zipfile
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, NoReturn
 
 import numpy as np
 
-from training_core.config import DataConfig
+from training_core.config import DataConfig, clip, quote
+from training_core.redact import redact
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +37,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+"""2 records each shard's label range. A version-1 manifest still loads; its shards' labels are checked against
+the classes only."""
+
+SPLIT_NAMES = ("train", "val", "test")
+
+# A shard file is a plain name inside the data directory: no separator, no leading dot (so no "..", and no
+# hidden file), no ":" of a URI scheme or a drive, nothing a join could turn into a path out of the directory.
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_RERUN = "re-run data prep (prepare_data) to rewrite the directory"
 
 
 @dataclass
@@ -37,6 +56,10 @@ class ShardInfo:
     """File name relative to the data directory."""
     num_samples: int
     sha256: str
+    label_min: int | None = None
+    """Smallest label in the shard; ``None`` only in a version-1 manifest."""
+    label_max: int | None = None
+    """Largest label in the shard; ``None`` only in a version-1 manifest."""
 
 
 @dataclass
@@ -70,37 +93,43 @@ class Manifest:
     def to_json(self) -> str:
         payload = asdict(self)
         payload.pop("directory")
+        if self.version == 1:
+            for split in payload["splits"].values():
+                for shard in split["shards"]:
+                    del shard["label_min"], shard["label_max"]
         return json.dumps(payload, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, *, directory: str = "") -> "Manifest":
-        raw = json.loads(text)
-        if raw.get("version") != MANIFEST_VERSION:
-            raise ValueError(
-                f"manifest version {raw.get('version')!r} is not supported (expected {MANIFEST_VERSION}); re-run "
-                "data prep"
-            )
-        splits = {
-            name: SplitInfo(num_samples=s["num_samples"], shards=[ShardInfo(**shard) for shard in s["shards"]])
-            for name, s in raw["splits"].items()
-        }
-        return cls(
-            dataset=raw["dataset"],
-            classes=raw["classes"],
-            input_shape=raw["input_shape"],
-            mean=raw["mean"],
-            std=raw["std"],
-            splits=splits,
-            version=raw["version"],
-            directory=directory,
-        )
+        """The manifest in ``text``, validated whole before anything uses it: types, required and unknown keys,
+        ranges, every shard a plain file name inside ``directory``, counts that add up and label ranges within
+        the classes. Anything else raises ``ValueError`` naming the manifest file and the field."""
+        where = _where(directory)
+        try:
+            raw = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"{where} is not valid JSON ({clip(str(exc))}); {_RERUN}") from None
+        return _parse_manifest(raw, where=where, directory=directory)
 
     @classmethod
     def load(cls, directory: str) -> "Manifest":
+        """The manifest of a prepared data directory (see :meth:`from_json`)."""
         import fsspec
 
-        with fsspec.open(_join(directory, MANIFEST_NAME), "r") as f:
-            return cls.from_json(f.read(), directory=directory)
+        try:
+            with fsspec.open(_join(directory, MANIFEST_NAME), "rb") as f:
+                payload = f.read()
+        except (FileNotFoundError, IsADirectoryError):
+            raise ValueError(
+                f"{_where(directory)} is missing: the directory holds no prepared data; {_RERUN}"
+            ) from None
+        try:
+            text = payload.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"{_where(directory)} is not UTF-8 text ({exc.reason} at byte {exc.start}); {_RERUN}"
+            ) from None
+        return cls.from_json(text, directory=directory)
 
     def shards_for_rank(self, split: str, rank: int, world_size: int) -> list[ShardInfo]:
         shards = self.splits[split].shards
@@ -130,6 +159,150 @@ def _join(directory: str, name: str) -> str:
     return f"{directory.rstrip('/')}/{name}"
 
 
+def _where(directory: str) -> str:
+    """The manifest file as an error names it, with any URL credentials redacted."""
+    return clip(redact(_join(directory, MANIFEST_NAME) if directory else MANIFEST_NAME), 500)
+
+
+class _Schema:
+    """Checks one parsed manifest, raising ``ValueError`` with the manifest file and the field path."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, path: str, value: Any, why: str) -> NoReturn:
+        raise ValueError(f"{self.where}: {clip(path)}={quote(value)} is invalid: {why}; {_RERUN}")
+
+    def mapping(self, path: str, value: Any, required: tuple[str, ...]) -> dict:
+        if not isinstance(value, dict):
+            self.fail(path, value, f"expected an object with the keys {', '.join(required)}")
+        missing = [k for k in required if k not in value]
+        unknown = [k for k in value if k not in required]
+        if missing or unknown:
+            listed = ", ".join(quote(k) for k in unknown[:10]) + (
+                f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+            )
+            found = f"lacks {', '.join(missing)}" if missing else f"has unknown key(s) {listed}"
+            raise ValueError(f"{self.where}: {clip(path)} {found}; its keys are {', '.join(required)}; {_RERUN}")
+        return value
+
+    def integer(self, path: str, value: Any, minimum: int, maximum: float = math.inf) -> int:
+        # bool is an int in Python and JSON's true would pass as 1.
+        if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+            bound = f"{minimum}..{maximum}" if maximum != math.inf else f">= {minimum}"
+            self.fail(path, value, f"expected an integer {bound}")
+        return value
+
+    def text(self, path: str, value: Any) -> str:
+        if not isinstance(value, str) or not value:
+            self.fail(path, value, "expected a non-empty string")
+        return value
+
+    def items(self, path: str, value: Any, length: int | None = None) -> list:
+        if not isinstance(value, list) or (length is not None and len(value) != length):
+            self.fail(path, value, "expected a list" + (f" of {length}" if length is not None else ""))
+        return value
+
+    def numbers(self, path: str, value: Any, length: int, *, positive: bool) -> list[float]:
+        numbers = []
+        for index, item in enumerate(self.items(path, value, length)):
+            # An integer beyond a float's range is as unusable as JSON's Infinity or NaN.
+            number = float(item) if isinstance(item, float) or _small_int(item) else math.nan
+            if not math.isfinite(number):
+                self.fail(f"{path}[{index}]", item, "expected a finite number")
+            if positive and not number > 0:
+                self.fail(f"{path}[{index}]", item, "expected a number > 0")
+            numbers.append(number)
+        return numbers
+
+
+def _small_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**1000
+
+
+_TOP_KEYS = ("version", "dataset", "classes", "input_shape", "mean", "std", "splits")
+_SHARD_KEYS = {1: ("file", "num_samples", "sha256"), 2: ("file", "num_samples", "sha256", "label_min", "label_max")}
+
+
+def _parse_manifest(raw: Any, *, where: str, directory: str) -> Manifest:
+    schema = _Schema(where)
+    if isinstance(raw, dict):
+        version = raw.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version not in _SHARD_KEYS:
+            schema.fail("version", version, f"this code reads versions 1 and {MANIFEST_VERSION}")
+    raw = schema.mapping("manifest", raw, _TOP_KEYS)
+    version = raw["version"]
+    classes = schema.items("classes", raw["classes"])
+    if not classes:
+        schema.fail("classes", classes, "expected at least one class name")
+    for index, name in enumerate(classes):
+        schema.text(f"classes[{index}]", name)
+    if len(set(classes)) != len(classes):
+        schema.fail("classes", classes, "class names must be unique")
+    shape = schema.items("input_shape", raw["input_shape"], 3)
+    for index, size in enumerate(shape):
+        schema.integer(f"input_shape[{index}]", size, 1)
+    splits_raw = raw["splits"]
+    if not isinstance(splits_raw, dict) or "train" not in splits_raw:
+        schema.fail("splits", splits_raw, f"expected an object of splits ({', '.join(SPLIT_NAMES)}) with train")
+    splits = {}
+    files: set[str] = set()
+    for name, split_raw in splits_raw.items():
+        if name not in SPLIT_NAMES:
+            schema.fail("splits", name, f"a split is named {', '.join(SPLIT_NAMES)}")
+        split_raw = schema.mapping(f"splits.{name}", split_raw, ("num_samples", "shards"))
+        num_samples = schema.integer(f"splits.{name}.num_samples", split_raw["num_samples"], 0)
+        shards = []
+        for index, shard_raw in enumerate(schema.items(f"splits.{name}.shards", split_raw["shards"])):
+            path = f"splits.{name}.shards[{index}]"
+            shard_raw = schema.mapping(path, shard_raw, _SHARD_KEYS[version])
+            file = _plain_name(
+                shard_raw["file"], lambda why, p=path, v=shard_raw["file"]: schema.fail(f"{p}.file", v, why)
+            )
+            if file in files:
+                schema.fail(f"{path}.file", file, "another shard names the same file")
+            files.add(file)
+            sha256 = shard_raw["sha256"]
+            if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
+                schema.fail(f"{path}.sha256", sha256, "expected 64 lowercase hex digits")
+            shard = ShardInfo(
+                file=file,
+                # Prep never writes an empty shard.
+                num_samples=schema.integer(f"{path}.num_samples", shard_raw["num_samples"], 1),
+                sha256=sha256,
+            )
+            if version >= 2:
+                shard.label_min = schema.integer(f"{path}.label_min", shard_raw["label_min"], 0, len(classes) - 1)
+                shard.label_max = schema.integer(
+                    f"{path}.label_max", shard_raw["label_max"], shard.label_min, len(classes) - 1
+                )
+            shards.append(shard)
+        total = sum(s.num_samples for s in shards)
+        if total != num_samples:
+            schema.fail(f"splits.{name}.num_samples", num_samples, f"its shards hold {total} samples")
+        splits[name] = SplitInfo(num_samples=num_samples, shards=shards)
+    return Manifest(
+        dataset=schema.text("dataset", raw["dataset"]),
+        classes=list(classes),
+        input_shape=list(shape),
+        mean=schema.numbers("mean", raw["mean"], shape[0], positive=False),
+        std=schema.numbers("std", raw["std"], shape[0], positive=True),
+        splits=splits,
+        version=version,
+        directory=directory,
+    )
+
+
+def _plain_name(value: Any, fail) -> str:
+    """``value`` when it is a plain file name inside its directory, else ``fail(why)``."""
+    if not isinstance(value, str) or not _PLAIN_NAME.fullmatch(value):
+        fail(
+            "a shard file is a plain name inside the data directory (letters, digits, '_', '-', '.', not starting "
+            "with '.'; no '/', '\\', '..', ':' or absolute path)"
+        )
+    return value
+
+
 def prepare(cfg: DataConfig, out_dir: str) -> Manifest:
     """Read the raw dataset, split it, and write shards and the manifest under ``out_dir``."""
     import fsspec
@@ -156,7 +329,15 @@ def prepare(cfg: DataConfig, out_dir: str) -> Manifest:
             file = f"{name}-{index:05d}-of-{num_shards:05d}.npz"
             with fs.open(_join(root, file), "wb") as f:
                 f.write(payload)
-            shards.append(ShardInfo(file=file, num_samples=len(part), sha256=hashlib.sha256(payload).hexdigest()))
+            shards.append(
+                ShardInfo(
+                    file=file,
+                    num_samples=len(part),
+                    sha256=hashlib.sha256(payload).hexdigest(),
+                    label_min=int(labels[part].min()),
+                    label_max=int(labels[part].max()),
+                )
+            )
         split_infos[name] = SplitInfo(num_samples=len(labels), shards=shards)
 
     manifest = Manifest(
@@ -207,19 +388,41 @@ def _split(raw: dict[str, tuple[np.ndarray, np.ndarray]], cfg: DataConfig) -> di
 
 
 def read_shard(manifest: Manifest, shard: ShardInfo, *, verify: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """One shard's (uint8 images N x C x H x W, int64 labels N), checked against what the manifest records: the
+    sha256 (when ``verify``), the count, the image shape and the label range. A mismatch raises ``ValueError``
+    naming the shard file and the fix."""
     import fsspec
 
+    where = f"shard {quote(shard.file)} in {clip(redact(manifest.directory), 500)}"
+    _plain_name(shard.file, lambda why: _shard_error(where, why))
     with fsspec.open(_join(manifest.directory, shard.file), "rb") as f:
         payload = f.read()
     if verify:
         digest = hashlib.sha256(payload).hexdigest()
         if digest != shard.sha256:
-            raise ValueError(
-                f"shard {shard.file} in {manifest.directory} is corrupt: sha256 {digest} != manifest {shard.sha256}; "
-                "re-run data prep"
-            )
-    with np.load(io.BytesIO(payload), allow_pickle=False) as arrays:
-        return arrays["images"], arrays["labels"]
+            _shard_error(where, f"is corrupt: sha256 {digest} != manifest {shard.sha256}")
+    try:
+        with np.load(io.BytesIO(payload), allow_pickle=False) as arrays:
+            images, labels = arrays["images"], arrays["labels"]
+    except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        _shard_error(where, f"is not a readable shard ({type(exc).__name__}: {clip(str(exc))})")
+    expected = (shard.num_samples, *manifest.input_shape)
+    if images.dtype != np.uint8 or images.shape != expected:
+        _shard_error(where, f"holds images {images.dtype} {images.shape}; the manifest says uint8 {expected}")
+    if labels.dtype != np.int64 or labels.shape != (shard.num_samples,):
+        _shard_error(
+            where, f"holds labels {labels.dtype} {labels.shape}; the manifest says int64 ({shard.num_samples},)"
+        )
+    low, high = int(labels.min()), int(labels.max())
+    if shard.label_min is not None and (low, high) != (shard.label_min, shard.label_max):
+        _shard_error(where, f"holds labels {low}..{high}; the manifest says {shard.label_min}..{shard.label_max}")
+    if not 0 <= low <= high < manifest.num_classes:
+        _shard_error(where, f"holds labels {low}..{high}; the manifest has {manifest.num_classes} classes")
+    return images, labels
+
+
+def _shard_error(where: str, found: str) -> NoReturn:
+    raise ValueError(f"{where} {found}; {_RERUN}")
 
 
 class ShardStream:

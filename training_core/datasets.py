@@ -323,8 +323,10 @@ class _SafeNumpyUnpickler(pickle.Unpickler):
         ("numpy", "dtype"),
         ("numpy.core.multiarray", "scalar"),
         ("numpy._core.multiarray", "scalar"),
-        # Protocol-2 pickles written by Python 3 rebuild bytes through this.
+        # Protocol-2 pickles written by Python 3 rebuild bytes through these (b"" as bytes()).
         ("_codecs", "encode"),
+        ("__builtin__", "bytes"),
+        ("builtins", "bytes"),
     }
 
     def __init__(self, file, *, max_items: int) -> None:
@@ -341,6 +343,8 @@ class _SafeNumpyUnpickler(pickle.Unpickler):
             return self._dtype
         if name == "encode":
             return self._latin1
+        if name == "bytes":
+            return self._empty_bytes
         return found
 
     def _reconstruct(self, reconstruct, subtype, shape, dtype):
@@ -360,6 +364,13 @@ class _SafeNumpyUnpickler(pickle.Unpickler):
         if built.hasobject:
             raise pickle.UnpicklingError(f"refusing a numpy object array (dtype {built}): the format holds integers")
         return built
+
+    @staticmethod
+    def _empty_bytes(*args):
+        # bytes(10**12) would allocate a terabyte of zeros: only the pickler's bytes() of b"" is rebuilt.
+        if args:
+            raise pickle.UnpicklingError(f"refusing bytes{clip(quote(args), 60)}: only bytes() of b'' is rebuilt")
+        return b""
 
     @staticmethod
     def _latin1(text, encoding="utf-8", errors="strict"):

@@ -123,8 +123,11 @@ def test_cifar10_loader_refuses_pickles_that_build_other_objects(tmp_path):
             info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
             info.size = len(payload)
             archive.addfile(info, io.BytesIO(payload))
-    with pytest.raises(ValueError, match=r"data.path=.* is invalid: member 'cifar-10-batches-py/data_batch_1' is not a readable batch pickle "
-        r"\(UnpicklingError: refusing to load collections.OrderedDict"):
+    refused = (
+        r"data.path=.* is invalid: member 'cifar-10-batches-py/data_batch_1' is not a readable batch pickle "
+        r"\(UnpicklingError: refusing to load collections.OrderedDict"
+    )
+    with pytest.raises(ValueError, match=refused):
         prepare(DataConfig(dataset="cifar10", path=str(path)), str(tmp_path / "out"))
 
 
