@@ -30,6 +30,7 @@ DATASETS = ("digits", "synthetic", "cifar10", "image_folder")
 MODELS = ("small_cnn", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "vit_b_16")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("cosine", "constant")
+NONFINITE_POLICIES = ("stop", "skip_step")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -44,6 +45,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 MAX_EPOCHS = 1_000_000
 """Most ``loop.epochs``: far beyond any run, and it keeps epoch-based arithmetic (schedules, rungs) small."""
+
+MAX_NONFINITE_STEPS = 1_000_000
+"""Most ``loop.max_nonfinite_steps``: a run that skips more steps than this has stopped learning."""
 
 MAX_SEED = 2**32 - 1
 """Largest seed: numpy's legacy seeding (``np.random.seed``) and many libraries take seeds in [0, 2**32 - 1]."""
@@ -293,6 +297,19 @@ class LoopConfig:
     LR schedule still spans ``epochs``; 0 runs to ``epochs``. Successive halving and PBT train a trial in
     such slices, each resuming from the previous slice's checkpoint, so no work is repeated."""
 
+    nonfinite_policy: str = "stop"
+    """What a step whose loss or gradient norm is NaN or infinite does (checked once per log window, from counts
+    kept on the device): ``stop`` fails the run at that window's end, before it logs or checkpoints anything, with
+    an error naming the step and the settings to change (not retried: rerunning diverges the same way);
+    ``skip_step`` skips the optimizer update of such steps and counts them, and stops the same way after
+    ``max_nonfinite_steps`` of them; on a GPU it copies the weights and optimizer state every step, as the skip
+    is decided on the device rather than by waiting for it. Under fp16 (a GradScaler) non-finite gradients are the
+    scaler's routine overflow and it skips those steps itself; only a non-finite loss counts there."""
+
+    max_nonfinite_steps: int = 10
+    """With ``nonfinite_policy='skip_step'``: skipped steps tolerated in one run attempt before it stops, in
+    [1, 1_000_000]. Ignored with ``stop``."""
+
     def __post_init__(self) -> None:
         _between("loop.epochs", self.epochs, 1, MAX_EPOCHS)
         _non_negative("loop.stop_at_epoch", self.stop_at_epoch)
@@ -307,6 +324,14 @@ class LoopConfig:
         _non_negative("loop.max_steps", self.max_steps)
         _positive("loop.log_interval_steps", self.log_interval_steps)
         _seed("loop.seed", self.seed)
+        _choice("loop.nonfinite_policy", self.nonfinite_policy, NONFINITE_POLICIES)
+        _between(
+            "loop.max_nonfinite_steps",
+            self.max_nonfinite_steps,
+            1,
+            MAX_NONFINITE_STEPS,
+            "; it counts the skipped steps loop.nonfinite_policy='skip_step' tolerates",
+        )
 
 
 @dataclass

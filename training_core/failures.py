@@ -64,6 +64,11 @@ _INFRASTRUCTURE_ERRNOS = {
 }
 
 
+class TrainingDiverged(ValueError):
+    """The loss, the gradients or the weights became NaN or infinite: a setting to change (learning rate,
+    clipping, ``loop.nonfinite_policy``), never worth a retry, which would diverge the same way."""
+
+
 @dataclass(frozen=True)
 class FailureClass:
     kind: str
@@ -99,6 +104,8 @@ def classify(exc: BaseException) -> FailureClass:
         return classify(exc._base_exc)
     if "ControllerError" in names and getattr(exc, "controller_failure", None) is not None:
         return classify(exc.controller_failure)
+    if "TrainingDiverged" in names:  # whatever it was raised from: the run itself is wrong
+        return FailureClass(USER, _describe(exc))
     if names & _INFRASTRUCTURE_CLASSES:
         return FailureClass(INFRASTRUCTURE, _describe(exc))
     if isinstance(exc, OSError) and exc.errno in _INFRASTRUCTURE_ERRNOS:

@@ -32,6 +32,7 @@ from training_core.distributed import (
     broadcast_buffers_from_rank0,
 )
 from training_core.evaluation import EvalSums, evaluate
+from training_core.failures import TrainingDiverged
 from training_core.metrics import MetricSink, MlflowSink, build_sink, flatten
 from training_core.models import build_model
 from training_core.optim import apply_hyperparameters, build_optimizer, build_scheduler
@@ -65,6 +66,8 @@ class StepResult:
     num_samples: int
     grad_norm: torch.Tensor
     """Global gradient L2 norm before clipping."""
+    nonfinite: torch.Tensor
+    """0-dim bool on the device: the loss or the gradient norm was NaN or infinite (see :func:`train_step`)."""
 
 
 def train_step(
@@ -75,12 +78,18 @@ def train_step(
     micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     autocast_dtype: torch.dtype | None,
     max_grad_norm: float,
+    skip_nonfinite: bool = False,
 ) -> StepResult:
     """One optimizer step over equally sized micro-batches, equal to one step on their concatenation.
 
     Gradients of the micro-batches are accumulated (each loss scaled by ``1/len(micro_batches)``); a DDP
     model all-reduces only on the last one (``no_sync`` elsewhere). ``max_grad_norm <= 0`` disables clipping.
+    The result flags a step whose loss or gradient norm is not finite, on the device (nothing waits for it);
+    under a GradScaler (fp16) overflowing gradients are routine (the scaler skips those steps and lowers its
+    scale), so only the loss counts there. ``skip_nonfinite`` leaves the model (weights and buffers) and the
+    optimizer as they were when the step is flagged.
     """
+    saved_buffers = _Saved(list(model.buffers())) if skip_nonfinite else None
     num_micro = len(micro_batches)
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
     num_correct = torch.zeros((), dtype=torch.long, device=loss_sum.device)
@@ -102,12 +111,72 @@ def train_step(
         num_samples += len(targets)
     scaler.unscale_(optimizer)
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
-    scaler.step(optimizer)
+    loss, grad_norm = loss_sum / num_micro, grad_norm.detach()
+    finite = torch.isfinite(loss) if scaler.is_enabled() else torch.isfinite(loss) & torch.isfinite(grad_norm)
+    # Under DDP every rank flags the same steps: a non-finite loss makes non-finite gradients, and the gradient
+    # all-reduce spreads those to every rank's norm. So ranks skip alike and replicas stay identical.
+    if saved_buffers is not None and not scaler.is_enabled():
+        _step_if(optimizer, finite, saved_buffers)
+    else:
+        scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(
-        loss=loss_sum / num_micro, num_correct=num_correct, num_samples=num_samples, grad_norm=grad_norm.detach()
+        loss=loss, num_correct=num_correct, num_samples=num_samples, grad_norm=grad_norm, nonfinite=~finite
     )
+
+
+class _Saved:
+    """Copies of tensors taken now, put back later wherever a 0-dim bool tensor says so, on the device."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.copies = [t.detach().clone() for t in tensors]
+
+    @torch.no_grad()
+    def keep_if(self, keep: torch.Tensor) -> None:
+        """Each tensor keeps its current value where ``keep`` is true, else gets its copy back."""
+        for tensor, copy in zip(self.tensors, self.copies):
+            tensor.copy_(torch.where(keep, tensor, copy))
+
+
+def _step_if(optimizer: torch.optim.Optimizer, finite: torch.Tensor, saved_buffers: _Saved) -> None:
+    """``optimizer.step()`` when ``finite``, else no step and the buffers (BatchNorm statistics) put back."""
+    if finite.device.type == "cuda":
+        # Reading the flag would make the host wait for the step's kernels every step. The update is taken
+        # and then masked on the device instead, at the cost of a copy of the weights and optimizer state.
+        masked_step(optimizer, finite)
+        saved_buffers.keep_if(finite)
+    elif finite.item():  # on CPU the value is already computed: reading it costs nothing, the skip is exact
+        optimizer.step()
+    else:
+        saved_buffers.keep_if(finite)
+
+
+def masked_step(optimizer: torch.optim.Optimizer, keep: torch.Tensor) -> None:
+    """``optimizer.step()`` that stands only where ``keep`` (a 0-dim bool tensor) is true, decided on the device.
+
+    Where it is false the parameters and their optimizer state are as before; state the step created (a first
+    step's moments or momentum) becomes zeros, which is how Adam starts and from which SGD's momentum continues
+    as from a fresh start. State kept off the parameters' device (Adam's step count on the CPU for a GPU model)
+    is not masked: its bias correction then counts the skipped step."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    saved_params = _Saved(params)
+    saved_state = [
+        {key: value.detach().clone() for key, value in optimizer.state[p].items() if _on(value, p.device)}
+        for p in params
+    ]
+    optimizer.step()
+    saved_params.keep_if(keep)
+    with torch.no_grad():
+        for p, before in zip(params, saved_state):
+            for key, value in optimizer.state[p].items():
+                if _on(value, p.device):
+                    value.copy_(torch.where(keep, value, before.get(key, torch.zeros_like(value))))
+
+
+def _on(value: Any, device: torch.device) -> bool:
+    return isinstance(value, torch.Tensor) and value.device == device
 
 
 @dataclass
@@ -116,13 +185,56 @@ class Sums:
     (tensors) until the window closes, so a step never waits for the device."""
 
     loss: Any = 0.0
-    """Sum of the steps' mean losses (this rank's in a window; all ranks' once reduced)."""
+    """Sum of the steps' mean losses (this rank's in a window; all ranks' once reduced), finite steps only."""
+    nonfinite: Any = 0.0
+    """Steps whose loss or gradient norm was not finite (this rank's, then all ranks')."""
     correct: Any = 0.0
     samples: Any = 0.0
     time_s: float = 0.0
     data_s: float = 0.0
     comm_s: float = 0.0
     steps: int = 0
+
+
+@dataclass
+class NonFiniteSteps:
+    """A closed window's steps whose loss or gradient norm was not finite."""
+
+    num_steps: int
+    """How many: the same on every rank (a reduced figure)."""
+    first_step: int | None
+    """Global step of this rank's first one; None when only other ranks had one."""
+    loss: float
+    """This rank's loss at ``first_step``."""
+    grad_norm: float
+
+
+class NonFiniteTally:
+    """This rank's non-finite steps of the open window, counted on the device (no step waits for it): how many,
+    how many steps came before the first, and the first one's loss and gradient norm; and the window's last
+    finite gradient norm (what its record reports)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.count = torch.zeros((), dtype=torch.long, device=device)
+        self.steps_before_first = torch.zeros((), dtype=torch.long, device=device)
+        self.first = torch.full((2,), math.nan, dtype=torch.float64, device=device)
+        self.last_finite_grad_norm = torch.full((), math.nan, dtype=torch.float64, device=device)
+
+    def add(self, result: StepResult) -> None:
+        is_first = result.nonfinite & (self.count == 0)
+        values = torch.stack([result.loss.double(), result.grad_norm.double()])
+        self.first = torch.where(is_first, values, self.first)
+        self.count += result.nonfinite
+        self.steps_before_first += self.count == 0
+        self.last_finite_grad_norm = torch.where(result.nonfinite, self.last_finite_grad_norm, values[1])
+
+    def read(self, *, num_steps: int, window_end_step: int, window_steps: int) -> NonFiniteSteps:
+        """The window's figures, once its ``num_steps`` over all ranks are known (a host read: window end only)."""
+        if not num_steps:
+            return NonFiniteSteps(num_steps=0, first_step=None, loss=math.nan, grad_norm=math.nan)
+        before, (loss, grad_norm) = int(self.steps_before_first), self.first.tolist()
+        first_step = window_end_step - window_steps + before + 1 if int(self.count) else None
+        return NonFiniteSteps(num_steps=num_steps, first_step=first_step, loss=loss, grad_norm=grad_norm)
 
 
 class StepMeter:
@@ -133,15 +245,18 @@ class StepMeter:
         self.world_size, self.device = world_size, device
         self.global_batch, self.warmup_steps_excluded = global_batch, warmup_steps_excluded
         self.window, self.epoch = Sums(), Sums()
+        self.tally = NonFiniteTally(device)
         self.steady, self.steady_step_times_s = Sums(), []
 
     def step(self, result: StepResult, *, global_step: int, step_time_s: float, data_wait_s: float, comm_s: float):
         w = self.window
-        w.loss, w.correct, w.samples = (
-            w.loss + result.loss,
+        w.loss, w.nonfinite, w.correct, w.samples = (
+            w.loss + torch.where(result.nonfinite, 0.0, result.loss),
+            w.nonfinite + result.nonfinite,
             w.correct + result.num_correct,
             w.samples + result.num_samples,
         )
+        self.tally.add(result)
         w.time_s, w.data_s, w.comm_s, w.steps = (
             w.time_s + step_time_s,
             w.data_s + data_wait_s,
@@ -155,22 +270,33 @@ class StepMeter:
                 self.steady_step_times_s.append(step_time_s)
 
     def close_window(
-        self, *, global_step: int, epoch: int, lr: float, grad_norm: float, elapsed_s: float
-    ) -> StepRecord:
-        """The window's record over all ranks (a collective: every rank calls it at the same steps)."""
+        self, *, global_step: int, epoch: int, lr: float, elapsed_s: float
+    ) -> tuple[StepRecord, NonFiniteSteps]:
+        """The window's record over all ranks, and its non-finite steps (a collective: every rank calls it at the
+        same steps, and all read the same count). Loss and gradient norm are over its finite steps (NaN if none)."""
         w, e = self.window, self.epoch
-        loss_sum, correct, samples = all_reduce_sum([float(w.loss), float(w.correct), float(w.samples)], self.device)
-        e.loss, e.correct, e.samples, e.time_s = (
+        loss_sum, nonfinite, correct, samples = all_reduce_sum(
+            [float(w.loss), float(w.nonfinite), float(w.correct), float(w.samples)], self.device
+        )
+        e.loss, e.nonfinite, e.correct, e.samples, e.time_s = (
             e.loss + loss_sum,
+            e.nonfinite + nonfinite,
             e.correct + correct,
             e.samples + samples,
             e.time_s + w.time_s,
         )
-        self.window = Sums()
-        return StepRecord(
+        # Ranks flag the same steps (see train_step), so the mean over ranks is the window's count; rounded up,
+        # a step flagged on one rank only still counts.
+        found = self.tally.read(
+            num_steps=math.ceil(nonfinite / self.world_size), window_end_step=global_step, window_steps=w.steps
+        )
+        grad_norm = float(self.tally.last_finite_grad_norm)
+        self.window, self.tally = Sums(), NonFiniteTally(self.device)
+        num_finite = w.steps * self.world_size - nonfinite
+        record = StepRecord(
             step=global_step,
             epoch=epoch,
-            train_loss=loss_sum / (w.steps * self.world_size),
+            train_loss=loss_sum / num_finite if num_finite > 0 else math.nan,
             train_accuracy=correct / samples,
             lr=lr,
             grad_norm=grad_norm,
@@ -181,6 +307,7 @@ class StepMeter:
             elapsed_s=elapsed_s,
             num_steps=w.steps,
         )
+        return record, found
 
     def close_epoch(
         self, *, epoch: int, global_step: int, steps_in_epoch: int, val: EvalSums, lr: float
@@ -191,7 +318,7 @@ class StepMeter:
         return EpochRecord(
             epoch=epoch + 1,
             global_step=global_step,
-            train_loss=e.loss / max(1, steps_in_epoch * self.world_size),
+            train_loss=e.loss / max(1, steps_in_epoch * self.world_size - e.nonfinite),
             train_accuracy=e.correct / max(1, e.samples),
             val_loss=val.loss,
             val_accuracy=val.accuracy,
@@ -269,6 +396,8 @@ class Trainer:
     def __init__(self, args: WorkerArgs, runtime: WorkerRuntime) -> None:
         self.args, self.cfg, self.runtime = args, args.config, runtime
         self.rank, self.world_size, self.device = runtime.rank, runtime.world_size, runtime.device
+        self.num_nonfinite_steps = 0
+        """Steps of this run attempt whose loss or gradient norm was not finite (``loop.max_nonfinite_steps``)."""
 
     def setup(self) -> None:
         """Build the model, optimizer, schedule and streams from the config and the prepared data."""
@@ -413,11 +542,7 @@ class Trainer:
                 step_time_s, last_step_end = step_end - last_step_end, step_end
                 self.measure_step(result, step_time_s=step_time_s, data_wait_s=data_wait_s)
                 if is_log_step:
-                    grad_norm, elapsed_s = float(result.grad_norm), state.elapsed_s
-                    window = self.meter.close_window(
-                        global_step=state.global_step, epoch=epoch, lr=lr, grad_norm=grad_norm, elapsed_s=elapsed_s
-                    )
-                    self.emit(window)
+                    self.close_window(epoch=epoch, lr=lr)
                 if save_now:
                     self.save_checkpoint()
                     last_step_end = time.perf_counter()  # the stall is measured on its own, not as step time
@@ -445,6 +570,7 @@ class Trainer:
                 micro_batches=micro_batches,
                 autocast_dtype=self.autocast_dtype,
                 max_grad_norm=self.cfg.optimizer.max_grad_norm,
+                skip_nonfinite=self.cfg.loop.nonfinite_policy == "skip_step",
             )
         except torch.cuda.OutOfMemoryError:
             self.telemetry.gpu_oom()
@@ -466,6 +592,78 @@ class Trainer:
             duration_s=step_time_s, num_samples=result.num_samples, data_wait_s=data_wait_s, comm_s=comm_s
         )
 
+    def close_window(self, *, epoch: int, lr: float) -> None:
+        """Close the log window: its non-finite steps meet ``loop.nonfinite_policy`` first (all ranks read the same
+        reduced count, so all stop together, before anything non-finite is logged or saved), then its record is
+        emitted unless no step of it was finite."""
+        record, nonfinite = self.meter.close_window(
+            global_step=self.state.global_step, epoch=epoch, lr=lr, elapsed_s=self.state.elapsed_s
+        )
+        if nonfinite.num_steps:
+            self.handle_nonfinite(nonfinite, lr=lr)
+        if math.isfinite(record.train_loss):
+            self.emit(record)
+
+    def handle_nonfinite(self, found: NonFiniteSteps, *, lr: float) -> None:
+        """Count a window's non-finite steps; stop (``stop``, or ``skip_step`` past its budget) or warn."""
+        loop, optimizer = self.cfg.loop, self.cfg.optimizer
+        self.telemetry.nonfinite_steps(found.num_steps)
+        self.num_nonfinite_steps += found.num_steps
+        where = (
+            f"step {found.first_step} (loss {found.loss}, gradient norm {found.grad_norm})"
+            if found.first_step is not None
+            else f"a step of another rank in the window ending at step {self.state.global_step}"
+        )
+        if loop.nonfinite_policy == "skip_step" and self.num_nonfinite_steps <= loop.max_nonfinite_steps:
+            if self.rank == 0:
+                log.warning(
+                    "skipped %d step(s) with a non-finite loss or gradient norm, the first at %s: %d of "
+                    "loop.max_nonfinite_steps=%d",
+                    found.num_steps,
+                    where,
+                    self.num_nonfinite_steps,
+                    loop.max_nonfinite_steps,
+                )
+            return
+        what = (
+            f"{self.num_nonfinite_steps} steps had a non-finite loss or gradient norm and were skipped, more than "
+            f"loop.max_nonfinite_steps={loop.max_nonfinite_steps} (the latest window's first at {where})"
+            if loop.nonfinite_policy == "skip_step"
+            else f"the loss or gradient norm is not finite at {where}"
+        )
+        raise self.diverged(
+            f"training diverged: {what}; nothing after the last finite window was logged or checkpointed. Lower "
+            f"optimizer.lr (now {optimizer.lr:g}, {lr:g} at this step), set or lower optimizer.max_grad_norm "
+            f"(now {optimizer.max_grad_norm:g}; 0 disables clipping), or set loop.nonfinite_policy=skip_step "
+            f"(now {loop.nonfinite_policy}) with loop.max_nonfinite_steps (now {loop.max_nonfinite_steps}) to "
+            "skip such steps"
+        )
+
+    def require_finite_weights(self, what: str) -> None:
+        """Every rank checks its weights and buffers, and all agree (the count is reduced): a model with a NaN or
+        infinite value is never checkpointed or logged."""
+        tensors = {name: t for name, t in self.model.state_dict().items() if t.is_floating_point()}
+        nonfinite = torch.stack([~torch.isfinite(t).all() for t in tensors.values()])
+        (num_bad,) = all_reduce_sum([float(nonfinite.sum())], self.device)
+        if num_bad:
+            names = [name for name, bad in zip(tensors, nonfinite.tolist()) if bad] or ["(on another rank)"]
+            raise self.diverged(
+                f"training diverged: the weights at step {self.state.global_step} are not finite "
+                f"({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}), so {what} was not written. Lower "
+                f"optimizer.lr (now {self.cfg.optimizer.lr:g}) or set optimizer.max_grad_norm "
+                f"(now {self.cfg.optimizer.max_grad_norm:g})"
+            )
+
+    def diverged(self, message: str) -> TrainingDiverged:
+        """The error that stops a diverged run, raised once rank 0's checkpoint writes in flight (all of finite
+        weights) are on storage."""
+        if self.rank == 0:
+            try:
+                self.checkpointer.wait()
+            except Exception:  # noqa: BLE001 - the divergence is the error to report; this one is logged
+                log.exception("a checkpoint write failed while the diverged run stopped")
+        return TrainingDiverged(message)
+
     def emit(self, record: StepRecord) -> None:
         """The one place a window's record goes: the step log, the metric sink and the telemetry."""
         self.state.step_log.append(record)
@@ -483,6 +681,12 @@ class Trainer:
             autocast_dtype=self.autocast_dtype,
             all_reduce=True,
         )
+        if not math.isfinite(val.loss):  # reduced: every rank sees it
+            raise self.diverged(
+                f"training diverged: the validation loss after step {self.state.global_step} is {val.loss}, so the "
+                f"epoch is neither recorded nor checkpointed. Lower optimizer.lr (now {self.cfg.optimizer.lr:g}) "
+                f"or set optimizer.max_grad_norm (now {self.cfg.optimizer.max_grad_norm:g})"
+            )
         record = self.meter.close_epoch(
             epoch=epoch,
             global_step=self.state.global_step,
@@ -503,14 +707,19 @@ class Trainer:
         A slice that stops before the budget (a tuning rung) logs none: only a finished trial is registered,
         and logging costs seconds per slice."""
         full_budget = self.state.global_step >= self.total_steps or epoch == self.cfg.loop.epochs - 1
-        if self.rank != 0 or self.args.mlflow is None or not full_budget:
+        if self.args.mlflow is None or not full_budget:
+            return ""
+        self.require_finite_weights("the MLflow model")  # on every rank: a collective
+        if self.rank != 0:
             return ""
         from training_core.tracking import log_model
 
         return log_model(self.model, self.manifest, self.args.mlflow)
 
     def save_checkpoint(self, *, metric: float | None = None, model_uri: str = "") -> None:
-        """Every rank calls this at the same steps (the RNG gather is a collective); rank 0 writes."""
+        """Every rank calls this at the same steps (the weight check and the RNG gather are collectives); rank 0
+        writes."""
+        self.require_finite_weights(f"the checkpoint of step {self.state.global_step}")
         json_rng, torch_rng = gather_rng_states(self.world_size)
         if self.rank != 0:
             return

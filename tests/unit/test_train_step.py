@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from training_core.config import OptimizerConfig, ScheduleConfig
-from training_core.loop import resolve_precision, train_step
+from training_core.loop import masked_step, resolve_precision, train_step
 from training_core.models import build_model
 from training_core.optim import build_optimizer, lr_factor
 
@@ -100,3 +100,63 @@ def test_lr_warms_up_linearly_then_decays_by_cosine():
     assert all(a >= b for a, b in zip(factors[4:], factors[5:]))
     constant = ScheduleConfig(name="constant", warmup_steps=0)
     assert lr_factor(100, cfg=constant, total_steps=10) == 1.0
+
+
+def _bn_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 10)
+    ).double()
+
+
+@pytest.mark.parametrize("skip_nonfinite", [True, False])
+def test_a_batch_with_inf_is_flagged_and_skip_nonfinite_leaves_weights_buffers_and_optimizer_untouched(skip_nonfinite):
+    model = _bn_model()
+    optimizer = build_optimizer(OptimizerConfig(name="adamw", lr=0.05), model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    inputs, targets = torch.randn(8, 1, 8, 8, dtype=torch.float64), torch.randint(0, 10, (8,))
+    step = dict(model=model, optimizer=optimizer, scaler=scaler, autocast_dtype=None, max_grad_norm=1.0)
+    assert not train_step(micro_batches=[(inputs, targets)], skip_nonfinite=skip_nonfinite, **step).nonfinite
+    before = copy.deepcopy(model.state_dict())
+    moments = copy.deepcopy(optimizer.state_dict()["state"])
+
+    poisoned = inputs.clone()
+    poisoned[0, 0, 0, 0] = math.inf
+    result = train_step(micro_batches=[(poisoned, targets)], skip_nonfinite=skip_nonfinite, **step)
+
+    assert result.nonfinite and not math.isfinite(result.grad_norm.item())
+    after = model.state_dict()
+    if skip_nonfinite:
+        for name, tensor in before.items():
+            assert torch.equal(after[name], tensor), name
+        for index, state in optimizer.state_dict()["state"].items():
+            for key, value in state.items():
+                assert torch.equal(value, moments[index][key]), (index, key)
+    else:
+        assert not all(torch.isfinite(t).all() for t in after.values())
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+def test_a_masked_step_not_kept_is_no_step_and_a_kept_one_is_a_plain_step(optimizer_name):
+    """The device-side skip: a step not kept (even a first one, whose state it creates) leaves the run exactly
+    where skipping it would, so the kept steps after it equal a run that never saw the bad batch."""
+    torch.manual_seed(2)
+    batches = [(torch.randn(8, 1, 8, 8, dtype=torch.float64), torch.randint(0, 10, (8,))) for _ in range(3)]
+    batches[0][0][0] = math.nan
+    plain_model, plain_opt, _ = _setup(optimizer_name)
+    masked_model, masked_opt, _ = _setup(optimizer_name)
+    for index, (inputs, targets) in enumerate(batches):
+        keep = index > 0
+        for model, optimizer, masked in ((plain_model, plain_opt, False), (masked_model, masked_opt, True)):
+            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+            if masked:
+                masked_step(optimizer, torch.tensor(keep))
+            elif keep:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    for a, b in zip(plain_model.parameters(), masked_model.parameters()):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    for state_a, state_b in zip(plain_opt.state.values(), masked_opt.state.values()):
+        for key, value in state_a.items():
+            torch.testing.assert_close(torch.as_tensor(state_b[key]), torch.as_tensor(value), rtol=0, atol=0)

@@ -109,6 +109,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         "Times the run resumed from a checkpoint after its workers restarted.",
     ),
+    MetricSpec(
+        "training_nonfinite_steps_total",
+        "counter",
+        "Optimizer steps whose loss or gradient norm was NaN or infinite on any rank (skipped, or the one that stopped "
+        "the run); every rank counts the same steps.",
+    ),
     MetricSpec("training_gpu_oom_total", "counter", "CUDA out-of-memory errors raised in this rank's training step."),
     MetricSpec("training_world_size", "gauge", "Number of ranks in the process group."),
     # --- checkpoints (rank 0 writes) ---

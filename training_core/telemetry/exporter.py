@@ -71,6 +71,8 @@ class Telemetry(Protocol):
 
     def gpu_oom(self) -> None: ...
 
+    def nonfinite_steps(self, count: int) -> None: ...
+
     def checkpoint_saved(self, *, duration_s: float, bytes_written: int) -> None: ...
 
     def checkpoint_failed(self) -> None: ...
@@ -96,6 +98,9 @@ class NullTelemetry:
         pass
 
     def gpu_oom(self) -> None:
+        pass
+
+    def nonfinite_steps(self, count: int) -> None:
         pass
 
     def checkpoint_saved(self, *, duration_s: float, bytes_written: int) -> None:
@@ -241,6 +246,10 @@ class PrometheusTelemetry:
 
     def gpu_oom(self) -> None:
         self._m["training_gpu_oom_total"].inc()
+
+    def nonfinite_steps(self, count: int) -> None:
+        """``count`` more steps had a non-finite loss or gradient norm (read at a log window's end)."""
+        self._m["training_nonfinite_steps_total"].inc(count)
 
     # --- from the checkpoint writer thread ---
 
