@@ -12,7 +12,7 @@ from tasks.types import PreparedData
 from training_core.config import DataConfig
 
 # Bump when the shard format or split logic changes, so cached outputs are not reused.
-PREPARE_DATA_CACHE_VERSION = "1"
+PREPARE_DATA_CACHE_VERSION = "2"  # 2: manifest v2 (label ranges); CIFAR checked at read
 
 
 @task(
