@@ -222,6 +222,7 @@ def _training_progress() -> list[Builder[dashboard.Panel]]:
             "Learning rate of the last optimizer step.",
             "sci",
             [(f"max by (execution, attempt) (training_learning_rate{{{JOB}}})", "{{execution}}")],
+            span=6,
             min_value=0,
         ),
         _timeseries(
@@ -229,6 +230,17 @@ def _training_progress() -> list[Builder[dashboard.Panel]]:
             "Global gradient L2 norm of the last step, before clipping.",
             "none",
             [(f"training_grad_norm{{{RANK}}}", PER_RANK)],
+            span=6,
+            min_value=0,
+        ),
+        _timeseries(
+            "Non-finite steps",
+            "Optimizer steps with a NaN or infinite loss or gradient norm, cumulative per run (every rank counts the "
+            "same steps): skipped under loop.nonfinite_policy=skip_step, the end of the run under stop. The "
+            "TrainingNonFiniteSteps alert fires on any.",
+            "short",
+            [(f"max by (execution, attempt) (training_nonfinite_steps_total{{{JOB}}})", "{{execution}}")],
+            span=6,
             min_value=0,
         ),
         _timeseries(
@@ -239,6 +251,7 @@ def _training_progress() -> list[Builder[dashboard.Panel]]:
                 (f"max by (execution, attempt) (training_epoch{{{JOB}}})", "epoch {{execution}}"),
                 (f"max by (execution, attempt) (training_global_step{{{JOB}}})", "step {{execution}}"),
             ],
+            span=6,
             min_value=0,
         ),
     ]

@@ -22,6 +22,7 @@ EXPECTED_ALERTS = {
     "TrainingWorkerLost",
     "TrainingWorkerRestarts",
     "TrainingGpuOutOfMemory",
+    "TrainingNonFiniteSteps",
     "TrainingStalled",
     "TrainingCheckpointFailures",
     "TrainingCommunicationHigh",
@@ -106,7 +107,12 @@ def test_the_runbook_has_one_section_per_alert_and_no_other() -> None:
 
 def test_gauge_alerts_ignore_ranks_that_have_finished() -> None:
     # The Pushgateway keeps serving a finished rank's last gauges; without this guard they would fire forever.
-    counters = {"TrainingWorkerRestarts", "TrainingGpuOutOfMemory", "TrainingCheckpointFailures"}
+    counters = {
+        "TrainingWorkerRestarts",
+        "TrainingGpuOutOfMemory",
+        "TrainingNonFiniteSteps",
+        "TrainingCheckpointFailures",
+    }
     for rule in _alerts():
         if rule["alert"] not in counters:
             assert "training_run_finished == 0" in rule["expr"], rule["alert"]

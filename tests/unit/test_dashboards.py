@@ -25,7 +25,15 @@ EXPECTED_ROWS = {
         "GPU clock throttling",
         "GPU XID errors",
     ],
-    "Training progress": ["Loss", "Accuracy", "Throughput", "Learning rate", "Gradient norm", "Epoch and global step"],
+    "Training progress": [
+        "Loss",
+        "Accuracy",
+        "Throughput",
+        "Learning rate",
+        "Gradient norm",
+        "Non-finite steps",
+        "Epoch and global step",
+    ],
     "Communication and data wait": [
         "Communication share of step time",
         "Data wait share of step time",
