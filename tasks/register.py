@@ -29,8 +29,21 @@ def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Ev
     :param evaluation: Test metrics; ``accuracy`` decides the promotion.
     :return: The new version, whether the alias moved, and why.
     """
+    from training_core.evaluation import require_finite
     from training_core.tracking import register_and_promote, ui_command
 
+    test, train = evaluation.metrics, model.metrics
+    require_finite(
+        {
+            "test_loss": test.loss,
+            "test_accuracy": test.accuracy,
+            "train_loss": train.train_loss,
+            "val_loss": train.val_loss,
+            "val_accuracy": train.val_accuracy,
+        },
+        what=f"model {model.mlflow_model_uri} of MLflow run {model.mlflow_run_id}",
+        fix="a diverged model is not registered; retrain with a lower optimizer.lr or with optimizer.max_grad_norm set",
+    )
     promotion = register_and_promote(
         tracking,
         model_uri=model.mlflow_model_uri,

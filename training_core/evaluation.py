@@ -3,8 +3,9 @@ during training), and the test-split evaluation of a checkpoint in one process."
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import numpy as np
 
@@ -105,6 +106,13 @@ def evaluate(
     )
 
 
+def require_finite(figures: Mapping[str, float], *, what: str, fix: str) -> None:
+    """Raise a ``ValueError`` naming every figure of ``what`` that is NaN or infinite, and ``fix``."""
+    bad = ", ".join(f"{name}={value}" for name, value in figures.items() if not math.isfinite(value))
+    if bad:
+        raise ValueError(f"{what} has non-finite {bad}: {fix}")
+
+
 def evaluate_checkpoint(
     checkpoint_dir: str, data_dir: str, *, split: str = "test", batch_size: int = 256
 ) -> EvalReport:
@@ -117,6 +125,12 @@ def evaluate_checkpoint(
     if split not in manifest.splits:
         raise ValueError(f"split={split!r} is invalid: the prepared data has {', '.join(manifest.splits)}")
     model, meta = load_model(checkpoint_dir)
+    require_finite(
+        {name: float(t.abs().max()) for name, t in model.state_dict().items() if t.is_floating_point() and t.numel()},
+        what=f"checkpoint {checkpoint_dir} (its largest absolute weights)",
+        fix="a diverged model is neither evaluated nor registered; retrain with a lower optimizer.lr or with "
+        "optimizer.max_grad_norm set",
+    )
     if meta.classes != manifest.classes or list(meta.input_shape) != list(manifest.input_shape):
         raise ValueError(
             f"checkpoint {checkpoint_dir} was trained on classes {meta.classes} and input {meta.input_shape}, "

@@ -16,6 +16,7 @@ from training_core import checkpoint as ckpt
 from training_core import loop
 from training_core.config import LoopConfig, TrainingConfig
 from training_core.data import prepare
+from training_core.evaluation import evaluate_checkpoint, require_finite
 from training_core.failures import TrainingDiverged, classify
 from training_core.records import MlflowRun, WorkerArgs
 
@@ -224,3 +225,31 @@ def test_a_divergence_is_a_user_error_even_when_wrapped_by_the_worker_group():
     peer = RuntimeError("Connection closed by peer")
     verdict = classify(WorkerGroupError({0: TrainingDiverged("training diverged: step 7"), 1: peer}))
     assert verdict.kind == "user" and "rank 0: TrainingDiverged: training diverged: step 7" == verdict.reason
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused_by_evaluation_and_figures_by_registration(data_dir, tmp_path):
+    # The loop never writes such a checkpoint; one from elsewhere (an older run, a copy) is still refused.
+    from training_core.models import build_model
+
+    model = build_model("small_cnn", num_classes=10, input_shape=(1, 8, 8))
+    first = next(name for name, t in model.state_dict().items() if t.is_floating_point())
+    with torch.no_grad():
+        model.state_dict()[first].view(-1)[0] = math.nan
+    meta = ckpt.CheckpointMeta(
+        model_name="small_cnn",
+        classes=[str(i) for i in range(10)],
+        input_shape=[1, 8, 8],
+        mean=[0.5],
+        std=[0.2],
+        epoch=1,
+        global_step=1,
+        config=_config().to_dict(),
+    )
+    checkpointer = ckpt.Checkpointer(ckpt.CheckpointStorage(str(tmp_path)), keep_last=1, async_save=False)
+    checkpointer.save(1, checkpointer.stage(model=model, meta=meta))
+    with pytest.raises(ValueError, match=rf"weights\) has non-finite {first}=nan: a diverged model is neither"):
+        evaluate_checkpoint(str(tmp_path / ckpt.step_name(1)), data_dir, split="val")
+
+    with pytest.raises(ValueError, match=r"model m has non-finite test_loss=nan, val_loss=inf: a diverged model"):
+        require_finite({"test_loss": math.nan, "val_loss": math.inf, "test_accuracy": 0.1}, what="model m",
+                       fix="a diverged model is not registered")  # fmt: skip
