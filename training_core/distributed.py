@@ -4,9 +4,10 @@ broadcasts, and the timing of DDP's gradient all-reduces."""
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -64,6 +65,25 @@ class RayTrainRuntime:
         import ray.train
 
         ray.train.report(metrics)
+
+    def report_result(self, metrics: dict[str, Any]) -> None:
+        """Hand ``metrics`` to the driver as the run's ``Result.metrics``. Every rank calls it, as its last report.
+
+        Ray Train V2 keeps in the result only metrics reported with a checkpoint, so rank 0 attaches a Ray
+        checkpoint holding nothing but ``result.json`` (a few bytes under the run's storage path); the training
+        checkpoints stay ours (:mod:`training_core.checkpoint`)."""
+        import json
+        import tempfile
+
+        import ray.train
+
+        if self.rank != 0:
+            ray.train.report(metrics)
+            return
+        with tempfile.TemporaryDirectory() as directory:
+            with open(os.path.join(directory, "result.json"), "w") as f:
+                json.dump(metrics, f)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
 
 class CommTimer:

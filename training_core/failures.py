@@ -64,6 +64,10 @@ _INFRASTRUCTURE_ERRNOS = {
 }
 
 
+DIVERGED_METRIC = "training_diverged"
+"""Key of the report by which Ray Train workers hand a :class:`TrainingDiverged` message to the driver."""
+
+
 class TrainingDiverged(ValueError):
     """The loss, the gradients or the weights became NaN or infinite: a setting to change (learning rate,
     clipping, ``loop.nonfinite_policy``), never worth a retry, which would diverge the same way."""

@@ -32,7 +32,7 @@ from training_core.distributed import (
     broadcast_buffers_from_rank0,
 )
 from training_core.evaluation import EvalSums, evaluate
-from training_core.failures import TrainingDiverged
+from training_core.failures import DIVERGED_METRIC, TrainingDiverged
 from training_core.metrics import MetricSink, MlflowSink, build_sink, flatten
 from training_core.models import build_model
 from training_core.optim import apply_hyperparameters, build_optimizer, build_scheduler
@@ -778,5 +778,17 @@ def run_worker(args: WorkerArgs, runtime: WorkerRuntime) -> None:
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Ray Train entry point, run by every worker: :func:`run_worker` with the Ray Train runtime."""
-    run_worker(WorkerArgs.from_dict(loop_config), RayTrainRuntime())
+    """Ray Train entry point, run by every worker: :func:`run_worker` with the Ray Train runtime, its logs redacted
+    (:func:`~training_core.redact.install_log_redaction`: Ray starts the process with its own logging).
+
+    A divergence is reported, not raised: Ray Train restarts the worker group on any worker error, and a diverged
+    run resumed from its last checkpoint diverges again, so each restart would only burn time. Every rank stops
+    at the same point (the figures it rests on are reduced), so every rank reports; ``fit`` raises it."""
+    from training_core.redact import install_log_redaction
+
+    install_log_redaction()
+    runtime = RayTrainRuntime()
+    try:
+        run_worker(WorkerArgs.from_dict(loop_config), runtime)
+    except TrainingDiverged as exc:
+        runtime.report_result({DIVERGED_METRIC: str(exc)})

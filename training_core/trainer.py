@@ -10,10 +10,11 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Mapping
 
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
+from training_core.failures import DIVERGED_METRIC, TrainingDiverged
 from training_core.records import EpochRecord, MlflowRun, WorkerArgs
 from training_core.redact import install_log_redaction, redact
 
@@ -84,12 +85,15 @@ def fit(
     says whether the config goes to the MLflow run as params (default: unless resuming). ``job_labels``
     (``execution``, ``node``, ``attempt``) label the workers' metrics; see
     :func:`~training_core.records.worker_job_labels`. Raises what the training function raised, wrapped by Ray
-    Train, once ``checkpoint.max_worker_restarts`` is spent. The project's loggers redact URL credentials, here
-    and in every worker (:func:`~training_core.redact.install_log_redaction`).
+    Train, once ``checkpoint.max_worker_restarts`` is spent; a diverged run raises
+    :class:`~training_core.failures.TrainingDiverged` at once, without restarts. The project's loggers redact URL
+    credentials, here and in every worker (:func:`~training_core.redact.install_log_redaction`).
     """
     import ray
     from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+
+    from training_core.loop import train_loop_per_worker
 
     install_log_redaction()
     root = checkpoint_root(storage_path, run_name)
@@ -109,7 +113,7 @@ def fit(
         warmup_steps_excluded=warmup_steps_excluded,
     )
     trainer = TorchTrainer(
-        redacting_train_loop_per_worker,
+        train_loop_per_worker,
         train_loop_config=args.to_dict(),
         torch_config=TorchConfig(backend=cfg.scaling.resolved_backend(), timeout_s=cfg.scaling.collective_timeout_s),
         scaling_config=ray_scaling_config(cfg),
@@ -119,17 +123,11 @@ def fit(
             failure_config=FailureConfig(max_failures=cfg.checkpoint.max_worker_restarts),
         ),
     )
-    trainer.fit()
+    result = trainer.fit()
+    diverged = (result.metrics or {}).get(DIVERGED_METRIC)
+    if diverged:  # reported by the workers instead of raised, so Ray Train did not restart them (see the loop)
+        raise TrainingDiverged(diverged)
     return collect_final(cfg, root, checkpoint_dir, what=f"Ray Train run {run_name!r}")
-
-
-def redacting_train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """The Ray Train workers' entry point: :func:`~training_core.redact.install_log_redaction` in the worker's
-    process (Ray starts it with its own logging), then :func:`training_core.loop.train_loop_per_worker`."""
-    from training_core.loop import train_loop_per_worker
-
-    install_log_redaction()
-    train_loop_per_worker(loop_config)
 
 
 def collect_final(
