@@ -9,6 +9,7 @@ from flytekit import Resources, task
 from tasks.artifacts import artifact_location, local_deck_path
 from tasks.types import Evaluation, Registration, TrainedModel
 from training_core.config import TrackingConfig
+from training_core.redact import redact
 
 
 # Not interruptible: it writes to the Model Registry (a new version, maybe an alias move), and a preemption
@@ -70,7 +71,7 @@ def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Ev
                 ),
                 f"promotion        : {promotion.reason}",
                 f"test accuracy    : {evaluation.metrics.accuracy:.4f} (top-5 {evaluation.metrics.top5_accuracy:.4f})",
-                f"mlflow tracking  : {model.tracking_uri}",
+                f"mlflow tracking  : {redact(model.tracking_uri)}",
                 f"browse with      : {ui_command(model.tracking_uri)}",
                 f"training report  : {reports[0]}",
                 f"evaluation report: {reports[1]}",
