@@ -42,7 +42,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol
 
-from training_core.config import clip, quote
+from training_core.config import clip, is_plain_file_name, quote
 from training_core.records import EpochRecord, StepLog, StepRecord
 from training_core.redact import redact
 
@@ -404,9 +404,9 @@ class CheckpointManifest:
 
 
 def _check_file_name(name: Any, *, where: str) -> None:
-    """Refuse a file name read from a manifest unless it is a plain name inside the checkpoint's directory: no
-    path separator, no ``..``, no drive or URI scheme (``:``), not empty. Checked before anything is read."""
-    if not isinstance(name, str) or not name or name == "." or ".." in name or any(c in name for c in "/\\:\0"):
+    """Refuse a file name read from a manifest unless it is a plain name inside the checkpoint's directory
+    (:func:`~training_core.config.is_plain_file_name`). Checked before anything is read."""
+    if not is_plain_file_name(name):
         raise CheckpointError(
             f"{where} names the file {quote(name)}, which is not a plain name inside the checkpoint's directory: "
             f"a manifest lists only {', '.join(CHECKPOINT_FILES)}"

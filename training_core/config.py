@@ -111,6 +111,16 @@ def quote(value: Any) -> str:
     return clip(redact(_bounded_repr.repr(value)))
 
 
+_PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
+
+
+def is_plain_file_name(name: Any) -> bool:
+    """Whether ``name``, read from a manifest, is a plain file name inside its directory: letters, digits, ``_``,
+    ``-`` and ``.``, not starting with ``.``. So no separator, no ``..``, no hidden file, no ``:`` of a URI scheme or
+    a drive: nothing a join could turn into a path out of the directory. The one rule for every manifest we read."""
+    return isinstance(name, str) and _PLAIN_FILE_NAME.fullmatch(name) is not None
+
+
 def invalid(path: str, value: Any, fix: str) -> typing.NoReturn:
     """Raise the one kind of config error: the dotted field, the bad value and the fix.
 

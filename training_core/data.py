@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterator, NoReturn
 
 import numpy as np
 
-from training_core.config import DataConfig, clip, quote
+from training_core.config import DataConfig, clip, is_plain_file_name, quote
 from training_core.redact import redact
 
 if TYPE_CHECKING:
@@ -43,9 +43,6 @@ the classes only."""
 
 SPLIT_NAMES = ("train", "val", "test")
 
-# A shard file is a plain name inside the data directory: no separator, no leading dot (so no "..", and no
-# hidden file), no ":" of a URI scheme or a drive, nothing a join could turn into a path out of the directory.
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _RERUN = "re-run data prep (prepare_data) to rewrite the directory"
 
@@ -295,7 +292,7 @@ def _parse_manifest(raw: Any, *, where: str, directory: str) -> Manifest:
 
 def _plain_name(value: Any, fail) -> str:
     """``value`` when it is a plain file name inside its directory, else ``fail(why)``."""
-    if not isinstance(value, str) or not _PLAIN_NAME.fullmatch(value):
+    if not is_plain_file_name(value):
         fail(
             "a shard file is a plain name inside the data directory (letters, digits, '_', '-', '.', not starting "
             "with '.'; no '/', '\\', '..', ':' or absolute path)"
