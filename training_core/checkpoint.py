@@ -98,6 +98,9 @@ class CheckpointMeta:
     mlflow_run_id: str = ""
     elapsed_s: float = 0.0
     """Seconds the run has trained so far, across resumes (the clock of ``step_log``'s ``elapsed_s``)."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """The prepared data's description (:meth:`~training_core.data.Manifest.description`: workload, arrays, spec)
+    that rebuilds the model; empty in checkpoints written before workloads (image classification)."""
     telemetry: dict[str, Any] = field(default_factory=dict)
     """Rank 0's telemetry for the Deck: ``samples`` (a bounded timeline of ``elapsed_s``, ``cpu_utilization``
     and ``gpu_utilization`` per GPU as ratios 0-1, ``memory_used_bytes`` and ``gpu_memory_used_bytes`` per GPU)
@@ -224,6 +227,7 @@ _META_FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "mlflow_run_id": (_is_str, "a string"),
     "elapsed_s": (_is_number, "a number"),
     "telemetry": (_is_mapping, "a JSON object"),
+    "data": (_is_mapping, "a JSON object (the prepared data's description)"),
 }
 """How each field of :class:`CheckpointMeta` is checked when read from JSON, and what the message says it expects."""
 
@@ -878,14 +882,31 @@ def load_meta(directory: str) -> CheckpointMeta:
 
 
 def load_model(directory: str, *, map_location: str = "cpu"):
-    """Rebuild the model a checkpoint directory describes, verify and load its weights. Returns ``(model, meta)``."""
-    from training_core.models import build_model
+    """Rebuild the model a checkpoint directory describes with its workload (user code is imported again), verify
+    and load its weights. Returns ``(model, meta, workload)``."""
+    from training_core.config import TrainingConfig
+    from training_core.data import Manifest
+    from training_core.workloads import resolve_workload
 
     loaded = load_directory(os.path.abspath(directory))
     meta = loaded.meta
-    model = build_model(meta.model_name, num_classes=len(meta.classes), input_shape=meta.input_shape)
+    # The saved config is a (redacted) record: only the sections that shape the model (and that a workload's
+    # config checks read) are read back, so a checkpoint written by an older version, with fields since renamed
+    # elsewhere, still loads.
+    # One worker: the run's layout does not shape the model, and the default one (2 workers) would refuse the data
+    # section of a run trained on fewer shards (data.num_shards >= scaling.num_workers).
+    sections = {k: meta.config[k] for k in ("workload", "data", "model") if k in meta.config}
+    config = TrainingConfig.from_dict({**sections, "scaling": {"num_workers": 1}})
+    if meta.data:
+        manifest = Manifest.from_description(meta.data)
+    else:
+        manifest = Manifest(
+            dataset="", classes=meta.classes, input_shape=meta.input_shape, mean=meta.mean, std=meta.std, splits={}
+        )
+    workload = resolve_workload(config.workload)
+    model = workload.build_model(config, manifest)
     model.load_state_dict(loaded.model)
-    return model.to(map_location), meta
+    return model.to(map_location), meta, workload
 
 
 def restore(loaded: LoadedCheckpoint, *, model, optimizer=None, scheduler=None, scaler=None) -> None:

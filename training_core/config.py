@@ -26,8 +26,14 @@ from training_core.redact import redact
 
 log = logging.getLogger(__name__)
 
-DATASETS = ("digits", "synthetic", "cifar10", "image_folder")
+IMAGE_DATASETS = ("digits", "synthetic", "cifar10", "image_folder")
+TEXT_DATASETS = ("stdlib", "text")
+DATASETS = IMAGE_DATASETS + TEXT_DATASETS
 MODELS = ("small_cnn", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "vit_b_16")
+LM_SIZES = ("gpt2-tiny", "gpt2-mini", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+"""Named GPT-2 sizes of the ``causal_lm`` workload (see :mod:`training_core.workloads.causal_lm`)."""
+DATASETS_BY_WORKLOAD = {"image_classification": IMAGE_DATASETS, "causal_lm": TEXT_DATASETS}
+IMPORT_PATH_FIX = "name user code as 'package.module:attribute' (e.g. 'examples.tabular_mlp.workload:build')"
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("cosine", "constant")
 NONFINITE_POLICIES = ("stop", "skip_step")
@@ -36,7 +42,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 
 ENV_PREFIX = "TRAINING_CORE__"
 
-METRIC_DIRECTIONS = {"val_accuracy": "max", "val_loss": "min"}
+METRIC_DIRECTIONS = {"val_accuracy": "max", "val_loss": "min", "val_perplexity": "min"}
 """Which way each metric that ranks checkpoints and trials improves: ``max`` or ``min``."""
 
 
@@ -200,9 +206,23 @@ class DataConfig:
     synthetic_num_classes: int = 10
     """Number of classes of the ``synthetic`` dataset."""
 
+    text_field: str = "text"
+    """Text sources (``causal_lm``): the field of each ``.jsonl`` line, or the column of ``.parquet`` files, that
+    holds the text (``.txt`` files are text whole)."""
+
+    seq_len: int = 128
+    """Text sources: tokens per training sequence; must fit the model's context (``model.context_length``)."""
+
+    tokenizer: str = "byte"
+    """Text sources: ``byte`` (byte-level, 256 tokens, needs no file) or a Hugging Face ``tokenizer.json`` at a
+    local path or ``s3://`` URI. Its vocabulary sets the model's."""
+
+    max_text_bytes: int = 0
+    """Text sources: read at most this many bytes of text (whole files, in order); 0 reads everything."""
+
     def __post_init__(self) -> None:
         _choice("data.dataset", self.dataset, DATASETS)
-        if self.dataset in ("cifar10", "image_folder") and not self.path:
+        if self.dataset in ("cifar10", "image_folder", "text") and not self.path:
             invalid(
                 "data.path", self.path, f"dataset {self.dataset!r} needs data.path set to a local path or s3:// URI"
             )
@@ -221,21 +241,84 @@ class DataConfig:
         _positive("data.synthetic_image_size", self.synthetic_image_size)
         if self.synthetic_num_classes < 2:
             invalid("data.synthetic_num_classes", self.synthetic_num_classes, "it must be >= 2")
+        if not self.text_field:
+            invalid("data.text_field", self.text_field, "name the JSON field or Parquet column that holds the text")
+        _between("data.seq_len", self.seq_len, 2, 1_048_576)
+        if not self.tokenizer:
+            invalid("data.tokenizer", self.tokenizer, "use 'byte' or the path or s3:// URI of a tokenizer.json")
+        _non_negative("data.max_text_bytes", self.max_text_bytes)
 
 
 @dataclass
 class ModelConfig:
     name: str = "resnet18"
-    """Architecture: ``small_cnn`` or a torchvision model (resnet18/34/50/101/152, vit_b_16). Each is
-    adapted to the dataset's channels, image size and number of classes (small inputs get a 3x3 stem
-    without max-pool; ViT gets a patch size that divides the image)."""
+    """Architecture. ``image_classification``: ``small_cnn`` or a torchvision model (resnet18/34/50/101/152,
+    vit_b_16), each adapted to the dataset's channels, image size and number of classes (small inputs get a 3x3
+    stem without max-pool; ViT gets a patch size that divides the image). ``causal_lm``: a GPT-2 size
+    (gpt2-tiny, gpt2-mini, gpt2, gpt2-medium, gpt2-large, gpt2-xl) or any ``transformers`` causal-LM config class
+    by name (``LlamaConfig``, ``GPTNeoXConfig``...), randomly initialised. A user workload reads it as it likes."""
+
+    num_layers: int = 0
+    """``causal_lm``: transformer blocks; 0 keeps the named size's."""
+
+    hidden_size: int = 0
+    """``causal_lm``: model width; 0 keeps the named size's."""
+
+    num_heads: int = 0
+    """``causal_lm``: attention heads (must divide ``hidden_size``); 0 keeps the named size's."""
+
+    context_length: int = 0
+    """``causal_lm``: positions the model attends over; 0 keeps the named size's (1024 for GPT-2 sizes)."""
 
     sync_batchnorm: bool = False
     """Convert BatchNorm layers to SyncBatchNorm so statistics span all workers. Only takes effect on GPU
     with more than one worker; ignored (with a warning) on CPU, where PyTorch has no SyncBatchNorm."""
 
     def __post_init__(self) -> None:
-        _choice("model.name", self.name, MODELS)
+        if not self.name:
+            invalid("model.name", self.name, f"name an architecture, e.g. {', '.join(MODELS[:2])} or gpt2-tiny")
+        for name in ("num_layers", "hidden_size", "num_heads", "context_length"):
+            _non_negative(f"model.{name}", getattr(self, name))
+        if self.num_heads and self.hidden_size and self.hidden_size % self.num_heads:
+            invalid("model.num_heads", self.num_heads, f"it must divide model.hidden_size={self.hidden_size}")
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = "image_classification"
+    """What is trained: ``image_classification`` (the image models and datasets), ``causal_lm`` (GPT-style
+    language models on text), or user code as ``package.module:attribute``: a callable that takes the
+    ``TrainingConfig`` and returns a :class:`training_core.workloads.Workload`."""
+
+    model_factory: str = ""
+    """A built-in workload with a user model: ``package.module:attribute`` of a callable
+    ``(config, manifest) -> torch.nn.Module``. Empty uses ``model.name``."""
+
+    dataset_source: str = ""
+    """A built-in workload with user data: ``package.module:attribute`` of a callable ``(config)`` returning a
+    ``training_core.datasets.RawDataset`` (``image_classification``) or a mapping of document name to text
+    (``causal_lm``). Empty uses ``data.dataset``."""
+
+    def __post_init__(self) -> None:
+        from_user = self.name not in DATASETS_BY_WORKLOAD
+        if from_user and not is_import_path(self.name):
+            invalid(
+                "workload.name",
+                self.name,
+                f"choose {', '.join(DATASETS_BY_WORKLOAD)} or {IMPORT_PATH_FIX}",
+            )
+        for name in ("model_factory", "dataset_source"):
+            value = getattr(self, name)
+            if value and from_user:
+                invalid(f"workload.{name}", value, "it applies to a built-in workload; a user workload builds its own")
+            if value and not is_import_path(value):
+                invalid(f"workload.{name}", value, IMPORT_PATH_FIX)
+
+
+def is_import_path(value: str) -> bool:
+    """Whether ``value`` has the form ``package.module:attribute``."""
+    module, sep, attribute = value.partition(":")
+    return bool(sep) and all(part.isidentifier() for part in module.split(".")) and attribute.isidentifier()
 
 
 @dataclass
@@ -494,9 +577,10 @@ class TrackingConfig:
     champion_alias: str = "champion"
     """Alias moved to a new version when it clears the gate."""
 
-    promotion_min_accuracy: float = 0.9
-    """Test accuracy a new version needs before it can take the champion alias. It must also beat the
-    current champion's test accuracy."""
+    promotion_threshold: float = 0.9
+    """The bound the workload's primary test metric must clear before a new version can take the champion
+    alias: at least this for a metric where higher is better (accuracy), at most this for one where lower is
+    better (perplexity). It must also beat the current champion's value."""
 
     parent_run_id: str = ""
     """MLflow run this run is a child of (a tuning trial under its search's run); empty for none."""
@@ -509,7 +593,8 @@ class TrackingConfig:
         for name in ("tracking_uri", "experiment_name", "registered_model_name", "champion_alias"):
             if not getattr(self, name):
                 invalid(f"tracking.{name}", getattr(self, name), "it must be a non-empty string")
-        _fraction("tracking.promotion_min_accuracy", self.promotion_min_accuracy, upper_inclusive=True)
+        if not math.isfinite(self.promotion_threshold):
+            invalid("tracking.promotion_threshold", self.promotion_threshold, "it must be a finite number")
 
 
 PUSHGATEWAY_URL_ENV = "TRAINING_PUSHGATEWAY_URL"
@@ -591,6 +676,9 @@ class TrainingConfig:
     """A whole training run: data, model, optimizer and schedule, loop, scaling, precision, checkpoints,
     tracking, observability."""
 
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    """What kind of model is trained on what kind of data: built in, or user code."""
+
     data: DataConfig = field(default_factory=DataConfig)
     """What to train on and how it is sharded."""
 
@@ -622,6 +710,7 @@ class TrainingConfig:
     """Prometheus metrics (training, GPUs, host, cost), their delivery, and MLflow system metrics."""
 
     def __post_init__(self) -> None:
+        self._check_workload_fields()
         if self.data.num_shards < self.scaling.num_workers:
             invalid(
                 "data.num_shards",
@@ -640,6 +729,31 @@ class TrainingConfig:
             log.warning("model.sync_batchnorm=True is ignored on CPU: PyTorch's SyncBatchNorm needs a GPU")
         if self.precision.mode == "fp16" and not self.scaling.use_gpu:
             log.warning("precision.mode='fp16' falls back to fp32 on CPU: fp16 autocast with GradScaler needs a GPU")
+
+    def _check_workload_fields(self) -> None:
+        """The dataset and model a built-in workload reads must be its own (a user workload reads them as it
+        likes); a user model or dataset replaces the check of the name."""
+        name = self.workload.name
+        if name not in DATASETS_BY_WORKLOAD:
+            return
+        datasets = DATASETS_BY_WORKLOAD[name]
+        if not self.workload.dataset_source and self.data.dataset not in datasets:
+            invalid(
+                "data.dataset",
+                self.data.dataset,
+                f"workload.name={name!r} reads {', '.join(datasets)}; choose one of them, or set "
+                "workload.dataset_source to your own",
+            )
+        if name == "image_classification" and not self.workload.model_factory:
+            _choice("model.name", self.model.name, MODELS)
+        if name == "causal_lm" and not self.workload.model_factory and self.model.name not in LM_SIZES:
+            if not self.model.name.endswith("Config") or not self.model.name.isidentifier():
+                invalid(
+                    "model.name",
+                    self.model.name,
+                    f"workload.name='causal_lm' builds {', '.join(LM_SIZES)} or a transformers causal-LM config "
+                    "class by name (e.g. LlamaConfig)",
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -16,6 +16,7 @@ ranks never wait on a peer that ran out of data.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -24,22 +25,19 @@ import math
 import re
 import zipfile
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, NoReturn
+from typing import Any, Iterator, Mapping, NoReturn
 
 import numpy as np
 
-from training_core.config import DataConfig, clip, is_plain_file_name, quote
+from training_core.config import DataConfig, WorkloadConfig, clip, is_plain_file_name, quote
 from training_core.redact import redact
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 2
-"""2 records each shard's label range. A version-1 manifest still loads; its shards' labels are checked against
-the classes only."""
+MANIFEST_VERSION = 3
+"""3 names the workload and the arrays every sample has, with each shard's value bounds. 2 recorded each shard's
+label range, 1 none; both still load (images and labels)."""
 
 SPLIT_NAMES = ("train", "val", "test")
 
@@ -48,15 +46,27 @@ _RERUN = "re-run data prep (prepare_data) to rewrite the directory"
 
 
 @dataclass
+class ArraySpec:
+    """One array every sample of a prepared dataset has (images, labels, tokens, features)."""
+
+    dtype: str
+    """numpy dtype name: ``uint8``, ``uint16``, ``int32``, ``int64``, ``float32``."""
+    shape: list[int]
+    """One sample's shape (``[]`` for a scalar such as a label)."""
+    max_value: int | None = None
+    """Integer arrays whose values index something (labels, token ids): every value is in ``[0, max_value]``,
+    checked per shard against the shard's recorded bounds. ``None`` for other arrays."""
+
+
+@dataclass
 class ShardInfo:
     file: str
     """File name relative to the data directory."""
     num_samples: int
     sha256: str
-    label_min: int | None = None
-    """Smallest label in the shard; ``None`` only in a version-1 manifest."""
-    label_max: int | None = None
-    """Largest label in the shard; ``None`` only in a version-1 manifest."""
+    bounds: dict[str, list[int]] = field(default_factory=dict)
+    """Per bounded array (``max_value`` set): the shard's smallest and largest value. Empty only in a
+    version-1 manifest."""
 
 
 @dataclass
@@ -65,20 +75,37 @@ class SplitInfo:
     shards: list[ShardInfo]
 
 
+IMAGE_ARRAYS_V2 = ("images", "labels")
+
+
 @dataclass
 class Manifest:
     dataset: str
     classes: list[str]
+    """Class names, indexed by label; empty for a workload without classes (a language model)."""
     input_shape: list[int]
-    """Channels, height, width of one sample."""
+    """One model input sample's shape: channels, height, width for images; ``[seq_len]`` for text."""
     mean: list[float]
-    """Per-channel mean of the training split, on the 0..1 scale."""
+    """Per-channel mean of the training split on the 0..1 scale (images; empty where there is none)."""
     std: list[float]
-    """Per-channel standard deviation of the training split, on the 0..1 scale."""
+    """Per-channel standard deviation of the training split on the 0..1 scale (images; empty otherwise)."""
     splits: dict[str, SplitInfo]
+    workload: str = "image_classification"
+    """The workload that wrote the data (``workload.name``)."""
+    arrays: dict[str, ArraySpec] = field(default_factory=dict)
+    """What each shard stores per sample. Empty in a version-1/2 manifest: images and labels."""
+    spec: dict[str, Any] = field(default_factory=dict)
+    """The workload's own description of the data (a language model's vocabulary and tokenizer), JSON."""
     version: int = MANIFEST_VERSION
     directory: str = field(default="", compare=False)
     """Where the manifest was read from (not stored)."""
+
+    def __post_init__(self) -> None:
+        if not self.arrays:  # written before version 3: images and labels
+            self.arrays = {
+                "images": ArraySpec("uint8", list(self.input_shape)),
+                "labels": ArraySpec("int64", [], max_value=len(self.classes) - 1),
+            }
 
     @property
     def num_classes(self) -> int:
@@ -88,13 +115,31 @@ class Manifest:
         return {name: split.num_samples for name, split in self.splits.items()}
 
     def to_json(self) -> str:
+        """The manifest as written (version 3; an older one loaded keeps its own form)."""
         payload = asdict(self)
         payload.pop("directory")
-        if self.version == 1:
+        if self.version < 3:
+            for key in ("workload", "arrays", "spec"):
+                payload.pop(key)
             for split in payload["splits"].values():
                 for shard in split["shards"]:
-                    del shard["label_min"], shard["label_max"]
+                    bounds = shard.pop("bounds")
+                    if self.version == 2:
+                        shard["label_min"], shard["label_max"] = bounds["labels"]
         return json.dumps(payload, indent=2, sort_keys=True)
+
+    def description(self) -> dict[str, Any]:
+        """Everything but the splits: what a model trained on this data needs to be rebuilt (kept in checkpoints)."""
+        payload = json.loads(self.to_json())
+        payload.pop("splits")
+        return payload
+
+    @classmethod
+    def from_description(cls, raw: Mapping[str, Any]) -> "Manifest":
+        """The manifest :meth:`description` returned, with no splits (for rebuilding a model)."""
+        return _parse_manifest(
+            {**raw, "splits": {"train": {"num_samples": 0, "shards": []}}}, where="a description", directory=""
+        )
 
     @classmethod
     def from_json(cls, text: str, *, directory: str = "") -> "Manifest":
@@ -217,8 +262,18 @@ def _small_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**1000
 
 
-_TOP_KEYS = ("version", "dataset", "classes", "input_shape", "mean", "std", "splits")
-_SHARD_KEYS = {1: ("file", "num_samples", "sha256"), 2: ("file", "num_samples", "sha256", "label_min", "label_max")}
+_TOP_KEYS = {
+    1: ("version", "dataset", "classes", "input_shape", "mean", "std", "splits"),
+    2: ("version", "dataset", "classes", "input_shape", "mean", "std", "splits"),
+    3: ("version", "workload", "dataset", "classes", "input_shape", "mean", "std", "arrays", "spec", "splits"),
+}
+_SHARD_KEYS = {
+    1: ("file", "num_samples", "sha256"),
+    2: ("file", "num_samples", "sha256", "label_min", "label_max"),
+    3: ("file", "num_samples", "sha256", "bounds"),
+}
+ARRAY_DTYPES = ("uint8", "uint16", "int32", "int64", "float32")
+"""What a shard may store: nothing numpy would need pickles or object arrays for."""
 
 
 def _parse_manifest(raw: Any, *, where: str, directory: str) -> Manifest:
@@ -226,23 +281,47 @@ def _parse_manifest(raw: Any, *, where: str, directory: str) -> Manifest:
     if isinstance(raw, dict):
         version = raw.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or version not in _SHARD_KEYS:
-            schema.fail("version", version, f"this code reads versions 1 and {MANIFEST_VERSION}")
-    raw = schema.mapping("manifest", raw, _TOP_KEYS)
+            schema.fail("version", version, f"this code reads versions 1 to {MANIFEST_VERSION}")
+    raw = schema.mapping("manifest", raw, _TOP_KEYS[raw["version"] if isinstance(raw, dict) else MANIFEST_VERSION])
     version = raw["version"]
     classes = schema.items("classes", raw["classes"])
-    if not classes:
+    if not classes and version < 3:
         schema.fail("classes", classes, "expected at least one class name")
     for index, name in enumerate(classes):
         schema.text(f"classes[{index}]", name)
     if len(set(classes)) != len(classes):
         schema.fail("classes", classes, "class names must be unique")
-    shape = schema.items("input_shape", raw["input_shape"], 3)
+    shape = schema.items("input_shape", raw["input_shape"], 3 if version < 3 else None)
+    if not shape:
+        schema.fail("input_shape", shape, "expected the shape of one input sample")
     for index, size in enumerate(shape):
         schema.integer(f"input_shape[{index}]", size, 1)
+    num_stats = shape[0] if version < 3 or raw["mean"] else 0
+    mean = schema.numbers("mean", raw["mean"], num_stats, positive=False)
+    std = schema.numbers("std", raw["std"], num_stats, positive=True)
+    arrays = _parse_arrays(schema, raw["arrays"]) if version >= 3 else {}
+    spec = raw.get("spec", {})
+    if not isinstance(spec, dict):
+        schema.fail("spec", spec, "expected a JSON object")
+    manifest = Manifest(
+        dataset=schema.text("dataset", raw["dataset"]),
+        classes=list(classes),
+        input_shape=list(shape),
+        mean=mean,
+        std=std,
+        splits={},
+        workload=schema.text("workload", raw["workload"]) if version >= 3 else "image_classification",
+        arrays=arrays,
+        spec=spec,
+        version=version,
+        directory=directory,
+    )
     splits_raw = raw["splits"]
     if not isinstance(splits_raw, dict) or "train" not in splits_raw:
         schema.fail("splits", splits_raw, f"expected an object of splits ({', '.join(SPLIT_NAMES)}) with train")
-    splits = {}
+    if version >= 3 and manifest.workload == "image_classification":
+        _check_image_manifest(schema, manifest, raw["arrays"])
+    bounded = {name: a.max_value for name, a in manifest.arrays.items() if a.max_value is not None}
     files: set[str] = set()
     for name, split_raw in splits_raw.items():
         if name not in SPLIT_NAMES:
@@ -268,26 +347,75 @@ def _parse_manifest(raw: Any, *, where: str, directory: str) -> Manifest:
                 num_samples=schema.integer(f"{path}.num_samples", shard_raw["num_samples"], 1),
                 sha256=sha256,
             )
-            if version >= 2:
-                shard.label_min = schema.integer(f"{path}.label_min", shard_raw["label_min"], 0, len(classes) - 1)
-                shard.label_max = schema.integer(
-                    f"{path}.label_max", shard_raw["label_max"], shard.label_min, len(classes) - 1
-                )
+            if version == 2:
+                low = schema.integer(f"{path}.label_min", shard_raw["label_min"], 0, len(classes) - 1)
+                high = schema.integer(f"{path}.label_max", shard_raw["label_max"], low, len(classes) - 1)
+                shard.bounds = {"labels": [low, high]}
+            if version >= 3:
+                shard.bounds = _parse_bounds(schema, f"{path}.bounds", shard_raw["bounds"], bounded)
             shards.append(shard)
         total = sum(s.num_samples for s in shards)
         if total != num_samples:
             schema.fail(f"splits.{name}.num_samples", num_samples, f"its shards hold {total} samples")
-        splits[name] = SplitInfo(num_samples=num_samples, shards=shards)
-    return Manifest(
-        dataset=schema.text("dataset", raw["dataset"]),
-        classes=list(classes),
-        input_shape=list(shape),
-        mean=schema.numbers("mean", raw["mean"], shape[0], positive=False),
-        std=schema.numbers("std", raw["std"], shape[0], positive=True),
-        splits=splits,
-        version=version,
-        directory=directory,
-    )
+        manifest.splits[name] = SplitInfo(num_samples=num_samples, shards=shards)
+    return manifest
+
+
+def _check_image_manifest(schema: _Schema, manifest: Manifest, raw_arrays: Any) -> None:
+    """What image classification reads, as versions 1 and 2 always held it: class names, channels x height x width,
+    a mean and std per channel, and exactly its uint8 images and int64 labels, one label per class."""
+    if not manifest.classes:
+        schema.fail("classes", manifest.classes, "expected at least one class name")
+    shape = manifest.input_shape
+    if len(shape) != 3:
+        schema.fail("input_shape", shape, "expected a list of 3")
+    for name in ("mean", "std"):
+        if len(getattr(manifest, name)) != shape[0]:
+            schema.fail(name, getattr(manifest, name), f"expected a list of {shape[0]}")
+    expected = {
+        "images": ArraySpec("uint8", list(shape)),
+        "labels": ArraySpec("int64", [], max_value=len(manifest.classes) - 1),
+    }
+    if manifest.arrays != expected:
+        schema.fail(
+            "arrays",
+            raw_arrays,
+            f"image_classification data stores images uint8 {shape} and labels int64 [] with max_value "
+            f"{len(manifest.classes) - 1} (one per class)",
+        )
+
+
+def _parse_arrays(schema: _Schema, raw: Any) -> dict[str, ArraySpec]:
+    if not isinstance(raw, dict) or not raw:
+        schema.fail("arrays", raw, "expected an object of array name -> {dtype, shape, max_value}")
+    arrays = {}
+    for name, spec_raw in raw.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            schema.fail("arrays", name, "an array is named like a Python identifier")
+        spec_raw = schema.mapping(f"arrays.{name}", spec_raw, ("dtype", "shape", "max_value"))
+        if spec_raw["dtype"] not in ARRAY_DTYPES:
+            schema.fail(f"arrays.{name}.dtype", spec_raw["dtype"], f"expected one of {', '.join(ARRAY_DTYPES)}")
+        shape = schema.items(f"arrays.{name}.shape", spec_raw["shape"])
+        for index, size in enumerate(shape):
+            schema.integer(f"arrays.{name}.shape[{index}]", size, 1)
+        max_value = spec_raw["max_value"]
+        if max_value is not None:
+            if spec_raw["dtype"] == "float32":
+                schema.fail(f"arrays.{name}.max_value", max_value, "only integer arrays are bounded; use null")
+            schema.integer(f"arrays.{name}.max_value", max_value, 0, 2**62)
+        arrays[name] = ArraySpec(dtype=spec_raw["dtype"], shape=list(shape), max_value=max_value)
+    return arrays
+
+
+def _parse_bounds(schema: _Schema, path: str, raw: Any, bounded: dict[str, int]) -> dict[str, list[int]]:
+    raw = schema.mapping(path, raw, tuple(bounded))
+    bounds = {}
+    for name, limit in bounded.items():
+        pair = schema.items(f"{path}.{name}", raw[name], 2)
+        low = schema.integer(f"{path}.{name}[0]", pair[0], 0, limit)
+        high = schema.integer(f"{path}.{name}[1]", pair[1], low, limit)
+        bounds[name] = [low, high]
+    return bounds
 
 
 def _plain_name(value: Any, fail) -> str:
@@ -300,94 +428,120 @@ def _plain_name(value: Any, fail) -> str:
     return value
 
 
-def prepare(cfg: DataConfig, out_dir: str) -> Manifest:
-    """Read the raw dataset, split it, and write shards and the manifest under ``out_dir``."""
+def write_prepared(
+    out_dir: str,
+    splits: Mapping[str, Mapping[str, np.ndarray]],
+    *,
+    template: Manifest,
+    num_shards: int,
+) -> Manifest:
+    """Write each split's arrays (name -> array, first axis the samples) as up to ``num_shards`` ``.npz`` shards
+    under ``out_dir``, then the manifest: ``template``'s description with the shards, their sha256 and the bounds
+    of every bounded array. Arrays are checked against ``template.arrays`` first (names, dtypes, sample shapes,
+    bounds), so a workload cannot write data the readers would refuse."""
     import fsspec
 
-    from training_core.datasets import load_raw
-
-    raw = load_raw(cfg)
-    splits = _split(raw.splits, cfg)
-    train_x = splits["train"][0]
-    scaled = train_x.astype(np.float64) / 255.0
-    mean = scaled.mean(axis=(0, 2, 3)).tolist()
-    std = np.maximum(scaled.std(axis=(0, 2, 3)), 1e-6).tolist()
-
+    for name, arrays in splits.items():
+        _check_split(template, name, arrays)
     fs, root = fsspec.core.url_to_fs(out_dir)
     fs.makedirs(root, exist_ok=True)
     split_infos = {}
-    for name, (images, labels) in splits.items():
+    for name, arrays in splits.items():
+        count = len(next(iter(arrays.values())))
         shards = []
-        num_shards = min(cfg.num_shards, len(labels))
-        for index, part in enumerate(np.array_split(np.arange(len(labels)), num_shards)):
+        parts = np.array_split(np.arange(count), min(num_shards, count))
+        for index, part in enumerate(parts):
             buffer = io.BytesIO()
-            np.savez(buffer, images=images[part], labels=labels[part])
+            np.savez(buffer, **{key: value[part] for key, value in arrays.items()})
             payload = buffer.getvalue()
-            file = f"{name}-{index:05d}-of-{num_shards:05d}.npz"
+            file = f"{name}-{index:05d}-of-{len(parts):05d}.npz"
             with fs.open(_join(root, file), "wb") as f:
                 f.write(payload)
+            bounds = {
+                key: [int(arrays[key][part].min()), int(arrays[key][part].max())]
+                for key, spec in template.arrays.items()
+                if spec.max_value is not None
+            }
             shards.append(
-                ShardInfo(
-                    file=file,
-                    num_samples=len(part),
-                    sha256=hashlib.sha256(payload).hexdigest(),
-                    label_min=int(labels[part].min()),
-                    label_max=int(labels[part].max()),
-                )
+                ShardInfo(file=file, num_samples=len(part), sha256=hashlib.sha256(payload).hexdigest(), bounds=bounds)
             )
-        split_infos[name] = SplitInfo(num_samples=len(labels), shards=shards)
-
-    manifest = Manifest(
-        dataset=cfg.dataset,
-        classes=raw.classes,
-        input_shape=list(train_x.shape[1:]),
-        mean=mean,
-        std=std,
-        splits=split_infos,
-        directory=out_dir,
-    )
+        split_infos[name] = SplitInfo(num_samples=count, shards=shards)
+    manifest = dataclasses.replace(template, splits=split_infos, version=MANIFEST_VERSION, directory=out_dir)
     # The manifest goes last: a directory with a manifest is complete.
     with fs.open(_join(root, MANIFEST_NAME), "w") as f:
         f.write(manifest.to_json())
-    log.info("prepared %s: %s", cfg.dataset, manifest.split_counts())
+    log.info("prepared %s (%s): %s", manifest.dataset, manifest.workload, manifest.split_counts())
     return manifest
 
 
-def _split(raw: dict[str, tuple[np.ndarray, np.ndarray]], cfg: DataConfig) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Shuffle and carve val (and test, when the source has none) out of train."""
+def _check_split(template: Manifest, split: str, arrays: Mapping[str, np.ndarray]) -> None:
+    if split not in SPLIT_NAMES:
+        raise ValueError(f"data prep made a split named {quote(split)}; splits are named {', '.join(SPLIT_NAMES)}")
+    if set(arrays) != set(template.arrays):
+        raise ValueError(
+            f"data prep made split {split!r} with arrays {sorted(arrays)}; the manifest declares "
+            f"{sorted(template.arrays)}"
+        )
+    counts = {len(a) for a in arrays.values()}
+    if len(counts) != 1 or not counts.pop():
+        raise ValueError(
+            f"data prep made split {split!r} with no samples or arrays of different lengths; fix the source"
+        )
+    for key, spec in template.arrays.items():
+        value = arrays[key]
+        if value.dtype != np.dtype(spec.dtype) or list(value.shape[1:]) != spec.shape:
+            raise ValueError(
+                f"data prep made array {key!r} of split {split!r} {value.dtype} {value.shape[1:]} per sample; the "
+                f"manifest declares {spec.dtype} {tuple(spec.shape)}"
+            )
+        if (
+            spec.max_value is not None
+            and value.size
+            and not 0 <= int(value.min()) <= int(value.max()) <= spec.max_value
+        ):
+            raise ValueError(
+                f"data prep made array {key!r} of split {split!r} with values {int(value.min())}..{int(value.max())}; "
+                f"expected 0..{spec.max_value}"
+            )
+
+
+def split_samples(
+    raw: Mapping[str, Mapping[str, np.ndarray]], cfg: DataConfig, *, source: str
+) -> dict[str, dict[str, np.ndarray]]:
+    """Shuffle ``raw["train"]`` (name -> array, first axis the samples) with ``data.split_seed`` and carve val (and
+    test, when the source has none) out of it by ``data.val_fraction`` / ``data.test_fraction``; a source's own
+    val or test split is kept as it is."""
     rng = np.random.default_rng(cfg.split_seed)
-    x, y = raw["train"]
-    order = rng.permutation(len(y))
-    x, y = x[order], y[order]
-    splits = {}
-    n = len(y)
+    train = raw["train"]
+    n = len(next(iter(train.values())))
+    order = rng.permutation(n)
+    train = {name: value[order] for name, value in train.items()}
     n_test = 0 if "test" in raw else int(round(n * cfg.test_fraction))
     n_val = 0 if "val" in raw else int(round(n * cfg.val_fraction))
+    for name, field_name, value, count in (
+        ("test", "test_fraction", cfg.test_fraction, n_test),
+        ("val", "val_fraction", cfg.val_fraction, n_val),
+    ):
+        if name not in raw and not count:
+            raise ValueError(
+                f"data.{field_name}={value!r} is invalid: {source} has no {name} split of its own and this fraction "
+                f"of its {n} samples rounds to 0; raise it to at least {1 / max(n, 1):.2g}"
+            )
+    splits = {"train": {name: value[n_test + n_val :] for name, value in train.items()}}
     if n_test:
-        splits["test"] = (x[:n_test], y[:n_test])
+        splits["test"] = {name: value[:n_test] for name, value in train.items()}
     if n_val:
-        splits["val"] = (x[n_test : n_test + n_val], y[n_test : n_test + n_val])
-    splits["train"] = (x[n_test + n_val :], y[n_test + n_val :])
+        splits["val"] = {name: value[n_test : n_test + n_val] for name, value in train.items()}
     for name in ("val", "test"):
         if name in raw:
-            splits[name] = raw[name]
-    for name, field_name, value in (
-        ("test", "test_fraction", cfg.test_fraction),
-        ("val", "val_fraction", cfg.val_fraction),
-    ):
-        if name not in splits:
-            raise ValueError(
-                f"data.{field_name}={value!r} is invalid: {cfg.dataset} has no {name} split of its own and this "
-                "fraction "
-                f"of its {n} samples rounds to 0; raise it to at least {1 / n:.2g}"
-            )
+            splits[name] = dict(raw[name])
     return splits
 
 
-def read_shard(manifest: Manifest, shard: ShardInfo, *, verify: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """One shard's (uint8 images N x C x H x W, int64 labels N), checked against what the manifest records: the
-    sha256 (when ``verify``), the count, the image shape and the label range. A mismatch raises ``ValueError``
-    naming the shard file and the fix."""
+def read_shard(manifest: Manifest, shard: ShardInfo, *, verify: bool = True) -> dict[str, np.ndarray]:
+    """One shard's arrays (name -> array, first axis the samples), checked against what the manifest records: the
+    sha256 (when ``verify``), the count, each array's dtype and sample shape, and the value bounds. A mismatch
+    raises ``ValueError`` naming the shard file and the fix."""
     import fsspec
 
     where = f"shard {quote(shard.file)} in {clip(redact(manifest.directory), 500)}"
@@ -399,23 +553,25 @@ def read_shard(manifest: Manifest, shard: ShardInfo, *, verify: bool = True) -> 
         if digest != shard.sha256:
             _shard_error(where, f"is corrupt: sha256 {digest} != manifest {shard.sha256}")
     try:
-        with np.load(io.BytesIO(payload), allow_pickle=False) as arrays:
-            images, labels = arrays["images"], arrays["labels"]
+        with np.load(io.BytesIO(payload), allow_pickle=False) as stored:
+            arrays = {name: stored[name] for name in manifest.arrays}
     except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile) as exc:
         _shard_error(where, f"is not a readable shard ({type(exc).__name__}: {clip(str(exc))})")
-    expected = (shard.num_samples, *manifest.input_shape)
-    if images.dtype != np.uint8 or images.shape != expected:
-        _shard_error(where, f"holds images {images.dtype} {images.shape}; the manifest says uint8 {expected}")
-    if labels.dtype != np.int64 or labels.shape != (shard.num_samples,):
-        _shard_error(
-            where, f"holds labels {labels.dtype} {labels.shape}; the manifest says int64 ({shard.num_samples},)"
-        )
-    low, high = int(labels.min()), int(labels.max())
-    if shard.label_min is not None and (low, high) != (shard.label_min, shard.label_max):
-        _shard_error(where, f"holds labels {low}..{high}; the manifest says {shard.label_min}..{shard.label_max}")
-    if not 0 <= low <= high < manifest.num_classes:
-        _shard_error(where, f"holds labels {low}..{high}; the manifest has {manifest.num_classes} classes")
-    return images, labels
+    for name, spec in manifest.arrays.items():
+        value, expected = arrays[name], (shard.num_samples, *spec.shape)
+        if value.dtype != np.dtype(spec.dtype) or value.shape != expected:
+            what = "images" if name == "images" else name  # the words of a version-1/2 manifest
+            _shard_error(where, f"holds {what} {value.dtype} {value.shape}; the manifest says {spec.dtype} {expected}")
+        if spec.max_value is None:
+            continue
+        low, high = int(value.min()), int(value.max())
+        recorded = shard.bounds.get(name)
+        if recorded is not None and [low, high] != recorded:
+            _shard_error(where, f"holds {name} {low}..{high}; the manifest says {recorded[0]}..{recorded[1]}")
+        if not 0 <= low <= high <= spec.max_value:
+            limit = f"{manifest.num_classes} classes" if name == "labels" else f"values 0..{spec.max_value}"
+            _shard_error(where, f"holds {name} {low}..{high}; the manifest has {limit}")
+    return arrays
 
 
 def _shard_error(where: str, found: str) -> NoReturn:
@@ -438,55 +594,42 @@ class ShardStream:
 
     def train_batches(
         self, *, epoch: int, seed: int, batch_size: int, num_batches: int, start_batch: int = 0
-    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    ) -> Iterator[dict[str, np.ndarray]]:
         """Batches ``start_batch .. num_batches - 1`` of the epoch's fixed order, all full (the manifest
         guarantees there are enough). A resume passes the batches already consumed as ``start_batch``."""
         rng = np.random.default_rng([seed, epoch, self.rank])
-        pending_x: list[np.ndarray] = []
-        pending_y: list[np.ndarray] = []
-        pending = 0
+        pending: list[dict[str, np.ndarray]] = []
+        num_pending = 0
         emitted = 0
         for index in rng.permutation(len(self.shards)):
-            images, labels = read_shard(self.manifest, self.shards[index])
-            order = rng.permutation(len(labels))
-            pending_x.append(images[order])
-            pending_y.append(labels[order])
-            pending += len(labels)
-            if pending < batch_size:
+            arrays = read_shard(self.manifest, self.shards[index])
+            order = rng.permutation(self.shards[index].num_samples)
+            pending.append({name: value[order] for name, value in arrays.items()})
+            num_pending += len(order)
+            if num_pending < batch_size:
                 continue
-            x, y = np.concatenate(pending_x), np.concatenate(pending_y)
-            full = len(y) // batch_size
+            joined = {name: np.concatenate([p[name] for p in pending]) for name in arrays}
+            full = num_pending // batch_size
             for b in range(full):
                 if emitted == num_batches:
                     return
                 if emitted >= start_batch:
-                    yield x[b * batch_size : (b + 1) * batch_size], y[b * batch_size : (b + 1) * batch_size]
+                    yield {name: value[b * batch_size : (b + 1) * batch_size] for name, value in joined.items()}
                 emitted += 1
-            pending_x, pending_y = [x[full * batch_size :]], [y[full * batch_size :]]
-            pending = len(pending_y[0])
+            pending = [{name: value[full * batch_size :] for name, value in joined.items()}]
+            num_pending -= full * batch_size
         assert emitted == num_batches, f"rank {self.rank} produced {emitted} of {num_batches} batches"
 
-    def eval_batches(self, *, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def eval_batches(self, *, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
         """Every sample of this rank's shards once, in stored order; the last batch may be short."""
         for shard in self.shards:
-            images, labels = read_shard(self.manifest, shard)
-            for start in range(0, len(labels), batch_size):
-                yield images[start : start + batch_size], labels[start : start + batch_size]
+            arrays = read_shard(self.manifest, shard)
+            for start in range(0, shard.num_samples, batch_size):
+                yield {name: value[start : start + batch_size] for name, value in arrays.items()}
 
 
-class Normalizer:
-    """uint8 numpy batches -> normalised float tensors on the device."""
+def prepare(cfg: DataConfig, out_dir: str, *, workload: WorkloadConfig | None = None) -> Manifest:
+    """Data prep of ``workload`` (default: image classification) for ``cfg``, written under ``out_dir``."""
+    from training_core.workloads import resolve_workload
 
-    def __init__(self, manifest: Manifest, device: torch.device) -> None:
-        import torch
-
-        self.device = device
-        self.mean = torch.tensor(manifest.mean, device=device).view(1, -1, 1, 1)
-        self.std = torch.tensor(manifest.std, device=device).view(1, -1, 1, 1)
-
-    def __call__(self, images: np.ndarray, labels: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        import torch
-
-        x = torch.from_numpy(images).to(self.device, non_blocking=True).float().div_(255.0)
-        y = torch.from_numpy(labels).to(self.device, non_blocking=True)
-        return (x - self.mean) / self.std, y
+    return resolve_workload(workload or WorkloadConfig()).prepare_data(cfg, out_dir)

@@ -78,7 +78,7 @@ def load_raw(cfg: DataConfig) -> RawDataset:
     }
     raw = loaders[cfg.dataset](cfg)
     if cfg.image_size and cfg.dataset != "image_folder":
-        raw.splits = {name: (_resize(x, cfg.image_size), y) for name, (x, y) in raw.splits.items()}
+        raw.splits = {name: (resize_images(x, cfg.image_size), y) for name, (x, y) in raw.splits.items()}
     source = f"data.dataset={cfg.dataset!r}" + (f" at data.path={quote(cfg.path)}" if cfg.path else "")
     raw.check(source)
     return raw
@@ -434,7 +434,7 @@ def _read_class_tree(
     return np.stack(images), np.asarray(labels, dtype=np.int64)
 
 
-def _resize(images: np.ndarray, size: int) -> np.ndarray:
+def resize_images(images: np.ndarray, size: int) -> np.ndarray:
     import torch
     import torch.nn.functional as F
 

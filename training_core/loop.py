@@ -14,16 +14,15 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from training_core import checkpoint as ckpt
 from training_core.config import METRIC_DIRECTIONS, is_better
-from training_core.data import Manifest, Normalizer, ShardStream
+from training_core.data import Manifest, ShardStream
 from training_core.distributed import (
     CommTimer,
     RayTrainRuntime,
@@ -31,20 +30,23 @@ from training_core.distributed import (
     all_reduce_sum,
     broadcast_buffers_from_rank0,
 )
-from training_core.evaluation import EvalSums, evaluate
+from training_core.evaluation import evaluate
 from training_core.failures import DIVERGED_METRIC, TrainingDiverged
 from training_core.metrics import MetricSink, MlflowSink, build_sink, flatten
-from training_core.models import build_model
 from training_core.optim import apply_hyperparameters, build_optimizer, build_scheduler
 from training_core.records import EpochRecord, StepLog, StepRecord, WorkerArgs
 from training_core.redact import redact
 from training_core.rng import gather_rng_states, restore_rng, seed_everything
 from training_core.telemetry import JobLabels, build_telemetry
+from training_core.workloads import LossOutput, resolve_workload
+from training_core.workloads.image import classification_loss
 
 log = logging.getLogger("training_core")
 
 # Per-step times kept for the step-time percentiles of one run (bounded: 8 bytes each).
 MAX_STEP_TIMES_KEPT = 100_000
+# A workload's epoch figures in a checkpoint's ``epoch_partial``, beside the loop's own sums.
+EPOCH_FIGURE_PREFIX = "sum."
 
 
 def resolve_precision(mode: str, device: torch.device) -> tuple[torch.dtype | None, bool]:
@@ -61,9 +63,12 @@ def resolve_precision(mode: str, device: torch.device) -> tuple[torch.dtype | No
 @dataclass
 class StepResult:
     loss: torch.Tensor
-    """Mean loss over the step's samples (detached)."""
-    num_correct: torch.Tensor
+    """Mean loss over the step's micro-batches (detached)."""
+    sums: dict[str, torch.Tensor]
+    """The workload's additive figures of the step's batches (see :class:`~training_core.workloads.LossOutput`)."""
     num_samples: int
+    num_tokens: int
+    """Tokens in the step's batches (0 for a workload without tokens)."""
     grad_norm: torch.Tensor
     """Global gradient L2 norm before clipping."""
     nonfinite: torch.Tensor
@@ -75,12 +80,16 @@ def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
-    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: Sequence[Any],
     autocast_dtype: torch.dtype | None,
     max_grad_norm: float,
     skip_nonfinite: bool = False,
+    loss_fn: Callable[[nn.Module, Any], LossOutput] = classification_loss,
 ) -> StepResult:
     """One optimizer step over equally sized micro-batches, equal to one step on their concatenation.
+
+    ``loss_fn`` is the workload's :meth:`~training_core.workloads.Workload.loss` (default: cross-entropy over
+    ``(inputs, targets)`` pairs).
 
     Gradients of the micro-batches are accumulated (each loss scaled by ``1/len(micro_batches)``); a DDP
     model all-reduces only on the last one (``no_sync`` elsewhere). ``max_grad_norm <= 0`` disables clipping.
@@ -91,24 +100,26 @@ def train_step(
     """
     saved_buffers = _Saved(list(model.buffers())) if skip_nonfinite else None
     num_micro = len(micro_batches)
-    loss_sum = torch.zeros((), device=micro_batches[0][0].device)
-    num_correct = torch.zeros((), dtype=torch.long, device=loss_sum.device)
-    num_samples = 0
-    for index, (inputs, targets) in enumerate(micro_batches):
+    device = next(model.parameters()).device
+    loss_sum = torch.zeros((), device=device)
+    sums: dict[str, torch.Tensor] = {}
+    num_samples = num_tokens = 0
+    for index, batch in enumerate(micro_batches):
         is_last = index == num_micro - 1
         sync_context = model.no_sync() if (not is_last and hasattr(model, "no_sync")) else contextlib.nullcontext()
         with sync_context:
             with torch.autocast(
-                device_type=inputs.device.type,
+                device_type=device.type,
                 dtype=autocast_dtype or torch.float32,
                 enabled=autocast_dtype is not None,
             ):
-                logits = model(inputs)
-                loss = F.cross_entropy(logits, targets)
-            scaler.scale(loss / num_micro).backward()
-        loss_sum += loss.detach().float()
-        num_correct += (logits.detach().argmax(dim=1) == targets).sum()
-        num_samples += len(targets)
+                output = loss_fn(model, batch)
+            scaler.scale(output.loss / num_micro).backward()
+        loss_sum += output.loss.detach().float()
+        for name, value in output.sums.items():
+            sums[name] = sums[name] + value.detach() if name in sums else value.detach()
+        num_samples += output.num_samples
+        num_tokens += output.num_tokens
     scaler.unscale_(optimizer)
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
     loss, grad_norm = loss_sum / num_micro, grad_norm.detach()
@@ -122,7 +133,7 @@ def train_step(
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(
-        loss=loss, num_correct=num_correct, num_samples=num_samples, grad_norm=grad_norm, nonfinite=~finite
+        loss=loss, sums=sums, num_samples=num_samples, num_tokens=num_tokens, grad_norm=grad_norm, nonfinite=~finite
     )
 
 
@@ -188,8 +199,10 @@ class Sums:
     """Sum of the steps' mean losses (this rank's in a window; all ranks' once reduced), finite steps only."""
     nonfinite: Any = 0.0
     """Steps whose loss or gradient norm was not finite (this rank's, then all ranks')."""
-    correct: Any = 0.0
     samples: Any = 0.0
+    tokens: float = 0.0
+    figures: dict[str, Any] = field(default_factory=dict)
+    """The workload's sums (:attr:`StepResult.sums`), by name."""
     time_s: float = 0.0
     data_s: float = 0.0
     comm_s: float = 0.0
@@ -241,8 +254,16 @@ class StepMeter:
     """The sums behind every record: the open log window, the epoch so far (across a resume: it is saved in
     checkpoints) and the steady state (this run's steps after warm-up)."""
 
-    def __init__(self, *, world_size: int, device: torch.device, global_batch: int, warmup_steps_excluded: int):
-        self.world_size, self.device = world_size, device
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        device: torch.device,
+        global_batch: int,
+        warmup_steps_excluded: int,
+        metrics: Callable[[Mapping[str, float]], dict[str, float]],
+    ):
+        self.world_size, self.device, self.metrics = world_size, device, metrics
         self.global_batch, self.warmup_steps_excluded = global_batch, warmup_steps_excluded
         self.window, self.epoch = Sums(), Sums()
         self.tally = NonFiniteTally(device)
@@ -250,12 +271,14 @@ class StepMeter:
 
     def step(self, result: StepResult, *, global_step: int, step_time_s: float, data_wait_s: float, comm_s: float):
         w = self.window
-        w.loss, w.nonfinite, w.correct, w.samples = (
+        w.loss, w.nonfinite, w.samples, w.tokens = (
             w.loss + torch.where(result.nonfinite, 0.0, result.loss),
             w.nonfinite + result.nonfinite,
-            w.correct + result.num_correct,
             w.samples + result.num_samples,
+            w.tokens + result.num_tokens,
         )
+        for name, value in result.sums.items():
+            w.figures[name] = w.figures.get(name, 0.0) + value
         self.tally.add(result)
         w.time_s, w.data_s, w.comm_s, w.steps = (
             w.time_s + step_time_s,
@@ -275,16 +298,21 @@ class StepMeter:
         """The window's record over all ranks, and its non-finite steps (a collective: every rank calls it at the
         same steps, and all read the same count). Loss and gradient norm are over its finite steps (NaN if none)."""
         w, e = self.window, self.epoch
-        loss_sum, nonfinite, correct, samples = all_reduce_sum(
-            [float(w.loss), float(w.nonfinite), float(w.correct), float(w.samples)], self.device
+        names = sorted(w.figures)
+        loss_sum, nonfinite, samples, tokens, *values = all_reduce_sum(
+            [float(w.loss), float(w.nonfinite), float(w.samples), w.tokens, *(float(w.figures[n]) for n in names)],
+            self.device,
         )
-        e.loss, e.nonfinite, e.correct, e.samples, e.time_s = (
+        figures = dict(zip(names, values))
+        e.loss, e.nonfinite, e.samples, e.tokens, e.time_s = (
             e.loss + loss_sum,
             e.nonfinite + nonfinite,
-            e.correct + correct,
             e.samples + samples,
+            e.tokens + tokens,
             e.time_s + w.time_s,
         )
+        for name, value in figures.items():
+            e.figures[name] = e.figures.get(name, 0.0) + value
         # Ranks flag the same steps (see train_step), so the mean over ranks is the window's count; rounded up,
         # a step flagged on one rank only still counts.
         found = self.tally.read(
@@ -297,10 +325,11 @@ class StepMeter:
             step=global_step,
             epoch=epoch,
             train_loss=loss_sum / num_finite if num_finite > 0 else math.nan,
-            train_accuracy=correct / samples,
+            train_accuracy=self.metrics(figures).get("accuracy", math.nan),
             lr=lr,
             grad_norm=grad_norm,
             samples_per_s=samples / w.time_s if w.time_s else 0.0,
+            tokens_per_s=tokens / w.time_s if w.time_s else 0.0,
             step_time_s=w.time_s / w.steps,
             data_wait_s=w.data_s / w.steps,
             allreduce_fraction=w.comm_s / w.time_s if w.time_s else 0.0,
@@ -310,7 +339,7 @@ class StepMeter:
         return record, found
 
     def close_epoch(
-        self, *, epoch: int, global_step: int, steps_in_epoch: int, val: EvalSums, lr: float
+        self, *, epoch: int, global_step: int, steps_in_epoch: int, val: dict[str, float], lr: float
     ) -> EpochRecord:
         """The finished epoch's record (epoch sums already reduced), and a fresh epoch."""
         e, s = self.epoch, self.steady
@@ -319,11 +348,13 @@ class StepMeter:
             epoch=epoch + 1,
             global_step=global_step,
             train_loss=e.loss / max(1, steps_in_epoch * self.world_size - e.nonfinite),
-            train_accuracy=e.correct / max(1, e.samples),
-            val_loss=val.loss,
-            val_accuracy=val.accuracy,
+            train_accuracy=self.metrics(e.figures).get("accuracy", math.nan),
+            val_loss=val["loss"],
+            val_accuracy=val.get("accuracy", math.nan),
+            val_perplexity=val.get("perplexity", math.nan),
             lr=lr,
             samples_per_s=e.samples / e.time_s if e.time_s else 0.0,
+            tokens_per_s=e.tokens / e.time_s if e.time_s else 0.0,
             steady_samples_per_s=self.global_batch * s.steps / s.time_s if s.time_s else 0.0,
             steady_steps=s.steps,
             step_time_p50_s=_percentile(self.steady_step_times_s, 50),
@@ -332,16 +363,30 @@ class StepMeter:
         )
 
     def epoch_sums(self) -> dict[str, float]:
-        """The epoch's reduced sums, for a checkpoint (a resume mid-epoch reports the same epoch record)."""
-        return {
-            "loss": self.epoch.loss,
-            "correct": self.epoch.correct,
-            "samples": self.epoch.samples,
-            "time_s": self.epoch.time_s,
+        """The epoch's reduced sums, for a checkpoint (a resume mid-epoch reports the same epoch record): loss,
+        samples and time, and the workload's figures as ``sum.<name>``."""
+        e = self.epoch
+        saved = {
+            "loss": float(e.loss),
+            "nonfinite": float(e.nonfinite),
+            "samples": e.samples,
+            "tokens": e.tokens,
+            "time_s": e.time_s,
         }
+        return saved | {f"{EPOCH_FIGURE_PREFIX}{name}": value for name, value in e.figures.items()}
 
     def restore_epoch_sums(self, saved: dict[str, float]) -> None:
-        self.epoch = Sums(**{k: saved.get(k, 0.0) for k in ("loss", "correct", "samples", "time_s")})
+        figures = {k[len(EPOCH_FIGURE_PREFIX) :]: v for k, v in saved.items() if k.startswith(EPOCH_FIGURE_PREFIX)}
+        if "correct" in saved:  # written before workloads: image classification's count
+            figures = {"correct": saved["correct"], "samples": saved.get("samples", 0.0)}
+        self.epoch = Sums(
+            loss=saved.get("loss", 0.0),
+            nonfinite=saved.get("nonfinite", 0.0),
+            samples=saved.get("samples", 0.0),
+            tokens=saved.get("tokens", 0.0),
+            time_s=saved.get("time_s", 0.0),
+            figures=figures,
+        )
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -406,7 +451,8 @@ class Trainer:
         seed_everything(cfg.loop.seed)
         self.autocast_dtype, use_scaler = resolve_precision(cfg.precision.mode, device)
         self.manifest = manifest = Manifest.load(self.args.data_dir)
-        model = build_model(cfg.model.name, num_classes=manifest.num_classes, input_shape=manifest.input_shape)
+        self.workload = resolve_workload(cfg.workload)
+        model = self.workload.build_model(cfg, manifest)
         if cfg.model.sync_batchnorm and device.type == "cuda" and self.world_size > 1:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         self.model = self.runtime.prepare_model(model)
@@ -423,7 +469,7 @@ class Trainer:
         self.end_epoch = cfg.loop.stop_at_epoch or cfg.loop.epochs
         self.scheduler = build_scheduler(cfg.schedule, self.optimizer, total_steps=self.total_steps)
         self.scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
-        self.normalize = Normalizer(manifest, device)
+        self.to_device = self.workload.to_device(manifest, device)
         self.train_stream = ShardStream(manifest, "train", rank=self.rank, world_size=self.world_size)
         self.val_stream = ShardStream(manifest, "val", rank=self.rank, world_size=self.world_size)
         warmup = self.args.warmup_steps_excluded
@@ -432,6 +478,7 @@ class Trainer:
             device=device,
             global_batch=cfg.loop.batch_size * cfg.loop.grad_accum_steps * self.world_size,
             warmup_steps_excluded=min(5, self.total_steps // 4) if warmup is None else warmup,
+            metrics=self.workload.metrics,
         )
         mlflow = self.args.mlflow
         self.telemetry = build_telemetry(
@@ -527,7 +574,7 @@ class Trainer:
             last_step_end = time.perf_counter()
             for step_in_epoch in range(first_step, steps_this_epoch):
                 step_start = time.perf_counter()
-                micro_batches = [self.normalize(*next(batches)) for _ in range(accum)]
+                micro_batches = [self.to_device(next(batches)) for _ in range(accum)]
                 data_wait_s = time.perf_counter() - step_start
                 result, lr = self.optimizer_step(micro_batches)
                 state.global_step, state.step_in_epoch = state.global_step + 1, step_in_epoch + 1
@@ -560,7 +607,7 @@ class Trainer:
             if done:
                 break
 
-    def optimizer_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[StepResult, float]:
+    def optimizer_step(self, micro_batches: Sequence[Any]) -> tuple[StepResult, float]:
         """:func:`train_step`, the schedule's step, and the LR the step used."""
         try:
             result = train_step(
@@ -571,6 +618,7 @@ class Trainer:
                 autocast_dtype=self.autocast_dtype,
                 max_grad_norm=self.cfg.optimizer.max_grad_norm,
                 skip_nonfinite=self.cfg.loop.nonfinite_policy == "skip_step",
+                loss_fn=self.workload.loss,
             )
         except torch.cuda.OutOfMemoryError:
             self.telemetry.gpu_oom()
@@ -589,7 +637,11 @@ class Trainer:
             result, global_step=self.state.global_step, step_time_s=step_time_s, data_wait_s=data_wait_s, comm_s=comm_s
         )
         self.telemetry.step(
-            duration_s=step_time_s, num_samples=result.num_samples, data_wait_s=data_wait_s, comm_s=comm_s
+            duration_s=step_time_s,
+            num_samples=result.num_samples,
+            num_tokens=result.num_tokens,
+            data_wait_s=data_wait_s,
+            comm_s=comm_s,
         )
 
     def close_window(self, *, epoch: int, lr: float) -> None:
@@ -675,15 +727,16 @@ class Trainer:
         broadcast_buffers_from_rank0(self.model)
         val = evaluate(
             self.model,
-            self.val_stream.eval_batches(batch_size=256),
-            normalize=self.normalize,
-            num_classes=self.manifest.num_classes,
+            self.val_stream.eval_batches(batch_size=min(256, self.cfg.loop.batch_size * 4)),
+            workload=self.workload,
+            to_device=self.to_device,
+            device=self.device,
             autocast_dtype=self.autocast_dtype,
             all_reduce=True,
-        )
-        if not math.isfinite(val.loss):  # reduced: every rank sees it
+        ).metrics
+        if not math.isfinite(val["loss"]):  # reduced: every rank sees it
             raise self.diverged(
-                f"training diverged: the validation loss after step {self.state.global_step} is {val.loss}, so the "
+                f"training diverged: the validation loss after step {self.state.global_step} is {val['loss']}, so the "
                 f"epoch is neither recorded nor checkpointed. Lower optimizer.lr (now {self.cfg.optimizer.lr:g}) "
                 f"or set optimizer.max_grad_norm (now {self.cfg.optimizer.max_grad_norm:g})"
             )
@@ -695,8 +748,8 @@ class Trainer:
             lr=self.optimizer.param_groups[0]["lr"],
         )
         self.state.history.append(record)
-        self.telemetry.validation(loss=val.loss, accuracy=val.accuracy)
-        self.sink.log_metrics({"val_loss": val.loss, "val_accuracy": val.accuracy}, step=self.state.global_step)
+        self.telemetry.validation(loss=val["loss"], accuracy=val.get("accuracy", math.nan))
+        self.sink.log_metrics({f"val_{name}": value for name, value in val.items()}, step=self.state.global_step)
         metric_name = self.cfg.checkpoint.best_metric
         if is_better(metric_name, record.metric(metric_name), self.state.best_metric):
             self.state.best_metric = record.metric(metric_name)
@@ -714,7 +767,10 @@ class Trainer:
             return ""
         from training_core.tracking import log_model
 
-        return log_model(self.model, self.manifest, self.args.mlflow)
+        example = self.workload.example_input(self.manifest)
+        # A workload may free more input axes than the batch (a language model: the sequence length).
+        dynamic_axes = getattr(self.workload, "dynamic_axes", (0,))
+        return log_model(self.model, example, self.args.mlflow, dynamic_axes=dynamic_axes)
 
     def save_checkpoint(self, *, metric: float | None = None, model_uri: str = "") -> None:
         """Every rank calls this at the same steps (the weight check and the RNG gather are collectives); rank 0
@@ -746,6 +802,7 @@ class Trainer:
             mlflow_model_uri=model_uri,
             elapsed_s=state.elapsed_s,
             telemetry=self.telemetry.snapshot(),
+            data=manifest.description(),
         )
         staged = self.checkpointer.stage(
             model=self.model,
@@ -777,6 +834,15 @@ def run_worker(args: WorkerArgs, runtime: WorkerRuntime) -> None:
         trainer.telemetry.close(finished=finished)
 
 
+def add_code_paths(paths: Sequence[str]) -> None:
+    """Make the user code the driver imported importable here (see ``WorkerArgs.code_paths``)."""
+    import sys
+
+    for path in paths:
+        if path not in sys.path:
+            sys.path.append(path)
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Ray Train entry point, run by every worker: :func:`run_worker` with the Ray Train runtime, its logs redacted
     (:func:`~training_core.redact.install_log_redaction`: Ray starts the process with its own logging).
@@ -788,7 +854,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     install_log_redaction()
     runtime = RayTrainRuntime()
+    args = WorkerArgs.from_dict(loop_config)
+    add_code_paths(args.code_paths)
     try:
-        run_worker(WorkerArgs.from_dict(loop_config), runtime)
+        run_worker(args, runtime)
     except TrainingDiverged as exc:
         runtime.report_result({DIVERGED_METRIC: str(exc)})

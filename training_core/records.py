@@ -12,6 +12,7 @@ Plain dataclasses of numbers and strings: importing this module loads neither to
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -50,10 +51,12 @@ class StepRecord:
     """Seconds the run had trained when the window closed, across resumes."""
     num_steps: int = 0
     """Optimizer steps in the window (0 in records written before it was recorded)."""
+    tokens_per_s: float = 0.0
+    """Tokens of all ranks over the window's wall time (language models; 0 for workloads without tokens)."""
 
     def metrics(self) -> dict[str, float]:
-        """The figures logged per window (MLflow, console), keyed by metric name."""
-        skipped = ("step", "elapsed_s", "num_steps")
+        """The figures logged per window (MLflow, console), keyed by metric name; tokens/s only where it applies."""
+        skipped = ("step", "elapsed_s", "num_steps") + (() if self.tokens_per_s else ("tokens_per_s",))
         return {k: float(v) for k, v in dataclasses.asdict(self).items() if k not in skipped}
 
     def to_dict(self) -> dict[str, float]:
@@ -86,6 +89,10 @@ class EpochRecord:
     step_time_p95_s: float = 0.0
     allreduce_fraction: float = 0.0
     """Share of the steady-state step time during which gradient all-reduces were in flight."""
+    val_perplexity: float = math.nan
+    """Language models: ``exp(val_loss)`` per token; NaN for other workloads."""
+    tokens_per_s: float = 0.0
+    """Tokens of all ranks over the epoch's step time (language models; 0 otherwise)."""
 
     def metric(self, name: str) -> float:
         """The value of a ranking metric (``val_accuracy``, ``val_loss``, see ``config.METRIC_DIRECTIONS``)."""
@@ -199,6 +206,9 @@ class WorkerArgs:
     """Log the config as MLflow params; ``None``: when the run does not resume."""
     warmup_steps_excluded: int | None = None
     """Steps left out of steady-state throughput and step-time percentiles; ``None``: min(5, total / 4)."""
+    code_paths: list[str] = field(default_factory=list)
+    """Directories the driver imported user code from (``workload.*`` import paths), put on each worker's
+    ``sys.path`` before the workload is resolved, so user packages that are not installed travel too."""
 
     @classmethod
     def build(

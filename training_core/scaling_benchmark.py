@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from training_core.config import MODELS, TrainingConfig
+from training_core.config import TrainingConfig, clip
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -82,9 +82,11 @@ def check_plan(config: TrainingConfig, worker_counts: Sequence[int], models: Seq
         raise ValueError(f"worker_counts={list(worker_counts)} is invalid: {bad} are not whole numbers >= 1")
     if len(set(worker_counts)) != len(worker_counts):
         raise ValueError(f"worker_counts={list(worker_counts)} is invalid: each count may appear once")
-    unknown = [m for m in models if m not in MODELS]
-    if unknown:
-        raise ValueError(f"models={list(models)} is invalid: {unknown} unknown; choose from {', '.join(MODELS)}")
+    for model in models:  # each point's config must be valid for the workload (image models, GPT sizes...)
+        try:
+            point_config(config, model=model, num_workers=worker_counts[0])
+        except ValueError as exc:
+            raise ValueError(f"models={clip(str(list(models)))} is invalid: {model!r}: {exc}") from None
     if len(set(models)) != len(models):
         raise ValueError(f"models={list(models)} is invalid: each model may appear once")
     # Uneven shards would make some ranks skip part of the epoch, and the counts would train on different data.

@@ -3,21 +3,20 @@ promotion gate."""
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from training_core.config import TrackingConfig
 from training_core.redact import redact
 
 if TYPE_CHECKING:
+    import numpy as np
     from torch import nn
 
-    from training_core.data import Manifest
     from training_core.records import MlflowRun
-
-TEST_ACCURACY_TAG = "test_accuracy"
 
 
 def resolve_tracking_uri(uri: str) -> str:
@@ -110,16 +109,24 @@ class Promotion:
     promoted: bool
     """Whether ``alias`` now points at ``version``."""
     reason: str
-    test_accuracy: float
+    metric: str
+    """The workload's primary metric on the test split (``test_accuracy``, ``test_perplexity``...)."""
+    mode: str
+    """``max`` or ``min``: which way it improves."""
+    test_value: float
     previous_champion_version: int
     """Version the alias pointed at before; 0 when there was none."""
-    previous_champion_accuracy: float
-    """Its test accuracy; -1 when there was none."""
+    previous_champion_value: Optional[float]
+    """Its value of ``metric``; None when there was none or it was not recorded (never NaN: Flyte's and the CLI's
+    JSON cannot carry it)."""
 
 
-def register_and_promote(cfg: TrackingConfig, *, model_uri: str, run_id: str, test_accuracy: float) -> Promotion:
-    """Register ``model_uri`` as a new version; move ``cfg.champion_alias`` to it only if its test accuracy
-    clears ``cfg.promotion_min_accuracy`` and beats the current champion's."""
+def register_and_promote(
+    cfg: TrackingConfig, *, model_uri: str, run_id: str, metric: str, value: float, mode: str
+) -> Promotion:
+    """Register ``model_uri`` as a new version tagged with its test ``metric`` ``value``; move
+    ``cfg.champion_alias`` to it only if the value clears ``cfg.promotion_threshold`` (at least it when ``mode`` is
+    ``max``, at most it when ``min``) and beats the current champion's value of the same metric."""
     import mlflow
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
@@ -127,50 +134,59 @@ def register_and_promote(cfg: TrackingConfig, *, model_uri: str, run_id: str, te
     uri = resolve_tracking_uri(cfg.tracking_uri)
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(tracking_uri=uri)
-    name, alias = cfg.registered_model_name, cfg.champion_alias
-    version = mlflow.register_model(
-        model_uri, name, tags={TEST_ACCURACY_TAG: repr(test_accuracy), "mlflow_run_id": run_id}
-    )
+    name, alias, threshold = cfg.registered_model_name, cfg.champion_alias, cfg.promotion_threshold
+    version = mlflow.register_model(model_uri, name, tags={metric: repr(value), "mlflow_run_id": run_id})
     try:
         champion = client.get_model_version_by_alias(name, alias)
     except MlflowException:
         champion = None
     previous_version = int(champion.version) if champion else 0
-    previous_accuracy = float(champion.tags.get(TEST_ACCURACY_TAG, "-1")) if champion else -1.0
-
-    if test_accuracy < cfg.promotion_min_accuracy:
+    previous_value = float(champion.tags.get(metric, "nan")) if champion else math.nan
+    better = (lambda a, b: a > b) if mode == "max" else (lambda a, b: a < b)
+    bound = "at least" if mode == "max" else "at most"
+    if not (value >= threshold if mode == "max" else value <= threshold):
         promoted = False
         reason = (
-            f"test accuracy {test_accuracy:.4f} is below tracking.promotion_min_accuracy={cfg.promotion_min_accuracy}; "
-            f"{alias!r} stays on " + (f"version {previous_version}" if champion else "no version")
+            f"{metric} {value:.4f} is not {bound} tracking.promotion_threshold={threshold}; {alias!r} stays on "
+            + (f"version {previous_version}" if champion else "no version")
         )
-    elif champion is not None and not test_accuracy > previous_accuracy:
+    elif champion is not None and not math.isnan(previous_value) and not better(value, previous_value):
         promoted = False
         reason = (
-            f"test accuracy {test_accuracy:.4f} does not beat {alias!r} version {previous_version} "
-            f"({previous_accuracy:.4f}); the alias stays there"
+            f"{metric} {value:.4f} does not beat {alias!r} version {previous_version} ({previous_value:.4f}); the "
+            "alias stays there"
         )
     else:
         promoted = True
         client.set_registered_model_alias(name, alias, version.version)
-        reason = f"test accuracy {test_accuracy:.4f} clears {cfg.promotion_min_accuracy} and " + (
-            f"beats version {previous_version} ({previous_accuracy:.4f})" if champion else "there was no champion yet"
-        )
+        if champion is None:
+            against = "there was no champion yet"
+        elif math.isnan(previous_value):
+            against = f"version {previous_version} recorded no {metric}"
+        else:
+            against = f"beats version {previous_version} ({previous_value:.4f})"
+        reason = f"{metric} {value:.4f} is {bound} {threshold} and " + against
     return Promotion(
         model_name=name,
         version=int(version.version),
         alias=alias,
         promoted=promoted,
         reason=reason,
-        test_accuracy=test_accuracy,
+        metric=metric,
+        mode=mode,
+        test_value=value,
         previous_champion_version=previous_version,
-        previous_champion_accuracy=previous_accuracy,
+        previous_champion_value=None if math.isnan(previous_value) else previous_value,
     )
 
 
-def log_model(model: nn.Module, manifest: Manifest, run: MlflowRun) -> str:
-    """Log the trained model with its input/output signature; returns its ``models:/`` URI."""
+def log_model(model: nn.Module, example: np.ndarray, run: MlflowRun, *, dynamic_axes: tuple[int, ...] = (0,)) -> str:
+    """Log the trained model with the signature of ``example`` (a small input batch) and its output; returns its
+    ``models:/`` URI. MLflow saves it as a ``torch.export`` program (no pickled code); ``dynamic_axes`` of the input
+    and the output are left free in the signature, and so in the exported program (the batch; a language model's
+    sequence length too, so the loaded model scores and generates at any length up to its context)."""
     import copy
+    import sys
 
     import mlflow
     import numpy as np
@@ -179,22 +195,38 @@ def log_model(model: nn.Module, manifest: Manifest, run: MlflowRun) -> str:
     from mlflow.models import infer_signature
 
     bare = copy.deepcopy(getattr(model, "module", model)).cpu().eval()
-    example = np.zeros((2, *manifest.input_shape), dtype=np.float32)
     with torch.no_grad():
-        output = bare(torch.from_numpy(example)).numpy()
+        output = bare(torch.from_numpy(np.ascontiguousarray(example))).numpy()
     mlflow.set_tracking_uri(run.tracking_uri)
     # Pinned requirements: skips MLflow's slow dependency inference, which imports the model in a subprocess.
     requirements = [
         f"torch=={torch.__version__.split('+')[0]}",
         f"torchvision=={torchvision.__version__.split('+')[0]}",
     ]
+    if "transformers" in sys.modules:  # a Hugging Face model pickles as its transformers classes
+        requirements.append(f"transformers=={sys.modules['transformers'].__version__}")
     # The driver that created the run owns its final status; re-entering it here only attaches the model.
     with mlflow.start_run(run_id=run.run_id):
         info = mlflow.pytorch.log_model(
             bare,
             name="model",
-            signature=infer_signature(example, output),
+            signature=_free_axes(infer_signature(example, output), dynamic_axes),
             input_example=example,
             pip_requirements=requirements,
         )
     return info.model_uri
+
+
+def _free_axes(signature, axes: tuple[int, ...]):
+    """``signature`` with ``axes`` of every input and output tensor made variable (-1)."""
+    from mlflow.types.schema import Schema, TensorSpec
+
+    def free(schema: Schema) -> Schema:
+        specs = []
+        for spec in schema.inputs:
+            shape = tuple(-1 if axis in axes else size for axis, size in enumerate(spec.shape))
+            specs.append(TensorSpec(spec.type, shape, spec.name))
+        return Schema(specs)
+
+    signature.inputs, signature.outputs = free(signature.inputs), free(signature.outputs)
+    return signature

@@ -94,8 +94,10 @@ def fit(
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from training_core.loop import train_loop_per_worker
+    from training_core.workloads import code_paths, preflight
 
     install_log_redaction()
+    preflight(cfg, data_dir)  # user code, the model against the data: fails here, before any worker starts
     root = checkpoint_root(storage_path, run_name)
     if resume_from and cfg.loop.stop_at_epoch:
         _check_slice(cfg, root, resume_from)
@@ -111,6 +113,7 @@ def fit(
         resume_from=resume_from or "",
         log_params=log_params,
         warmup_steps_excluded=warmup_steps_excluded,
+        code_paths=code_paths(cfg.workload),
     )
     trainer = TorchTrainer(
         train_loop_per_worker,

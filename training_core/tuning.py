@@ -120,7 +120,7 @@ def default_base() -> TrainingConfig:
         loop=LoopConfig(epochs=4, log_interval_steps=10),
         scaling=ScalingConfig(num_workers=1, cpus_per_worker=1.0, memory_per_worker_gib=2.0, head_memory_gib=2.0),
         checkpoint=CheckpointConfig(keep_last=1),
-        tracking=TrackingConfig(experiment_name="tuning", promotion_min_accuracy=0.9),
+        tracking=TrackingConfig(experiment_name="tuning", promotion_threshold=0.9),
     )
 
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from training_core.config import DataConfig, OptimizerConfig, TrainingConfig
-from training_core.data import Manifest, Normalizer, ShardStream, prepare
+from training_core.data import Manifest, ShardStream, prepare
 from training_core.loop import train_step
 from training_core.models import build_model
 from training_core.optim import build_optimizer
+from training_core.workloads.image import Normalizer
 
 NUM_STEPS = 3
 MICRO_BATCH = 8
@@ -27,7 +28,7 @@ def _rank_micro_batches(manifest: Manifest, rank: int) -> list[list[tuple[torch.
     stream = ShardStream(manifest, "train", rank=rank, world_size=WORLD_SIZE)
     normalize = Normalizer(manifest, torch.device("cpu"))
     batches = stream.train_batches(epoch=0, seed=0, batch_size=MICRO_BATCH, num_batches=NUM_STEPS * GRAD_ACCUM)
-    tensors = [tuple(t.double() if t.is_floating_point() else t for t in normalize(*b)) for b in batches]
+    tensors = [tuple(t.double() if t.is_floating_point() else t for t in normalize(b)) for b in batches]
     return [tensors[s * GRAD_ACCUM : (s + 1) * GRAD_ACCUM] for s in range(NUM_STEPS)]
 
 
@@ -166,5 +167,7 @@ def test_fit_trains_two_workers_to_a_loadable_checkpoint(ray_session, digits_dir
         assert result.meta.history[epoch].train_loss == pytest.approx(weighted, rel=1e-9)
     report = evaluate_checkpoint(result.checkpoint_dir, digits_dir)
     assert report.num_samples == 359
-    assert report.accuracy > 0.5  # 10 classes: chance is 0.1
+    assert (report.workload, report.primary_metric, report.primary_mode) == ("image_classification", "accuracy", "max")
+    assert report.primary == report.metrics["accuracy"] > 0.5  # 10 classes: chance is 0.1
+    assert report.metrics["accuracy"] <= report.metrics["top5_accuracy"] and report.loss > 0
     assert sum(map(sum, report.confusion)) == 359

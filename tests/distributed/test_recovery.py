@@ -12,12 +12,28 @@ import pytest
 import torch
 
 from benchmarks.common import ray_train_worker_pids
+from tests.conftest import _RAY_STATE
 from training_core import checkpoint as ckpt
 from training_core.config import DataConfig, TrainingConfig
-from training_core.data import prepare
+from training_core.data import Manifest, prepare
 from training_core.trainer import checkpoint_root, fit
 
 INTERVAL_STEPS = 5
+
+
+def _this_clusters_train_workers() -> list[int]:
+    """This node's Ray Train workers of the session's own cluster: ``ray start`` (see ``tests/conftest.py``) leads
+    the session its raylet and workers run in, so another cluster's workers on the machine (another test run's) are
+    neither counted nor killed."""
+    leader = _RAY_STATE["process"].pid
+    found = []
+    for pid in ray_train_worker_pids():
+        try:
+            if os.getsid(pid) == leader:
+                found.append(pid)
+        except ProcessLookupError:
+            continue
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +55,38 @@ def _config() -> TrainingConfig:
     )
 
 
+def _lm_config() -> TrainingConfig:
+    # A tiny GPT (no dropout) on a slice of the standard library: about 40 steps per epoch on 2 workers.
+    return TrainingConfig.from_dict(
+        {
+            "workload": {"name": "causal_lm"},
+            "model": {"name": "gpt2-tiny"},
+            "data": {"dataset": "stdlib", "max_text_bytes": 60_000, "seq_len": 32, "num_shards": 4},
+            "loop": {"epochs": 3, "batch_size": 16, "log_interval_steps": 5},
+            "checkpoint": {"interval_steps": INTERVAL_STEPS, "keep_last": 3, "max_worker_restarts": 2},
+        }
+    )
+
+
+@pytest.fixture(params=["image_classification", "causal_lm"])
+def workload_run(request, tmp_path_factory) -> tuple[TrainingConfig, str]:
+    """A config and its prepared data: digits for the image workload, a tiny GPT's text for the language model."""
+    if request.param == "image_classification":
+        return _config(), request.getfixturevalue("digits_dir")
+    cfg = _lm_config()
+    out = tmp_path_factory.mktemp("stdlib")
+    prepare(cfg.data, str(out), workload=cfg.workload)
+    return cfg, str(out)
+
+
 def test_sigkill_of_a_worker_mid_epoch_resumes_bit_identical_losing_at_most_one_interval(
-    ray_session, digits_dir, tmp_path
+    ray_session, workload_run, tmp_path
 ):
-    cfg = _config()
+    cfg, digits_dir = workload_run
+    steps_per_epoch = Manifest.load(digits_dir).steps_per_epoch(
+        world_size=cfg.scaling.num_workers, batch_size=cfg.loop.batch_size, grad_accum_steps=1
+    )
+    assert steps_per_epoch > 3 * INTERVAL_STEPS + 1, "the kill must come mid-epoch"
     reference = fit(
         cfg,
         data_dir=digits_dir,
@@ -72,7 +116,7 @@ def test_sigkill_of_a_worker_mid_epoch_resumes_bit_identical_losing_at_most_one_
     while not [n for n in storage.list_steps() if int(n.split("-")[1]) >= 3 * INTERVAL_STEPS]:
         assert thread.is_alive() and time.monotonic() < deadline, "training ended or stalled before the kill"
         time.sleep(0.05)
-    pids = ray_train_worker_pids()
+    pids = _this_clusters_train_workers()
     assert len(pids) == 2, f"expected the 2 Ray Train workers, found {pids}"
     latest_before_kill = int(storage.list_steps()[-1].split("-")[1])
     os.kill(max(pids), signal.SIGKILL)
@@ -84,8 +128,8 @@ def test_sigkill_of_a_worker_mid_epoch_resumes_bit_identical_losing_at_most_one_
     # The resume used the newest checkpoint that existed when the worker died (or a newer one written in
     # the moment before the group stopped), so at most one interval of steps was recomputed.
     assert latest_before_kill <= resumed_from
-    assert resumed_from % 39 != 0, f"the resume point (step {resumed_from}) should be mid-epoch"
-    assert result.meta.global_step == reference.meta.global_step == 6 * 39
+    assert resumed_from % steps_per_epoch != 0, f"the resume point (step {resumed_from}) should be mid-epoch"
+    assert result.meta.global_step == reference.meta.global_step == cfg.loop.epochs * steps_per_epoch
 
     expected = torch.load(Path(reference.checkpoint_dir) / ckpt.MODEL_FILE, weights_only=True)
     got = torch.load(Path(result.checkpoint_dir) / ckpt.MODEL_FILE, weights_only=True)
@@ -96,8 +140,11 @@ def test_sigkill_of_a_worker_mid_epoch_resumes_bit_identical_losing_at_most_one_
     for key, state in expected_trainer["optimizer"]["state"].items():
         for field, value in state.items():
             assert torch.equal(torch.as_tensor(got_trainer["optimizer"]["state"][key][field]), torch.as_tensor(value))
-    # The resumed epoch's record is the same as the uninterrupted one's, too.
-    assert [r.train_loss for r in result.meta.history] == [r.train_loss for r in reference.meta.history]
+    # The resumed epoch's record is the same as the uninterrupted one's, too, the workload's figures (the
+    # epoch's correct count, saved mid-epoch in the checkpoint) included.
+    assert [(r.train_loss, r.train_accuracy, r.val_loss, r.val_accuracy) for r in result.meta.history] == [
+        (r.train_loss, r.train_accuracy, r.val_loss, r.val_accuracy) for r in reference.meta.history
+    ]
 
 
 def test_training_in_slices_with_stop_at_epoch_equals_one_uninterrupted_run(ray_session, digits_dir, tmp_path):

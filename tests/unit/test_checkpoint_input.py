@@ -477,6 +477,7 @@ def _assert_well_typed(meta: ckpt.CheckpointMeta) -> None:
         "mlflow_run_id": isinstance(meta.mlflow_run_id, str),
         "elapsed_s": is_number(meta.elapsed_s),
         "telemetry": isinstance(meta.telemetry, dict),
+        "data": isinstance(meta.data, dict),
     }
     assert set(checks) == {f.name for f in dataclasses.fields(meta)}
     assert all(checks.values()), [name for name, ok in checks.items() if not ok]

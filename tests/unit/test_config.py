@@ -35,7 +35,11 @@ def test_invalid_setting_names_field_value_and_fix(overrides, field, bad, fix):
 
 
 def test_unknown_field_lists_the_valid_ones():
-    with pytest.raises(ValueError, match=r"model has unknown field\(s\) nmae: valid fields are name, sync_batchnorm"):
+    with pytest.raises(
+        ValueError,
+        match=r"model has unknown field\(s\) nmae: valid fields are context_length, hidden_size, name, num_heads, "
+        r"num_layers, sync_batchnorm",
+    ):
         TrainingConfig.from_dict({"model": {"nmae": "x"}})
 
 

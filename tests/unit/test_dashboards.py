@@ -29,6 +29,7 @@ EXPECTED_ROWS = {
         "Loss",
         "Accuracy",
         "Throughput",
+        "Token throughput",
         "Learning rate",
         "Gradient norm",
         "Non-finite steps",

@@ -27,6 +27,12 @@ def test_digits_manifest_describes_every_split_and_shard(digits):
         assert len(split.shards) == 4
         assert sum(s.num_samples for s in split.shards) == split.num_samples
         assert all(len(s.sha256) == 64 for s in split.shards)
+        assert all(0 <= s.bounds["labels"][0] <= s.bounds["labels"][1] <= 9 for s in split.shards)
+    assert digits.version == 3 and digits.workload == "image_classification"
+    assert {name: (a.dtype, a.shape, a.max_value) for name, a in digits.arrays.items()} == {
+        "images": ("uint8", [1, 8, 8], None),
+        "labels": ("int64", [], 9),
+    }
 
 
 def test_each_worker_streams_only_its_own_disjoint_shards(digits):
@@ -37,16 +43,16 @@ def test_each_worker_streams_only_its_own_disjoint_shards(digits):
         assert [s.file for s in stream.shards] == [s.file for s in digits.splits["train"].shards[rank::world_size]]
         steps = digits.steps_per_epoch(world_size=world_size, batch_size=32, grad_accum_steps=1)
         batches = list(stream.train_batches(epoch=0, seed=0, batch_size=32, num_batches=steps))
-        assert len(batches) == steps and all(len(y) == 32 for _, y in batches)
-        seen.append({x.tobytes() for xb, _ in batches for x in xb})
+        assert len(batches) == steps and all(len(b["labels"]) == 32 and len(b["images"]) == 32 for b in batches)
+        seen.append({x.tobytes() for b in batches for x in b["images"]})
     assert not seen[0] & seen[1]
 
 
 def test_epochs_reshuffle_deterministically(digits):
     stream = ShardStream(digits, "train", rank=0, world_size=2)
-    first = next(stream.train_batches(epoch=0, seed=0, batch_size=16, num_batches=1))[1]
-    again = next(stream.train_batches(epoch=0, seed=0, batch_size=16, num_batches=1))[1]
-    other = next(stream.train_batches(epoch=1, seed=0, batch_size=16, num_batches=1))[1]
+    first = next(stream.train_batches(epoch=0, seed=0, batch_size=16, num_batches=1))["labels"]
+    again = next(stream.train_batches(epoch=0, seed=0, batch_size=16, num_batches=1))["labels"]
+    other = next(stream.train_batches(epoch=1, seed=0, batch_size=16, num_batches=1))["labels"]
     assert np.array_equal(first, again) and not np.array_equal(first, other)
 
 
@@ -145,7 +151,8 @@ def test_image_folder_tree_is_resized_and_labelled_by_folder(tmp_path):
     assert manifest.classes == ["cat", "dog"]
     assert manifest.input_shape == [3, 16, 16]
     assert sum(manifest.split_counts().values()) == 20
-    images, labels = read_shard(manifest, manifest.splits["train"].shards[0])
+    arrays = read_shard(manifest, manifest.splits["train"].shards[0])
+    images, labels = arrays["images"], arrays["labels"]
     red = images[labels == 0]
     assert red.shape[1:] == (3, 16, 16) and (red[:, 0] == 255).all() and (red[:, 2] == 0).all()
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from training_core.config import DataConfig
-from training_core.data import Manifest, ShardInfo, prepare, read_shard
+from training_core.data import ArraySpec, Manifest, ShardInfo, prepare, read_shard, write_prepared
 from training_core.datasets import CIFAR10_BATCHES, CIFAR10_MAX_MEMBER_BYTES, RawDataset, load_raw
 
 MAX_MESSAGE_CHARS = 4096
@@ -272,10 +272,47 @@ def _copy(prepared, tmp_path):
 def test_prep_records_each_shards_label_range_and_reading_checks_it(prepared):
     directory, raw = prepared
     shards = raw["splits"]["train"]["shards"]
-    assert raw["version"] == 2 and all(0 <= s["label_min"] <= s["label_max"] < 5 for s in shards)
+    assert raw["version"] == 3 and raw["workload"] == "image_classification"
+    assert raw["arrays"] == {
+        "images": {"dtype": "uint8", "shape": [3, 4, 4], "max_value": None},
+        "labels": {"dtype": "int64", "shape": [], "max_value": 4},
+    }
+    assert all(
+        set(s["bounds"]) == {"labels"} and 0 <= s["bounds"]["labels"][0] <= s["bounds"]["labels"][1] < 5 for s in shards
+    )
     manifest = Manifest.load(str(directory))
-    images, labels = read_shard(manifest, manifest.splits["train"].shards[0])
-    assert (int(labels.min()), int(labels.max())) == (shards[0]["label_min"], shards[0]["label_max"])
+    labels = read_shard(manifest, manifest.splits["train"].shards[0])["labels"]
+    assert [int(labels.min()), int(labels.max())] == shards[0]["bounds"]["labels"]
+
+
+def _as_version(raw: dict, version: int) -> dict:
+    """A version-3 image manifest written as version 1 (no label ranges) or 2 (``label_min``/``label_max``)."""
+    old = copy.deepcopy(raw)
+    old["version"] = version
+    for key in ("workload", "arrays", "spec"):
+        del old[key]
+    for split in old["splits"].values():
+        for shard in split["shards"]:
+            low, high = shard.pop("bounds")["labels"]
+            if version == 2:
+                shard["label_min"], shard["label_max"] = low, high
+    return old
+
+
+def test_a_version_2_manifest_still_loads_and_its_shards_label_ranges_are_checked(prepared, tmp_path):
+    directory = _copy(prepared, tmp_path)
+    raw = _as_version(prepared[1], 2)
+    (directory / "manifest.json").write_text(json.dumps(raw))
+    manifest = Manifest.load(str(directory))
+    assert manifest.version == 2 and json.loads(manifest.to_json()) == raw
+    assert manifest.workload == "image_classification" and set(manifest.arrays) == {"images", "labels"}
+    shard = manifest.splits["train"].shards[0]
+    assert shard.bounds["labels"] == [raw["splits"]["train"]["shards"][0][k] for k in ("label_min", "label_max")]
+    read_shard(manifest, shard)
+    raw["splits"]["train"]["shards"][0]["label_min"] = shard.bounds["labels"][1]
+    (directory / "manifest.json").write_text(json.dumps(raw))
+    manifest = Manifest.load(str(directory))
+    assert "the manifest says" in _error(read_shard, manifest, manifest.splits["train"].shards[0])
 
 
 @pytest.mark.parametrize(
@@ -309,6 +346,10 @@ def _set(raw, path, value):
 
 
 _DROP = object()
+BOUNDS = ("splits", "test", "shards", 0, "bounds", "labels")
+IMAGES = ("arrays", "images")
+LABELS = ("arrays", "labels")
+ARRAY = {"dtype": "int64", "shape": [], "max_value": 4}
 
 
 @pytest.mark.parametrize(
@@ -320,10 +361,16 @@ _DROP = object()
         (("splits", "train", "shards", 0, "sha256"), "ab" * 31, "splits.train.shards[0].sha256='abab"),
         (("splits", "val", "shards", 0, "num_samples"), -1, "splits.val.shards[0].num_samples=-1 is invalid"),
         (("splits", "val", "num_samples"), 10**6, "splits.val.num_samples=1000000 is invalid: its shards hold"),
-        (("splits", "test", "shards", 0, "label_max"), 5, "splits.test.shards[0].label_max=5 is invalid: expected an"),
-        (("splits", "test", "shards", 0, "label_min"), -100, "splits.test.shards[0].label_min=-100 is invalid"),
-        (("splits", "test", "shards", 0, "label_min"), 2.0, "splits.test.shards[0].label_min=2.0 is invalid"),
-        (("splits", "test", "shards", 0, "label_max"), _DROP, "splits.test.shards[0] lacks label_max; its keys are"),
+        (BOUNDS + (1,), 5, "splits.test.shards[0].bounds.labels[1]=5 is invalid: expected an integer 0..4"),
+        (BOUNDS + (0,), -100, "splits.test.shards[0].bounds.labels[0]=-100 is invalid: expected an integer 0..4"),
+        (BOUNDS + (0,), 2.0, "splits.test.shards[0].bounds.labels[0]=2.0 is invalid"),
+        (BOUNDS + (0,), 5, "splits.test.shards[0].bounds.labels[0]=5 is invalid: expected an integer 0..4"),
+        (BOUNDS, [4, 1], "splits.test.shards[0].bounds.labels[1]=1 is invalid: expected an integer 4..4"),
+        (BOUNDS, [0], "splits.test.shards[0].bounds.labels=[0] is invalid: expected a list of 2"),
+        (BOUNDS, _DROP, "splits.test.shards[0].bounds lacks labels; its keys are labels"),
+        (BOUNDS[:-1] + ("images",), [0, 1], "splits.test.shards[0].bounds has unknown key(s) 'images'; its keys"),
+        (BOUNDS[:-1], _DROP, "splits.test.shards[0] lacks bounds; its keys are file, num_samples, sha256, bounds"),
+        (BOUNDS[:-1], [0, 4], "splits.test.shards[0].bounds=[0, 4] is invalid: expected an object with the keys"),
         (("splits", "test", "shards", 0, "owner"), "x", "splits.test.shards[0] has unknown key(s) 'owner'; its keys"),
         (("splits", "holdout"), {"num_samples": 0, "shards": []}, "splits='holdout' is invalid: a split is named"),
         (("splits", "train"), _DROP, "splits={'test': {"),
@@ -334,12 +381,38 @@ _DROP = object()
         (("std",), [0.5, 0.0, 0.5], "std[1]=0.0 is invalid: expected a number > 0"),
         (("std",), [0.5, 10**400, 0.5], "std[1]=<int of about 401 digits> is invalid: expected a finite number"),
         (("classes",), [], "classes=[] is invalid: expected at least one class name"),
+        (("std",), [0.5, 0.5], "std=[0.5, 0.5] is invalid: expected a list of 3"),
         (("classes",), ["a", "a", "b", "c", "d"], "class names must be unique"),
         (("classes",), ["a", 1, "b", "c", "d"], "classes[1]=1 is invalid: expected a non-empty string"),
         (("dataset",), None, "dataset=None is invalid"),
-        (("version",), 3, "version=3 is invalid: this code reads versions 1 and 2"),
+        (("version",), 4, "version=4 is invalid: this code reads versions 1 to 3"),
         (("version",), True, "version=True is invalid"),
-        (("extra",), 1, "manifest has unknown key(s) 'extra'; its keys are version, dataset"),
+        (("extra",), 1, "manifest has unknown key(s) 'extra'; its keys are version, workload, dataset"),
+        (("workload",), _DROP, "manifest lacks workload; its keys are version, workload, dataset"),
+        (("workload",), "", "workload='' is invalid: expected a non-empty string"),
+        (("spec",), [1], "spec=[1] is invalid: expected a JSON object"),
+        (("arrays",), {}, "arrays={} is invalid: expected an object of array name -> {dtype, shape, max_value}"),
+        (("arrays",), [], "arrays=[] is invalid: expected an object of array name"),
+        (("arrays", "bad name"), ARRAY, "arrays='bad name' is invalid: an array is named like a Python identifier"),
+        (IMAGES + ("dtype",), "float64", "arrays.images.dtype='float64' is invalid: expected one of uint8, uint16"),
+        (IMAGES + ("dtype",), "object", "arrays.images.dtype='object' is invalid: expected one of"),
+        (IMAGES + ("dtype",), None, "arrays.images.dtype=None is invalid: expected one of"),
+        (IMAGES + ("shape",), [3, 0, 4], "arrays.images.shape[1]=0 is invalid: expected an integer >= 1"),
+        (IMAGES + ("shape",), [3, "4", 4], "arrays.images.shape[1]='4' is invalid: expected an integer >= 1"),
+        (IMAGES + ("shape",), 3, "arrays.images.shape=3 is invalid: expected a list"),
+        (IMAGES + ("shape",), _DROP, "arrays.images lacks shape; its keys are dtype, shape, max_value"),
+        (IMAGES + ("owner",), "x", "arrays.images has unknown key(s) 'owner'; its keys are dtype, shape, max_value"),
+        (LABELS, ARRAY | {"dtype": "float32"}, "arrays.labels.max_value=4 is invalid: only integer arrays are bounded"),
+        (LABELS + ("max_value",), -1, "arrays.labels.max_value=-1 is invalid: expected an integer 0.."),
+        (LABELS + ("max_value",), 2**63, "arrays.labels.max_value=9223372036854775808 is invalid: expected an integer"),
+        (LABELS + ("max_value",), 4.0, "arrays.labels.max_value=4.0 is invalid: expected an integer"),
+        # Valid arrays, but not what image classification reads.
+        (IMAGES + ("dtype",), "uint16", "arrays={'images': {'dtype': 'uint16'"),
+        (IMAGES + ("shape",), [3, 4, 5], "image_classification data stores images uint8 [3, 4, 4] and labels int64"),
+        (LABELS + ("max_value",), 9, "labels int64 [] with max_value 4 (one per class)"),
+        (LABELS + ("max_value",), None, "labels int64 [] with max_value 4 (one per class)"),
+        (("arrays", "extra"), ARRAY, "image_classification data stores images uint8 [3, 4, 4] and labels int64"),
+        (IMAGES, _DROP, "image_classification data stores images uint8 [3, 4, 4] and labels int64"),
     ],
 )
 def test_a_bad_manifest_names_the_manifest_file_and_the_field(prepared, path, value, found):
@@ -347,6 +420,129 @@ def test_a_bad_manifest_names_the_manifest_file_and_the_field(prepared, path, va
     _set(raw, path, value)
     message = _error(Manifest.from_json, json.dumps(raw), directory="/data/prepared")
     assert message.startswith("/data/prepared/manifest.json: ") and found in message, message
+
+
+def test_an_image_manifest_without_its_per_channel_statistics_is_refused(prepared):
+    raw = copy.deepcopy(prepared[1])
+    raw["mean"], raw["std"] = [], []
+    assert "manifest.json: mean=[] is invalid: expected a list of 3" in _error(Manifest.from_json, json.dumps(raw))
+
+
+def _table_template(**fields) -> Manifest:
+    """A version-3 manifest of a workload that is not a built-in one: float features and a bounded int32 target,
+    no classes and no per-channel statistics."""
+    return Manifest(
+        dataset="table",
+        classes=[],
+        input_shape=[4],
+        mean=[],
+        std=[],
+        splits={},
+        workload="my_pkg.tabular:Tabular",
+        arrays={"features": ArraySpec("float32", [4]), "target": ArraySpec("int32", [], max_value=2)},
+        spec={"columns": ["a", "b", "c", "d"]},
+        **fields,
+    )
+
+
+def _table(rows: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "features": rng.normal(size=(rows, 4)).astype(np.float32),
+        "target": rng.integers(0, 3, rows).astype(np.int32),
+    }
+
+
+def test_write_prepared_writes_any_declared_arrays_and_the_manifest_reads_them_back(tmp_path):
+    splits = {"train": _table(30), "val": _table(6, seed=1)}
+    written = write_prepared(str(tmp_path / "out"), splits, template=_table_template(), num_shards=3)
+    raw = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert raw["version"] == 3 and raw["workload"] == "my_pkg.tabular:Tabular" and raw["classes"] == []
+    assert raw["arrays"] == {
+        "features": {"dtype": "float32", "shape": [4], "max_value": None},
+        "target": {"dtype": "int32", "shape": [], "max_value": 2},
+    }
+    loaded = Manifest.load(str(tmp_path / "out"))
+    assert loaded == written and loaded.spec == {"columns": ["a", "b", "c", "d"]}
+    assert Manifest.from_description(loaded.description()).arrays == loaded.arrays
+    seen = []
+    for shard in loaded.splits["train"].shards:
+        arrays = read_shard(loaded, shard)
+        assert set(arrays) == {"features", "target"} and set(shard.bounds) == {"target"}
+        assert [int(arrays["target"].min()), int(arrays["target"].max())] == shard.bounds["target"]
+        seen.append(arrays["features"])
+    assert np.array_equal(np.concatenate(seen), splits["train"]["features"])
+    # The bounds are checked against the data as for labels, naming the array.
+    tampered = copy.deepcopy(loaded.splits["train"].shards[0])
+    tampered.bounds = {"target": [tampered.bounds["target"][0], 9]}
+    bad = Manifest.from_json(loaded.to_json(), directory=loaded.directory)
+    bad.arrays["target"].max_value = 9
+    message = _error(read_shard, bad, tampered)
+    assert f"holds target {_shard_range(loaded, 0)}; the manifest says" in message, message
+
+
+def _shard_range(manifest: Manifest, index: int) -> str:
+    low, high = manifest.splits["train"].shards[index].bounds["target"]
+    return f"{low}..{high}"
+
+
+@pytest.mark.parametrize(
+    ("splits", "found"),
+    [
+        ({"holdout": _table(4)}, "data prep made a split named 'holdout'; splits are named train, val, test"),
+        (
+            {"train": {"features": _table(4)["features"]}},
+            "data prep made split 'train' with arrays ['features']; the manifest declares ['features', 'target']",
+        ),
+        (
+            {"train": _table(4) | {"extra": np.zeros(4, np.int32)}},
+            "with arrays ['extra', 'features', 'target']; the manifest declares ['features', 'target']",
+        ),
+        (
+            {"train": _table(4) | {"features": np.zeros((4, 4), np.float64)}},
+            "data prep made array 'features' of split 'train' float64 (4,) per sample; the manifest declares "
+            "float32 (4,)",
+        ),
+        (
+            {"train": _table(4) | {"features": np.zeros((4, 5), np.float32)}},
+            "array 'features' of split 'train' float32 (5,) per sample; the manifest declares float32 (4,)",
+        ),
+        (
+            {"train": _table(4) | {"target": np.zeros((4, 1), np.int32)}},
+            "array 'target' of split 'train' int32 (1,) per sample; the manifest declares int32 ()",
+        ),
+        (
+            {"train": _table(4) | {"target": np.array([0, 1, 3, 2], np.int32)}},
+            "array 'target' of split 'train' with values 0..3; expected 0..2",
+        ),
+        (
+            {"train": _table(4) | {"target": np.array([0, -1, 2, 2], np.int32)}},
+            "array 'target' of split 'train' with values -1..2; expected 0..2",
+        ),
+        (
+            {"train": _table(4), "val": _table(4) | {"target": np.zeros(3, np.int32)}},
+            "data prep made split 'val' with no samples or arrays of different lengths",
+        ),
+        ({"train": _table(0)}, "data prep made split 'train' with no samples"),
+    ],
+    ids=[
+        "split-name",
+        "missing",
+        "extra",
+        "dtype",
+        "shape",
+        "scalar-shape",
+        "above-bound",
+        "negative",
+        "lengths",
+        "empty",
+    ],
+)
+def test_write_prepared_refuses_arrays_that_do_not_match_the_declared_ones_before_writing(tmp_path, splits, found):
+    out = tmp_path / "out"
+    message = _error(write_prepared, str(out), splits, template=_table_template(), num_shards=2)
+    assert found in message, message
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(
@@ -409,14 +605,11 @@ def test_a_shard_that_differs_from_its_manifest_is_refused_when_read(prepared, t
 
 def test_a_version_1_manifest_still_loads_and_its_shards_labels_are_checked_against_the_classes(prepared, tmp_path):
     directory = _copy(prepared, tmp_path)
-    raw = copy.deepcopy(prepared[1])
-    raw["version"] = 1
-    for split in raw["splits"].values():
-        for shard in split["shards"]:
-            del shard["label_min"], shard["label_max"]
+    raw = _as_version(prepared[1], 1)
     (directory / "manifest.json").write_text(json.dumps(raw))
     manifest = Manifest.load(str(directory))
     assert manifest.version == 1 and json.loads(manifest.to_json()) == raw
+    assert all(shard.bounds == {} for split in manifest.splits.values() for shard in split.shards)
     read_shard(manifest, manifest.splits["train"].shards[0])
     with np.load(directory / raw["splits"]["train"]["shards"][0]["file"]) as stored:
         labels = stored["labels"].copy()

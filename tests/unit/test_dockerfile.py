@@ -210,7 +210,8 @@ def test_pyflyte_execute_resolves_the_train_task_in_the_final_stage(stages):
     assert DEFAULT_IN_CONTAINER_SRC_PATH in env["PYTHONPATH"].split(":")
     assert stages[-1].values("WORKDIR")[-1] == DEFAULT_IN_CONTAINER_SRC_PATH
     copied = {shlex.split(v)[-1] for v in stages[-1].values("COPY") if not v.startswith("--from=")}
-    for package in ("tasks", "workflows", "training_core"):
+    # examples/: user code that configs name by import path (examples/tabular_mlp.yaml) imports from /root too.
+    for package in ("tasks", "workflows", "training_core", "examples"):
         assert f"{DEFAULT_IN_CONTAINER_SRC_PATH}/{package}" in copied, f"{package}/ is not copied into the image"
     assert (REPO_ROOT / "tasks" / "train.py").exists()
 
@@ -264,5 +265,5 @@ def test_dockerignore_keeps_local_state_out_of_the_build_context():
     }
     for local in (".venv", ".git", "mlruns", "*.db", "**/__pycache__", ".pytest_cache", "tests"):
         assert local in patterns, f".dockerignore does not exclude {local}"
-    for needed in ("requirements.lock", "tasks", "workflows", "training_core"):
+    for needed in ("requirements.lock", "tasks", "workflows", "training_core", "examples"):
         assert needed not in patterns

@@ -75,7 +75,8 @@ def outputs(monkeypatch):
         seen["telemetry"] = real_build_telemetry(*args, **kwargs)
         return seen["telemetry"]
 
-    def log_model(model, manifest, run) -> str:
+    def log_model(model, example, run, *, dynamic_axes=(0,)) -> str:
+        assert dynamic_axes == (0,)  # an image model: only the batch axis is free
         seen["models"].append({k: v.detach().clone() for k, v in model.state_dict().items()})
         return "models:/m-test"
 
@@ -189,9 +190,10 @@ def test_a_non_finite_validation_loss_stops_the_run_before_the_epoch_is_recorded
     real_evaluate = loop.evaluate
 
     def evaluate(*args, **kwargs):
-        sums = real_evaluate(*args, **kwargs)
-        sums.loss_sum = math.nan
-        return sums
+        result = real_evaluate(*args, **kwargs)
+        result.sums["loss_sum"] = result.sums["loss_sum"] * math.nan
+        result.metrics["loss"] = math.nan
+        return result
 
     monkeypatch.setattr(loop, "evaluate", evaluate)
     with pytest.raises(TrainingDiverged, match="validation loss after step 4 is nan"):

@@ -68,6 +68,10 @@ def test_records_round_trip_and_records_of_older_checkpoints_load():
         }
     )
     assert old.epoch == 1 and isinstance(old.global_step, int) and old.steady_samples_per_s == 0.0
+    # Nor workload figures: an image model's record has no perplexity and no tokens.
+    assert math.isnan(old.val_perplexity) and old.tokens_per_s == 0.0
+    lm = EpochRecord.from_dict(old.to_dict() | {"val_perplexity": 12.5, "tokens_per_s": 4096.0})
+    assert lm.metric("val_perplexity") == 12.5 and lm.tokens_per_s == 4096.0
     step = StepRecord.from_dict(
         {
             "step": 4.0,
@@ -83,6 +87,11 @@ def test_records_round_trip_and_records_of_older_checkpoints_load():
         }
     )
     assert step.step == 4 and step.elapsed_s == 0.0 and not math.isnan(step.metrics()["train_loss"])
+    # tokens/s is logged only where there are tokens.
+    assert step.tokens_per_s == 0.0 and "tokens_per_s" not in step.metrics()
+    with_tokens = StepRecord.from_dict(step.to_dict() | {"tokens_per_s": 2560.0})
+    assert with_tokens.metrics()["tokens_per_s"] == 2560.0
+    assert with_tokens.metrics().keys() - {"tokens_per_s"} == step.metrics().keys()
 
 
 def test_worker_args_are_built_in_one_place_and_survive_ray_trains_config_dict(monkeypatch):

@@ -94,7 +94,12 @@ def test_a_point_without_its_other_launcher_or_measured_twice_is_refused_by_name
             "data.num_shards=8 is invalid for worker_counts=[1, 2, 3]: every count must split the shards evenly; use "
             "a multiple of 6",
         ),
-        ([1, 2], ["resnet9000"], "models=['resnet9000'] is invalid: ['resnet9000'] unknown; choose from small_cnn"),
+        (
+            [1, 2],
+            ["resnet9000"],
+            "models=['resnet9000'] is invalid: 'resnet9000': model.name='resnet9000' is invalid: choose one of "
+            "small_cnn",
+        ),
     ],
 )
 def test_a_bad_plan_names_the_input_the_value_and_the_fix(worker_counts, models, message):

@@ -81,6 +81,12 @@ def test_the_registry_exports_exactly_the_catalogues_series_each_with_the_job_la
             assert {k: sample.labels[k] for k in JOB_LABELS} == LABELS.as_dict(), sample
     assert _value(telemetry, "training_step_duration_seconds_count") == 1
     assert _value(telemetry, "training_samples_total") == 32
+    # Tokens: 0 for a workload without them (the record has no tokens_per_s), counted when a step reports them.
+    assert _value(telemetry, "training_tokens_total") == 0 and _value(telemetry, "training_tokens_per_second") == 0
+    telemetry.step(duration_s=0.1, num_samples=4, num_tokens=4 * 128, data_wait_s=0.0, comm_s=0.0)
+    telemetry.window(RECORD | {"tokens_per_s": 5120.0}, global_step=2)
+    assert _value(telemetry, "training_tokens_total") == 512 and _value(telemetry, "training_samples_total") == 36
+    assert _value(telemetry, "training_tokens_per_second") == 5120.0
     assert _value(telemetry, "training_loss", split="val") == 1.2
     assert _value(telemetry, "training_data_wait_ratio") == pytest.approx(0.1)
     assert _value(telemetry, "training_checkpoint_written_bytes_total") == 1000

@@ -39,6 +39,9 @@ def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger(optimizer_
             model=model_b, optimizer=opt_b, scaler=scaler_b, micro_batches=micro, autocast_dtype=None, max_grad_norm=0.5
         )
         assert accumulated.num_samples == whole.num_samples == 16
+        assert accumulated.num_tokens == whole.num_tokens == 0  # images: no tokens
+        assert int(accumulated.sums["samples"]) == int(whole.sums["samples"]) == 16
+        assert int(accumulated.sums["correct"]) == int(whole.sums["correct"])
         # The reported loss is a float32 summary; the update itself is compared strictly below.
         torch.testing.assert_close(accumulated.loss, whole.loss, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(accumulated.grad_norm, whole.grad_norm, rtol=1e-10, atol=1e-12)

@@ -62,6 +62,12 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "training_samples_per_second", "gauge", "Global training throughput over the last log window (all ranks)."
     ),
+    MetricSpec("training_tokens_total", "counter", "Training tokens processed by this rank (language models; else 0)."),
+    MetricSpec(
+        "training_tokens_per_second",
+        "gauge",
+        "Global training tokens/s over the last log window, all ranks (language models; else 0).",
+    ),
     MetricSpec(
         "training_loss",
         "gauge",

@@ -61,7 +61,9 @@ class JobLabels:
 class Telemetry(Protocol):
     """What the training loop and the checkpointer tell telemetry. :class:`NullTelemetry` ignores it all."""
 
-    def step(self, *, duration_s: float, num_samples: int, data_wait_s: float, comm_s: float) -> None: ...
+    def step(
+        self, *, duration_s: float, num_samples: int, data_wait_s: float, comm_s: float, num_tokens: int = 0
+    ) -> None: ...
 
     def window(self, record: Mapping[str, float], *, global_step: int) -> None: ...
 
@@ -85,7 +87,9 @@ class Telemetry(Protocol):
 class NullTelemetry:
     """Observability off: every call returns at once."""
 
-    def step(self, *, duration_s: float, num_samples: int, data_wait_s: float, comm_s: float) -> None:
+    def step(
+        self, *, duration_s: float, num_samples: int, data_wait_s: float, comm_s: float, num_tokens: int = 0
+    ) -> None:
         pass
 
     def window(self, record: Mapping[str, float], *, global_step: int) -> None:
@@ -201,11 +205,14 @@ class PrometheusTelemetry:
 
     # --- from the loop (training thread) ---
 
-    def step(self, *, duration_s: float, num_samples: int, data_wait_s: float, comm_s: float) -> None:
+    def step(
+        self, *, duration_s: float, num_samples: int, data_wait_s: float, comm_s: float, num_tokens: int = 0
+    ) -> None:
         m = self._m
         m["training_step_duration_seconds"].observe(duration_s)
         m["training_steps_total"].inc()
         m["training_samples_total"].inc(num_samples)
+        m["training_tokens_total"].inc(num_tokens)
         m["training_data_wait_seconds_total"].inc(data_wait_s)
         m["training_communication_seconds_total"].inc(comm_s)
 
@@ -217,6 +224,7 @@ class PrometheusTelemetry:
         m["training_learning_rate"].set(record["lr"])
         m["training_grad_norm"].set(record["grad_norm"])
         m["training_samples_per_second"].set(record["samples_per_s"])
+        m["training_tokens_per_second"].set(record.get("tokens_per_s", 0.0))
         m["training_communication_ratio"].set(record["allreduce_fraction"])
         step_time_s = record["step_time_s"]
         m["training_data_wait_ratio"].set(record["data_wait_s"] / step_time_s if step_time_s else 0.0)

@@ -1,0 +1,516 @@
+"""Text for the ``causal_lm`` workload: tokenizers, text sources, the split by document and the packing of token
+streams into fixed-length sequences.
+
+- Tokenizers (``data.tokenizer``): ``byte`` (the 256 byte values plus one end-of-text token, no file needed) or a
+  Hugging Face ``tokenizer.json`` at a local path or ``s3://`` URI (read through fsspec).
+- Sources: ``stdlib`` (the Python standard library's own ``.py`` files on the machine that runs it: real text that
+  needs no network) or ``text`` (``.txt`` files whole, ``.jsonl`` lines' ``data.text_field``, ``.parquet`` files'
+  ``data.text_field`` column, under ``data.path``, local or ``s3://``). Documents come in sorted order, and
+  ``data.max_text_bytes`` keeps the longest prefix of whole documents that fits.
+- The split is by document (a file, a JSON line, a Parquet row), never inside one, so no validation or test text is
+  seen in training: documents visited in a permutation seeded by ``data.split_seed`` fill val and test up to their
+  share of the bytes (see :func:`split_documents`), deterministic for a given source and seed.
+
+Heavy imports (tokenizers, fsspec, pyarrow) happen inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from training_core.config import DataConfig, clip, quote
+from training_core.redact import redact
+
+log = logging.getLogger(__name__)
+
+BYTE = "byte"
+"""``data.tokenizer`` of the built-in byte-level tokenizer."""
+BYTE_EOT_ID = 256
+"""The byte-level tokenizer's end-of-text token: ids 0..255 are the bytes themselves."""
+BYTE_VOCAB_SIZE = 257
+TOKENIZER_FILE = "tokenizer.json"
+"""Name of the copy of a ``tokenizer.json`` kept in a prepared data directory."""
+MAX_TOKENIZER_BYTES = 256 * 2**20
+"""Largest ``tokenizer.json`` read: real ones are a few MB (Llama 3's is 9 MB); more is not a tokenizer."""
+EOT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]")
+"""Special tokens taken, in this order of preference, as a ``tokenizer.json``'s end-of-text token (GPT-2, Llama 3,
+Llama 2 / T5, Gemma, Llama 3 chat, Qwen, BERT)."""
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+"""Files a ``text`` source reads under ``data.path``."""
+SKIPPED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+"""Directories of the standard library not read: installed packages are not the standard library, and the test
+suites hold deliberately malformed and generated files."""
+_TOKENIZE_BATCH_CHARS = 4_000_000
+"""Text handed to ``tokenizers`` per ``encode_batch`` call: large enough for its threads, small enough that the
+Python lists of ids it returns stay a few tens of MB."""
+TOKENIZER_FIX = "set data.tokenizer to 'byte' or to the local path or s3:// URI of a Hugging Face tokenizer.json"
+
+
+# --------------------------------------------------------------------------------------------------- tokenizers
+
+
+@dataclass
+class TextTokenizer:
+    """Text <-> token ids. Ids are in ``[0, vocab_size)``; ``eot_id`` (when there is one) separates documents."""
+
+    kind: str
+    """``byte`` or ``tokenizer.json``: what a manifest's ``spec["tokenizer"]`` records."""
+    vocab_size: int
+    """One more than the largest id the tokenizer produces: the model's vocabulary."""
+    eot_id: int | None
+    """The end-of-text token appended after every document; ``None`` when a ``tokenizer.json`` has none."""
+    json_text: str = ""
+    """The ``tokenizer.json`` text (empty for ``byte``)."""
+    _backend: Any = field(default=None, repr=False, compare=False)
+    """The parsed ``tokenizers.Tokenizer`` (``tokenizer.json``), built on first use."""
+
+    @property
+    def description(self) -> str:
+        """``byte`` or the ``tokenizer.json`` text: what :func:`tokenizer_from_description` rebuilds it from."""
+        return self.json_text or BYTE
+
+    @property
+    def sha256(self) -> str:
+        """sha256 of the ``tokenizer.json`` text (empty for ``byte``)."""
+        return hashlib.sha256(self.json_text.encode("utf-8")).hexdigest() if self.json_text else ""
+
+    def backend(self) -> Any:
+        if self._backend is None:
+            from tokenizers import Tokenizer
+
+            self._backend = Tokenizer.from_str(self.json_text)
+        return self._backend
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Each text's ids (int32), without special tokens a post-processor would add (documents are separated
+        by :attr:`eot_id` only)."""
+        if self.kind == BYTE:
+            return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) for text in texts]
+        encodings = self.backend().encode_batch(list(texts), add_special_tokens=False)
+        return [np.asarray(encoding.ids, dtype=np.int32) for encoding in encodings]
+
+    def encode(self, text: str) -> np.ndarray:
+        return self.encode_batch([text])[0]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of ``ids``, up to the first end-of-text token (what follows it is a new document). Bytes that
+        are not valid UTF-8 (a cut multi-byte character) decode as U+FFFD."""
+        ids = [int(i) for i in ids]
+        if self.eot_id is not None and self.eot_id in ids:
+            ids = ids[: ids.index(self.eot_id)]
+        if self.kind == BYTE:
+            return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        return self.backend().decode(ids, skip_special_tokens=False)
+
+
+def byte_tokenizer() -> TextTokenizer:
+    return TextTokenizer(kind=BYTE, vocab_size=BYTE_VOCAB_SIZE, eot_id=BYTE_EOT_ID)
+
+
+def load_tokenizer(value: str, *, field_name: str = "data.tokenizer") -> TextTokenizer:
+    """The tokenizer ``data.tokenizer`` names: ``byte``, or a ``tokenizer.json`` read through fsspec (a local path
+    or ``s3://`` URI). A file that cannot be read or is not a Hugging Face tokenizer raises ``ValueError`` naming
+    the field, the value and the fix."""
+    if value == BYTE:
+        return byte_tokenizer()
+    import fsspec
+
+    try:
+        with fsspec.open(value, "rb") as f:
+            payload = f.read(MAX_TOKENIZER_BYTES + 1)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise ValueError(
+            f"{field_name}={quote(value)} is invalid: no such file (or it is a directory); {TOKENIZER_FIX}"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - any filesystem failure (permissions, S3 errors) is the value's
+        raise ValueError(
+            f"{field_name}={quote(value)} is invalid: it cannot be read ({type(exc).__name__}: "
+            f"{clip(redact(str(exc)))}); {TOKENIZER_FIX}"
+        ) from None
+    if len(payload) > MAX_TOKENIZER_BYTES:
+        raise ValueError(
+            f"{field_name}={quote(value)} is invalid: it is larger than {MAX_TOKENIZER_BYTES // 2**20} MiB, which no "
+            f"tokenizer.json is; {TOKENIZER_FIX}"
+        )
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"{field_name}={quote(value)} is invalid: it is not a tokenizer.json (not UTF-8 text); {TOKENIZER_FIX}"
+        ) from None
+    return tokenizer_from_description(text, where=f"{field_name}={quote(value)}")
+
+
+def tokenizer_from_description(description: str, *, where: str) -> TextTokenizer:
+    """The tokenizer :attr:`TextTokenizer.description` describes (``byte`` or a ``tokenizer.json`` text).
+    ``where`` names the source in the ``ValueError`` a text that is not a tokenizer raises."""
+    if description == BYTE:
+        return byte_tokenizer()
+    from tokenizers import Tokenizer
+
+    try:
+        backend = Tokenizer.from_str(description)
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for every parse error
+        raise ValueError(
+            f"{where} is invalid: it is not a Hugging Face tokenizer.json ({clip(str(exc))}); {TOKENIZER_FIX}"
+        ) from None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    if not vocab:
+        raise ValueError(f"{where} is invalid: the tokenizer has an empty vocabulary; {TOKENIZER_FIX}")
+    eot_id = next((vocab[token] for token in EOT_TOKENS if token in vocab), None)
+    if eot_id is None:
+        log.warning(
+            "%s has no end-of-text token (%s): documents are concatenated without a separator",
+            where,
+            ", ".join(EOT_TOKENS),
+        )
+    # Ids may have gaps: the model needs a row for the largest one.
+    vocab_size = max(vocab.values()) + 1
+    return TextTokenizer(
+        kind=TOKENIZER_FILE, vocab_size=vocab_size, eot_id=eot_id, json_text=description, _backend=backend
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ sources
+
+
+@dataclass
+class Document:
+    """One unit of text that is never split across train/val/test."""
+
+    name: str
+    """Unique within its source: a file's path relative to the root, ``file:line`` of a JSON line, ``file:row``
+    of a Parquet row, or the key a user's ``dataset_source`` returned."""
+    text: str
+
+
+@dataclass
+class SourceStats:
+    """What reading a source found, for the error when it yields no text."""
+
+    files: int = 0
+    """Files read."""
+    records: int = 0
+    """JSON lines and Parquet rows read."""
+    missing_field: int = 0
+    """Records without a string ``data.text_field``."""
+    first_fields: list[str] = field(default_factory=list)
+    """The fields of the first JSON line that lacked ``data.text_field`` (to name in the error)."""
+    documents: int = 0
+    """Non-empty documents kept."""
+    first_skipped_bytes: int = 0
+    """Size of the first document ``data.max_text_bytes`` left out (0 when none was)."""
+    text_bytes: int = 0
+    """UTF-8 bytes of the documents kept."""
+
+
+def read_documents(data: DataConfig, stats: SourceStats) -> Iterator[Document]:
+    """The documents of ``data.dataset`` (``stdlib`` or ``text``), in sorted order, capped by
+    ``data.max_text_bytes``; ``stats`` counts what was read. Empty documents are skipped."""
+    if data.dataset == "stdlib":
+        documents = stdlib_documents(stats)
+    elif data.dataset == "text":
+        documents = path_documents(data.path, data.text_field, stats)
+    else:
+        raise ValueError(
+            f"data.dataset={quote(data.dataset)} is invalid: workload.name='causal_lm' reads 'stdlib' or 'text'; "
+            "choose one of them, or set workload.dataset_source to your own"
+        )
+    return capped(documents, data.max_text_bytes, stats)
+
+
+def mapping_documents(texts: Mapping[Any, Any], *, source: str) -> Iterator[Document]:
+    """A user's mapping of document name -> text, checked, in sorted name order."""
+    if not isinstance(texts, Mapping):
+        raise ValueError(
+            f"{source} returned a {type(texts).__name__}; it must return a mapping of document name (str) to text (str)"
+        )
+    for name, text in texts.items():
+        if not isinstance(name, str) or not isinstance(text, str):
+            raise ValueError(
+                f"{source} returned an entry {quote(name)}: {type(text).__name__}; it must return a mapping of "
+                "document name (str) to text (str)"
+            )
+    for name in sorted(texts):
+        yield Document(name, texts[name])
+
+
+def capped(documents: Iterable[Document], max_bytes: int, stats: SourceStats) -> Iterator[Document]:
+    """The non-empty ``documents`` in order while their UTF-8 total stays within ``max_bytes`` (0: no cap).
+    Stops at the first that does not fit, so the result is a prefix of the sorted source, the same on every run."""
+    for document in documents:
+        size = len(document.text.encode("utf-8"))
+        if not size:
+            continue
+        if max_bytes and stats.text_bytes + size > max_bytes:
+            stats.first_skipped_bytes = size
+            return
+        stats.text_bytes += size
+        stats.documents += 1
+        yield document
+
+
+def stdlib_root() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def stdlib_files() -> list[str]:
+    """The standard library's ``.py`` files, relative to :func:`stdlib_root`, sorted (POSIX separators)."""
+    root = stdlib_root()
+    found = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in SKIPPED_STDLIB_DIRS and not d.startswith(".")]
+        relative = os.path.relpath(directory, root)
+        for name in files:
+            if name.endswith(".py") and not name.startswith("."):
+                found.append(name if relative == "." else f"{relative}/{name}".replace(os.sep, "/"))
+    return sorted(found)
+
+
+def stdlib_documents(stats: SourceStats) -> Iterator[Document]:
+    root = stdlib_root()
+    for name in stdlib_files():
+        with open(os.path.join(root, name), "rb") as f:
+            payload = f.read()
+        stats.files += 1
+        yield Document(name, payload.decode("utf-8", errors="replace"))
+
+
+def text_files(path: str) -> tuple[Any, str, list[str]]:
+    """The filesystem, root and sorted ``.txt`` / ``.jsonl`` / ``.parquet`` files (full paths) of ``path``: the
+    file itself, or those under it (hidden files and directories skipped)."""
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(path)
+        if fs.isfile(root):
+            return fs, root, [root] if root.endswith(TEXT_SUFFIXES) else []
+        root = root.rstrip("/")
+        files = fs.find(root)
+    except Exception as exc:  # noqa: BLE001 - any filesystem failure (scheme, permissions, S3 errors) is the path's
+        raise ValueError(
+            f"data.path={quote(path)} is invalid: it cannot be listed ({type(exc).__name__}: "
+            f"{clip(redact(str(exc)))}); point it at a readable local directory, file or s3:// prefix"
+        ) from None
+    keep = []
+    for file in files:
+        relative = file[len(root) :].lstrip("/")
+        if file.endswith(TEXT_SUFFIXES) and not any(part.startswith(".") for part in relative.split("/")):
+            keep.append(file)
+    return fs, root, sorted(keep)
+
+
+def path_documents(path: str, text_field: str, stats: SourceStats) -> Iterator[Document]:
+    """The documents of the text files at ``path`` (see :func:`text_files`), file by file in sorted order: a
+    ``.txt`` file whole (UTF-8; bad bytes become U+FFFD), each ``.jsonl`` line's ``text_field``, each ``.parquet``
+    row's ``text_field`` column."""
+    fs, root, files = text_files(path)
+    for file in files:
+        name = file[len(root) :].lstrip("/") or os.path.basename(file)
+        stats.files += 1
+        if file.endswith(".txt"):
+            with fs.open(file, "rb") as f:
+                yield Document(name, f.read().decode("utf-8", errors="replace"))
+        elif file.endswith(".jsonl"):
+            yield from _jsonl_documents(fs, file, name, text_field, stats, path)
+        else:
+            yield from _parquet_documents(fs, file, name, text_field, stats, path)
+
+
+def _jsonl_documents(
+    fs: Any, file: str, name: str, text_field: str, stats: SourceStats, path: str
+) -> Iterator[Document]:
+    with fs.open(file, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(
+                    f"data.path={quote(path)} is invalid: line {number} of {quote(name)} is not JSON "
+                    f"({clip(str(exc))}); write one JSON object per line"
+                ) from None
+            if not isinstance(record, dict):
+                raise ValueError(
+                    f"data.path={quote(path)} is invalid: line {number} of {quote(name)} is a JSON "
+                    f"{type(record).__name__}, not an object; write one JSON object per line"
+                )
+            stats.records += 1
+            text = record.get(text_field)
+            if not isinstance(text, str):
+                if not stats.missing_field:
+                    stats.first_fields = [str(key) for key in list(record)[:20]]
+                stats.missing_field += 1
+                continue
+            yield Document(f"{name}:{number}", text)
+
+
+def _parquet_documents(
+    fs: Any, file: str, name: str, text_field: str, stats: SourceStats, path: str
+) -> Iterator[Document]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with fs.open(file, "rb") as f:
+        try:
+            parquet = pq.ParquetFile(f)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise ValueError(
+                f"data.path={quote(path)} is invalid: {quote(name)} is not a Parquet file ({clip(str(exc))}); "
+                "remove it or rewrite it"
+            ) from None
+        columns = parquet.schema_arrow.names
+        if text_field not in columns:
+            raise ValueError(
+                f"data.text_field={quote(text_field)} is invalid: Parquet file {quote(name)} under "
+                f"data.path={quote(path)} has no such column (it has {clip(', '.join(columns) or 'none')}); set "
+                "data.text_field to the column that holds the text"
+            )
+        column_type = parquet.schema_arrow.field(text_field).type
+        if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+            raise ValueError(
+                f"data.text_field={quote(text_field)} is invalid: column {text_field!r} of {quote(name)} holds "
+                f"{column_type}, not strings; set data.text_field to the column that holds the text"
+            )
+        row = 0
+        # Batch by batch, so a large file never sits in memory whole.
+        for batch in parquet.iter_batches(columns=[text_field], batch_size=4096):
+            for text in batch.column(0).to_pylist():
+                stats.records += 1
+                if text is None:
+                    stats.missing_field += 1
+                else:
+                    yield Document(f"{name}:{row}", text)
+                row += 1
+
+
+def no_text_error(data: DataConfig, stats: SourceStats, *, source: str, from_user: bool = False) -> ValueError:
+    """The error for a source that yielded no text, naming the field to fix (``from_user``: the source is a
+    ``workload.dataset_source``, not ``data.dataset``)."""
+    if stats.first_skipped_bytes:
+        return ValueError(
+            f"data.max_text_bytes={data.max_text_bytes} is invalid: the first document of {source} alone has "
+            f"{stats.first_skipped_bytes} bytes; raise data.max_text_bytes (0 reads everything)"
+        )
+    if stats.records and stats.missing_field == stats.records:
+        fields = f" (the first line has fields {clip(', '.join(stats.first_fields))})" if stats.first_fields else ""
+        return ValueError(
+            f"data.text_field={quote(data.text_field)} is invalid: none of the {stats.records} records of {source} "
+            f"has a text value there{fields}; set data.text_field to the JSON field or Parquet column that holds "
+            "the text"
+        )
+    if data.dataset == "text" and not from_user and not stats.files:
+        return ValueError(
+            f"data.path={quote(data.path)} is invalid: it holds no {', '.join(TEXT_SUFFIXES)} files; point it at "
+            "such a file, or a local directory or s3:// prefix holding them"
+        )
+    return ValueError(
+        f"{source} has no text ({stats.files} files, {stats.records} records, all empty); point it at files that "
+        "hold text"
+    )
+
+
+# ---------------------------------------------------------------------------------------- split and sequences
+
+
+SPLIT_IDS = {"train": 0, "val": 1, "test": 2}
+
+
+def split_documents(sizes: Sequence[int], data: DataConfig, *, source: str) -> dict[str, np.ndarray]:
+    """Indices of the documents (``sizes``: each one's UTF-8 bytes, in the source's sorted order) in each split.
+
+    The documents are visited in a permutation seeded by ``data.split_seed``; each goes to test when that brings
+    test's bytes closer to ``data.test_fraction`` of the total, else to val likewise for ``data.val_fraction``,
+    else to train. So a few large files cannot swamp a held-out split: one that would overshoot goes on to train.
+    Sizes are bytes, not tokens, so the same source splits alike under every tokenizer. Every split gets at least
+    one document (an empty one takes the smallest of a split that has two); fewer than three documents raise
+    ``ValueError`` naming the fractions."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    count, total = len(sizes), int(sizes.sum())
+    for name, value in (("test_fraction", data.test_fraction), ("val_fraction", data.val_fraction)):
+        if value <= 0:
+            raise ValueError(
+                f"data.{name}={value!r} is invalid: the causal_lm workload holds out val and test documents; "
+                "set it above 0 (e.g. 0.1)"
+            )
+    if count < 3:
+        raise ValueError(
+            f"data.val_fraction={data.val_fraction!r} and data.test_fraction={data.test_fraction!r} cannot be met: "
+            f"{source} has {count} document(s), and the split is by document (one at least for each of train, val "
+            "and test); use more files (or .jsonl lines / .parquet rows, one document each)"
+        )
+    assigned = np.zeros(count, dtype=np.int8)  # SPLIT_IDS
+    held_out = ((SPLIT_IDS["test"], data.test_fraction * total), (SPLIT_IDS["val"], data.val_fraction * total))
+    filled = {split: 0 for split, _ in held_out}
+    for index in np.random.default_rng(data.split_seed).permutation(count).tolist():
+        size = int(sizes[index])
+        for split, target in held_out:
+            # Adding the document moves the split's total closer to its target.
+            if filled[split] + size / 2 <= target:
+                assigned[index] = split
+                filled[split] += size
+                break
+    for split in (SPLIT_IDS["test"], SPLIT_IDS["val"], SPLIT_IDS["train"]):
+        if (assigned == split).any():
+            continue
+        # Three or more documents in the two other splits: one of them has two. It gives up its smallest.
+        donor = max((s for s in SPLIT_IDS.values() if s != split), key=lambda s: (np.count_nonzero(assigned == s), -s))
+        candidates = np.flatnonzero(assigned == donor)
+        assigned[candidates[np.argmin(sizes[candidates])]] = split
+    return {name: np.flatnonzero(assigned == split) for name, split in SPLIT_IDS.items()}
+
+
+def pack_sequences(documents: Sequence[np.ndarray], *, eot_id: int | None, seq_len: int) -> np.ndarray:
+    """``documents``' ids (each followed by ``eot_id``, when there is one) as one stream cut into windows of
+    ``seq_len + 1`` tokens (int32, samples x (seq_len + 1)): a model reads ``[:-1]`` and predicts ``[1:]``.
+    Consecutive windows overlap by one token, so every token but the first is a target exactly once; the tail
+    shorter than a window is dropped."""
+    parts: list[np.ndarray] = []
+    separator = np.array([eot_id], dtype=np.int32) if eot_id is not None else None
+    for ids in documents:
+        parts.append(ids)
+        if separator is not None:
+            parts.append(separator)
+    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    count = max(len(stream) - 1, 0) // seq_len
+    if not count:
+        return np.zeros((0, seq_len + 1), dtype=np.int32)
+    windows = np.lib.stride_tricks.sliding_window_view(stream, seq_len + 1)[::seq_len][:count]
+    return np.ascontiguousarray(windows, dtype=np.int32)
+
+
+def tokenize_documents(
+    documents: Iterable[Document], tokenizer: TextTokenizer
+) -> tuple[list[str], list[int], list[np.ndarray]]:
+    """Names, UTF-8 sizes and ids (int32) of ``documents``, tokenised in batches (the texts are dropped once
+    tokenised: only the ids stay in memory)."""
+    names: list[str] = []
+    sizes: list[int] = []
+    ids: list[np.ndarray] = []
+    batch: list[Document] = []
+    batch_chars = 0
+
+    def flush() -> None:
+        nonlocal batch, batch_chars
+        ids.extend(tokenizer.encode_batch([d.text for d in batch]))
+        batch, batch_chars = [], 0
+
+    for document in documents:
+        names.append(document.name)
+        sizes.append(len(document.text.encode("utf-8")))
+        batch.append(document)
+        batch_chars += len(document.text)
+        if batch_chars >= _TOKENIZE_BATCH_CHARS:
+            flush()
+    if batch:
+        flush()
+    return names, sizes, ids

@@ -1,0 +1,246 @@
+"""The workload seam: what varies between a ResNet on images, a GPT on text and a user's MLP on a table.
+
+A :class:`Workload` prepares its data into shards (:func:`training_core.data.write_prepared`), builds the model
+for the prepared data, turns raw samples into device tensors, turns a batch into a loss plus additive sums, and
+names its metrics with one primary metric and its direction. Everything else (the loop, DDP, AMP, accumulation,
+clipping, schedules, checkpoints and exact resume, telemetry, MLflow, the Flyte tasks, tuning and scaling) is
+shared by every workload.
+
+``workload.name`` in the config selects one: a built-in name (:data:`BUILT_IN`) or the import path
+``package.module:attribute`` of a callable that takes no arguments and returns a workload (a class is one). A
+built-in workload also takes a user model factory (``workload.model_factory``) or dataset source
+(``workload.dataset_source``). :func:`resolve_workload` imports and checks all of them, so a bad path fails in the
+driver before any worker starts, naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
+
+from training_core.config import (
+    IMPORT_PATH_FIX,
+    DataConfig,
+    TrainingConfig,
+    WorkloadConfig,
+    clip,
+    invalid,
+    is_import_path,
+    quote,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from training_core.data import Manifest
+
+BUILT_IN = ("image_classification", "causal_lm")
+
+
+@dataclass
+class LossOutput:
+    """What a workload makes of one training batch."""
+
+    loss: torch.Tensor
+    """0-dim mean loss over the batch's units (samples, tokens): what ``backward`` runs on."""
+    sums: dict[str, torch.Tensor]
+    """Additive 0-dim figures of the batch (``correct``, ``samples``, ``tokens``...), summed over micro-batches,
+    steps and ranks by the loop and turned into metrics by :meth:`Workload.metrics`."""
+    num_samples: int
+    """Samples in the batch (what samples/s counts)."""
+    num_tokens: int = 0
+    """Tokens in the batch (what tokens/s counts); 0 for a workload without tokens. Known on the host, so counting
+    it never waits for the device."""
+
+
+@runtime_checkable
+class Workload(Protocol):
+    """A model family with its data and objective. Methods run on every rank; none may keep per-batch state."""
+
+    name: str
+    """Shown in logs, records and checkpoints."""
+    primary_metric: str
+    """The evaluation metric that ranks models and gates registration: a key of :meth:`metrics`."""
+    primary_mode: str
+    """``max`` when higher ``primary_metric`` is better (accuracy), ``min`` when lower is (perplexity, loss)."""
+
+    def prepare_data(self, data: DataConfig, out_dir: str) -> Manifest:
+        """Read the raw data ``data`` names, split it, and write shards and the manifest to ``out_dir`` (through
+        :func:`training_core.data.write_prepared`)."""
+        ...
+
+    def check(self, config: TrainingConfig, manifest: Manifest) -> None:
+        """Raise ``ValueError`` naming the field when ``config`` cannot train on ``manifest`` (runs in the driver,
+        before any worker starts)."""
+        ...
+
+    def build_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
+        """A randomly initialised model for the prepared data (the loop seeds the RNGs first)."""
+        ...
+
+    def to_device(self, manifest: Manifest, device: torch.device) -> Callable[[Mapping[str, np.ndarray]], Any]:
+        """A function from a batch of stored arrays (name -> array, first axis the samples) to what
+        :meth:`loss` and :meth:`eval_sums` take, on ``device``."""
+        ...
+
+    def loss(self, model: nn.Module, batch: Any) -> LossOutput:
+        """Forward ``batch`` through ``model`` (possibly a DDP wrapper: call it, not its ``module``)."""
+        ...
+
+    def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        """Additive evaluation figures of one batch (any shape: a confusion matrix is one), under ``no_grad``.
+        Must include ``loss_sum`` and the count the loss is averaged over."""
+        ...
+
+    def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
+        """Metrics from summed figures: those of :meth:`loss` (a training window) or of :meth:`eval_sums`
+        (always with ``loss`` and ``primary_metric``). ``accuracy``, when there is one, is what records call
+        accuracy."""
+        ...
+
+    def example_input(self, manifest: Manifest) -> np.ndarray:
+        """A small batch of model input, for the MLflow signature."""
+        ...
+
+
+def load_attribute(field: str, path: str) -> Any:
+    """The object ``package.module:attribute`` names, or ``ValueError`` naming ``field``, ``path`` and the fix."""
+    if not is_import_path(path):
+        invalid(field, path, IMPORT_PATH_FIX)
+    module_name, _, attribute = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure of user code is the user's to fix
+        raise ValueError(
+            f"{field}={quote(path)} is invalid: module {module_name!r} does not import ({type(exc).__name__}: "
+            f"{clip(str(exc))}); make the package importable where the task runs (installed in the image, in the "
+            f"fast-registration tarball, or on PYTHONPATH; sys.path starts {clip(str(sys.path[:3]))})"
+        ) from None
+    if not hasattr(module, attribute):
+        public = sorted(name for name in vars(module) if not name.startswith("_"))
+        raise ValueError(
+            f"{field}={quote(path)} is invalid: module {module_name!r} has no attribute {attribute!r}; name one it "
+            f"has after the ':' ({clip(', '.join(public) or 'it has no public names')})"
+        )
+    found = getattr(module, attribute)
+    if not callable(found):
+        invalid(field, path, f"{module_name}.{attribute} is a {type(found).__name__}, not callable; name a factory")
+    return found
+
+
+def load_optional(field: str, path: str) -> Any:
+    """:func:`load_attribute` of ``path``, or ``None`` when it is empty (the built-in is used)."""
+    return load_attribute(field, path) if path else None
+
+
+_PROTOCOL_METHODS = ("prepare_data", "check", "build_model", "to_device", "loss", "eval_sums", "metrics")
+_PROTOCOL_ATTRIBUTES = ("name", "primary_metric", "primary_mode")
+
+
+def check_workload(field: str, path: str, workload: Any) -> Workload:
+    """``workload`` when it has every attribute and method of :class:`Workload`, else ``ValueError`` naming what
+    is missing."""
+    missing = [a for a in _PROTOCOL_ATTRIBUTES if not hasattr(workload, a)]
+    missing += [f"{m}()" for m in (*_PROTOCOL_METHODS, "example_input") if not callable(getattr(workload, m, None))]
+    if missing:
+        raise ValueError(
+            f"{field}={quote(path)} is invalid: it returned a {type(workload).__name__}, which is not a workload: it "
+            f"lacks {', '.join(missing)}; implement the training_core.workloads.Workload protocol"
+        )
+    if getattr(workload, "primary_mode", None) not in ("max", "min"):
+        invalid(f"{field} (its primary_mode)", workload.primary_mode, "it must be 'max' or 'min'")
+    if not isinstance(workload.primary_metric, str) or not workload.primary_metric:
+        invalid(f"{field} (its primary_metric)", workload.primary_metric, "it must name a metric, e.g. 'accuracy'")
+    return workload
+
+
+def resolve_workload(selected: WorkloadConfig) -> Workload:
+    """The workload ``selected`` (a config's ``workload``) names, built and checked. User code is imported here:
+    the drivers call it before any worker starts."""
+    if selected.name == "image_classification":
+        from training_core.workloads.image import ImageClassification
+
+        return ImageClassification(selected)
+    if selected.name == "causal_lm":
+        from training_core.workloads.causal_lm import CausalLM
+
+        return CausalLM(selected)
+    factory = load_attribute("workload.name", selected.name)
+    if not signature_accepts(factory, 0):
+        invalid("workload.name", selected.name, "it must be callable with no arguments (a class or a factory)")
+    workload = call_user("workload.name", selected.name, factory)
+    return check_workload("workload.name", selected.name, workload)
+
+
+def preflight(config: TrainingConfig, data_dir: str) -> Workload:
+    """Resolve the workload and check ``config`` against the prepared data in ``data_dir``: what the drivers run
+    before any worker starts, so user code that does not import, a model that does not fit the data or a bad
+    field fails here, in seconds, naming the field."""
+    from training_core.data import Manifest
+
+    workload = resolve_workload(config.workload)
+    manifest = Manifest.load(data_dir)
+    if manifest.workload != workload.name and manifest.workload in BUILT_IN + (config.workload.name,):
+        raise ValueError(
+            f"workload.name={quote(config.workload.name)} trains a {workload.name} workload, but the data at "
+            f"{quote(data_dir)} was prepared by {manifest.workload!r}; prepare the data with the same workload"
+        )
+    workload.check(config, manifest)
+    return workload
+
+
+def code_paths(selected: WorkloadConfig) -> list[str]:
+    """The ``sys.path`` entries the user modules ``selected`` names were imported from (after
+    :func:`resolve_workload` imported them); empty for built-ins."""
+    found = []
+    for path in (selected.name, selected.model_factory, selected.dataset_source):
+        if not path or path in BUILT_IN:
+            continue
+        module_name = path.partition(":")[0]
+        module = sys.modules.get(module_name)
+        file = getattr(module, "__file__", None)
+        if not file:
+            continue
+        root = os.path.dirname(os.path.abspath(file))
+        for _ in range(module_name.count(".") + (1 if os.path.basename(file) == "__init__.py" else 0)):
+            root = os.path.dirname(root)
+        if root not in found:
+            found.append(root)
+    return found
+
+
+def call_user(field: str, path: str, factory: Callable[..., Any], *args: Any) -> Any:
+    """Call a user factory; an exception it raises becomes a ``ValueError`` naming the field and its value."""
+    try:
+        return factory(*args)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - user code: name it and what it raised
+        raise ValueError(
+            f"{field}={quote(path)} raised {type(exc).__name__}: {clip(str(exc))}; fix the factory"
+        ) from None
+
+
+def signature_accepts(factory: Callable[..., Any], count: int) -> bool:
+    """Whether ``factory`` can be called with ``count`` positional arguments."""
+    try:
+        inspect.signature(factory).bind(*range(count))
+    except TypeError:
+        return False
+    except ValueError:  # builtins without a signature
+        return True
+    return True
+
+
+def mean_of(sums: Mapping[str, Any], numerator: str, denominator: str) -> float:
+    """``sums[numerator] / sums[denominator]``, NaN when either is missing or the count is 0."""
+    if numerator not in sums or denominator not in sums or not float(sums[denominator]):
+        return math.nan
+    return float(sums[numerator]) / float(sums[denominator])

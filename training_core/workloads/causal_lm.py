@@ -1,0 +1,730 @@
+"""``causal_lm``: GPT-style decoders trained on text with next-token cross-entropy; perplexity is the primary metric.
+
+Models (``model.name``) are Hugging Face ``transformers`` architectures built from a config and randomly
+initialised, never downloaded: a GPT-2 size of :data:`GPT2_SIZES` (``gpt2-tiny`` for tests up to ``gpt2-xl``,
+1.5 B parameters), or any ``transformers`` causal-LM config class by name (``LlamaConfig``, ``GPTNeoXConfig``...).
+``model.num_layers`` / ``hidden_size`` / ``num_heads`` / ``context_length`` override the size when non-zero. The
+vocabulary is always the prepared data's tokenizer's (``manifest.spec["vocab_size"]``). Dropout is 0 everywhere:
+it draws random numbers per rank, which would break the equality of a DDP run with a single-process run and of a
+resumed run with an uninterrupted one.
+
+The loop trains :class:`CausalLMModel`: ``forward(input_ids [N, T]) -> logits [N, T, V]`` around the Hugging Face
+model, with greedy :meth:`~CausalLMModel.generate` and :meth:`~CausalLMModel.generate_text` (it carries its
+tokenizer, so a model logged to MLflow decodes on its own).
+
+Data prep (:mod:`training_core.text`) tokenises ``data.dataset`` (``stdlib`` or ``text``) or a user's
+``workload.dataset_source`` into sequences of ``data.seq_len + 1`` tokens (``tokens``, int32), split by document,
+and keeps a copy of a ``tokenizer.json`` beside the shards (its sha256 and the vocabulary in ``manifest.spec``).
+
+Importing this module imports neither torch nor transformers: :class:`CausalLMModel` is defined on first use
+(module ``__getattr__``), under this module's name, so it pickles by reference like any module-level class.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from training_core.config import DataConfig, ModelConfig, TrainingConfig, WorkloadConfig, clip, quote
+from training_core.data import ArraySpec, Manifest, write_prepared
+from training_core.redact import redact
+from training_core.text import (
+    BYTE,
+    TOKENIZER_FILE,
+    SourceStats,
+    TextTokenizer,
+    capped,
+    load_tokenizer,
+    mapping_documents,
+    no_text_error,
+    pack_sequences,
+    read_documents,
+    split_documents,
+    tokenize_documents,
+    tokenizer_from_description,
+)
+from training_core.workloads import LossOutput, call_user, load_attribute, mean_of
+from training_core.workloads.image import user_model
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LMSize:
+    """A named GPT-2 size."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    context_length: int
+
+
+GPT2_SIZES = {
+    "gpt2-tiny": LMSize(num_layers=2, hidden_size=64, num_heads=2, context_length=256),
+    "gpt2-mini": LMSize(num_layers=4, hidden_size=256, num_heads=4, context_length=512),
+    "gpt2": LMSize(num_layers=12, hidden_size=768, num_heads=12, context_length=1024),
+    "gpt2-medium": LMSize(num_layers=24, hidden_size=1024, num_heads=16, context_length=1024),
+    "gpt2-large": LMSize(num_layers=36, hidden_size=1280, num_heads=20, context_length=1024),
+    "gpt2-xl": LMSize(num_layers=48, hidden_size=1600, num_heads=25, context_length=1024),
+}
+"""``config.LM_SIZES``: OpenAI's four GPT-2 sizes (124 M to 1.5 B parameters with their 50 257-token vocabulary)
+and two small ones for tests and quick runs."""
+
+GPT2_ATTENTION = "sdpa"
+"""Attention kernel of the GPT-2 sizes. On CPU it gives the same logits as ``eager`` run after run and whatever
+the batch size (checked); on GPU it is the fused, memory-efficient kernel that makes the large sizes fit."""
+
+SHOWCASE_PROMPTS = ("def ", "import ", "class ", "    return ")
+"""Prompts of :meth:`CausalLM.showcase`: openings of Python source, the embedded corpus."""
+
+_OVERRIDES = (
+    ("num_layers", "num_hidden_layers"),
+    ("hidden_size", "hidden_size"),
+    ("num_heads", "num_attention_heads"),
+    ("context_length", "max_position_embeddings"),
+)
+"""``model.*`` override -> the standard ``transformers`` config attribute (each config maps it to its own name,
+e.g. GPT-2's ``n_layer``, through ``attribute_map``)."""
+
+_RERUN = "re-run data prep (prepare_data) to rewrite the directory"
+
+
+class CausalLM:
+    """Token ids in, next-token logits out. ``model_factory(config, manifest)`` (a ``torch.nn.Module`` whose
+    ``forward(input_ids [N, T]) -> logits [N, T, manifest.spec["vocab_size"]]``) and ``dataset_source(data)`` (a
+    mapping of document name to text) replace the built-in model and text."""
+
+    name = "causal_lm"
+    primary_metric = "perplexity"
+    primary_mode = "min"
+    dynamic_axes = (0, 1)
+    """The logged model takes any batch and any sequence length (up to its context)."""
+
+    def __init__(self, selected: WorkloadConfig | None = None) -> None:
+        selected = selected or WorkloadConfig(name=self.name)
+        self.model_factory = (
+            load_attribute("workload.model_factory", selected.model_factory) if selected.model_factory else None
+        )
+        self.dataset_source = (
+            load_attribute("workload.dataset_source", selected.dataset_source) if selected.dataset_source else None
+        )
+        self.dataset_source_path = selected.dataset_source
+
+    # ------------------------------------------------------------------------------------------------ data prep
+
+    def prepare_data(self, data: DataConfig, out_dir: str) -> Manifest:
+        """Tokenise the text ``data`` names (or ``workload.dataset_source`` returns), split it by document into
+        train/val/test, pack each split into ``data.seq_len + 1``-token sequences and write them with the manifest
+        (and a copy of a ``tokenizer.json``) to ``out_dir``."""
+        tokenizer = load_tokenizer(data.tokenizer)
+        stats = SourceStats()
+        if self.dataset_source is None:
+            source = f"data.path={quote(data.path)}" if data.dataset == "text" else f"data.dataset={data.dataset!r}"
+            documents = read_documents(data, stats)
+        else:
+            source = f"workload.dataset_source={quote(self.dataset_source_path)}"
+            texts = call_user("workload.dataset_source", self.dataset_source_path, self.dataset_source, data)
+            documents = capped(mapping_documents(texts, source=source), data.max_text_bytes, stats)
+        names, sizes, ids = tokenize_documents(documents, tokenizer)
+        if not names:
+            raise no_text_error(data, stats, source=source, from_user=self.dataset_source is not None)
+        if stats.missing_field:
+            log.warning(
+                "%s: skipped %d of %d records without a text value in data.text_field=%s",
+                source,
+                stats.missing_field,
+                stats.records,
+                quote(data.text_field),
+            )
+        parts = split_documents(sizes, data, source=source)
+        splits, documents_per_split, tokens_per_split = {}, {}, {}
+        for split, index in parts.items():
+            split_ids = [ids[i] for i in index]
+            for i in index:
+                ids[i] = None  # the packed copy replaces them: at most one split's text is held twice
+            sequences = pack_sequences(split_ids, eot_id=tokenizer.eot_id, seq_len=data.seq_len)
+            num_tokens = sum(len(d) for d in split_ids) + (len(index) if tokenizer.eot_id is not None else 0)
+            del split_ids
+            if not len(sequences):
+                fraction = (
+                    "lower data.val_fraction or data.test_fraction"
+                    if split == "train"
+                    else f"raise data.{split}_fraction"
+                )
+                raise ValueError(
+                    f"data.seq_len={data.seq_len} is invalid: the {split} split of {source} ({len(index)} documents, "
+                    f"{num_tokens} tokens) holds less than one sequence of seq_len + 1 tokens; lower data.seq_len, "
+                    f"{fraction}, or add text (data.max_text_bytes, more documents)"
+                )
+            splits[split] = {"tokens": sequences}
+            documents_per_split[split] = len(index)
+            tokens_per_split[split] = num_tokens
+        if tokenizer.kind == TOKENIZER_FILE:
+            _write_text(out_dir, TOKENIZER_FILE, tokenizer.json_text)
+        spec = {
+            "tokenizer": tokenizer.kind,
+            "tokenizer_sha256": tokenizer.sha256,
+            "vocab_size": tokenizer.vocab_size,
+            "eot_id": tokenizer.eot_id,
+            "seq_len": data.seq_len,
+            "text_bytes": stats.text_bytes,
+            "documents": documents_per_split,
+            "tokens": tokens_per_split,
+        }
+        if data.dataset == "text" and self.dataset_source is None:
+            spec["path"] = redact(data.path)
+        template = Manifest(
+            dataset=data.dataset if self.dataset_source is None else self.dataset_source_path,
+            classes=[],
+            input_shape=[data.seq_len],
+            mean=[],
+            std=[],
+            splits={},
+            workload=self.name,
+            arrays={"tokens": ArraySpec("int32", [data.seq_len + 1], max_value=tokenizer.vocab_size - 1)},
+            spec=spec,
+        )
+        log.info(
+            "tokenised %s: %d documents, %d bytes, tokens per split %s (tokenizer %s, vocabulary %d)",
+            source,
+            len(names),
+            stats.text_bytes,
+            tokens_per_split,
+            tokenizer.kind,
+            tokenizer.vocab_size,
+        )
+        return write_prepared(out_dir, splits, template=template, num_shards=data.num_shards)
+
+    # ------------------------------------------------------------------------------------------------- models
+
+    def check(self, config: TrainingConfig, manifest: Manifest) -> None:
+        """The data was prepared by this workload, its sequences fit the model's context and its tokenizer's
+        vocabulary is the model's. Builds configs only (a user's model on the meta device): nothing is allocated."""
+        if manifest.workload != self.name:
+            raise ValueError(
+                f"workload.name={self.name!r} trains on token sequences, but the prepared data at "
+                f"{quote(manifest.directory)} was written by workload {manifest.workload!r}; prepare the data with "
+                "the same workload"
+            )
+        spec = TextSpec.from_manifest(manifest)
+        if self.model_factory is not None:
+            self._check_user_model(config, manifest, spec)
+            return
+        lm_config = model_config(config.model, vocab_size=spec.vocab_size, eot_id=spec.eot_id)
+        context = context_length(lm_config)
+        if context is not None and spec.seq_len > context:
+            raise ValueError(
+                f"data.seq_len={spec.seq_len} is invalid: model.name={quote(config.model.name)} attends over "
+                f"{context} positions (model.context_length={config.model.context_length}); lower data.seq_len to "
+                f"at most {context} and re-run data prep, or set model.context_length to at least {spec.seq_len}"
+            )
+        model_vocab = getattr(lm_config.get_text_config(), "vocab_size", None)
+        if model_vocab != spec.vocab_size:
+            raise ValueError(
+                f"model.name={quote(config.model.name)} is invalid: its vocabulary ({model_vocab}) is not the "
+                f"tokenizer's ({spec.vocab_size}, data.tokenizer={spec.tokenizer!r}); use a config class whose "
+                "vocab_size is its own (a text-only config such as LlamaConfig, not a multimodal one)"
+            )
+
+    def _check_user_model(self, config: TrainingConfig, manifest: Manifest, spec: TextSpec) -> None:
+        """Build the user's model on the meta device (no memory, no initialisation) and compare its logits' width
+        with the vocabulary. A factory that cannot run there is left for the workers to build and report."""
+        import torch
+        from torch import nn
+
+        path = config.workload.model_factory
+        try:
+            with torch.device("meta"):
+                model = self.model_factory(config, manifest)
+                if not isinstance(model, nn.Module):
+                    return  # build_model names the problem
+                logits = model(torch.zeros((1, min(spec.seq_len, 8)), dtype=torch.long))
+        except Exception as exc:  # noqa: BLE001 - meta tensors refuse some operations; the real build decides
+            log.warning(
+                "workload.model_factory=%s could not be checked on the meta device (%s: %s); its vocabulary is "
+                "checked when it trains",
+                quote(path),
+                type(exc).__name__,
+                clip(str(exc)),
+            )
+            return
+        shape = tuple(getattr(logits, "shape", ()))
+        if len(shape) != 3 or shape[-1] != spec.vocab_size:
+            raise ValueError(
+                f"workload.model_factory={quote(path)} is invalid: its model maps token ids [N, T] to "
+                f"{type(logits).__name__} {list(shape)}, but the tokenizer (data.tokenizer={spec.tokenizer!r}) has a "
+                f"vocabulary of {spec.vocab_size}; return logits [N, T, manifest.spec['vocab_size']]"
+            )
+
+    def build_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
+        """:class:`CausalLMModel` around a randomly initialised ``transformers`` model (or the user's model). The
+        tokenizer comes from the data directory when the manifest has one (a model rebuilt from a checkpoint's
+        description has none: it trains and scores, but cannot :meth:`~CausalLMModel.generate_text`)."""
+        spec = TextSpec.from_manifest(manifest)
+        if self.model_factory is not None:
+            return user_model(config, manifest, self.model_factory)
+        lm = build_lm(config.model, vocab_size=spec.vocab_size, eot_id=spec.eot_id)
+        tokenizer = read_tokenizer(manifest).description if manifest.directory else ""
+        model = model_class()(lm, tokenizer=tokenizer, eot_id=spec.eot_id, context_length=context_length(lm.config))
+        log.info(
+            "built %s (%s): %.1f M parameters",
+            config.model.name,
+            type(lm).__name__,
+            sum(p.numel() for p in model.parameters()) / 1e6,
+        )
+        return model
+
+    # ------------------------------------------------------------------------------------------ batches, loss
+
+    def to_device(self, manifest: Manifest, device: torch.device) -> Callable[[Mapping[str, np.ndarray]], Any]:
+        return TokenBatcher(device)
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossOutput:
+        """Mean next-token cross-entropy over every token of the batch; sums of correct (argmax) predictions,
+        tokens and sequences, on the device."""
+        import torch.nn.functional as F
+
+        inputs, targets = batch
+        logits = model(inputs)
+        # In fp32 whatever autocast made the logits: a bf16 log-softmax over 50 k entries loses the loss's digits.
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        correct = (logits.detach().argmax(dim=-1) == targets).sum()
+        return LossOutput(
+            loss=loss,
+            sums={
+                "correct": correct,
+                "tokens": _count(targets.numel(), targets),
+                "samples": _count(len(targets), targets),
+            },
+            num_samples=len(targets),
+            num_tokens=targets.numel(),
+        )
+
+    def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``loss_sum`` (summed per-token negative log-likelihood, float64), ``correct``, ``tokens``, ``samples``."""
+        import torch.nn.functional as F
+
+        inputs, targets = batch
+        logits = model(inputs).float()
+        return {
+            "loss_sum": F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").double(),
+            "correct": (logits.argmax(dim=-1) == targets).sum(),
+            "tokens": _count(targets.numel(), targets),
+            "samples": _count(len(targets), targets),
+        }
+
+    def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
+        """``accuracy`` (of the next token); with ``loss_sum`` also ``loss`` (per token, nats) and ``perplexity``
+        (``exp(loss)``)."""
+        found = {"accuracy": mean_of(sums, "correct", "tokens")}
+        if "loss_sum" in sums:
+            loss = mean_of(sums, "loss_sum", "tokens")
+            found["loss"] = loss
+            found["perplexity"] = perplexity(loss)
+        return found
+
+    def example_input(self, manifest: Manifest) -> np.ndarray:
+        return np.zeros((2, manifest.input_shape[0]), dtype=np.int64)
+
+    def showcase(
+        self,
+        model: nn.Module,
+        manifest: Manifest,
+        *,
+        max_new_tokens: int = 48,
+        prompts: Sequence[str] = SHOWCASE_PROMPTS,
+    ) -> list[tuple[str, str]]:
+        """``(prompt, continuation)`` for each prompt: the model's greedy continuation, decoded with the data's
+        tokenizer (up to an end-of-text token), for the evaluation report. Works for a user's model too (greedy
+        decoding through its ``forward``)."""
+        import torch
+
+        tokenizer = read_tokenizer(manifest)
+        spec = TextSpec.from_manifest(manifest)
+        model = getattr(model, "module", model)  # a DDP wrapper's model
+        device = next(model.parameters()).device
+        found = []
+        for prompt in prompts:
+            prompt_ids = _prompt_ids(tokenizer, prompt)
+            input_ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)[None]
+            if isinstance(model, model_class()):
+                output = model.generate(input_ids, max_new_tokens)
+            else:
+                output = greedy_decode(model, input_ids, max_new_tokens, context_length=spec.seq_len)
+            found.append((prompt, tokenizer.decode(output[0, input_ids.shape[1] :].tolist())))
+        return found
+
+
+# ------------------------------------------------------------------------------------------------- the spec
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """What ``manifest.spec`` of prepared text records (written by :meth:`CausalLM.prepare_data`)."""
+
+    tokenizer: str
+    """``byte``, or ``tokenizer.json``: the copy of the tokenizer in the data directory."""
+    tokenizer_sha256: str
+    """sha256 of that copy (empty for ``byte``)."""
+    vocab_size: int
+    eot_id: int | None
+    seq_len: int
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> "TextSpec":
+        """The spec, checked against the manifest's arrays; anything else raises ``ValueError`` naming the key."""
+        where = f"manifest.json in {clip(redact(manifest.directory or '(a description)'), 500)}"
+        spec = manifest.spec
+
+        def fail(key: str, why: str) -> None:
+            raise ValueError(f"{where}: spec.{key}={quote(spec.get(key))} is invalid: {why}; {_RERUN}")
+
+        if spec.get("tokenizer") not in (BYTE, TOKENIZER_FILE):
+            fail("tokenizer", f"expected {BYTE!r} or {TOKENIZER_FILE!r}")
+        vocab_size, seq_len, eot_id = spec.get("vocab_size"), spec.get("seq_len"), spec.get("eot_id")
+        if not _is_int(vocab_size) or vocab_size < 2:
+            fail("vocab_size", "expected an integer >= 2")
+        if not _is_int(seq_len) or manifest.input_shape != [seq_len]:
+            fail("seq_len", f"the manifest's input_shape is {manifest.input_shape}")
+        if eot_id is not None and (not _is_int(eot_id) or not 0 <= eot_id < vocab_size):
+            fail("eot_id", f"expected null or an id below the vocabulary ({vocab_size})")
+        sha256 = spec.get("tokenizer_sha256")
+        if not isinstance(sha256, str) or (spec["tokenizer"] == TOKENIZER_FILE and len(sha256) != 64):
+            fail("tokenizer_sha256", "expected the sha256 of tokenizer.json")
+        tokens = manifest.arrays.get("tokens")
+        if tokens is None or tokens.shape != [seq_len + 1] or tokens.max_value != vocab_size - 1:
+            fail("vocab_size", f"the manifest's arrays are {manifest.arrays}")
+        return cls(spec["tokenizer"], sha256, vocab_size, eot_id, seq_len)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_tokenizer(manifest: Manifest) -> TextTokenizer:
+    """The tokenizer the data in ``manifest.directory`` was prepared with: ``byte``, or its ``tokenizer.json``
+    copy, checked against the recorded sha256."""
+    spec = TextSpec.from_manifest(manifest)
+    if spec.tokenizer == BYTE:
+        return tokenizer_from_description(BYTE, where="data")
+    import fsspec
+
+    location = f"{manifest.directory.rstrip('/')}/{TOKENIZER_FILE}"
+    where = f"{TOKENIZER_FILE} in {clip(redact(manifest.directory), 500)}"
+    try:
+        with fsspec.open(location, "rb") as f:
+            payload = f.read()
+    except FileNotFoundError:
+        raise ValueError(f"{where} is missing; {_RERUN}") from None
+    digest = hashlib.sha256(payload).hexdigest()
+    if digest != spec.tokenizer_sha256:
+        raise ValueError(f"{where} is corrupt: sha256 {digest} != manifest {spec.tokenizer_sha256}; {_RERUN}")
+    return tokenizer_from_description(payload.decode("utf-8"), where=where)
+
+
+def _write_text(out_dir: str, name: str, text: str) -> None:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(out_dir)
+    fs.makedirs(root, exist_ok=True)
+    with fs.open(f"{root.rstrip('/')}/{name}", "wb") as f:
+        f.write(text.encode("utf-8"))
+
+
+# ------------------------------------------------------------------------------------------------ the models
+
+
+def model_config(model: ModelConfig, *, vocab_size: int, eot_id: int | None) -> Any:
+    """The ``transformers`` config ``model`` names, with the data's vocabulary, its overrides and no dropout.
+    An unknown name, a config class that is not a causal language model, or overrides it cannot take raise
+    ``ValueError`` naming the field."""
+    import transformers
+
+    if model.name in GPT2_SIZES:
+        size = GPT2_SIZES[model.name]
+        hidden = model.hidden_size or size.hidden_size
+        heads = model.num_heads or size.num_heads
+        if hidden % heads:
+            field_name, value = ("model.hidden_size", hidden) if model.hidden_size else ("model.num_heads", heads)
+            raise ValueError(
+                f"{field_name}={value} is invalid: {model.name} has {heads} attention heads of {hidden} / {heads} "
+                "dimensions; make model.hidden_size a multiple of model.num_heads"
+            )
+        return transformers.GPT2Config(
+            vocab_size=vocab_size,
+            n_positions=model.context_length or size.context_length,
+            n_embd=hidden,
+            n_layer=model.num_layers or size.num_layers,
+            n_head=heads,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=eot_id,
+            eos_token_id=eot_id,
+        )
+    config_class = _config_class(model.name)
+    defaults = config_class()
+    kwargs: dict[str, Any] = {"vocab_size": vocab_size, "bos_token_id": eot_id, "eos_token_id": eot_id}
+    # Some configs (BERT's) make a bidirectional encoder unless told they are a decoder: it would see the tokens
+    # it is asked to predict.
+    if hasattr(defaults, "is_decoder"):
+        kwargs["is_decoder"] = True
+    for key, value in defaults.to_dict().items():
+        if isinstance(value, float) and value > 0 and ("dropout" in key or key.endswith("pdrop")):
+            kwargs[key] = 0.0
+    for field_name, attribute in _OVERRIDES:
+        value = getattr(model, field_name)
+        if not value:
+            continue
+        if not isinstance(getattr(defaults, attribute, None), int):
+            raise ValueError(
+                f"model.{field_name}={value} is invalid: {model.name} has no {attribute}; leave model.{field_name} at 0"
+            )
+        kwargs[attribute] = value
+    _scale_with_overrides(defaults, kwargs, model)
+    try:
+        return config_class(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - transformers validates configs with various exception types
+        raise ValueError(
+            f"model.name={quote(model.name)} is invalid with model.num_layers={model.num_layers}, hidden_size="
+            f"{model.hidden_size}, num_heads={model.num_heads}, context_length={model.context_length}: "
+            f"{type(exc).__name__}: {clip(str(exc))}; fix those overrides"
+        ) from None
+
+
+def _config_class(name: str) -> type:
+    """The ``transformers`` config class ``name``, checked to configure a causal language model."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    sizes = ", ".join(GPT2_SIZES)
+    found = getattr(transformers, name, None) if name.endswith("Config") and name.isidentifier() else None
+    if not (isinstance(found, type) and issubclass(found, transformers.PretrainedConfig)):
+        raise ValueError(
+            f"model.name={quote(name)} is invalid: transformers {transformers.__version__} has no config class of "
+            f"that name; use {sizes} or a transformers causal-LM config class (e.g. LlamaConfig, GPTNeoXConfig, "
+            "Qwen2Config)"
+        )
+    if found not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"model.name={quote(name)} is invalid: transformers has no causal language model for {name}; use {sizes} "
+            "or a causal-LM config class (e.g. LlamaConfig, GPTNeoXConfig, Qwen2Config)"
+        )
+    return found
+
+
+def _scale_with_overrides(defaults: Any, kwargs: dict[str, Any], model: ModelConfig) -> None:
+    """Keep the proportions of the default config under ``model``'s overrides: the MLP's width follows the
+    model's (a 64-wide Llama with Llama-7B's 11 008-wide MLP is not a small Llama), and grouped-query attention
+    keeps its ratio of query to key/value heads where the new head count allows."""
+    default_hidden = getattr(defaults, "hidden_size", None)
+    default_inner = getattr(defaults, "intermediate_size", None)
+    if model.hidden_size and isinstance(default_hidden, int) and isinstance(default_inner, int) and default_hidden:
+        kwargs["intermediate_size"] = max(1, round(default_inner * model.hidden_size / default_hidden))
+    default_heads = getattr(defaults, "num_attention_heads", None)
+    default_kv = getattr(defaults, "num_key_value_heads", None)
+    if model.num_heads and isinstance(default_heads, int) and isinstance(default_kv, int) and default_kv:
+        ratio = max(default_heads // default_kv, 1)
+        kwargs["num_key_value_heads"] = model.num_heads // ratio if model.num_heads % ratio == 0 else model.num_heads
+
+
+def context_length(lm_config: Any) -> int | None:
+    """Positions a model of ``lm_config`` attends over; ``None`` when the config sets no limit (a state-space
+    model)."""
+    value = getattr(lm_config.get_text_config(), "max_position_embeddings", None)
+    return value if _is_int(value) and value > 0 else None
+
+
+def build_lm(model: ModelConfig, *, vocab_size: int, eot_id: int | None) -> nn.Module:
+    """A randomly initialised ``transformers`` causal LM (from the global torch RNG: seed it first)."""
+    from transformers import AutoModelForCausalLM
+
+    lm_config = model_config(model, vocab_size=vocab_size, eot_id=eot_id)
+    if model.name in GPT2_SIZES:
+        return AutoModelForCausalLM.from_config(lm_config, attn_implementation=GPT2_ATTENTION)
+    # Other configs get transformers' default kernel for their architecture (sdpa where it is supported).
+    try:
+        return AutoModelForCausalLM.from_config(lm_config)
+    except Exception as exc:  # noqa: BLE001 - transformers raises various types for a config it cannot build
+        raise ValueError(
+            f"model.name={quote(model.name)} is invalid: transformers cannot build it ({type(exc).__name__}: "
+            f"{clip(str(exc))}); fix the overrides (model.num_layers, hidden_size, num_heads, context_length)"
+        ) from None
+
+
+def _define_model_class() -> type:
+    """:class:`CausalLMModel`, defined here so importing this module does not import torch."""
+    import torch
+    from torch import nn
+
+    class CausalLMModel(nn.Module):
+        """A ``transformers`` causal LM as the loop trains it: ``forward(input_ids [N, T] int64) -> logits
+        [N, T, V]``. Carries its tokenizer (``byte`` or the ``tokenizer.json`` text; empty when built without
+        one), so a pickled model (MLflow's) can :meth:`generate_text` on its own. The state dict is the Hugging Face
+        model's under ``lm.``."""
+
+        def __init__(self, lm: nn.Module, *, tokenizer: str, eot_id: int | None, context_length: int | None) -> None:
+            super().__init__()
+            self.lm = lm
+            self.tokenizer = tokenizer
+            self.eot_id = eot_id
+            self.context_length = context_length
+            self._text_tokenizer: TextTokenizer | None = None
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.lm(input_ids=input_ids, use_cache=False).logits
+
+        @torch.no_grad()
+        def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+            """``input_ids`` [N, T] followed by ``max_new_tokens`` greedy tokens; after a sequence's end-of-text
+            token the rest of it is end-of-text. A prompt that leaves the context too little room for the new
+            tokens is read from its end (the new tokens are then limited to the context less one)."""
+            if max_new_tokens <= 0:
+                return input_ids
+            context = self.context_length
+            kept = input_ids if context is None else input_ids[:, -max(1, context - max_new_tokens) :]
+            new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - kept.shape[1])
+            pad_id = self.eot_id if self.eot_id is not None else 0
+            was_training = self.training
+            self.eval()
+            try:
+                output = self.lm.generate(
+                    input_ids=kept,
+                    attention_mask=torch.ones_like(kept),
+                    max_new_tokens=new_tokens,
+                    do_sample=False,
+                    num_beams=1,
+                    pad_token_id=pad_id,
+                    eos_token_id=self.eot_id,
+                )
+            finally:
+                self.train(was_training)
+            generated = output[:, kept.shape[1] :]
+            # generate stops once every sequence has ended: the rest is end-of-text, so the shape is always the same.
+            padding = generated.new_full((len(generated), new_tokens - generated.shape[1]), pad_id)
+            return torch.cat([input_ids, generated, padding], dim=1)
+
+        def generate_text(self, prompt: str, max_new_tokens: int) -> str:
+            """``prompt`` followed by its greedy continuation of up to ``max_new_tokens`` tokens, up to an
+            end-of-text token."""
+            if not self.tokenizer:
+                raise ValueError(
+                    "this model was built without its tokenizer (from a checkpoint's description, with no data "
+                    "directory); build it with the prepared data's manifest to generate text"
+                )
+            if self._text_tokenizer is None:
+                self._text_tokenizer = tokenizer_from_description(self.tokenizer, where="the model's tokenizer")
+            device = next(self.parameters()).device
+            prompt_ids = _prompt_ids(self._text_tokenizer, prompt)
+            input_ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)[None]
+            output = self.generate(input_ids, max_new_tokens)
+            return prompt + self._text_tokenizer.decode(output[0, input_ids.shape[1] :].tolist())
+
+        def __getstate__(self) -> dict[str, Any]:
+            state = super().__getstate__().copy()
+            state["_text_tokenizer"] = None  # rebuilt from ``tokenizer`` on first use
+            return state
+
+    CausalLMModel.__qualname__ = "CausalLMModel"
+    return CausalLMModel
+
+
+_DEFINE_LOCK = threading.Lock()
+
+
+def model_class() -> type:
+    """:class:`CausalLMModel`: defined once, on first use, then a module global."""
+    with _DEFINE_LOCK:
+        found = globals().get("CausalLMModel")
+        if found is None:
+            globals()["CausalLMModel"] = found = _define_model_class()
+    return found
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: ``CausalLMModel`` is created on first access and then kept as a module global, so pickle (and
+    # cloudpickle) find it by module and name like any module-level class.
+    if name == "CausalLMModel":
+        return model_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _prompt_ids(tokenizer: TextTokenizer, prompt: str) -> list[int]:
+    """``prompt``'s ids; an empty prompt starts a new document (the end-of-text token)."""
+    ids = tokenizer.encode(prompt).tolist()
+    if not ids:
+        ids = [tokenizer.eot_id if tokenizer.eot_id is not None else 0]
+    return ids
+
+
+def greedy_decode(
+    model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, context_length: int
+) -> torch.Tensor:
+    """``input_ids`` followed by ``max_new_tokens`` argmax tokens of any ``forward(input_ids) -> logits`` model,
+    reading at most the last ``context_length`` tokens (no cache: for models without ``generate``, such as the
+    ``torch.export`` program MLflow loads from the registry)."""
+    import torch
+
+    was_training = model.training
+    switches_mode = _switch_mode(model, training=False)
+    try:
+        with torch.no_grad():
+            output = input_ids
+            for _ in range(max_new_tokens):
+                logits = model(output[:, -context_length:])
+                output = torch.cat([output, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    finally:
+        if switches_mode:
+            model.train(was_training)
+    return output
+
+
+def _switch_mode(model: nn.Module, *, training: bool) -> bool:
+    """``model.train(training)``; False for a module that cannot switch (an exported program: always in
+    inference mode)."""
+    try:
+        model.train(training)
+    except NotImplementedError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------- batches
+
+
+class TokenBatcher:
+    """Stored int32 sequences [N, L + 1] -> (inputs [N, L], targets [N, L]) int64 on the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, batch: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        # Moved as int32 (half the bytes) and widened on the device: embeddings and cross-entropy take int64.
+        tokens = torch.from_numpy(batch["tokens"]).to(self.device, non_blocking=True).long()
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+def _count(value: int, like: torch.Tensor) -> torch.Tensor:
+    """``value`` as a 0-dim int64 tensor on ``like``'s device, filled there (no host-to-device copy to wait on)."""
+    import torch
+
+    return torch.full((), value, dtype=torch.long, device=like.device)
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)``; infinite past float range, NaN for NaN."""
+    if math.isnan(loss):
+        return math.nan
+    return math.exp(loss) if loss < 700 else math.inf

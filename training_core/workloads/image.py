@@ -1,0 +1,199 @@
+"""``image_classification``: the image models of :mod:`training_core.models` (or a user's) on the image sources of
+:mod:`training_core.datasets` (or a user's), trained with cross-entropy; accuracy is the primary metric."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import numpy as np
+
+from training_core.config import DataConfig, TrainingConfig, WorkloadConfig, clip, invalid, quote
+from training_core.data import ArraySpec, Manifest, split_samples, write_prepared
+from training_core.workloads import LossOutput, call_user, load_optional, mean_of
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+class ImageClassification:
+    """Images in, class logits out. ``model_factory(config, manifest)`` and ``dataset_source(data)`` (returning
+    a :class:`~training_core.datasets.RawDataset`) replace the built-in model and dataset."""
+
+    name = "image_classification"
+    primary_metric = "accuracy"
+    primary_mode = "max"
+
+    def __init__(self, selected: WorkloadConfig | None = None) -> None:
+        selected = selected or WorkloadConfig()
+        self.model_factory = load_optional("workload.model_factory", selected.model_factory)
+        self.dataset_source = load_optional("workload.dataset_source", selected.dataset_source)
+        self.dataset_source_path = selected.dataset_source
+
+    def prepare_data(self, data: DataConfig, out_dir: str) -> Manifest:
+        from training_core.datasets import RawDataset, load_raw, resize_images
+
+        cfg = data
+        if self.dataset_source is None:
+            raw, source = load_raw(cfg), f"data.dataset={cfg.dataset!r}"
+        else:
+            source = f"workload.dataset_source={quote(self.dataset_source_path)}"
+            raw = call_user("workload.dataset_source", self.dataset_source_path, self.dataset_source, cfg)
+            if not isinstance(raw, RawDataset):
+                raise ValueError(
+                    f"{source} returned a {type(raw).__name__}; it must return a training_core.datasets.RawDataset "
+                    "(uint8 images N x C x H x W and int64 labels per split, and the class names)"
+                )
+            if cfg.image_size:
+                raw.splits = {name: (resize_images(x, cfg.image_size), y) for name, (x, y) in raw.splits.items()}
+            raw.check(source)
+        splits = split_samples(
+            {name: {"images": x, "labels": y} for name, (x, y) in raw.splits.items()}, cfg, source=source
+        )
+        train = splits["train"]["images"]
+        scaled = train.astype(np.float64) / 255.0
+        input_shape = list(train.shape[1:])
+        template = Manifest(
+            dataset=cfg.dataset if self.dataset_source is None else self.dataset_source_path,
+            classes=raw.classes,
+            input_shape=input_shape,
+            mean=scaled.mean(axis=(0, 2, 3)).tolist(),
+            std=np.maximum(scaled.std(axis=(0, 2, 3)), 1e-6).tolist(),
+            splits={},
+            workload=self.name,
+            arrays={
+                "images": ArraySpec("uint8", input_shape),
+                "labels": ArraySpec("int64", [], max_value=len(raw.classes) - 1),
+            },
+        )
+        return write_prepared(out_dir, splits, template=template, num_shards=cfg.num_shards)
+
+    def check(self, config: TrainingConfig, manifest: Manifest) -> None:
+        if manifest.workload != self.name or len(manifest.input_shape) != 3:
+            raise ValueError(
+                f"workload.name={self.name!r} trains on images, but the prepared data at "
+                f"{quote(manifest.directory)} was written by workload {manifest.workload!r}; prepare the data with "
+                "the same workload"
+            )
+        if self.model_factory is not None:
+            check_user_model(config, manifest, self.model_factory, self.example_input(manifest))
+
+    def build_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
+        if self.model_factory is not None:
+            return user_model(config, manifest, self.model_factory)
+        from training_core.models import build_model
+
+        return build_model(config.model.name, num_classes=manifest.num_classes, input_shape=manifest.input_shape)
+
+    def to_device(self, manifest: Manifest, device: torch.device) -> Callable[[Mapping[str, np.ndarray]], Any]:
+        return Normalizer(manifest, device)
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossOutput:
+        return classification_loss(model, batch)
+
+    def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        import torch
+        import torch.nn.functional as F
+
+        inputs, targets = batch
+        logits = model(inputs).float()
+        num_classes = logits.shape[1]
+        top = logits.topk(min(5, num_classes), dim=1).indices
+        return {
+            "loss_sum": F.cross_entropy(logits, targets, reduction="sum").double(),
+            "correct": (top[:, 0] == targets).sum(),
+            "correct_top5": (top == targets[:, None]).any(dim=1).sum(),
+            "samples": torch_count(targets),
+            "confusion": torch.bincount(targets * num_classes + top[:, 0], minlength=num_classes * num_classes).view(
+                num_classes, num_classes
+            ),
+        }
+
+    def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
+        found = {"accuracy": mean_of(sums, "correct", "samples")}
+        if "loss_sum" in sums:
+            found["loss"] = mean_of(sums, "loss_sum", "samples")
+            found["top5_accuracy"] = mean_of(sums, "correct_top5", "samples")
+        return found
+
+    def example_input(self, manifest: Manifest) -> np.ndarray:
+        return np.zeros((2, *manifest.input_shape), dtype=np.float32)
+
+
+def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossOutput:
+    """Cross-entropy of ``model(inputs)`` against ``targets``, with the correct and sample counts."""
+    import torch.nn.functional as F
+
+    inputs, targets = batch
+    logits = model(inputs)
+    loss = F.cross_entropy(logits, targets)
+    correct = (logits.detach().argmax(dim=1) == targets).sum()
+    return LossOutput(loss=loss, sums={"correct": correct, "samples": torch_count(targets)}, num_samples=len(targets))
+
+
+def torch_count(values: torch.Tensor) -> torch.Tensor:
+    """How many ``values`` there are, as a 0-dim tensor on their device (a sum the loop adds without a sync)."""
+    import torch
+
+    return torch.tensor(values.shape[0], device=values.device)
+
+
+def user_model(config: TrainingConfig, manifest: Manifest, factory: Callable[..., Any]) -> nn.Module:
+    """The model ``workload.model_factory`` builds, checked to be a ``torch.nn.Module``."""
+    from torch import nn
+
+    path = config.workload.model_factory
+    model = call_user("workload.model_factory", path, factory, config, manifest)
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"workload.model_factory={quote(path)} returned a {type(model).__name__}; it must return a torch.nn.Module"
+        )
+    return model
+
+
+def check_user_model(
+    config: TrainingConfig, manifest: Manifest, factory: Callable[..., Any], example: np.ndarray
+) -> None:
+    """Build the ``workload.model_factory`` model once and run ``example`` through it, so a factory that fails,
+    returns no ``torch.nn.Module`` or builds a model that does not fit the data fails in the driver (preflight),
+    before any worker starts, rather than in every worker."""
+    import torch
+
+    model = user_model(config, manifest, factory)
+    built, batch, expected = type(model).__name__, tuple(example.shape), (len(example), manifest.num_classes)
+    try:
+        with torch.no_grad():
+            output = model.eval()(torch.from_numpy(example))
+    except Exception as exc:  # noqa: BLE001 - user code: name it and what it raised
+        problem = (
+            f"it built a {built} that fails on a batch of inputs {batch} ({type(exc).__name__}: {clip(str(exc))}); "
+            f"build a model for inputs of shape {manifest.input_shape}"
+        )
+    else:
+        found = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        problem = (
+            ""
+            if found == expected
+            else f"it built a {built} whose output on a batch of inputs {batch} is {found}; it must be logits of "
+            f"shape {expected} (batch, the data's {manifest.num_classes} classes)"
+        )
+    if problem:
+        invalid("workload.model_factory", config.workload.model_factory, problem)
+
+
+class Normalizer:
+    """Stored uint8 images and int64 labels -> normalised float images and labels on the device."""
+
+    def __init__(self, manifest: Manifest, device: torch.device) -> None:
+        import torch
+
+        self.device = device
+        self.mean = torch.tensor(manifest.mean, device=device).view(1, -1, 1, 1)
+        self.std = torch.tensor(manifest.std, device=device).view(1, -1, 1, 1)
+
+    def __call__(self, batch: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        x = torch.from_numpy(batch["images"]).to(self.device, non_blocking=True).float().div_(255.0)
+        y = torch.from_numpy(batch["labels"]).to(self.device, non_blocking=True)
+        return (x - self.mean) / self.std, y
