@@ -198,12 +198,14 @@ def _training_progress() -> list[Builder[dashboard.Panel]]:
             "Mean loss of the last log window (train) and of the last validation (val).",
             "none",
             [(f"training_loss{{{RANK}}}", "{{split}} " + PER_RANK)],
+            span=6,
         ),
         _timeseries(
             "Accuracy",
             "Top-1 accuracy of the last log window (train) and of the last validation (val).",
             "percentunit",
             [(f"training_accuracy{{{RANK}}}", "{{split}} " + PER_RANK)],
+            span=6,
             min_value=0,
             max_value=1,
         ),
@@ -215,6 +217,19 @@ def _training_progress() -> list[Builder[dashboard.Panel]]:
                 (f"max by (execution, attempt) (training_samples_per_second{{{JOB}}})", "global {{execution}}"),
                 (f"rate(training_samples_total{{{RANK}}}[$__rate_interval])", PER_RANK),
             ],
+            span=6,
+            min_value=0,
+        ),
+        _timeseries(
+            "Token throughput",
+            "Language models: global tokens/s each run reports, and the tokens/s each rank processed (0 for "
+            "workloads without tokens).",
+            "suffix: tokens/s",
+            [
+                (f"max by (execution, attempt) (training_tokens_per_second{{{JOB}}})", "global {{execution}}"),
+                (f"rate(training_tokens_total{{{RANK}}}[$__rate_interval])", PER_RANK),
+            ],
+            span=6,
             min_value=0,
         ),
         _timeseries(

@@ -1,4 +1,4 @@
-"""``evaluate``: test-split loss, top-1/top-5 and confusion matrix of the trained checkpoint."""
+"""``evaluate``: the workload's test-split metrics of the trained checkpoint."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def evaluate(data: PreparedData, model: TrainedModel) -> Evaluation:
 
     :param data: Prepared shards; the ``test`` split is used.
     :param model: The trained model from ``train``.
-    :return: Test loss, top-1 and top-5 accuracy, the confusion matrix and the evaluation report.
+    :return: Test loss and the workload's metrics (top-1/top-5 accuracy and the confusion matrix for images,
+        perplexity, token accuracy and greedy continuations for language models) and the evaluation report.
     """
     from tasks import reports
     from training_core import tracking
@@ -34,7 +35,15 @@ def evaluate(data: PreparedData, model: TrainedModel) -> Evaluation:
     tracking.log_metrics(
         model.tracking_uri,
         model.mlflow_run_id,
-        {"test_loss": result.loss, "test_accuracy": result.accuracy, "test_top5_accuracy": result.top5_accuracy},
+        {f"test_{name}": value for name, value in result.metrics.items()},
     )
-    report = publish_report("Evaluation report", reports.evaluation_sections(result))
+    history = _validation_history(model)
+    report = publish_report("Evaluation report", reports.evaluation_sections(result, history=history))
     return Evaluation(metrics=result, report=report)
+
+
+def _validation_history(model: TrainedModel) -> list:
+    """The run's epoch records (for the validation curve), from the checkpoint's metadata."""
+    from training_core.checkpoint import load_meta
+
+    return load_meta(model.checkpoint.download()).history

@@ -22,12 +22,13 @@ from training_core.redact import redact
     limits=Resources(cpu="1", mem="2Gi"),
 )
 def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Evaluation) -> Registration:
-    """Register the trained model as a new version; move the champion alias to it only if its test
-    accuracy clears ``tracking.promotion_min_accuracy`` and beats the current champion.
+    """Register the trained model as a new version; move the champion alias to it only if the workload's primary
+    test metric (accuracy, perplexity...) clears ``tracking.promotion_threshold`` in the metric's direction and
+    beats the current champion's.
 
-    :param tracking: Registry name, alias and the accuracy gate.
+    :param tracking: Registry name, alias and the promotion threshold.
     :param model: The trained model; its MLflow model URI is registered.
-    :param evaluation: Test metrics; ``accuracy`` decides the promotion.
+    :param evaluation: Test metrics; the workload's primary metric decides the promotion.
     :return: The new version, whether the alias moved, and why.
     """
     from training_core.evaluation import require_finite
@@ -36,11 +37,9 @@ def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Ev
     test, train = evaluation.metrics, model.metrics
     require_finite(
         {
-            "test_loss": test.loss,
-            "test_accuracy": test.accuracy,
+            **{f"test_{name}": value for name, value in test.metrics.items()},
             "train_loss": train.train_loss,
             "val_loss": train.val_loss,
-            "val_accuracy": train.val_accuracy,
         },
         what=f"model {model.mlflow_model_uri} of MLflow run {model.mlflow_run_id}",
         fix="a diverged model is not registered; retrain with a lower optimizer.lr or with optimizer.max_grad_norm set",
@@ -49,7 +48,9 @@ def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Ev
         tracking,
         model_uri=model.mlflow_model_uri,
         run_id=model.mlflow_run_id,
-        test_accuracy=evaluation.metrics.accuracy,
+        metric=f"test_{test.primary_metric}",
+        value=test.primary,
+        mode=test.primary_mode,
     )
     reports = [artifact_location(model.report), artifact_location(evaluation.report)]
     # Only Decks that exist are listed: on a cluster (each task in its own pod) FlyteConsole shows them.
@@ -70,7 +71,7 @@ def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Ev
                     else f" (alias '{promotion.alias}' unchanged)"
                 ),
                 f"promotion        : {promotion.reason}",
-                f"test accuracy    : {evaluation.metrics.accuracy:.4f} (top-5 {evaluation.metrics.top5_accuracy:.4f})",
+                "test metrics     : " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(test.metrics.items())),
                 f"mlflow tracking  : {redact(model.tracking_uri)}",
                 f"browse with      : {ui_command(model.tracking_uri)}",
                 f"training report  : {reports[0]}",

@@ -276,29 +276,58 @@ def _cost(cost: Mapping[str, float]) -> str:
 # --- evaluation -----------------------------------------------------------------------------------------------
 
 
-def evaluation_sections(result) -> list[str]:
-    """The evaluation report of a ``training_core.evaluation.EvalReport``: headline metrics, the confusion
-    matrix as a heatmap, and precision/recall/F1 per class."""
-    per_class = class_metrics(result.confusion)
-    macro_f1 = sum(f1 for _, _, f1, _ in per_class) / max(1, len(per_class))
-    headline = tiles(
-        [
-            ("top-1 accuracy", f"{result.accuracy:.2%}"),
-            ("top-5 accuracy", f"{result.top5_accuracy:.2%}"),
-            ("macro F1", f"{macro_f1:.4f}"),
-            ("test loss", f"{result.loss:.4f}"),
-            (f"{result.split} samples", str(result.num_samples)),
+def evaluation_sections(result, *, history: Sequence[EpochRecord] = ()) -> list[str]:
+    """The evaluation report of a ``training_core.evaluation.EvalReport``: headline metrics (the primary one
+    first), the validation curve of the run, and per workload the confusion matrix and per-class
+    precision/recall/F1 (classifiers) or greedy continuations of fixed prompts (language models)."""
+    metrics = dict(result.metrics)
+    primary = metrics.pop(result.primary_metric)
+    better = "higher" if result.primary_mode == "max" else "lower"
+    items = [(f"{result.primary_metric} ({better} is better)", _metric_text(result.primary_metric, primary))]
+    items += [(name, _metric_text(name, value)) for name, value in sorted(metrics.items())]
+    per_class = class_metrics(result.confusion) if result.confusion else []
+    if per_class:
+        items.append(("macro F1", f"{sum(f1 for _, _, f1, _ in per_class) / len(per_class):.4f}"))
+    items.append((f"{result.split} samples", str(result.num_samples)))
+    sections = [section("Test metrics", tiles(items), section_id="metrics")]
+    if history:
+        sections.append(
+            section("Validation curve", _validation_curve(history, result.primary_metric), section_id="validation")
+        )
+    if per_class:
+        rows = [
+            (name, f"{p:.4f}", f"{r:.4f}", f"{f1:.4f}", support)
+            for name, (p, r, f1, support) in zip(result.classes, per_class)
         ]
-    )
-    rows = [
-        (name, f"{p:.4f}", f"{r:.4f}", f"{f1:.4f}", support)
-        for name, (p, r, f1, support) in zip(result.classes, per_class)
-    ]
-    return [
-        section("Test metrics", headline, section_id="metrics"),
-        section("Confusion matrix", confusion_matrix(result.confusion, result.classes), section_id="confusion"),
-        section("Per class", grid(["class", "precision", "recall", "F1", "support"], rows), section_id="per-class"),
-    ]
+        sections += [
+            section("Confusion matrix", confusion_matrix(result.confusion, result.classes), section_id="confusion"),
+            section("Per class", grid(["class", "precision", "recall", "F1", "support"], rows), section_id="per-class"),
+        ]
+    if result.continuations:
+        rows = [(c.prompt, c.text) for c in result.continuations]
+        sections.append(
+            section(
+                "Greedy continuations",
+                note("The model's most likely next tokens after each fixed prompt (greedy decoding).")
+                + grid(["prompt", "continuation"], rows),
+                section_id="continuations",
+            )
+        )
+    return sections
+
+
+def _metric_text(name: str, value: float) -> str:
+    return f"{value:.2%}" if "accuracy" in name else f"{value:.4f}"
+
+
+def _validation_curve(history: Sequence[EpochRecord], primary_metric: str) -> str:
+    """Validation loss per epoch, and the primary metric when the records hold it (accuracy, perplexity)."""
+    name = primary_metric if hasattr(history[0], f"val_{primary_metric}") else "loss"
+    fig, (ax,) = _axes(f"validation {name} per epoch", xlabel="optimizer step", ylabel=name)
+    ax.plot([r.global_step for r in history], [getattr(r, f"val_{name}") for r in history], "o-")
+    if "accuracy" in name:
+        _percent_axis(ax)
+    return _png(fig)
 
 
 def class_metrics(confusion: Sequence[Sequence[int]]) -> list[tuple[float, float, float, int]]:

@@ -6,6 +6,7 @@ location; scalar results are plain typed fields so FlyteConsole shows them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,10 +28,13 @@ class PreparedData:
     """Shards (``<split>-NNNNN-of-NNNNN.npz``) and ``manifest.json``."""
     dataset: str
     num_classes: int
+    """0 for a workload without classes (a language model)."""
     input_shape: list[int]
-    """Channels, height, width."""
+    """One input sample's shape: channels, height, width for images; the sequence length for text."""
     split_counts: dict[str, int]
     """Samples per split (train, val, test)."""
+    workload: str = "image_classification"
+    """The workload that prepared the data."""
 
 
 @dataclass
@@ -51,6 +55,11 @@ class TrainMetrics:
     """95th percentile of the step wall time, warm-up steps excluded."""
     allreduce_fraction: float = 0.0
     """Share of the steady-state step time during which gradient all-reduces were in flight (0 on 1 worker)."""
+    val_perplexity: float = 0.0
+    """Language models: per-token validation perplexity; 0 for other workloads (Flyte's type schema cannot carry
+    NaN, and FlyteConsole shows the default)."""
+    tokens_per_s: float = 0.0
+    """Language models: training tokens/s over all workers; 0 for other workloads."""
 
     @classmethod
     def from_record(cls, *, epochs: int, global_step: int, record: EpochRecord) -> "TrainMetrics":
@@ -67,6 +76,8 @@ class TrainMetrics:
             step_time_p50_s=record.step_time_p50_s,
             step_time_p95_s=record.step_time_p95_s,
             allreduce_fraction=record.allreduce_fraction,
+            val_perplexity=record.val_perplexity if math.isfinite(record.val_perplexity) else 0.0,
+            tokens_per_s=record.tokens_per_s,
         )
 
 
@@ -91,7 +102,8 @@ class Evaluation:
     """Output of ``evaluate``: test-split metrics and their report."""
 
     metrics: EvalReport
-    """Loss, top-1/top-5 accuracy and the confusion matrix on the test split."""
+    """The workload's test-split metrics (loss and the primary metric; top-5 and the confusion matrix for images,
+    perplexity and continuations for language models)."""
     report: FlyteFile
     """The evaluation Deck as a standalone HTML page."""
 

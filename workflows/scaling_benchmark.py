@@ -52,7 +52,7 @@ def scaling_benchmark(
         parity) as a DataFrame and CSV, and the report page with throughput and efficiency plots.
     """
     planned_models = check_plan(config, worker_counts, models)
-    data = prepare_data(config=config.data)
+    data = prepare_data(config=config.data, workload=config.workload)
     point_models, point_counts, ray_runs, torch_runs = [], [], [], []
     previous = None
     for model in planned_models:

@@ -69,7 +69,7 @@ def tuning_pipeline(config: TuningConfig = TuningConfig()) -> tuple[TuningResult
         over 8 trials of a small CNN on digits, rungs of 1, 2 and 4 epochs.
     :return: The best trial (config, checkpoint, metric), the trial table, and its registration.
     """
-    data = prepare_data(config=config.base.data)
+    data = prepare_data(config=config.base.data, workload=config.base.workload)
     state = start_search(config=config)
     result, trials = search_round(config=config, data=data, state=state)
     evaluation = evaluate(data=data, model=result.best_model)

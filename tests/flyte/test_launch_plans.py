@@ -17,7 +17,7 @@ TINY_CONFIG = {
     "model": {"name": "small_cnn"},
     "loop": {"epochs": 1, "max_steps": 3},
     "scaling": {"num_workers": 1},
-    "tracking": {"promotion_min_accuracy": 0.0},
+    "tracking": {"promotion_threshold": 0.0},
 }
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import subprocess
 import tarfile
 from dataclasses import dataclass
@@ -24,6 +26,10 @@ TRAINING_TASKS = (
     "tasks.evaluate.evaluate",
     "tasks.register.register_model",
 )
+
+
+FAST_ARCHIVE = re.compile(r"fast[0-9a-f]+\.tar\.gz")
+"""The code archive ``pyflyte package --copy all`` adds beside the entities, unpacked into /root in the task pods."""
 
 
 @dataclass
@@ -49,13 +55,15 @@ def decode_package(path: Path) -> Package:
             elif member.name.endswith("_3.pb"):
                 plan = launch_plan_pb2.LaunchPlan.FromString(data)
                 launch_plans[plan.id.name] = plan
+            elif FAST_ARCHIVE.fullmatch(member.name):
+                continue  # the code of a fast-registration package (COPY=all), not an entity
             else:
                 raise AssertionError(f"unexpected file in the package: {member.name}")
     return Package(tasks, workflows, launch_plans)
 
 
-@pytest.fixture(scope="module")
-def package(tmp_path_factory) -> Package:
+def build_package(tmp_path_factory, *make_args: str) -> Path:
+    """``make package`` with the test image and the environment settings of a release, and ``make_args``."""
     workdir = tmp_path_factory.mktemp("package")
     (workdir / "home").mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINING_CORE__", "TUNING__"))}
@@ -77,6 +85,7 @@ def package(tmp_path_factory) -> Package:
             "package",
             f"IMAGE={IMAGE}",
             f"PACKAGE={output}",
+            *make_args,
         ],
         cwd=REPO_ROOT,
         env=env,
@@ -85,7 +94,18 @@ def package(tmp_path_factory) -> Package:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
-    return decode_package(output)
+    return output
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> Package:
+    return decode_package(build_package(tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def fast_package(tmp_path_factory) -> Path:
+    """The fast-registration package: the code travels in the tarball (``make package COPY=all``)."""
+    return build_package(tmp_path_factory, "COPY=all")
 
 
 def _literal_value(literal_pb, python_type):
@@ -185,7 +205,7 @@ def test_only_data_prep_and_trials_are_cached_with_their_declared_versions(packa
     from tasks.tuning import TRIAL_CACHE_VERSION
 
     prepare = package.tasks["tasks.data.prepare_data"].template.metadata
-    assert prepare.discoverable and prepare.discovery_version == PREPARE_DATA_CACHE_VERSION == "2"
+    assert prepare.discoverable and prepare.discovery_version == PREPARE_DATA_CACHE_VERSION == "3"
     trial = package.tasks["tasks.tuning.train_trial"].template.metadata
     assert trial.discoverable and trial.discovery_version == TRIAL_CACHE_VERSION
     for name in ("tasks.train.train", "tasks.evaluate.evaluate", "tasks.register.register_model"):
@@ -278,3 +298,39 @@ def test_fan_outs_are_dynamic_workflows_that_compile_their_nodes_on_the_register
     assert settings.image_config.default_image.full == IMAGE
     module, name = dynamic.rsplit(".", 1)
     assert list(template.container.args[-4:]) == ["task-module", module, "task-name", name]
+
+
+def test_the_fast_registration_tarball_carries_the_user_code_examples_that_configs_name(fast_package):
+    with tarfile.open(fast_package) as tar:
+        (archive,) = [name for name in tar.getnames() if FAST_ARCHIVE.fullmatch(name)]
+        code = tarfile.open(fileobj=io.BytesIO(tar.extractfile(archive).read()))
+    files = set(code.getnames())
+    example = "examples/tabular_mlp"
+    # `workload.name: examples.tabular_mlp.workload:TabularMLP` imports from the unpacked tree: the packages, the
+    # workload and its model, the table it trains on by default, and the configs.
+    assert {
+        "examples/__init__.py",
+        f"{example}/__init__.py",
+        f"{example}/workload.py",
+        f"{example}/model.py",
+        f"{example}/breast_cancer.csv",
+        "examples/tabular_mlp.yaml",
+        "examples/broken_workload/workload.py",
+    } <= files
+    for name in (f"{example}/workload.py", f"{example}/breast_cancer.csv"):
+        assert code.extractfile(name).read() == (REPO_ROOT / name).read_bytes(), name
+    assert "training_core/workloads/__init__.py" in files and "tasks/train.py" in files
+    assert not [name for name in files if name.startswith(("tests/", ".venv/", ".git/")) or name.endswith(".db")]
+
+    # Every task unpacks that archive into the image's source path (on its PYTHONPATH) before it runs; the train
+    # task's Ray workers get the same tree as their working directory.
+    package = decode_package(fast_package)
+    for name in TRAINING_TASKS:
+        args = list(package.tasks[name].template.container.args)
+        assert args[: args.index("--")] == [
+            "pyflyte-fast-execute",
+            "--additional-distribution",
+            "{{ .remote_package_path }}",
+            "--dest-dir",
+            "/root",
+        ], name

@@ -72,7 +72,7 @@ def _write_inputs(tmp_path: Path) -> None:
             "model": {"name": "small_cnn"},
             "loop": {"epochs": 4, "batch_size": 16},
             "checkpoint": {"interval_steps": 5, "max_worker_restarts": 0},
-            "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "promotion_min_accuracy": 0.0},
+            "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "promotion_threshold": 0.0},
         }
     )
     ctx = FlyteContextManager.current_context()

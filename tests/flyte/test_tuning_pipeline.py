@@ -17,9 +17,9 @@ from training_core.tuning import TuningConfig
 
 WORKFLOW = str(REPO_ROOT / "workflows" / "tuning.py")
 
-# 8 trials of a small CNN on digits, one worker each; ASHA rungs of 1, 2 and 4 epochs, keeping half.
+# 4 trials of a small CNN on digits, one worker each; ASHA rungs of 1, 2 and 4 epochs, keeping half.
 SEARCH = {
-    "num_trials": 8,
+    "num_trials": 4,
     "max_concurrency": 2,
     "seed": 3,
     "base": {"loop": {"epochs": 4}, "data": {"num_shards": 2}},
@@ -81,12 +81,12 @@ def test_asha_uses_half_the_epochs_of_full_trials_finds_their_best_and_reuses_ca
 
     # The same seed draws the same 8 trials for both algorithms.
     params = ["optimizer.lr", "loop.batch_size", "optimizer.name", "optimizer.weight_decay", "schedule.warmup_steps"]
-    assert len(asha) == len(full) == 8
+    assert len(asha) == len(full) == 4
     pd.testing.assert_frame_equal(asha[params], full[params])
     # Rungs 1, 2, 4: 8 trials train 1 epoch, the best 4 go on to 2, the best 2 to 4; nothing is retrained.
-    assert sorted(asha["epochs_trained"].tolist()) == [1, 1, 1, 1, 2, 2, 4, 4]
-    assert asha["epochs_used"].sum() == 8 * 1 + 4 * 1 + 2 * 2 == 16
-    assert full["epochs_used"].sum() == 8 * 4
+    assert sorted(asha["epochs_trained"].tolist()) == [1, 1, 2, 4]
+    assert asha["epochs_used"].sum() == 4 * 1 + 2 * 1 + 1 * 2 == 8
+    assert full["epochs_used"].sum() == 4 * 4
     assert asha["epochs_used"].sum() / full["epochs_used"].sum() <= 0.5
     assert set(asha["status"]) == {"stopped", "done"} and set(full["status"]) == {"done"}
     # A slice resumes its trial exactly, so a trial ASHA trains to 4 epochs scores what its full run did.
@@ -112,7 +112,7 @@ def test_asha_uses_half_the_epochs_of_full_trials_finds_their_best_and_reuses_ca
         history = client.get_metric_history(row["mlflow_run_id"], "val_accuracy")
         assert len(history) == row["epochs_trained"], "each epoch of each rung lands in the trial's one run"
         assert by_run[row["mlflow_run_id"]].data.params["optimizer.name"] == row["optimizer.name"]
-    assert asha_parent.data.metrics["epochs_used"] == 16
+    assert asha_parent.data.metrics["epochs_used"] == 8
     # The best trial went through evaluate and register_model.
     assert re.search(r"registered model : digits-classifier version \d", asha_output)
 
@@ -203,14 +203,24 @@ def test_dynamic_round_is_one_node_per_trial_in_lanes_of_max_concurrency_with_it
     assert any("search_round" in n.task_node.reference_id.name for n in spec.nodes)
 
 
-def test_ray_tune_strategy_runs_asha_on_one_cluster_with_mlflow_children(ray_session, tmp_path):
+# A tiny GPT on a slice of the standard library: the same search over learning rate and warmup, for a language model.
+LM_BASE = {
+    "workload": {"name": "causal_lm"},
+    "model": {"name": "gpt2-tiny"},
+    "data": {"dataset": "stdlib", "max_text_bytes": 120_000, "seq_len": 32, "num_shards": 2},
+    "checkpoint": {"best_metric": "val_perplexity"},
+}
+
+
+@pytest.mark.parametrize("workload", ["image_classification", "causal_lm"])
+def test_ray_tune_strategy_runs_asha_on_one_cluster_with_mlflow_children(workload, ray_session, tmp_path):
     from mlflow.tracking import MlflowClient
 
     from training_core import tracking
-    from training_core.config import DataConfig
     from training_core.data import prepare
     from training_core.ray_tune_search import run_search
 
+    base = SEARCH["base"] if workload == "image_classification" else LM_BASE
     config = TuningConfig.from_dict(
         {
             **SEARCH,
@@ -218,13 +228,15 @@ def test_ray_tune_strategy_runs_asha_on_one_cluster_with_mlflow_children(ray_ses
             "num_trials": 3,
             "max_concurrency": 2,
             "base": {
-                **SEARCH["base"],
+                **base,
                 "loop": {"epochs": 2},
                 "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment_name": "tuning"},
             },
         }
     )
-    prepare(DataConfig(num_shards=2), str(tmp_path / "data"))
+    # The default search space holds the learning rate and the warmup (and batch size, optimizer, weight decay).
+    assert {"optimizer.lr", "schedule.warmup_steps"} <= {spec.path for spec in config.search_space}
+    prepare(config.base.data, str(tmp_path / "data"), workload=config.base.workload)
     tracking_uri, parent = tracking.create_run(config.base.tracking, run_name="parent")
     outcomes = run_search(
         config,

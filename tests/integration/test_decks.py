@@ -139,9 +139,10 @@ def _eval_report():
     return EvalReport(
         split="test",
         num_samples=359,
-        loss=0.121,
-        accuracy=correct / 359,
-        top5_accuracy=0.9972,
+        workload="image_classification",
+        metrics={"loss": 0.121, "accuracy": correct / 359, "top5_accuracy": 0.9972},
+        primary_metric="accuracy",
+        primary_mode="max",
         confusion=confusion,
         classes=DIGITS,
     )
@@ -321,7 +322,8 @@ def test_evaluation_report_renders_in_chromium_with_headline_metrics_confusion_h
 
     sections = reports.evaluation_sections(result)
     _assert_rendered(tmp_path, "Evaluation report", sections, expected_ids=EVALUATION_SECTIONS, plots=1, height_px=1500)
-    assert f"{result.accuracy:.2%}" in sections[0] and "359" in sections[0]
+    assert f"{result.primary:.2%}" in sections[0] and "359" in sections[0]
+    assert f"{result.loss:.4f}" in sections[0] and f"{result.metrics['top5_accuracy']:.2%}" in sections[0]
     per_class = sections[EVALUATION_SECTIONS.index("per-class")]
     assert per_class.count("<tr>") == 1 + len(DIGITS)
 

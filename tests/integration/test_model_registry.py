@@ -97,7 +97,9 @@ def _logged_model(uri: str) -> tuple[str, str]:
 
 def _promote(cfg: TrackingConfig, accuracy: float):
     model_uri, run_id = _logged_model(cfg.tracking_uri)
-    return register_and_promote(cfg, model_uri=model_uri, run_id=run_id, test_accuracy=accuracy)
+    return register_and_promote(
+        cfg, model_uri=model_uri, run_id=run_id, metric="test_accuracy", value=accuracy, mode="max"
+    )
 
 
 def test_champion_moves_only_for_a_version_that_clears_the_gate_and_beats_it(mlflow_server):
@@ -107,7 +109,7 @@ def test_champion_moves_only_for_a_version_that_clears_the_gate_and_beats_it(mlf
     import torch
     from mlflow.tracking import MlflowClient
 
-    cfg = TrackingConfig(tracking_uri=mlflow_server, registered_model_name=MODEL, promotion_min_accuracy=0.8)
+    cfg = TrackingConfig(tracking_uri=mlflow_server, registered_model_name=MODEL, promotion_threshold=0.8)
     client = MlflowClient(tracking_uri=mlflow_server)
 
     def champion() -> int:
@@ -115,6 +117,7 @@ def test_champion_moves_only_for_a_version_that_clears_the_gate_and_beats_it(mlf
 
     first = _promote(cfg, 0.90)
     assert (first.version, first.promoted, first.previous_champion_version) == (1, True, 0)
+    assert first.previous_champion_value is None
     assert "there was no champion yet" in first.reason
 
     worse = _promote(cfg, 0.85)
@@ -125,12 +128,12 @@ def test_champion_moves_only_for_a_version_that_clears_the_gate_and_beats_it(mlf
     tie = _promote(cfg, 0.90)
     assert not tie.promoted and champion() == 1
 
-    below_gate = _promote(dataclasses.replace(cfg, promotion_min_accuracy=0.99), 0.95)
-    assert not below_gate.promoted and "below tracking.promotion_min_accuracy=0.99" in below_gate.reason
+    below_gate = _promote(dataclasses.replace(cfg, promotion_threshold=0.99), 0.95)
+    assert not below_gate.promoted and "is not at least tracking.promotion_threshold=0.99" in below_gate.reason
     assert champion() == 1
 
     better = _promote(cfg, 0.93)
-    assert better.promoted and (better.previous_champion_version, better.previous_champion_accuracy) == (1, 0.90)
+    assert better.promoted and (better.previous_champion_version, better.previous_champion_value) == (1, 0.90)
     assert champion() == better.version == 5
     assert client.get_model_version(MODEL, "5").tags["test_accuracy"] == "0.93"
 

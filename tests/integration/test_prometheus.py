@@ -200,6 +200,9 @@ def test_a_two_worker_run_pushes_step_checkpoint_and_host_metrics_that_prometheu
     throughput = _by_rank(prometheus, f"training_samples_per_second{{{selector}}}")
     assert set(throughput) == both and all(v > 0 for v in throughput.values())
     assert _by_rank(prometheus, f"training_samples_total{{{selector}}}") == {"0": steps * 16, "1": steps * 16}
+    # Images have no tokens: the token series are there, at 0, for the Token throughput panel.
+    assert _by_rank(prometheus, f"training_tokens_total{{{selector}}}") == {"0": 0, "1": 0}
+    assert _by_rank(prometheus, f"training_tokens_per_second{{{selector}}}") == {"0": 0, "1": 0}
     assert _by_rank(prometheus, f"training_world_size{{{selector}}}") == {"0": 2, "1": 2}
 
     # Rank 0 writes the checkpoints: every 4 steps and at the end of the epoch.

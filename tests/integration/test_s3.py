@@ -135,7 +135,7 @@ def test_the_pipeline_runs_with_s3_raw_output_and_its_checkpoints_live_there(
         "model": {"name": "small_cnn"},
         "loop": {"epochs": 2, "batch_size": 32},
         "checkpoint": {"interval_steps": 7},
-        "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "promotion_min_accuracy": 0.0},
+        "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "promotion_threshold": 0.0},
     }
     env = dict(subprocess_env, RAY_ADDRESS=ray_address)
     result = subprocess.run(
