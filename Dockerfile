@@ -47,6 +47,9 @@ COPY --from=builder /opt/venv /opt/venv
 COPY --chown=10001:0 training_core /root/training_core
 COPY --chown=10001:0 tasks /root/tasks
 COPY --chown=10001:0 workflows /root/workflows
+# User code the configs name by import path (`workload.name: examples.tabular_mlp.workload:TabularMLP`): in the image
+# for `--copy none`, as `--copy all` brings it in the tarball.
+COPY --chown=10001:0 examples /root/examples
 RUN chown -R 10001:0 /root && chmod -R g=u /root \
  && useradd --uid 10001 --gid 0 --home-dir /root --no-create-home --shell /bin/bash flyte
 ENV PATH=/opt/venv/bin:$PATH \
@@ -60,7 +63,7 @@ WORKDIR /root
 USER 10001
 # Fails the build if the code does not import or the entry points are missing: the imports below are the ones
 # `pyflyte-execute ... -- task-module tasks.train task-name train` and `ray start` make.
-RUN python -c "import tasks.train, workflows.training, training_core.config" \
+RUN python -c "import tasks.train, workflows.training, training_core.config, examples.tabular_mlp.workload" \
  && pyflyte-execute --help >/dev/null \
  && ray --version
 # tini passes every argument through, so Flyte's command (`pyflyte-fast-execute ...` / `pyflyte-execute ...`) and

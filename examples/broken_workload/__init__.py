@@ -1,0 +1,1 @@
+"""A user workload that breaks the protocol on purpose: what a bad ``workload.name`` looks like when it fails."""
