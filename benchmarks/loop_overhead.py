@@ -44,8 +44,8 @@ def bare_loop(
     torch.manual_seed(seed)
     manifest = Manifest.load(manifest_dir)
     parts = [read_shard(manifest, s) for s in manifest.splits["train"].shards]
-    images = torch.from_numpy(np.concatenate([p[0] for p in parts]))
-    labels = torch.from_numpy(np.concatenate([p[1] for p in parts]))
+    images = torch.from_numpy(np.concatenate([p["images"] for p in parts]))
+    labels = torch.from_numpy(np.concatenate([p["labels"] for p in parts]))
     mean = torch.tensor(manifest.mean).view(1, -1, 1, 1)
     std = torch.tensor(manifest.std).view(1, -1, 1, 1)
     model = build_model(model_name, num_classes=manifest.num_classes, input_shape=manifest.input_shape)

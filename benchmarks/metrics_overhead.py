@@ -147,7 +147,13 @@ def measure_in_process(gateway_url: str, args: argparse.Namespace, *, interval_s
                 max_grad_norm=1.0,
             )
             now = time.perf_counter()
-            telemetry.step(duration_s=now - last, num_samples=args.batch_size, data_wait_s=0.0, comm_s=0.0)
+            telemetry.step(
+                duration_s=now - last,
+                num_samples=result.num_samples,
+                num_tokens=result.num_tokens,
+                data_wait_s=0.0,
+                comm_s=0.0,
+            )
             last = now
             if (index + 1) % 5 == 0:
                 record = {
@@ -156,6 +162,7 @@ def measure_in_process(gateway_url: str, args: argparse.Namespace, *, interval_s
                     "lr": 1e-3,
                     "grad_norm": float(result.grad_norm),
                     "samples_per_s": 640.0,
+                    "tokens_per_s": 0.0,
                     "step_time_s": 0.1,
                     "data_wait_s": 0.0,
                     "allreduce_fraction": 0.0,
