@@ -1,14 +1,26 @@
-"""RayJob shape (head and worker groups, requests and limits) derived from ``ScalingConfig``."""
+"""RayJob shape (head and worker groups, requests and limits, ``/dev/shm``, GPU placement) derived from
+``ScalingConfig``."""
 
 from __future__ import annotations
 
-from flytekit import Resources
+from typing import TYPE_CHECKING
+
+from flytekit import PodTemplate, Resources
+from flytekit.core.resources import pod_spec_from_resources
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
-from training_core.config import ScalingConfig
+from training_core.config import SHM_SHARE, ScalingConfig
+
+if TYPE_CHECKING:
+    from kubernetes.client import V1PodSpec
 
 WORKER_GROUP = "train-workers"
 RAYJOB_TTL_S = 3600
+# The container names the Ray plugin gives the head and worker containers: a pod template's primary container must
+# carry them for its resources and mounts to apply.
+HEAD_CONTAINER = "ray-head"
+WORKER_CONTAINER = "ray-worker"
+SHM_VOLUME = "dshm"
 
 
 def _gib(value: float) -> str:
@@ -24,15 +36,49 @@ def worker_resources(scaling: ScalingConfig) -> Resources:
     return Resources(cpu=_cpus(scaling.cpus_per_worker), mem=_gib(scaling.memory_per_worker_gib), gpu=gpu)
 
 
+def _pod_spec(container: str, resources: Resources, shm_gib: float) -> V1PodSpec:
+    """Requests equal to limits (a Guaranteed pod: the scheduler never overcommits a training worker), and a
+    memory-backed ``/dev/shm`` of ``shm_gib``: the container runtime's 64 MiB starves Ray's object store, loader
+    processes and NCCL."""
+    from kubernetes.client import V1EmptyDirVolumeSource, V1Volume, V1VolumeMount
+
+    spec = pod_spec_from_resources(primary_container_name=container, requests=resources, limits=resources)
+    spec.volumes = [
+        V1Volume(name=SHM_VOLUME, empty_dir=V1EmptyDirVolumeSource(medium="Memory", size_limit=_gib(shm_gib)))
+    ]
+    spec.containers[0].volume_mounts = [V1VolumeMount(name=SHM_VOLUME, mount_path="/dev/shm")]
+    return spec
+
+
+def worker_pod_spec(scaling: ScalingConfig) -> V1PodSpec:
+    """A Ray Train worker's pod: its resources, ``/dev/shm``, and on GPUs the node selector and tolerations."""
+    from kubernetes.client import V1Toleration
+
+    spec = _pod_spec(WORKER_CONTAINER, worker_resources(scaling), scaling.worker_shm_gib())
+    if scaling.use_gpu:
+        spec.node_selector = dict(scaling.gpu_node_selector) or None
+        spec.tolerations = [
+            V1Toleration(key=t.key or None, operator=t.operator, value=t.value or None, effect=t.effect or None)
+            for t in scaling.gpu_tolerations
+        ] or None
+    return spec
+
+
 def ray_job_config(scaling: ScalingConfig) -> RayJobConfig:
     """One worker pod per Ray Train worker; the head runs the task driver and takes no training work
-    (``num-cpus: 0``), so every worker lands on a sized worker pod."""
+    (``num-cpus: 0`` and ``num-gpus: 0``, and no GPU placement), so every worker lands on a sized worker pod."""
     head = Resources(cpu=_cpus(scaling.head_cpus), mem=_gib(scaling.head_memory_gib))
-    workers = worker_resources(scaling)
+    head_spec = _pod_spec(HEAD_CONTAINER, head, SHM_SHARE * scaling.head_memory_gib)
     return RayJobConfig(
-        head_node_config=HeadNodeConfig(ray_start_params={"num-cpus": "0"}, requests=head, limits=head),
+        head_node_config=HeadNodeConfig(
+            ray_start_params={"num-cpus": "0", "num-gpus": "0"}, pod_template=PodTemplate(pod_spec=head_spec)
+        ),
         worker_node_config=[
-            WorkerNodeConfig(group_name=WORKER_GROUP, replicas=scaling.num_workers, requests=workers, limits=workers)
+            WorkerNodeConfig(
+                group_name=WORKER_GROUP,
+                replicas=scaling.num_workers,
+                pod_template=PodTemplate(pod_spec=worker_pod_spec(scaling)),
+            )
         ],
         shutdown_after_job_finishes=True,
         ttl_seconds_after_finished=RAYJOB_TTL_S,

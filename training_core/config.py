@@ -39,6 +39,11 @@ SCHEDULES = ("cosine", "constant")
 NONFINITE_POLICIES = ("stop", "skip_step")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl")
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
+_LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+"""A Kubernetes label or taint key: an optional DNS-subdomain prefix and ``/``, then a name of at most 63 chars."""
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
 
 ENV_PREFIX = "TRAINING_CORE__"
 
@@ -66,6 +71,12 @@ MIN_MEMORY_GIB, MAX_MEMORY_GIB = 0.25, 32_768.0
 """Range of a pod's memory, GiB. It is written as whole MiB (``1e-9`` GiB would be ``0Mi``, no memory at all), and
 a Ray node's raylet and worker process need a few hundred MiB to start, so 256 MiB is the floor; 32 TiB is more than
 any machine has."""
+
+MIN_SHM_GIB = 0.0625
+"""Least ``/dev/shm`` a pod may be given, GiB: the 64 MiB a container runtime gives by default."""
+
+SHM_SHARE = 0.3
+"""Share of a pod's memory its ``/dev/shm`` may use unless ``scaling.shm_per_worker_gib`` says otherwise."""
 
 
 def is_better(metric: str, value: float, than: float | None) -> bool:
@@ -427,6 +438,46 @@ class LoopConfig:
         )
 
 
+def _label_key(path: str, value: str) -> None:
+    if not _LABEL_KEY.fullmatch(value):
+        invalid(path, value, "use a Kubernetes label key: [prefix/]name, the name at most 63 of A-Z a-z 0-9 - _ .")
+
+
+def _label_value(path: str, value: str) -> None:
+    if not _LABEL_VALUE.fullmatch(value):
+        invalid(path, value, "use a Kubernetes label value: at most 63 of A-Z a-z 0-9 - _ ., alphanumeric at both ends")
+
+
+@dataclass
+class Toleration:
+    """A Kubernetes toleration of the GPU worker pods (see the Kubernetes docs on taints and tolerations)."""
+
+    key: str = "nvidia.com/gpu"
+    """Taint key to tolerate; empty with ``operator: Exists`` tolerates every taint."""
+    operator: str = "Exists"
+    """``Exists`` (any value) or ``Equal`` (the taint's value must be ``value``)."""
+    value: str = ""
+    """Taint value, for ``operator: Equal``."""
+    effect: str = "NoSchedule"
+    """``NoSchedule``, ``PreferNoSchedule``, ``NoExecute``, or empty for every effect."""
+
+    def __post_init__(self) -> None:
+        _choice("scaling.gpu_tolerations[].operator", self.operator, TOLERATION_OPERATORS)
+        if self.effect not in TOLERATION_EFFECTS:
+            invalid(
+                "scaling.gpu_tolerations[].effect",
+                self.effect,
+                "choose NoSchedule, PreferNoSchedule, NoExecute, or '' (every effect)",
+            )
+        if self.key:
+            _label_key("scaling.gpu_tolerations[].key", self.key)
+        elif self.operator != "Exists":
+            invalid("scaling.gpu_tolerations[].key", self.key, "an empty key tolerates every taint only with Exists")
+        _label_value("scaling.gpu_tolerations[].value", self.value)
+        if self.operator == "Exists" and self.value:
+            invalid("scaling.gpu_tolerations[].value", self.value, "operator Exists takes no value; use Equal")
+
+
 @dataclass
 class ScalingConfig:
     num_workers: int = 2
@@ -461,6 +512,20 @@ class ScalingConfig:
     collective_timeout_s: int = 1800
     """Seconds a collective may wait before DDP gives up (a hung peer fails instead of hanging)."""
 
+    shm_per_worker_gib: float = 0.0
+    """Size limit of each Ray pod's memory-backed ``/dev/shm``, GiB: Ray's object store, data-loader processes and
+    NCCL use it, and a container runtime's default is 64 MiB. 0 (default): ``SHM_SHARE`` (30%) of the pod's
+    memory, the share Ray's object store takes by default. It counts against the pod's memory, so at most
+    ``memory_per_worker_gib``."""
+
+    gpu_node_selector: dict[str, str] = field(default_factory=dict)
+    """Node labels GPU worker pods must match when ``use_gpu``, e.g.
+    ``{"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}``; empty: any node with the GPUs."""
+
+    gpu_tolerations: list[Toleration] = field(default_factory=lambda: [Toleration()])
+    """Taints GPU worker pods tolerate when ``use_gpu``; the default tolerates the ``nvidia.com/gpu`` taint that
+    managed Kubernetes puts on GPU nodes."""
+
     def __post_init__(self) -> None:
         _positive("scaling.num_workers", self.num_workers)
         cpus_why = ": a millicore (0.001) is the least CPU a pod can request, and no node has more than 1024"
@@ -477,6 +542,21 @@ class ScalingConfig:
         if self.backend == "nccl" and not self.use_gpu:
             invalid("scaling.backend", self.backend, "nccl needs scaling.use_gpu=true; use gloo or auto on CPU")
         _positive("scaling.collective_timeout_s", self.collective_timeout_s)
+        if self.shm_per_worker_gib and not MIN_SHM_GIB <= self.shm_per_worker_gib <= self.memory_per_worker_gib:
+            invalid(
+                "scaling.shm_per_worker_gib",
+                self.shm_per_worker_gib,
+                f"it must be 0 (30% of the pod's memory) or in [{MIN_SHM_GIB}, scaling.memory_per_worker_gib="
+                f"{self.memory_per_worker_gib:g}]: /dev/shm is memory of the pod, and less than the 64 MiB default "
+                "starves loaders",
+            )
+        for key, value in self.gpu_node_selector.items():
+            _label_key("scaling.gpu_node_selector", key)
+            _label_value(f"scaling.gpu_node_selector[{clip(key, 60)}]", value)
+
+    def worker_shm_gib(self) -> float:
+        """The size limit of a worker pod's ``/dev/shm``, GiB."""
+        return self.shm_per_worker_gib or SHM_SHARE * self.memory_per_worker_gib
 
     def resolved_backend(self) -> str:
         if self.backend != "auto":
@@ -825,6 +905,14 @@ def coerce(path: str, value: Any, hint: type) -> Any:
         if not isinstance(value, str):
             invalid(path, value, "expected a string")
         return value
+    if typing.get_origin(hint) is dict:
+        key_type, value_type = typing.get_args(hint)
+        if not isinstance(value, Mapping):
+            invalid(path, value, "expected a mapping")
+        return {
+            coerce(f"{path} key", k, key_type): coerce(f"{path}[{clip(str(k), 60)}]", v, value_type)
+            for k, v in value.items()
+        }
     if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint)
         if isinstance(value, (str, bytes)) or not isinstance(value, typing.Sequence):

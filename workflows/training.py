@@ -4,15 +4,38 @@ from __future__ import annotations
 
 from typing import Optional
 
-from flytekit import workflow
+from flytekit import dynamic, workflow
 from flytekit.types.directory import FlyteDirectory
 
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate
+from tasks.ray_config import ray_job_config
 from tasks.register import register_model
 from tasks.train import train
-from tasks.types import Registration
+from tasks.types import PreparedData, Registration, TrainedModel
 from training_core.config import TrainingConfig
+
+
+# A dynamic node only compiles its graph; the train node it compiles carries its own timeout and retries.
+@dynamic(interruptible=True)
+def train_on_ray(
+    config: TrainingConfig, data: PreparedData, resume_from: Optional[FlyteDirectory] = None
+) -> TrainedModel:
+    """``train`` on a RayJob sized from the config this execution was launched with.
+
+    A static workflow node would serialize with the RayJob of the default config whatever config a launch
+    (FlyteConsole's form, a launch plan, FlyteRemote) passes, and a job asking for more workers or GPUs than that
+    RayJob has never starts. Compiled at run time, the node's RayJob takes ``config.scaling``: worker replicas,
+    CPUs, GPUs, memory, ``/dev/shm``, GPU node selector and tolerations.
+
+    :param config: The run; ``scaling`` sizes the RayJob.
+    :param data: Prepared shards from ``prepare_data``.
+    :param resume_from: Optional checkpoint directory of an earlier run to continue from.
+    :return: The trained model, its checkpoint and its metrics.
+    """
+    return train(config=config, data=data, resume_from=resume_from).with_overrides(
+        task_config=ray_job_config(config.scaling)
+    )
 
 
 @workflow
@@ -36,6 +59,6 @@ def training_pipeline(
     :return: The registered version and whether it became the champion, with the reason.
     """
     data = prepare_data(config=config.data, workload=config.workload)
-    model = train(config=config, data=data, resume_from=resume_from)
+    model = train_on_ray(config=config, data=data, resume_from=resume_from)
     evaluation = evaluate(data=data, model=model)
     return register_model(tracking=config.tracking, model=model, evaluation=evaluation)

@@ -147,7 +147,7 @@ def test_train_is_a_ray_job_whose_groups_and_resources_come_from_the_default_sca
     (group,) = job.ray_cluster.worker_group_spec
     assert group.group_name == WORKER_GROUP == "train-workers"
     assert group.replicas == group.min_replicas == group.max_replicas == scaling.num_workers
-    assert dict(job.ray_cluster.head_group_spec.ray_start_params) == {"num-cpus": "0"}
+    assert dict(job.ray_cluster.head_group_spec.ray_start_params) == {"num-cpus": "0", "num-gpus": "0"}
     assert job.shutdown_after_job_finishes and job.ttl_seconds_after_finished == RAYJOB_TTL_S
 
     expected_worker = {"cpu": worker_resources(scaling).cpu, "memory": worker_resources(scaling).mem}
@@ -164,6 +164,32 @@ def test_train_is_a_ray_job_whose_groups_and_resources_come_from_the_default_sca
     assert "nvidia.com/gpu" not in json_format.MessageToJson(job)
 
 
+def test_no_static_workflow_node_runs_a_ray_task_so_every_rayjob_is_sized_at_run_time(package):
+    """A Ray task in a static workflow would run on the RayJob of the default config, whatever config a launch
+    passes; reached through a dynamic workflow, its RayJob is compiled from the launched config (see
+    test_rayjob_sizing.py for each dynamic's compile)."""
+    ray_tasks = {name for name, spec in package.tasks.items() if spec.template.type == "ray"}
+    assert {"tasks.train.train", "tasks.tuning.train_trial", "tasks.tuning.tune_with_ray"} <= ray_tasks
+
+    def task_refs(nodes):
+        for node in nodes:
+            if node.HasField("task_node"):
+                yield node.task_node.reference_id.name
+            if node.HasField("branch_node"):
+                branches = [node.branch_node.if_else.case, *node.branch_node.if_else.other]
+                yield from task_refs([b.then_node for b in branches])
+                if node.branch_node.if_else.HasField("else_node"):
+                    yield from task_refs([node.branch_node.if_else.else_node])
+
+    for name, spec in package.workflows.items():
+        templates = [spec.template, *spec.sub_workflows]
+        static_refs = {ref for template in templates for ref in task_refs(template.nodes)}
+        assert not static_refs & ray_tasks, f"{name} runs {sorted(static_refs & ray_tasks)} on the default RayJob"
+    assert "workflows.training.train_on_ray" in set(
+        task_refs(package.workflows["workflows.training.training_pipeline"].template.nodes)
+    )
+
+
 def test_task_retries_in_the_package_match_the_declarations(package):
     from tasks.data import prepare_data
     from tasks.evaluate import evaluate
@@ -173,12 +199,14 @@ def test_task_retries_in_the_package_match_the_declarations(package):
     for task in (prepare_data, train, evaluate, register_model):
         metadata = package.tasks[task.name].template.metadata
         assert metadata.retries.retries == task.metadata.retries >= 1, task.name
-    # The workflow node carries the same retry budget FlyteAdmin will apply.
+    # The workflow nodes carry the same retry budget FlyteAdmin will apply (train's node is compiled at run time:
+    # test_rayjob_sizing.py checks it).
     nodes = {
         n.task_node.reference_id.name: n
         for n in package.workflows["workflows.training.training_pipeline"].template.nodes
     }
-    assert nodes["tasks.train.train"].metadata.retries.retries == train.metadata.retries
+    for task in (prepare_data, evaluate, register_model):
+        assert nodes[task.name].metadata.retries.retries == task.metadata.retries, task.name
 
 
 def test_train_and_trials_are_interruptible_with_a_timeout(package):

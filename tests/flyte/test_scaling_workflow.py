@@ -9,10 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from flytekit import FlyteContextManager
-from flytekit.configuration import ImageConfig, SerializationSettings
-from flytekit.core.context_manager import ExecutionState
-from flytekit.core.type_engine import TypeEngine
 from flytekit.models.task import Resources
 from flytekit.types.directory import FlyteDirectory
 
@@ -21,23 +17,13 @@ from tasks.scaling_benchmark import scaling_report, torch_baseline
 from tasks.train import train
 from tasks.types import PreparedData
 from tests.conftest import REPO_ROOT, VENV_BIN
+from tests.flyte.compile import compile_dynamic
 from training_core.config import TrainingConfig
 from training_core.scaling_benchmark import point_config, scaling_preset
 from workflows.scaling_benchmark import ray_point, scaling_benchmark
 
 WORKFLOW = str(REPO_ROOT / "workflows" / "scaling_benchmark.py")
 ResourceName = Resources.ResourceName
-
-
-def _compile(dynamic_task, inputs: dict, type_hints: dict):
-    """What a dynamic task's pod hands the backend: the DynamicJobSpec its body compiles to."""
-    settings = SerializationSettings(image_config=ImageConfig.auto_default_image())
-    ctx = FlyteContextManager.current_context().with_serialization_settings(settings)
-    with FlyteContextManager.with_context(ctx) as ctx:
-        state = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
-        with FlyteContextManager.with_context(ctx.with_execution_state(state)) as ctx:
-            literals = TypeEngine.dict_to_literal_map(ctx, inputs, type_hints=type_hints)
-            return dynamic_task.dispatch_execute(ctx, literals)
 
 
 @pytest.fixture
@@ -57,7 +43,7 @@ def fresh_compiles():
 
 def test_each_worker_count_is_a_named_ray_node_and_a_torch_node_sized_to_it_run_one_after_another(fresh_compiles):
     config = scaling_preset()
-    spec = _compile(
+    spec = compile_dynamic(
         scaling_benchmark,
         {"config": config, "worker_counts": [1, 2], "models": []},
         {"config": TrainingConfig, "worker_counts": list[int], "models": list[str]},
@@ -97,7 +83,9 @@ def test_a_ray_point_gets_a_rayjob_with_as_many_worker_replicas_as_workers(fresh
         input_shape=[3, 32, 32],
         split_counts={},
     )
-    spec = _compile(ray_point, {"config": config, "data": data}, {"config": TrainingConfig, "data": PreparedData})
+    spec = compile_dynamic(
+        ray_point, {"config": config, "data": data}, {"config": TrainingConfig, "data": PreparedData}
+    )
     (node,) = spec.nodes
     assert node.metadata.name == f"train-small_cnn-{num_workers}w"
     (template,) = spec.tasks

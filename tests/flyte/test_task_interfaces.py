@@ -6,7 +6,7 @@ from flytekit.configuration import ImageConfig, SerializationSettings
 
 from tasks.data import PREPARE_DATA_CACHE_VERSION, prepare_data
 from tasks.evaluate import evaluate
-from tasks.ray_config import WORKER_GROUP, ray_job_config
+from tasks.ray_config import WORKER_GROUP
 from tasks.register import register_model
 from tasks.train import train
 from training_core.config import ScalingConfig
@@ -35,26 +35,5 @@ def test_train_is_a_ray_task_shaped_by_the_default_scaling_config():
     (group,) = custom["rayCluster"]["workerGroupSpec"]
     defaults = ScalingConfig()
     assert group["groupName"] == WORKER_GROUP and group["replicas"] == defaults.num_workers
-    assert custom["rayCluster"]["headGroupSpec"]["rayStartParams"] == {"num-cpus": "0"}
+    assert custom["rayCluster"]["headGroupSpec"]["rayStartParams"] == {"num-cpus": "0", "num-gpus": "0"}
     assert custom["shutdownAfterJobFinishes"] is True
-
-
-def test_ray_job_requests_and_limits_follow_the_scaling_config():
-    scaling = ScalingConfig(
-        num_workers=8,
-        use_gpu=True,
-        gpus_per_worker=2,
-        cpus_per_worker=6.0,
-        memory_per_worker_gib=30,
-        head_cpus=2.0,
-        head_memory_gib=8,
-    )
-    config = ray_job_config(scaling)
-    (workers,) = config.worker_node_config
-    assert workers.replicas == 8
-    assert (workers.requests.cpu, workers.requests.mem, workers.requests.gpu) == ("6", "30720Mi", "2")
-    assert workers.limits == workers.requests
-    head = config.head_node_config
-    assert (head.requests.cpu, head.requests.mem, head.requests.gpu) == ("2", "8192Mi", None)
-    cpu_only = ray_job_config(ScalingConfig())
-    assert cpu_only.worker_node_config[0].requests.gpu is None

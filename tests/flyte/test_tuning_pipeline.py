@@ -133,16 +133,11 @@ def test_asha_uses_half_the_epochs_of_full_trials_finds_their_best_and_reuses_ca
 
 def test_dynamic_round_is_one_node_per_trial_in_lanes_of_max_concurrency_with_its_own_rayjob(tmp_path):
     """Compile one round of the search the way Flyte does on a cluster and inspect the nodes it yields."""
-    from flyteidl.plugins import ray_pb2
-    from flytekit import FlyteContextManager
-    from flytekit.configuration import ImageConfig, SerializationSettings
-    from flytekit.core.context_manager import ExecutionState
-    from flytekit.core.type_engine import TypeEngine
     from flytekit.types.directory import FlyteDirectory
-    from google.protobuf.json_format import ParseDict
 
     from tasks.tuning import SearchState, Trial
     from tasks.types import PreparedData
+    from tests.flyte.compile import compile_dynamic, rayjob_shape
     from workflows.tuning import search_round
 
     config = TuningConfig.from_dict(
@@ -169,18 +164,7 @@ def test_dynamic_round_is_one_node_per_trial_in_lanes_of_max_concurrency_with_it
         parent_run_id="parent",
     )
 
-    ctx = FlyteContextManager.current_context()
-    settings = SerializationSettings(
-        project="p", domain="d", version="v1", image_config=ImageConfig.auto_default_image()
-    )
-    with FlyteContextManager.with_context(ctx.with_serialization_settings(settings)) as ctx:
-        with FlyteContextManager.with_context(
-            ctx.with_execution_state(ctx.new_execution_state().with_params(mode=ExecutionState.Mode.TASK_EXECUTION))
-        ) as ctx:
-            inputs = TypeEngine.dict_to_literal_map(
-                ctx, {"config": config, "data": data, "state": state}, search_round.python_interface.inputs
-            )
-            spec = search_round.dispatch_execute(ctx, inputs)
+    spec = compile_dynamic(search_round, {"config": config, "data": data, "state": state})
 
     trial_nodes = [n for n in spec.nodes if n.metadata.name.startswith("round-0-trial-")]
     assert [n.metadata.name for n in trial_nodes] == [f"round-0-trial-{i}" for i in range(5)]
@@ -194,9 +178,8 @@ def test_dynamic_round_is_one_node_per_trial_in_lanes_of_max_concurrency_with_it
     for node in trial_nodes:
         task = tasks[node.task_node.reference_id.name]
         assert task.type == "ray"
-        job = ParseDict(task.custom, ray_pb2.RayJob())
-        (group,) = job.ray_cluster.worker_group_spec
-        assert group.replicas == 2 and group.group_name == "train-workers"
+        shape = rayjob_shape(task.custom)
+        assert shape.replicas == (2, 2, 2) and shape.group_name == "train-workers"
     # The round is recorded after all its trials, then the next round (a nested dynamic) follows.
     record = next(n for n in spec.nodes if "record_round" in n.task_node.reference_id.name)
     assert set(ids) <= set(record.upstream_node_ids)

@@ -191,6 +191,28 @@ def test_the_tuning_config_reads_its_variables_through_the_same_checks():
             "written in whole MiB, and a Ray node needs at least 256 MiB",
         ),
         ({"scaling": {"head_memory_gib": 0.1}}, "scaling.head_memory_gib=0.1 is invalid: it must be in [0.25, 32768]"),
+        (
+            {"scaling": {"shm_per_worker_gib": 8, "memory_per_worker_gib": 4}},
+            "scaling.shm_per_worker_gib=8.0 is invalid: it must be 0 (30% of the pod's memory) or in [0.0625, "
+            "scaling.memory_per_worker_gib=4]",
+        ),
+        (
+            {"scaling": {"gpu_node_selector": {"gpu type": "h100"}}},
+            "scaling.gpu_node_selector='gpu type' is invalid: use a Kubernetes label key",
+        ),
+        (
+            {"scaling": {"gpu_node_selector": {"gpu": "h100 80gb"}}},
+            "scaling.gpu_node_selector[gpu]='h100 80gb' is invalid: use a Kubernetes label value",
+        ),
+        (
+            {"scaling": {"gpu_tolerations": [{"key": "spot", "value": "true"}]}},
+            "scaling.gpu_tolerations[].value='true' is invalid: operator Exists takes no value; use Equal",
+        ),
+        (
+            {"scaling": {"gpu_tolerations": [{"effect": "NoRun"}]}},
+            "scaling.gpu_tolerations[].effect='NoRun' is invalid: choose NoSchedule, PreferNoSchedule, NoExecute, or "
+            "''",
+        ),
         ({"loop": {"epochs": math.inf}}, "loop.epochs=inf is invalid: expected a finite whole number (int)"),
         (
             {"loop": {"epochs": 10**400}},
@@ -273,7 +295,7 @@ def test_every_field_takes_a_hostile_value_or_refuses_it_by_name(path, hint):
             assert len(str(exc)) < MAX_MESSAGE_CHARS
             continue
         kept = functools.reduce(getattr, path, cfg)
-        assert type(kept) is hint, (dotted, value)
+        assert type(kept) is (typing.get_origin(hint) or hint), (dotted, value)
         if hint is float:
             assert math.isfinite(kept), (dotted, value)
         if hint is int:

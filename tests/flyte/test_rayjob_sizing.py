@@ -1,0 +1,163 @@
+"""Every path that trains on a cluster runs on a RayJob sized from the config it was launched with.
+
+Each entry point's graph is compiled as propeller compiles it (``dispatch_execute`` in TASK_EXECUTION mode) for a
+config of 4 GPU workers with sizes unlike the defaults, and the RayJob of every training node is decoded through
+flyteidl's RayJob message: replicas, requests and limits, GPUs, node selector, tolerations, ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from flytekit.types.directory import FlyteDirectory
+
+from tasks.ray_config import WORKER_GROUP
+from tasks.train import train
+from tasks.tuning import SearchState, Trial, train_trial, tune_with_ray
+from tasks.types import PreparedData
+from tests.flyte.compile import RayJobShape, compile_dynamic, rayjob_shape
+from training_core import tuning
+from training_core.config import ScalingConfig, Toleration, TrainingConfig
+from training_core.scaling_benchmark import point_config, scaling_preset
+from training_core.tuning import TuningConfig
+from workflows.scaling_benchmark import ray_point
+from workflows.training import train_on_ray
+from workflows.tuning import search_round
+
+GPU_SCALING = ScalingConfig(
+    num_workers=4,
+    use_gpu=True,
+    gpus_per_worker=2,
+    cpus_per_worker=6.0,
+    memory_per_worker_gib=30.0,
+    head_cpus=2.0,
+    head_memory_gib=8.0,
+    shm_per_worker_gib=8.0,
+    gpu_node_selector={"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"},
+    gpu_tolerations=[Toleration(), Toleration(key="spot", operator="Equal", value="true", effect="NoExecute")],
+)
+# A remote directory: a compile only references the data, it never reads it.
+DATA = PreparedData(
+    directory=FlyteDirectory("s3://bucket/prepared"),
+    dataset="digits",
+    num_classes=10,
+    input_shape=[1, 8, 8],
+    split_counts={},
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiles():
+    """Each test compiles from scratch and leaves the Ray tasks as it found them: a ``task_config`` override stays
+    on the task object, and flytekit reuses a dynamic task's first compile within one process."""
+    ray_tasks = (train, train_trial, tune_with_ray)
+    saved = [t._task_config for t in ray_tasks]
+    dynamics = (train_on_ray, ray_point, search_round)
+    for d in dynamics:
+        d._wf = None
+    yield
+    for t, config in zip(ray_tasks, saved):
+        t._task_config = config
+    for d in dynamics:
+        d._wf = None
+
+
+def assert_sized(shape: RayJobShape, scaling: ScalingConfig, *, num_workers: int | None = None) -> None:
+    """The RayJob has ``num_workers`` (default ``scaling.num_workers``) worker pods of exactly the config's size,
+    placed on GPU nodes, and a head that takes no training work."""
+    replicas = num_workers or scaling.num_workers
+    assert shape.group_name == WORKER_GROUP
+    assert shape.replicas == (replicas, replicas, replicas)
+    worker = shape.worker
+    assert worker.container == "ray-worker"
+    expected = {"cpu": f"{scaling.cpus_per_worker:g}", "memory": f"{int(scaling.memory_per_worker_gib * 1024)}Mi"}
+    if scaling.use_gpu:
+        expected["nvidia.com/gpu"] = str(scaling.gpus_per_worker)
+    assert worker.requests == worker.limits == expected
+    assert worker.shm_size == f"{int(scaling.worker_shm_gib() * 1024)}Mi"
+    if scaling.use_gpu:
+        assert worker.node_selector == scaling.gpu_node_selector
+        assert worker.tolerations == [
+            {k: v for k, v in dataclasses.asdict(t).items() if v} for t in scaling.gpu_tolerations
+        ]
+    else:
+        assert worker.node_selector == {} and worker.tolerations == []
+    head = shape.head
+    assert head.container == "ray-head"
+    head_expected = {"cpu": f"{scaling.head_cpus:g}", "memory": f"{int(scaling.head_memory_gib * 1024)}Mi"}
+    assert head.requests == head.limits == head_expected
+    assert head.shm_size is not None and head.tolerations == [] and head.node_selector == {}
+    assert shape.head_start_params == {"num-cpus": "0", "num-gpus": "0"}
+
+
+def _only_ray_task(spec):
+    rays = [t for t in spec.tasks if t.type == "ray"]
+    assert len(rays) == 1, [t.id.name for t in spec.tasks]
+    return rays[0]
+
+
+def test_training_pipeline_trains_on_the_rayjob_of_the_launched_config():
+    """``training_pipeline``, ``nightly_training`` and every launch plan over the pipeline reach ``train`` only
+    through ``train_on_ray``, whose compile sizes the RayJob (the packaging tests check nothing else does)."""
+    config = TrainingConfig(scaling=GPU_SCALING)
+    spec = compile_dynamic(train_on_ray, {"config": config, "data": DATA, "resume_from": None})
+    (node,) = spec.nodes
+    template = _only_ray_task(spec)
+    assert node.task_node.reference_id.name == template.id.name == "tasks.train.train"
+    # The compiled node keeps the task's retry budget and interruptibility: a retry resumes from its checkpoint.
+    assert node.metadata.retries.retries == train.metadata.retries >= 1
+    assert node.metadata.interruptible and template.metadata.timeout == train.metadata.timeout
+    assert_sized(rayjob_shape(template.custom), GPU_SCALING)
+
+
+def test_the_default_config_gets_cpu_pods_with_shared_memory_and_no_gpu_placement():
+    spec = compile_dynamic(train_on_ray, {"config": TrainingConfig(), "data": DATA, "resume_from": None})
+    shape = rayjob_shape(_only_ray_task(spec).custom)
+    assert_sized(shape, ScalingConfig())
+    assert shape.worker.shm_size == "1228Mi"  # 30% of 4 GiB: room for Ray's object store and loader processes
+
+
+def _search_state(config: TuningConfig) -> SearchState:
+    trials = [Trial(trial_id=i, params=p) for i, p in enumerate(tuning.initial_params(config))]
+    return SearchState(round_index=0, trials=trials, tracking_uri="sqlite:///x.db", parent_run_id="parent")
+
+
+def test_every_tuning_trial_runs_on_the_rayjob_of_the_search_base_config():
+    config = TuningConfig.from_dict(
+        {
+            "num_trials": 3,
+            "max_concurrency": 2,
+            "base": {"scaling": dataclasses.asdict(GPU_SCALING), "data": {"num_shards": 8}},
+        }
+    )
+    spec = compile_dynamic(search_round, {"config": config, "data": DATA, "state": _search_state(config)})
+    tasks = {t.id.name: t for t in spec.tasks}
+    trial_nodes = [n for n in spec.nodes if n.metadata.name.startswith("round-0-trial-")]
+    assert len(trial_nodes) == 3
+    for node in trial_nodes:
+        assert_sized(rayjob_shape(tasks[node.task_node.reference_id.name].custom), GPU_SCALING)
+
+
+def test_a_ray_tune_search_gets_room_for_max_concurrency_trials_of_the_base_size():
+    config = TuningConfig.from_dict(
+        {
+            "strategy": "ray_tune",
+            "num_trials": 3,
+            "max_concurrency": 2,
+            "base": {"scaling": dataclasses.asdict(GPU_SCALING), "data": {"num_shards": 8}},
+        }
+    )
+    spec = compile_dynamic(search_round, {"config": config, "data": DATA, "state": _search_state(config)})
+    template = _only_ray_task(spec)
+    assert template.id.name == "tasks.tuning.tune_with_ray"
+    assert_sized(rayjob_shape(template.custom), GPU_SCALING, num_workers=2 * GPU_SCALING.num_workers)
+
+
+def test_each_scaling_point_runs_on_the_rayjob_of_its_worker_count_with_the_gpu_settings():
+    base = dataclasses.replace(scaling_preset(), scaling=GPU_SCALING)
+    for num_workers in (1, 4):
+        config = point_config(base, model="small_cnn", num_workers=num_workers)
+        spec = compile_dynamic(ray_point, {"config": config, "data": DATA})
+        assert_sized(rayjob_shape(_only_ray_task(spec).custom), config.scaling)
+        ray_point._wf = None
