@@ -106,3 +106,21 @@ def test_a_bad_plan_names_the_input_the_value_and_the_fix(worker_counts, models,
     with pytest.raises(ValueError) as excinfo:
         check_plan(scaling_preset(), worker_counts, models)
     assert message in str(excinfo.value)
+
+
+def test_a_language_model_plan_measures_gpt_sizes_and_refuses_image_models_by_name():
+    """The benchmark runs any workload: a GPT plan's points keep the text data and get each GPT size."""
+    from training_core.config import TrainingConfig
+
+    lm = TrainingConfig.from_dict(
+        {
+            "workload": {"name": "causal_lm"},
+            "model": {"name": "gpt2-tiny"},
+            "data": {"dataset": "stdlib", "num_shards": 4, "seq_len": 32},
+        }
+    )
+    assert check_plan(lm, [1, 2, 4], ["gpt2-tiny", "gpt2-mini"]) == ["gpt2-tiny", "gpt2-mini"]
+    point = point_config(lm, model="gpt2-mini", num_workers=2)
+    assert (point.workload.name, point.model.name, point.data.dataset) == ("causal_lm", "gpt2-mini", "stdlib")
+    with pytest.raises(ValueError, match=r"models=\['gpt2-tiny', 'resnet18'\] is invalid: 'resnet18': model.name"):
+        check_plan(lm, [1, 2], ["gpt2-tiny", "resnet18"])
