@@ -155,9 +155,13 @@ def _synthetic_config(**loop) -> TrainingConfig:
     )
 
 
-def test_a_checkpoint_written_before_typed_records_still_resumes_bit_identical(tmp_path):
+def test_a_checkpoint_written_before_typed_records_still_resumes_where_todays_loop_ends(tmp_path):
     """``tests/fixtures/checkpoint_before_typed_records`` was written by the previous loop (dict records, the
-    whole step log in meta.json) after epoch 1 of 2. Resumed now, the run ends where a run of today's loop does."""
+    whole step log in meta.json) after epoch 1 of 2. Resumed now, the run ends where a run of today's loop does.
+
+    Float tolerance, not bit equality: the fixture's epoch 1 was computed on another machine, and CPUs with other
+    vector units round the same sums differently in the last bit (bit-exact resume on one machine is the job
+    of test_run_worker_resumes_mid_epoch_from_an_interval_checkpoint_bit_identical)."""
     import shutil
 
     cfg = _synthetic_config()
@@ -173,8 +177,8 @@ def test_a_checkpoint_written_before_typed_records_still_resumes_bit_identical(t
     today, resumed = _final(tmp_path / "today"), _final(tmp_path / "old")
     assert [r["epoch"] for r in runtime.reports] == [2.0] and resumed.meta.resumed_from_steps == [11]
     for name, tensor in today.model.items():
-        assert torch.equal(tensor, resumed.model[name]), name
-    assert [r.val_loss for r in resumed.meta.history] == [r.val_loss for r in today.meta.history]
+        torch.testing.assert_close(resumed.model[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    assert [r.val_loss for r in resumed.meta.history] == pytest.approx([r.val_loss for r in today.meta.history])
     assert [r.step for r in resumed.meta.step_log] == [r.step for r in today.meta.step_log]
 
 
