@@ -195,7 +195,9 @@ LM_BASE = {
 }
 
 
-@pytest.mark.parametrize("workload", ["image_classification", "causal_lm"])
+# The language model: the search, its MLflow children and the winner's checkpoint are the same code for every
+# workload, and the image workload's trials are searched by ASHA above.
+@pytest.mark.parametrize("workload", ["causal_lm"])
 def test_ray_tune_strategy_runs_asha_on_one_cluster_with_mlflow_children(workload, ray_session, tmp_path):
     from mlflow.tracking import MlflowClient
 
