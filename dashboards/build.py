@@ -362,11 +362,13 @@ def _checkpoints_health_cost() -> list[Builder[dashboard.Panel]]:
             min_value=0,
         ),
         _timeseries(
-            "Worker restarts and GPU OOMs",
-            "Resumes after a worker-group restart, and CUDA out-of-memory errors.",
+            "Worker restarts, preemptions and GPU OOMs",
+            "Resumes after a worker-group restart (preemptions: those after a just-in-time checkpoint, no step lost), "
+            "and CUDA out-of-memory errors.",
             "short",
             [
                 (f"max by (execution, attempt) (training_worker_restarts_total{{{JOB}}})", "restarts {{execution}}"),
+                (f"max by (execution, attempt) (training_preemptions_total{{{JOB}}})", "preemptions {{execution}}"),
                 (f"sum by (execution, attempt) (training_gpu_oom_total{{{JOB}}})", "GPU OOMs {{execution}}"),
             ],
             min_value=0,

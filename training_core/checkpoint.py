@@ -98,6 +98,9 @@ class CheckpointMeta:
     mlflow_run_id: str = ""
     elapsed_s: float = 0.0
     """Seconds the run has trained so far, across resumes (the clock of ``step_log``'s ``elapsed_s``)."""
+    preempted: bool = False
+    """Written just in time because a worker was told to stop (SIGTERM): the run stopped at this very step, so
+    a resume from it recomputes nothing."""
     data: dict[str, Any] = field(default_factory=dict)
     """The prepared data's description (:meth:`~training_core.data.Manifest.description`: workload, arrays, spec)
     that rebuilds the model; empty in checkpoints written before workloads (image classification)."""
@@ -228,6 +231,7 @@ _META_FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "elapsed_s": (_is_number, "a number"),
     "telemetry": (_is_mapping, "a JSON object"),
     "data": (_is_mapping, "a JSON object (the prepared data's description)"),
+    "preempted": (lambda v: isinstance(v, bool), "true or false"),
 }
 """How each field of :class:`CheckpointMeta` is checked when read from JSON, and what the message says it expects."""
 

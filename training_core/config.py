@@ -613,8 +613,16 @@ class CheckpointConfig:
     s3_kms_key_id: str = ""
     """KMS key for ``aws:kms`` encryption; empty uses the account's default key."""
 
+    preemption_grace_s: int = 25
+    """Seconds a worker told to stop (SIGTERM: eviction, spot reclaim) has to write a just-in-time checkpoint
+    at its current step before it is killed; keep it under the pod's ``terminationGracePeriodSeconds`` (30 by
+    default). The checkpoint comes at the next log step, so ``loop.log_interval_steps`` steps plus a save must fit
+    in it (a slower one is logged as a warning). 0: SIGTERM ends the worker at once, and a retry resumes from
+    the last interval checkpoint."""
+
     def __post_init__(self) -> None:
         _non_negative("checkpoint.interval_steps", self.interval_steps)
+        _between("checkpoint.preemption_grace_s", self.preemption_grace_s, 0, 3600, ": at most an hour")
         if self.interval_steps == 0 and not self.at_epoch_end:
             invalid(
                 "checkpoint.at_epoch_end",

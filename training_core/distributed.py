@@ -66,6 +66,15 @@ class RayTrainRuntime:
 
         ray.train.report(metrics)
 
+    def run_on_main_thread(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` on this worker process's main thread and return its result. The loop runs in a
+        thread of the Ray Train worker actor; the actor's own tasks run on the main thread, and it is idle
+        between the controller's polls."""
+        import ray
+
+        actor = ray.get_runtime_context().current_actor
+        return ray.get(actor.execute.remote(fn, *args))
+
     def report_result(self, metrics: dict[str, Any]) -> None:
         """Hand ``metrics`` to the driver as the run's ``Result.metrics``. Every rank calls it, as its last report.
 

@@ -25,6 +25,7 @@ _INFRASTRUCTURE_CLASSES = {
     "CollectiveTimeoutError",
     "NCCLHangError",
     "PreemptionError",
+    "WorkerPreempted",
     "ActorDiedError",
     "RayActorError",
     "ActorUnavailableError",
@@ -71,6 +72,11 @@ DIVERGED_METRIC = "training_diverged"
 class TrainingDiverged(ValueError):
     """The loss, the gradients or the weights became NaN or infinite: a setting to change (learning rate,
     clipping, ``loop.nonfinite_policy``), never worth a retry, which would diverge the same way."""
+
+
+class WorkerPreempted(RuntimeError):
+    """A worker was told to stop (SIGTERM) and wrote a just-in-time checkpoint first: a retry resumes from it
+    and recomputes nothing (see :mod:`training_core.preemption`)."""
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,14 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from training_core import checkpoint as ckpt
+from training_core import preemption
 from training_core.config import METRIC_DIRECTIONS, is_better
 from training_core.data import Manifest, ShardStream
 from training_core.distributed import (
@@ -31,7 +32,7 @@ from training_core.distributed import (
     broadcast_buffers_from_rank0,
 )
 from training_core.evaluation import evaluate
-from training_core.failures import DIVERGED_METRIC, TrainingDiverged
+from training_core.failures import DIVERGED_METRIC, TrainingDiverged, WorkerPreempted
 from training_core.metrics import MetricSink, MlflowSink, build_sink, flatten
 from training_core.optim import apply_hyperparameters, build_optimizer, build_scheduler
 from training_core.records import EpochRecord, StepLog, StepRecord, WorkerArgs
@@ -422,7 +423,14 @@ class RunState:
             history=list(meta.history),
             step_log=StepLog.from_list(meta.step_log, capacity=ckpt.STEP_LOG_CAPACITY),
             resumed_from_steps=[*meta.resumed_from_steps, meta.global_step],
-            resume_timings=[*meta.resume_timings, {"from_step": float(meta.global_step), "restored_unix": time.time()}],
+            resume_timings=[
+                *meta.resume_timings,
+                {
+                    "from_step": float(meta.global_step),
+                    "restored_unix": time.time(),
+                    "preempted": float(meta.preempted),  # 1: the run stopped at this step, nothing recomputed
+                },
+            ],
             clock_start=time.monotonic() - (meta.elapsed_s if same_run else 0.0),
         )
 
@@ -468,6 +476,9 @@ class Trainer:
             self.total_steps = min(self.total_steps, cfg.loop.max_steps)
         self.end_epoch = cfg.loop.stop_at_epoch or cfg.loop.epochs
         self.scheduler = build_scheduler(cfg.schedule, self.optimizer, total_steps=self.total_steps)
+        self.preemption_armed = cfg.checkpoint.preemption_grace_s > 0 and preemption.arm(
+            getattr(self.runtime, "run_on_main_thread", None)
+        )
         self.scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
         self.to_device = self.workload.to_device(manifest, device)
         self.train_stream = ShardStream(manifest, "train", rank=self.rank, world_size=self.world_size)
@@ -536,6 +547,7 @@ class Trainer:
                     global_step=state.global_step,
                     elapsed_s=loaded.meta.elapsed_s,
                     num_restarts=len(state.resumed_from_steps),
+                    num_preemptions=sum(int(t.get("preempted", 0.0)) for t in state.resume_timings),
                 )
             restore_rng(self.rank, loaded.meta.rng, loaded.trainer.get("rng", {}))
             if self.rank == 0:
@@ -588,11 +600,15 @@ class Trainer:
                 step_end = time.perf_counter()
                 step_time_s, last_step_end = step_end - last_step_end, step_end
                 self.measure_step(result, step_time_s=step_time_s, data_wait_s=data_wait_s)
+                preempted = False
                 if is_log_step:
                     self.close_window(epoch=epoch, lr=lr)
-                if save_now:
-                    self.save_checkpoint()
+                    preempted = self.preemption_requested()
+                if save_now or preempted:
+                    self.save_checkpoint(preempted=preempted)
                     last_step_end = time.perf_counter()  # the stall is measured on its own, not as step time
+                if preempted:
+                    self.stop_for_preemption()
 
             record = self.validate(epoch=epoch, steps_in_epoch=steps_this_epoch)
             state.epoch, state.step_in_epoch = epoch + 1, 0
@@ -606,6 +622,40 @@ class Trainer:
             self.runtime.report(record.to_dict())
             if done:
                 break
+
+    def preemption_requested(self) -> bool:
+        """Whether any rank was told to stop (SIGTERM). A collective at log steps, when armed: all ranks agree,
+        so all save the just-in-time checkpoint together."""
+        if not self.preemption_armed:
+            return False
+        told = preemption.requested_unix() is not None
+        if self.world_size > 1:
+            told = all_reduce_sum([float(told)], self.device)[0] > 0
+        return told
+
+    def stop_for_preemption(self) -> NoReturn:
+        """After the just-in-time checkpoint: wait until it is on storage (rank 0 writes; the others wait at a
+        barrier, so no rank's exit tears the group down mid-write), then stop as recoverable."""
+        step, told = self.state.global_step, preemption.requested_unix()
+        if self.rank == 0:
+            self.checkpointer.wait()
+        all_reduce_sum([0.0], self.device)
+        took_s = time.time() - told if told is not None else 0.0
+        grace_s = self.cfg.checkpoint.preemption_grace_s
+        if told is not None and took_s > grace_s:
+            log.warning(
+                "the preemption checkpoint of step %d was on storage %.1f s after SIGTERM, past "
+                "checkpoint.preemption_grace_s=%d: lower loop.log_interval_steps so it comes sooner",
+                step,
+                took_s,
+                grace_s,
+            )
+        if self.rank == 0:
+            log.warning("preempted: checkpoint of step %d saved; stopping so the retry resumes from it", step)
+        raise WorkerPreempted(
+            f"rank {self.rank}: a worker was told to stop (SIGTERM); the checkpoint of step {step} is saved and a "
+            "retry resumes from it"
+        )
 
     def optimizer_step(self, micro_batches: Sequence[Any]) -> tuple[StepResult, float]:
         """:func:`train_step`, the schedule's step, and the LR the step used."""
@@ -772,7 +822,7 @@ class Trainer:
         dynamic_axes = getattr(self.workload, "dynamic_axes", (0,))
         return log_model(self.model, example, self.args.mlflow, dynamic_axes=dynamic_axes)
 
-    def save_checkpoint(self, *, metric: float | None = None, model_uri: str = "") -> None:
+    def save_checkpoint(self, *, metric: float | None = None, model_uri: str = "", preempted: bool = False) -> None:
         """Every rank calls this at the same steps (the weight check and the RNG gather are collectives); rank 0
         writes."""
         self.require_finite_weights(f"the checkpoint of step {self.state.global_step}")
@@ -803,6 +853,7 @@ class Trainer:
             elapsed_s=state.elapsed_s,
             telemetry=self.telemetry.snapshot(),
             data=manifest.description(),
+            preempted=preempted,
         )
         staged = self.checkpointer.stage(
             model=self.model,
@@ -832,6 +883,7 @@ def run_worker(args: WorkerArgs, runtime: WorkerRuntime) -> None:
         finished = True
     finally:
         trainer.telemetry.close(finished=finished)
+        preemption.disarm()
 
 
 def add_code_paths(paths: Sequence[str]) -> None:

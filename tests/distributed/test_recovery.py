@@ -49,29 +49,39 @@ def _config() -> TrainingConfig:
     return TrainingConfig.from_dict(
         {
             "model": {"name": "small_cnn"},
-            "loop": {"epochs": 6, "batch_size": 16, "log_interval_steps": 5},
+            # A log step every step: a SIGTERM'd worker's just-in-time checkpoint comes at the next step.
+            "loop": {"epochs": 6, "batch_size": 16, "log_interval_steps": 1},
             "checkpoint": {"interval_steps": INTERVAL_STEPS, "keep_last": 3, "max_worker_restarts": 2},
         }
     )
 
 
+@pytest.fixture(scope="module")
+def reference(ray_session, digits_dir, tmp_path_factory):
+    """The uninterrupted run every interrupted one must end bit-identical to."""
+    tmp = tmp_path_factory.mktemp("reference")
+    return fit(
+        _config(),
+        data_dir=digits_dir,
+        checkpoint_dir=str(tmp / "ref-final"),
+        run_name="reference",
+        storage_path=str(tmp / "ref"),
+    )
+
+
 # The language model's mid-epoch resume is proven in process (tests/unit/test_run_worker.py): the checkpoint and
 # restart path is the same for every workload, and a second Ray run here would cost 1.5 minutes of the suite.
-def test_sigkill_of_a_worker_mid_epoch_resumes_bit_identical_losing_at_most_one_interval(
-    ray_session, digits_dir, tmp_path
+@pytest.mark.parametrize("stop_signal", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_a_worker_killed_or_told_to_stop_mid_epoch_resumes_bit_identical(
+    ray_session, digits_dir, reference, stop_signal, tmp_path
 ):
+    """SIGKILL (a lost node): the resume loses at most one checkpoint interval. SIGTERM (an eviction, a spot
+    reclaim): the worker writes a just-in-time checkpoint at its current step first, so nothing is recomputed."""
     cfg = _config()
     steps_per_epoch = Manifest.load(digits_dir).steps_per_epoch(
         world_size=cfg.scaling.num_workers, batch_size=cfg.loop.batch_size, grad_accum_steps=1
     )
     assert steps_per_epoch > 3 * INTERVAL_STEPS + 1, "the kill must come mid-epoch"
-    reference = fit(
-        cfg,
-        data_dir=digits_dir,
-        checkpoint_dir=str(tmp_path / "ref-final"),
-        run_name="reference",
-        storage_path=str(tmp_path / "ref"),
-    )
 
     storage = ckpt.CheckpointStorage(checkpoint_root(str(tmp_path / "killed"), "killed"))
     outcome: dict[str, object] = {}
@@ -97,15 +107,19 @@ def test_sigkill_of_a_worker_mid_epoch_resumes_bit_identical_losing_at_most_one_
     pids = _this_clusters_train_workers()
     assert len(pids) == 2, f"expected the 2 Ray Train workers, found {pids}"
     latest_before_kill = int(storage.list_steps()[-1].split("-")[1])
-    os.kill(max(pids), signal.SIGKILL)
+    os.kill(max(pids), stop_signal)
     thread.join(timeout=600)
     assert "error" not in outcome, f"training did not recover: {outcome.get('error')!r}"
 
     result = outcome["result"]
     (resumed_from,) = result.meta.resumed_from_steps
     # The resume used the newest checkpoint that existed when the worker died (or a newer one written in
-    # the moment before the group stopped), so at most one interval of steps was recomputed.
+    # the moment before the group stopped), so at most one interval of steps was recomputed. Told to stop, the
+    # workers saved the step they were at and stopped there: the resume recomputes nothing.
     assert latest_before_kill <= resumed_from
+    assert result.meta.resume_timings[-1]["preempted"] == float(stop_signal == signal.SIGTERM)
+    if stop_signal == signal.SIGTERM:
+        assert latest_before_kill < resumed_from
     assert resumed_from % steps_per_epoch != 0, f"the resume point (step {resumed_from}) should be mid-epoch"
     assert result.meta.global_step == reference.meta.global_step == cfg.loop.epochs * steps_per_epoch
 

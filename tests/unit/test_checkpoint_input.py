@@ -478,6 +478,7 @@ def _assert_well_typed(meta: ckpt.CheckpointMeta) -> None:
         "elapsed_s": is_number(meta.elapsed_s),
         "telemetry": isinstance(meta.telemetry, dict),
         "data": isinstance(meta.data, dict),
+        "preempted": isinstance(meta.preempted, bool),
     }
     assert set(checks) == {f.name for f in dataclasses.fields(meta)}
     assert all(checks.values()), [name for name, ok in checks.items() if not ok]

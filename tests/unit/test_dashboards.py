@@ -48,7 +48,7 @@ EXPECTED_ROWS = {
         "Checkpoint save duration p50 / p95",
         "Checkpoint saves and failures",
         "Checkpoint bytes written",
-        "Worker restarts and GPU OOMs",
+        "Worker restarts, preemptions and GPU OOMs",
         "Host CPU",
         "Host memory used vs total",
         "Host network",

@@ -6,6 +6,8 @@ and checkpoints, and that training in two calls (a resume mid-run) ends bit-iden
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,8 +15,10 @@ import pytest
 import torch
 
 from training_core import checkpoint as ckpt
+from training_core import preemption
 from training_core.config import TrainingConfig
 from training_core.data import prepare
+from training_core.failures import WorkerPreempted, classify
 from training_core.loop import run_worker
 from training_core.records import WorkerArgs
 
@@ -170,6 +174,56 @@ def test_a_language_model_resumes_mid_epoch_from_an_interval_checkpoint_bit_iden
     for name, tensor in whole.model.items():
         assert torch.equal(tensor, resumed.model[name]), name
     assert resumed.meta.history[-1].val_perplexity == whole.meta.history[-1].val_perplexity
+    assert resumed.meta.history[-1].train_loss == whole.meta.history[-1].train_loss
+
+
+@dataclass
+class SigtermAtStep(InProcessRuntime):
+    """Sends this process a real SIGTERM during the forward pass of training step ``step`` (1-based)."""
+
+    step: int = 0
+    forwards: int = 0
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        def count(module, inputs, output):
+            if module.training:
+                self.forwards += 1
+                if self.forwards == self.step:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        model.register_forward_hook(count)
+        return super().prepare_model(model)
+
+
+def test_a_sigterm_mid_interval_saves_that_step_stops_recoverably_and_the_resume_ends_bit_identical(
+    digits_dir, tmp_path
+):
+    """A worker told to stop at step 10 (interval checkpoints at 7 and 14) writes a checkpoint of step 10 and
+    stops with a recoverable error; the retry resumes there, recomputes no step, and ends bit-identical."""
+    cfg = _config(epochs=1, log_interval_steps=1)
+    _run(cfg, data_dir=digits_dir, root=tmp_path / "whole")
+    whole = _final(tmp_path / "whole")
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        runtime = SigtermAtStep(step=10)
+        args = WorkerArgs.build(cfg, data_dir=digits_dir, checkpoint_root=str(tmp_path / "told"), run_name="unit")
+        with pytest.raises(WorkerPreempted, match="checkpoint of step 10 is saved"):
+            run_worker(args, runtime)
+        assert classify(WorkerPreempted("x")).retryable
+        assert signal.getsignal(signal.SIGTERM) is previous  # the run gave the process its handler back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        preemption.clear()
+    storage = ckpt.CheckpointStorage(str(tmp_path / "told"))
+    assert storage.list_steps() == [ckpt.step_name(7), ckpt.step_name(10)]
+
+    _run(cfg, data_dir=digits_dir, root=tmp_path / "told")
+    resumed = _final(tmp_path / "told")
+    assert resumed.meta.resumed_from_steps == [10]  # the step the signal came in: nothing is trained twice
+    assert resumed.meta.resume_timings[-1]["preempted"] == 1.0
+    for name, tensor in whole.model.items():
+        assert torch.equal(tensor, resumed.model[name]), name
     assert resumed.meta.history[-1].train_loss == whole.meta.history[-1].train_loss
 
 

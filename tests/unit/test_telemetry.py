@@ -220,14 +220,15 @@ def test_cost_and_timeline_carry_over_a_restart_through_the_checkpoint_meta():
     saved = {**saved, "cost": job_cost(ScalingConfig(), ObservabilityConfig(), wall_s=3600).summary()}
     meta = json.loads(json.dumps(saved))  # as it travels in meta.json
     second = _telemetry()
-    second.resumed(meta, global_step=40, elapsed_s=100.0, num_restarts=1)
+    second.resumed(meta, global_step=40, elapsed_s=100.0, num_restarts=2, num_preemptions=1)
     second.sample()
     after = second.snapshot()
     assert after["cost"]["cpu_hours"] >= 2.0 and after["cost"]["cost_usd"] >= 2.0 * 0.05
     assert _value(second, "training_job_cpu_seconds_total") >= 7200
     assert _value(second, "training_job_cost_usd") == pytest.approx(after["cost"]["cost_usd"], rel=1e-3)
     assert after["samples"][:1] == saved["samples"] and after["samples"][-1]["elapsed_s"] >= 100.0
-    assert _value(second, "training_steps_total") == 40 and _value(second, "training_worker_restarts_total") == 1
+    assert _value(second, "training_steps_total") == 40 and _value(second, "training_worker_restarts_total") == 2
+    assert _value(second, "training_preemptions_total") == 1  # counted apart from the failure
     second.close(finished=True)
     other_rank = _telemetry(dataclasses.replace(LABELS, rank="1"))
     assert other_rank.snapshot() == {}  # rank 0 alone records the job's cost and timeline

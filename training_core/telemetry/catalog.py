@@ -116,6 +116,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "Times the run resumed from a checkpoint after its workers restarted.",
     ),
     MetricSpec(
+        "training_preemptions_total",
+        "counter",
+        "Of those resumes, the ones after a worker was told to stop (SIGTERM: eviction, spot reclaim) and saved a "
+        "just-in-time checkpoint, so no step was lost; the rest followed failures.",
+    ),
+    MetricSpec(
         "training_nonfinite_steps_total",
         "counter",
         "Optimizer steps whose loss or gradient norm was NaN or infinite on any rank (skipped, or the one that stopped "

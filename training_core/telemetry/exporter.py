@@ -69,7 +69,15 @@ class Telemetry(Protocol):
 
     def validation(self, *, loss: float, accuracy: float) -> None: ...
 
-    def resumed(self, saved: Mapping[str, Any], *, global_step: int, elapsed_s: float, num_restarts: int) -> None: ...
+    def resumed(
+        self,
+        saved: Mapping[str, Any],
+        *,
+        global_step: int,
+        elapsed_s: float,
+        num_restarts: int,
+        num_preemptions: int = 0,
+    ) -> None: ...
 
     def gpu_oom(self) -> None: ...
 
@@ -98,7 +106,15 @@ class NullTelemetry:
     def validation(self, *, loss: float, accuracy: float) -> None:
         pass
 
-    def resumed(self, saved: Mapping[str, Any], *, global_step: int, elapsed_s: float, num_restarts: int) -> None:
+    def resumed(
+        self,
+        saved: Mapping[str, Any],
+        *,
+        global_step: int,
+        elapsed_s: float,
+        num_restarts: int,
+        num_preemptions: int = 0,
+    ) -> None:
         pass
 
     def gpu_oom(self) -> None:
@@ -237,13 +253,23 @@ class PrometheusTelemetry:
         self._families["training_loss"].labels(**self._job, split="val").set(loss)
         self._families["training_accuracy"].labels(**self._job, split="val").set(accuracy)
 
-    def resumed(self, saved: Mapping[str, Any], *, global_step: int, elapsed_s: float, num_restarts: int) -> None:
+    def resumed(
+        self,
+        saved: Mapping[str, Any],
+        *,
+        global_step: int,
+        elapsed_s: float,
+        num_restarts: int,
+        num_preemptions: int = 0,
+    ) -> None:
         """Continue from a checkpoint: its ``meta.telemetry`` (``saved``), the steps taken before it, the
-        run's seconds so far, and how many times the run has resumed (restarts and retries)."""
+        run's seconds so far, how many times the run has resumed (restarts and retries), and how many of those
+        resumes followed a preemption (a just-in-time checkpoint)."""
         self._m["training_steps_total"].inc(global_step)
         self._m["training_global_step"].set(global_step)
         self._global_step = global_step
         self._m["training_worker_restarts_total"].inc(num_restarts)
+        self._m["training_preemptions_total"].inc(num_preemptions)
         with self._lock:
             self._elapsed_offset_s = elapsed_s - (time.monotonic() - self._started)
             if self.is_rank0:
