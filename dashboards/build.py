@@ -311,6 +311,21 @@ def _communication_and_data_wait() -> list[Builder[dashboard.Panel]]:
             span=12,
             min_value=0,
         ),
+        _timeseries(
+            "All-reduce check at job start",
+            "Bus bandwidth of a fixed all-reduce measured on the workers when the job (or its restart) starts, slowest "
+            "rank; far below the fabric's speed means a wrong interface or NCCL's fallback to TCP sockets "
+            "(see scaling.min_allreduce_gbps).",
+            "Bps",
+            [
+                (
+                    f"max by (execution) (training_allreduce_bus_bandwidth_bytes_per_second{{{JOB}}})",
+                    "bus bandwidth {{execution}}",
+                )
+            ],
+            span=24,
+            min_value=0,
+        ),
     ]
 
 

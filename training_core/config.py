@@ -526,6 +526,11 @@ class ScalingConfig:
     """Taints GPU worker pods tolerate when ``use_gpu``; the default tolerates the ``nvidia.com/gpu`` taint that
     managed Kubernetes puts on GPU nodes."""
 
+    min_allreduce_gbps: float = 0.0
+    """Warn at job start when the measured all-reduce bus bandwidth is below this, Gbit/s (e.g. 100 on a
+    200 Gbit/s fabric): a wrong network interface or NCCL's fallback to TCP sockets. 0: no warning. The figures
+    are logged to MLflow and exported (``training_allreduce_bus_bandwidth_bytes_per_second``) either way."""
+
     def __post_init__(self) -> None:
         _positive("scaling.num_workers", self.num_workers)
         cpus_why = ": a millicore (0.001) is the least CPU a pod can request, and no node has more than 1024"
@@ -550,6 +555,7 @@ class ScalingConfig:
                 f"{self.memory_per_worker_gib:g}]: /dev/shm is memory of the pod, and less than the 64 MiB default "
                 "starves loaders",
             )
+        _non_negative("scaling.min_allreduce_gbps", self.min_allreduce_gbps)
         for key, value in self.gpu_node_selector.items():
             _label_key("scaling.gpu_node_selector", key)
             _label_value(f"scaling.gpu_node_selector[{clip(key, 60)}]", value)

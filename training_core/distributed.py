@@ -7,6 +7,7 @@ import math
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -28,6 +29,48 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(tensor)
     return tensor.tolist()
+
+
+@dataclass(frozen=True)
+class AllReduceProbe:
+    """What a fixed all-reduce cost on this job's process group at start (the slowest rank's figures)."""
+
+    bus_bandwidth_bytes_per_s: float
+    """NCCL-tests' bus bandwidth: ``2 (n - 1) / n`` times the buffer over the time, comparable across world sizes."""
+    latency_s: float
+    """Time of a one-element all-reduce."""
+    size_bytes: int
+    """Buffer the bandwidth was measured with."""
+
+
+def probe_allreduce(device: torch.device, world_size: int, *, iterations: int = 5) -> AllReduceProbe | None:
+    """Time all-reduces of one element and of a fixed buffer (4 MiB on CPU, 64 MiB on a GPU); None on one rank.
+
+    A collective: every rank calls it at job start. A slow network, a wrong interface or NCCL's silent fallback to
+    TCP sockets shows here, before hours are spent training at a fraction of the expected speed."""
+    if world_size < 2 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    size_bytes = (64 if device.type == "cuda" else 4) * 2**20
+    small = torch.zeros(1, device=device)
+    big = torch.zeros(size_bytes // 4, device=device)
+
+    def seconds_per_op(tensor: torch.Tensor) -> float:
+        torch.distributed.all_reduce(tensor)  # warm-up: connections, NCCL channels
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        for _ in range(iterations):
+            torch.distributed.all_reduce(tensor)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - started) / iterations
+
+    latency_s, big_s = seconds_per_op(small), seconds_per_op(big)
+    slowest = torch.tensor([latency_s, big_s], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+    latency_s, big_s = slowest.tolist()
+    bus_bytes = 2 * (world_size - 1) / world_size * size_bytes
+    return AllReduceProbe(bus_bandwidth_bytes_per_s=bus_bytes / big_s, latency_s=latency_s, size_bytes=size_bytes)
 
 
 class WorkerRuntime(Protocol):

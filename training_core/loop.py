@@ -30,6 +30,7 @@ from training_core.distributed import (
     WorkerRuntime,
     all_reduce_sum,
     broadcast_buffers_from_rank0,
+    probe_allreduce,
 )
 from training_core.evaluation import evaluate
 from training_core.failures import DIVERGED_METRIC, TrainingDiverged, WorkerPreempted
@@ -491,6 +492,7 @@ class Trainer:
             warmup_steps_excluded=min(5, self.total_steps // 4) if warmup is None else warmup,
             metrics=self.workload.metrics,
         )
+        self.allreduce_probe = probe_allreduce(device, self.world_size)
         mlflow = self.args.mlflow
         self.telemetry = build_telemetry(
             cfg.observability,
@@ -501,6 +503,11 @@ class Trainer:
             if self.rank == 0 and mlflow
             else None,
         )
+        if self.allreduce_probe is not None:
+            self.telemetry.allreduce_probe(
+                bus_bandwidth_bytes_per_s=self.allreduce_probe.bus_bandwidth_bytes_per_s,
+                latency_s=self.allreduce_probe.latency_s,
+            )
 
     def connect_outputs(self) -> None:
         """Checkpoint storage and the metric sink (after telemetry: the checkpointer reports to it)."""
@@ -563,10 +570,37 @@ class Trainer:
                 f"loop.stop_at_epoch={cfg.loop.stop_at_epoch} (loop.epochs={cfg.loop.epochs}) is not past the "
                 f"checkpoint's epoch {self.state.epoch}: there is nothing to train; raise loop.stop_at_epoch"
             )
+        self.report_allreduce_probe()
         if self.args.log_params if self.args.log_params is not None else loaded is None:
             extra = {"world_size": self.world_size, "steps_per_epoch": self.steps_per_epoch, "device": self.device.type}
             self.sink.log_params(flatten(cfg.to_dict()) | extra)
             self.sink.log_dict(cfg.to_dict(), "config.json")
+
+    def report_allreduce_probe(self) -> None:
+        """The job-start all-reduce check to MLflow (at the step training starts from), and a warning when its bus
+        bandwidth is below ``scaling.min_allreduce_gbps``."""
+        probe, floor_gbps = self.allreduce_probe, self.cfg.scaling.min_allreduce_gbps
+        if probe is None or self.rank != 0:
+            return
+        gbps = probe.bus_bandwidth_bytes_per_s * 8 / 1e9
+        self.sink.log_metrics(
+            {"allreduce_bus_bandwidth_gbps": gbps, "allreduce_latency_s": probe.latency_s}, step=self.state.global_step
+        )
+        log.info(
+            "all-reduce check over %d ranks: bus bandwidth %.2f Gbit/s (%d MiB buffer), latency %.3f ms",
+            self.world_size,
+            gbps,
+            probe.size_bytes // 2**20,
+            probe.latency_s * 1e3,
+        )
+        if gbps < floor_gbps:
+            log.warning(
+                "all-reduce bus bandwidth %.2f Gbit/s is below scaling.min_allreduce_gbps=%g: check the network "
+                "interface the collectives use (NCCL_SOCKET_IFNAME, NCCL_DEBUG=INFO shows whether NCCL fell back to "
+                "TCP sockets)",
+                gbps,
+                floor_gbps,
+            )
 
     def train(self) -> None:
         """Epochs from the resumed position to ``end_epoch`` (or ``total_steps``), each followed by validation,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -50,7 +51,7 @@ def _config() -> TrainingConfig:
         {
             "model": {"name": "small_cnn"},
             # A log step every step: a SIGTERM'd worker's just-in-time checkpoint comes at the next step.
-            "loop": {"epochs": 6, "batch_size": 16, "log_interval_steps": 1},
+            "loop": {"epochs": 3, "batch_size": 16, "log_interval_steps": 1},
             "checkpoint": {"interval_steps": INTERVAL_STEPS, "keep_last": 3, "max_worker_restarts": 2},
         }
     )
@@ -71,13 +72,23 @@ def reference(ray_session, digits_dir, tmp_path_factory):
 
 # The language model's mid-epoch resume is proven in process (tests/unit/test_run_worker.py): the checkpoint and
 # restart path is the same for every workload, and a second Ray run here would cost 1.5 minutes of the suite.
-@pytest.mark.parametrize("stop_signal", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+HANG_TIMEOUT_S = 30
+"""``scaling.collective_timeout_s`` of the stalled run: what a hung peer costs before the job restarts."""
+
+
+@pytest.mark.parametrize(
+    "stop_signal", [signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP], ids=["sigkill", "sigterm", "sigstop"]
+)
 def test_a_worker_killed_or_told_to_stop_mid_epoch_resumes_bit_identical(
     ray_session, digits_dir, reference, stop_signal, tmp_path
 ):
     """SIGKILL (a lost node): the resume loses at most one checkpoint interval. SIGTERM (an eviction, a spot
-    reclaim): the worker writes a just-in-time checkpoint at its current step first, so nothing is recomputed."""
+    reclaim): the worker writes a just-in-time checkpoint at its current step first, so nothing is recomputed.
+    SIGSTOP (a hung rank): its peer's collective times out after ``scaling.collective_timeout_s``, and the job
+    restarts from the latest checkpoint within that timeout plus a margin, not at the task's time limit."""
     cfg = _config()
+    if stop_signal == signal.SIGSTOP:  # the timeout changes no number the run computes
+        cfg = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, collective_timeout_s=HANG_TIMEOUT_S))
     steps_per_epoch = Manifest.load(digits_dir).steps_per_epoch(
         world_size=cfg.scaling.num_workers, batch_size=cfg.loop.batch_size, grad_accum_steps=1
     )
@@ -108,6 +119,7 @@ def test_a_worker_killed_or_told_to_stop_mid_epoch_resumes_bit_identical(
     assert len(pids) == 2, f"expected the 2 Ray Train workers, found {pids}"
     latest_before_kill = int(storage.list_steps()[-1].split("-")[1])
     os.kill(max(pids), stop_signal)
+    stalled_unix = time.time()
     thread.join(timeout=600)
     assert "error" not in outcome, f"training did not recover: {outcome.get('error')!r}"
 
@@ -118,6 +130,13 @@ def test_a_worker_killed_or_told_to_stop_mid_epoch_resumes_bit_identical(
     # workers saved the step they were at and stopped there: the resume recomputes nothing.
     assert latest_before_kill <= resumed_from
     assert result.meta.resume_timings[-1]["preempted"] == float(stop_signal == signal.SIGTERM)
+    if stop_signal == signal.SIGSTOP:
+        # Detected by the peer's collective timeout, then the group's restart (~20 s here) and the restore.
+        stall_to_resume_s = result.meta.resume_timings[-1]["restored_unix"] - stalled_unix
+        print(f"stall to resume: {stall_to_resume_s:.1f} s (collective timeout {HANG_TIMEOUT_S} s)")
+        # The margin is the group's restart: shutting it down, starting and importing 2 workers, restoring (about
+        # 20 s on an idle 2-core machine, up to 60 s on a loaded one).
+        assert HANG_TIMEOUT_S <= stall_to_resume_s <= HANG_TIMEOUT_S + 90
     if stop_signal == signal.SIGTERM:
         assert latest_before_kill < resumed_from
     assert resumed_from % steps_per_epoch != 0, f"the resume point (step {resumed_from}) should be mid-epoch"

@@ -204,6 +204,10 @@ def test_a_two_worker_run_pushes_step_checkpoint_and_host_metrics_that_prometheu
     assert _by_rank(prometheus, f"training_tokens_total{{{selector}}}") == {"0": 0, "1": 0}
     assert _by_rank(prometheus, f"training_tokens_per_second{{{selector}}}") == {"0": 0, "1": 0}
     assert _by_rank(prometheus, f"training_world_size{{{selector}}}") == {"0": 2, "1": 2}
+    # The job-start all-reduce check, the same (slowest rank's) figures on both ranks.
+    bandwidth = _by_rank(prometheus, f"training_allreduce_bus_bandwidth_bytes_per_second{{{selector}}}")
+    latency = _by_rank(prometheus, f"training_allreduce_latency_seconds{{{selector}}}")
+    assert bandwidth["0"] == bandwidth["1"] > 1e6 and 0 < latency["0"] == latency["1"] < 1
 
     # Rank 0 writes the checkpoints: every 4 steps and at the end of the epoch.
     saves = _by_rank(prometheus, f"training_checkpoint_saves_total{{{selector}}}")

@@ -40,6 +40,7 @@ EXPECTED_ROWS = {
         "Data wait share of step time",
         "All-reduce and data wait seconds per second",
         "Step duration p50 / p95",
+        "All-reduce check at job start",
     ],
     "Checkpoints, system health and cost": [
         "Job cost",
@@ -217,6 +218,7 @@ def test_units_match_what_the_panels_show() -> None:
     assert units["Step duration p50 / p95"] == "s"
     assert units["Job cost"] == "currencyUSD"
     assert units["GPU-hours"] == units["CPU-hours"] == "h"
+    assert units["All-reduce check at job start"] == "Bps"
 
 
 def test_panel_ids_are_unique_and_panels_stay_inside_the_24_column_grid() -> None:

@@ -303,3 +303,33 @@ def test_meta_json_is_the_same_size_after_100_and_after_10000_logged_steps(tmp_p
     # The same number of records (the log is full after 64 windows); only the digits of step numbers differ.
     assert abs(large - small) < 64 * 30, (small, large)
     assert small < 40_000
+
+
+def test_the_all_reduce_check_goes_to_mlflow_and_warns_below_the_configured_floor(caplog):
+    """What rank 0 does with the job-start all-reduce check (measured on 2 gloo workers in
+    tests/integration/test_prometheus.py): MLflow metrics at the starting step, and a warning naming the setting."""
+    from types import SimpleNamespace
+
+    from training_core.distributed import AllReduceProbe, probe_allreduce
+    from training_core.loop import Trainer
+
+    assert probe_allreduce(torch.device("cpu"), 1) is None  # one rank has nothing to measure
+
+    class Sink:
+        def __init__(self):
+            self.logged = []
+
+        def log_metrics(self, metrics, *, step):
+            self.logged.append((dict(metrics), step))
+
+    probe = AllReduceProbe(bus_bandwidth_bytes_per_s=1.25e8, latency_s=2e-4, size_bytes=4 * 2**20)  # 1 Gbit/s
+    cfg = TrainingConfig.from_dict({"scaling": {"min_allreduce_gbps": 10}})
+    trainer = SimpleNamespace(
+        allreduce_probe=probe, cfg=cfg, rank=0, world_size=2, sink=Sink(), state=SimpleNamespace(global_step=3)
+    )
+    Trainer.report_allreduce_probe(trainer)
+    assert trainer.sink.logged == [({"allreduce_bus_bandwidth_gbps": 1.0, "allreduce_latency_s": 2e-4}, 3)]
+    assert "below scaling.min_allreduce_gbps=10" in caplog.text and "NCCL_SOCKET_IFNAME" in caplog.text
+    caplog.clear()
+    Trainer.report_allreduce_probe(SimpleNamespace(**{**vars(trainer), "cfg": TrainingConfig(), "sink": Sink()}))
+    assert "below" not in caplog.text  # 0 (the default) never warns

@@ -128,6 +128,17 @@ METRICS: tuple[MetricSpec, ...] = (
         "the run); every rank counts the same steps.",
     ),
     MetricSpec("training_gpu_oom_total", "counter", "CUDA out-of-memory errors raised in this rank's training step."),
+    MetricSpec(
+        "training_allreduce_bus_bandwidth_bytes_per_second",
+        "gauge",
+        "Bus bandwidth of the all-reduce check at the start of the run (or its latest restart), slowest rank: "
+        "2 (n - 1) / n times the buffer over the time.",
+    ),
+    MetricSpec(
+        "training_allreduce_latency_seconds",
+        "gauge",
+        "Time of a one-element all-reduce in the check at the start of the run (or its latest restart).",
+    ),
     MetricSpec("training_world_size", "gauge", "Number of ranks in the process group."),
     # --- checkpoints (rank 0 writes) ---
     MetricSpec(

@@ -81,6 +81,8 @@ class Telemetry(Protocol):
 
     def gpu_oom(self) -> None: ...
 
+    def allreduce_probe(self, *, bus_bandwidth_bytes_per_s: float, latency_s: float) -> None: ...
+
     def nonfinite_steps(self, count: int) -> None: ...
 
     def checkpoint_saved(self, *, duration_s: float, bytes_written: int) -> None: ...
@@ -118,6 +120,9 @@ class NullTelemetry:
         pass
 
     def gpu_oom(self) -> None:
+        pass
+
+    def allreduce_probe(self, *, bus_bandwidth_bytes_per_s: float, latency_s: float) -> None:
         pass
 
     def nonfinite_steps(self, count: int) -> None:
@@ -280,6 +285,11 @@ class PrometheusTelemetry:
 
     def gpu_oom(self) -> None:
         self._m["training_gpu_oom_total"].inc()
+
+    def allreduce_probe(self, *, bus_bandwidth_bytes_per_s: float, latency_s: float) -> None:
+        """The job-start all-reduce check (:func:`~training_core.distributed.probe_allreduce`)."""
+        self._m["training_allreduce_bus_bandwidth_bytes_per_second"].set(bus_bandwidth_bytes_per_s)
+        self._m["training_allreduce_latency_seconds"].set(latency_s)
 
     def nonfinite_steps(self, count: int) -> None:
         """``count`` more steps had a non-finite loss or gradient norm (read at a log window's end)."""
