@@ -32,9 +32,8 @@ causal. ``mfu`` = model FLOPs/s over the machine's peak matmul FLOP/s, measured 
 same thread count, before the first training run and after the last.
 
 ``--device cuda`` trains on the GPU (Ray Train with ``use_gpu``) with bf16 autocast where the GPU supports it;
-without a GPU it falls back to the CPU with a warning. The benchmark starts its own Ray cluster (``RAY_TMPDIR``
-and ``TMPDIR`` in a temporary directory, worker niceness ``--ray-worker-niceness``, glibc's malloc settings of
-``scaling.py`` unless ``--default-malloc``), or uses ``RAY_ADDRESS``'s as it is.
+without a GPU it falls back to the CPU with a warning. The benchmark starts its own Ray cluster as the product does
+(``common.start_ray``; ``RAY_TMPDIR`` and ``TMPDIR`` in a temporary directory), or uses ``RAY_ADDRESS``'s as it is.
 
 Prints one JSON object as the last line and writes it to ``benchmarks/results/lm_throughput.json``.
 Goal: ``throughput_ratio`` (ours / bare, tokens/s) >= 0.97.
@@ -54,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, malloc_env, start_ray  # noqa: E402
+from common import emit, start_ray  # noqa: E402
 
 
 def training_config(args: argparse.Namespace, *, device: str, precision: str) -> dict[str, Any]:
@@ -236,8 +235,6 @@ def main() -> None:
     parser.add_argument("--peak-size", type=int, default=0, help="peak matmul side; 0: 2048 on CPU, 8192 on GPU")
     parser.add_argument("--peak-repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ray-worker-niceness", type=int, default=0, help="nice value of the benchmark's Ray workers")
-    parser.add_argument("--default-malloc", action="store_true", help="keep glibc's malloc trimming (see scaling.py)")
     args = parser.parse_args()
 
     import torch
@@ -266,8 +263,6 @@ def main() -> None:
     os.environ.update(TMPDIR=root, RAY_TMPDIR=root)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     tempfile.tempdir = root
-    malloc = malloc_env(args.default_malloc)
-    os.environ.update(malloc)  # read by glibc when a process starts: the Ray cluster's and the bare loop's
     load_before = os.getloadavg()
     try:
         import ray
@@ -279,9 +274,7 @@ def main() -> None:
         data_dir = os.path.join(root, "data")
         manifest = prepare(cfg.data, data_dir, workload=cfg.workload)
         peaks = [peak_matmul_flops(**peak)]
-        niceness = start_ray(
-            num_cpus=max(2, args.threads), worker_niceness=args.ray_worker_niceness, num_gpus=int(device == "cuda")
-        )
+        process_env = start_ray(num_cpus=max(2, args.threads), num_gpus=int(device == "cuda"))
         bare_runs = [run_bare(config, data_dir, args.warmup_steps)]
         ours_runs = []
         for round_index in range(args.rounds):
@@ -337,8 +330,7 @@ def main() -> None:
         "device": device,
         "precision": precision,
         "peak_matmul": {k: v for k, v in peak.items() if k != "device"},
-        "ray_worker_niceness": niceness,
-        "malloc_env": malloc or "glibc defaults",
+        "process_env": process_env,
         "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]],
         "goal": ">= 0.97",
         "config": vars(args),

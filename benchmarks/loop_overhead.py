@@ -7,10 +7,9 @@ this one run. Throughput is steady state: the first ``--warmup-steps`` steps and
 Small shared machines drift by 10-20% within minutes, so the runs alternate bare, ours, bare, ours, bare,
 and each of ours is compared with the mean of the bare runs just before and after it.
 
-Ray starts worker processes at nice 15 (``RAY_worker_niceness``), below the nice-0 Ray daemons, while
-the bare loop runs at nice 0. ``--ray-worker-niceness`` (default 0) sets the priority of the benchmark's
-own Ray cluster so both loops compete for the CPU equally; pass 15 to see Ray's default. When
-``RAY_ADDRESS`` is set, that cluster is used as it is.
+Ours runs as the product ships it: the Ray cluster is started as the product's Ray task starts it (the
+platform's process settings, then ``ray.init`` with Ray's defaults; see ``common.start_ray``), and the bare loop
+runs in this process as a user's script would. When ``RAY_ADDRESS`` is set, that cluster is used as it is.
 
 Prints one JSON object as the last line and writes it to ``benchmarks/results/loop_overhead.json``.
 Goal: ``throughput_ratio`` (ours / bare) >= 0.97.
@@ -26,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit  # noqa: E402
+from common import emit, start_ray  # noqa: E402
 
 
 def bare_loop(
@@ -122,7 +121,6 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2, help="runs of our loop, each bracketed by bare runs")
-    parser.add_argument("--ray-worker-niceness", type=int, default=0, help="nice value of the benchmark's Ray workers")
     args = parser.parse_args()
 
     import ray
@@ -149,12 +147,7 @@ def main() -> None:
             warmup_steps=args.warmup_steps,
             seed=args.seed,
         )
-        external_cluster = bool(os.environ.get("RAY_ADDRESS"))
-        if external_cluster:
-            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-        else:
-            os.environ["RAY_worker_niceness"] = str(args.ray_worker_niceness)
-            ray.init(num_cpus=max(2, args.threads), include_dashboard=False, log_to_driver=False)
+        process_env = start_ray(num_cpus=max(2, args.threads))
         bare_runs = [bare_loop(data_dir, **common)["samples_per_s"]]
         ours_runs = []
         for round_index in range(args.rounds):
@@ -174,7 +167,7 @@ def main() -> None:
         "ours_runs_samples_per_s": [o["samples_per_s"] for o in ours_runs],
         "bare_runs_samples_per_s": bare_runs,
         "steady_steps_per_run": ours_runs[0]["steady_steps"],
-        "ray_worker_niceness": "external cluster" if external_cluster else args.ray_worker_niceness,
+        "process_env": process_env,
         "goal": ">= 0.97",
         "config": vars(args),
     }

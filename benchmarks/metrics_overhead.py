@@ -14,9 +14,8 @@ false``. Three measurements, all in this one run:
 2. ``end_to_end_*``: whole ``fit`` runs (Ray Train, 1 worker, one torch thread) on the same synthetic shards,
    interleaved on/off in alternating order, with the stress intervals; their throughput is the loop's own
    steady-state samples/s. It shows the real integration pushes (``pushgateway_groups_pushed``) and that the
-   overhead is not large; its noise is far above 1%. glibc's heap history moves a process's throughput by
-   up to ~28% (see ``benchmarks/scaling.py``), so the Ray cluster started here gets ``MALLOC_MMAP_THRESHOLD_``
-   and ``MALLOC_TRIM_THRESHOLD_`` (``--default-malloc`` keeps glibc's defaults).
+   overhead is not large; its noise is far above 1%. The Ray cluster is started as the product starts it
+   (``common.start_ray``: the platform's process settings, then Ray's defaults).
 3. ``modelled_overhead_fraction``: the CPU time of one ``step()`` observation and of one sample-and-push cycle,
    over the "off" step time, counting the background thread's CPU as taken from training (the worst case with
    one core per worker), at the stress intervals.
@@ -39,9 +38,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit  # noqa: E402
-
-KEEP_FREED_BYTES = 4 * 1024**3
+from common import emit, start_ray  # noqa: E402
 
 
 def _free_port() -> int:
@@ -247,16 +244,7 @@ def main() -> None:
     parser.add_argument("--block-pairs", type=int, default=20, help="in-process on/off pairs of step blocks")
     parser.add_argument("--block-steps", type=int, default=40, help="training steps per in-process block")
     parser.add_argument("--interval-s", type=float, default=1.0, help="sample and push interval of the 'on' runs")
-    parser.add_argument("--ray-worker-niceness", type=int, default=0, help="nice value of the benchmark's Ray workers")
-    parser.add_argument("--default-malloc", action="store_true", help="keep glibc's malloc defaults in the Ray workers")
     args = parser.parse_args()
-    # Read by glibc when a process starts: this affects the Ray cluster started below, not this process.
-    malloc_env = (
-        {}
-        if args.default_malloc
-        else {"MALLOC_MMAP_THRESHOLD_": str(KEEP_FREED_BYTES), "MALLOC_TRIM_THRESHOLD_": str(KEEP_FREED_BYTES)}
-    )
-    os.environ.update(malloc_env)
 
     import ray
 
@@ -268,11 +256,7 @@ def main() -> None:
         prepare(DataConfig(dataset="synthetic", synthetic_num_samples=args.samples, num_shards=1), data_dir)
         gateway, gateway_url = start_pushgateway(workdir)
         try:
-            if os.environ.get("RAY_ADDRESS"):
-                ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-            else:
-                os.environ["RAY_worker_niceness"] = str(args.ray_worker_niceness)
-                ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            process_env = start_ray(num_cpus=2)
             on, off, order = [], [], []
             for pair in range(args.pairs):
                 sequence = (True, False) if pair % 2 == 0 else (False, True)
@@ -321,7 +305,7 @@ def main() -> None:
         "off_spread_fraction": (max(off) - min(off)) / statistics.median(off),
         "run_order": order,
         "pushgateway_groups_pushed": groups,
-        "malloc_env": malloc_env or "glibc defaults",
+        "process_env": process_env,
         "goal": "<= 0.01",
         "config": vars(args),
     }

@@ -1,14 +1,19 @@
-"""Recovery from a worker SIGKILL inside a Ray Train job: time to resume and steps lost.
+"""Recovery inside a Ray Train job from a worker that is killed, told to stop, or hung: time to resume and steps
+lost, one scenario after another in one run.
 
-A child process trains small_cnn on digits with 2 gloo workers, checkpointing every
+For each scenario a child process trains small_cnn on digits with 2 gloo workers, checkpointing every
 ``--checkpoint-interval-steps`` steps and logging every step. Once a checkpoint past ``--kill-after-step``
-exists, this process SIGKILLs one Ray Train worker. Ray Train restarts the worker group, which resumes from
+exists, this process signals one Ray Train worker. Ray Train restarts the worker group, which resumes from
 the newest valid checkpoint.
 
-- ``resume_seconds``: from the SIGKILL to the first optimizer step completed after the resume (the loop
-  records that moment in the checkpoint metadata). Goal: < 30 s.
-- ``steps_lost``: the last step rank 0 logged before the kill, minus the step the resume started from,
-  i.e. optimizer steps computed twice. Goal: <= ``checkpoint_interval_steps``.
+- SIGKILL (a lost process or node): ``resume_seconds``, from the kill to the first optimizer step completed after
+  the resume (the loop records that moment in the checkpoint metadata), goal < 30 s; ``steps_lost``, the last
+  step rank 0 logged before the kill minus the step the resume started from, i.e. optimizer steps computed
+  twice, goal <= ``checkpoint_interval_steps``.
+- SIGTERM (an eviction, a spot reclaim): ``preemption_steps_lost``, the same count, goal 0 (the workers write a
+  just-in-time checkpoint of the step they are at).
+- SIGSTOP (a hung rank), with ``scaling.collective_timeout_s`` = ``--collective-timeout-s``:
+  ``hang_detect_seconds``, from the stall to the resumed state's restore, goal <= the timeout + 10 s.
 
 Prints one JSON object as the last line and writes ``benchmarks/results/recovery.json``.
 """
@@ -27,26 +32,26 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, ray_train_worker_pids  # noqa: E402
+from common import emit, ray_train_worker_pids, start_ray  # noqa: E402
 
 STEP_LINE = re.compile(r"\[rank 0\] step=(\d+) train_loss")
 
 
-def child(workdir: str, interval: int) -> None:
+def child(workdir: str, interval: int, collective_timeout_s: int) -> None:
     """Train in this process (the Ray driver); worker log lines arrive on our stderr."""
-    import ray
 
     from training_core.config import DataConfig, TrainingConfig
     from training_core.data import prepare
     from training_core.trainer import fit
 
     prepare(DataConfig(), os.path.join(workdir, "data"))
-    ray.init(num_cpus=4, include_dashboard=False)
+    start_ray(num_cpus=4)  # as the product starts a local cluster; room for a restarted worker group
     cfg = TrainingConfig.from_dict(
         {
             "model": {"name": "small_cnn"},
             "loop": {"epochs": 4, "batch_size": 16, "log_interval_steps": 1},
             "checkpoint": {"interval_steps": interval, "keep_last": 3, "max_worker_restarts": 2},
+            "scaling": {"collective_timeout_s": collective_timeout_s},
         }
     )
     result = fit(
@@ -65,18 +70,8 @@ def child(workdir: str, interval: int) -> None:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint-interval-steps", type=int, default=10)
-    parser.add_argument(
-        "--kill-after-step", type=int, default=25, help="kill once a checkpoint at or past this step exists"
-    )
-    parser.add_argument("--child", metavar="WORKDIR", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        child(args.child, args.checkpoint_interval_steps)
-        return
-
+def run_scenario(stop_signal: int, *, interval: int, kill_after_step: int, collective_timeout_s: int) -> dict:
+    """One training run whose worker gets ``stop_signal`` once a checkpoint past ``kill_after_step`` exists."""
     env = dict(
         os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"), PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0"
     )
@@ -89,7 +84,9 @@ def main() -> None:
                 "--child",
                 workdir,
                 "--checkpoint-interval-steps",
-                str(args.checkpoint_interval_steps),
+                str(interval),
+                "--collective-timeout-s",
+                str(collective_timeout_s),
             ],
             stdout=open(log_path, "w"),
             stderr=subprocess.STDOUT,
@@ -107,14 +104,14 @@ def main() -> None:
                     if checkpoints.exists()
                     else []
                 )
-                if done and done[-1] >= args.kill_after_step:
+                if done and done[-1] >= kill_after_step:
                     break
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"training ended or stalled before the kill:\n{log_path.read_text()[-3000:]}")
                 time.sleep(0.02)
             pids = ray_train_worker_pids()
             kill_unix = time.time()
-            os.kill(max(pids), signal.SIGKILL)
+            os.kill(max(pids), stop_signal)
             if process.wait(timeout=900) != 0:
                 raise RuntimeError(f"training failed after the kill:\n{log_path.read_text()[-3000:]}")
         finally:
@@ -122,24 +119,56 @@ def main() -> None:
                 os.killpg(process.pid, signal.SIGKILL)
         log = log_path.read_text()
         if os.environ.get("RECOVERY_KEEP_LOG"):
-            Path(os.environ["RECOVERY_KEEP_LOG"]).write_text(log)
+            Path(os.environ["RECOVERY_KEEP_LOG"] + f".{signal.Signals(stop_signal).name}").write_text(log)
 
     outcome = json.loads(log.split("RESULT ", 1)[1].splitlines()[0])
     (timing,) = outcome["resume_timings"]
     resumed_from = int(timing["from_step"])
     # The restarted rank 0 logs "resumed from ..." before its first step: every step line before that marker
-    # came from the killed group, so the highest of them is where the kill landed.
+    # came from the stopped group, so the highest of them is where the signal landed.
     before_restart = log.split("resumed from", 1)[0]
     last_before_kill = max(int(m.group(1)) for m in STEP_LINE.finditer(before_restart))
-    result = {
-        "benchmark": "recovery",
+    return {
         "resume_seconds": timing["first_step_unix"] - kill_unix,
         "restore_seconds": timing["restored_unix"] - kill_unix,
         "steps_lost": last_before_kill - resumed_from,
-        "checkpoint_interval_steps": args.checkpoint_interval_steps,
         "resumed_from_step": resumed_from,
         "last_step_before_kill": last_before_kill,
-        "goal": "resume_seconds < 30 and steps_lost <= checkpoint_interval_steps",
+        "preempted_checkpoint": bool(timing.get("preempted", 0.0)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint-interval-steps", type=int, default=10)
+    parser.add_argument(
+        "--kill-after-step", type=int, default=25, help="signal once a checkpoint at or past this step exists"
+    )
+    parser.add_argument("--collective-timeout-s", type=int, default=30, help="the hung-rank scenario's timeout")
+    parser.add_argument("--child", metavar="WORKDIR", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.checkpoint_interval_steps, args.collective_timeout_s)
+        return
+
+    common = {"interval": args.checkpoint_interval_steps, "kill_after_step": args.kill_after_step}
+    # Only the hung-rank run gets the short collective timeout: the others keep the default, as users do.
+    killed = run_scenario(signal.SIGKILL, **common, collective_timeout_s=1800)
+    preempted = run_scenario(signal.SIGTERM, **common, collective_timeout_s=1800)
+    hung = run_scenario(signal.SIGSTOP, **common, collective_timeout_s=args.collective_timeout_s)
+    result = {
+        "benchmark": "recovery",
+        "resume_seconds": killed["resume_seconds"],
+        "restore_seconds": killed["restore_seconds"],
+        "steps_lost": killed["steps_lost"],
+        "preemption_steps_lost": preempted["steps_lost"],
+        "preemption_resume_seconds": preempted["resume_seconds"],
+        "hang_detect_seconds": hung["restore_seconds"],
+        "collective_timeout_s": args.collective_timeout_s,
+        "checkpoint_interval_steps": args.checkpoint_interval_steps,
+        "scenarios": {"sigkill": killed, "sigterm": preempted, "sigstop": hung},
+        "goal": "resume_seconds < 30, steps_lost <= checkpoint_interval_steps, preemption_steps_lost == 0, "
+        "hang_detect_seconds <= collective_timeout_s + 10",
     }
     emit("recovery", result)
 

@@ -1,15 +1,20 @@
 """RayJob shape (head and worker groups, requests and limits, ``/dev/shm``, GPU placement) derived from
-``ScalingConfig``."""
+``ScalingConfig``, and the Ray task that applies the platform's Ray settings (:mod:`training_core.ray_settings`)
+wherever it runs: in every RayJob pod's environment, and before a local run's ``ray.init``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flytekit import PodTemplate, Resources
 from flytekit.core.resources import pod_spec_from_resources
+from flytekit.extend import TaskPlugins
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
+from flytekitplugins.ray.task import RayFunctionTask
 
 from training_core.config import SHM_SHARE, ScalingConfig
+from training_core.ray_settings import PROCESS_ENV, apply_process_env
 
 if TYPE_CHECKING:
     from kubernetes.client import V1PodSpec
@@ -39,14 +44,18 @@ def worker_resources(scaling: ScalingConfig) -> Resources:
 def _pod_spec(container: str, resources: Resources, shm_gib: float) -> V1PodSpec:
     """Requests equal to limits (a Guaranteed pod: the scheduler never overcommits a training worker), and a
     memory-backed ``/dev/shm`` of ``shm_gib``: the container runtime's 64 MiB starves Ray's object store, loader
-    processes and NCCL."""
-    from kubernetes.client import V1EmptyDirVolumeSource, V1Volume, V1VolumeMount
+    processes and NCCL. Every container gets :data:`~training_core.ray_settings.PROCESS_ENV`."""
+
+    from kubernetes.client import V1EmptyDirVolumeSource, V1EnvVar, V1Volume, V1VolumeMount
 
     spec = pod_spec_from_resources(primary_container_name=container, requests=resources, limits=resources)
     spec.volumes = [
         V1Volume(name=SHM_VOLUME, empty_dir=V1EmptyDirVolumeSource(medium="Memory", size_limit=_gib(shm_gib)))
     ]
     spec.containers[0].volume_mounts = [V1VolumeMount(name=SHM_VOLUME, mount_path="/dev/shm")]
+    # ``ray start`` and every process it starts (daemons, workers, loader processes) inherit the container's
+    # environment: the platform's Ray settings reach the whole cluster from here.
+    spec.containers[0].env = [V1EnvVar(name=name, value=value) for name, value in PROCESS_ENV.items()]
     return spec
 
 
@@ -64,12 +73,30 @@ def worker_pod_spec(scaling: ScalingConfig) -> V1PodSpec:
     return spec
 
 
-def ray_job_config(scaling: ScalingConfig) -> RayJobConfig:
+@dataclass
+class TrainingRayJobConfig(RayJobConfig):
+    """flytekit's ``RayJobConfig``, run by :class:`TrainingRayTask` (the plugin is chosen by the config's type)."""
+
+
+class TrainingRayTask(RayFunctionTask):
+    """flytekit's Ray task, with the platform's Ray settings in the environment before its ``ray.init``: a local
+    run (``pyflyte run`` without ``RAY_ADDRESS``) starts its Ray cluster with them. On a cluster the RayJob's
+    pods carry them already (:func:`ray_job_config`)."""
+
+    def pre_execute(self, user_params):
+        apply_process_env()
+        return super().pre_execute(user_params)
+
+
+TaskPlugins.register_pythontask_plugin(TrainingRayJobConfig, TrainingRayTask)
+
+
+def ray_job_config(scaling: ScalingConfig) -> TrainingRayJobConfig:
     """One worker pod per Ray Train worker; the head runs the task driver and takes no training work
     (``num-cpus: 0`` and ``num-gpus: 0``, and no GPU placement), so every worker lands on a sized worker pod."""
     head = Resources(cpu=_cpus(scaling.head_cpus), mem=_gib(scaling.head_memory_gib))
     head_spec = _pod_spec(HEAD_CONTAINER, head, SHM_SHARE * scaling.head_memory_gib)
-    return RayJobConfig(
+    return TrainingRayJobConfig(
         head_node_config=HeadNodeConfig(
             ray_start_params={"num-cpus": "0", "num-gpus": "0"}, pod_template=PodTemplate(pod_spec=head_spec)
         ),

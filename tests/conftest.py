@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from training_core.ray_settings import apply_process_env
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
@@ -36,6 +38,9 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 # Pin gloo to loopback so DDP tests never depend on the machine's network interfaces.
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 tempfile.tempdir = None
+# The session's Ray cluster, and every process the suite starts, run with the platform's Ray settings, as a
+# user's run does (training_core/ray_settings.py).
+apply_process_env()
 
 
 def _free_port() -> int:

@@ -153,9 +153,16 @@ def _child_environment(cfg: TrainingConfig) -> Iterator[None]:
 
     Every rank is on this machine, so gloo is pinned to the loopback interface unless ``GLOO_SOCKET_IFNAME``
     is already set (then it is respected). OpenMP gets the loop's thread count before the children import
-    torch, as Ray does for its workers, unless ``OMP_NUM_THREADS`` is set.
+    torch, as Ray does for its workers, unless ``OMP_NUM_THREADS`` is set. The ranks get the platform's process
+    settings, as Ray workers do (:data:`~training_core.ray_settings.PROCESS_ENV`), unless set.
     """
-    wanted = {"GLOO_SOCKET_IFNAME": _loopback_interface(), "OMP_NUM_THREADS": str(cfg.scaling.torch_threads_per_worker)}
+    from training_core.ray_settings import PROCESS_ENV
+
+    wanted = {
+        **PROCESS_ENV,
+        "GLOO_SOCKET_IFNAME": _loopback_interface(),
+        "OMP_NUM_THREADS": str(cfg.scaling.torch_threads_per_worker),
+    }
     added = [name for name in wanted if name not in os.environ]
     os.environ.update({name: wanted[name] for name in added})
     try:

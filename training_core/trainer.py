@@ -15,6 +15,7 @@ from typing import Mapping
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
 from training_core.failures import DIVERGED_METRIC, TrainingDiverged
+from training_core.ray_settings import apply_process_env
 from training_core.records import EpochRecord, MlflowRun, WorkerArgs
 from training_core.redact import install_log_redaction, redact
 
@@ -102,6 +103,7 @@ def fit(
     if resume_from and cfg.loop.stop_at_epoch:
         _check_slice(cfg, root, resume_from)
     if not ray.is_initialized():
+        apply_process_env()  # as the product's Ray task does before it starts a local cluster
         ray.init()
     args = WorkerArgs.build(
         cfg,

@@ -35,6 +35,8 @@ class PodShape:
     """``sizeLimit`` of the memory-backed volume mounted at ``/dev/shm``; None without one."""
     node_selector: dict[str, str]
     tolerations: list[dict[str, str]]
+    env: dict[str, str]
+    """The primary container's environment variables (name to value)."""
 
 
 @dataclass
@@ -63,6 +65,7 @@ def _pod(pod_spec: dict) -> PodShape:
         shm_size=shm_size,
         node_selector=pod_spec.get("nodeSelector", {}),
         tolerations=pod_spec.get("tolerations", []),
+        env={e["name"]: e["value"] for e in container.get("env", [])},
     )
 
 

@@ -164,6 +164,21 @@ def test_train_is_a_ray_job_whose_groups_and_resources_come_from_the_default_sca
     assert "nvidia.com/gpu" not in json_format.MessageToJson(job)
 
 
+@pytest.mark.parametrize("task_name", ["tasks.train.train", "tasks.tuning.train_trial", "tasks.tuning.tune_with_ray"])
+def test_every_pod_of_a_packaged_rayjob_carries_the_platforms_ray_settings(package, task_name):
+    """``ray start`` in the head and worker containers, and every process it starts, inherit them: workers at nice 0
+    and glibc's malloc keeping freed memory mapped (``training_core/ray_settings.py``)."""
+    from training_core.ray_settings import PROCESS_ENV
+
+    template = package.tasks[task_name].template
+    job = json_format.ParseDict(json_format.MessageToDict(template.custom), ray_pb2.RayJob())
+    (group,) = job.ray_cluster.worker_group_spec
+    for pod in (job.ray_cluster.head_group_spec.k8s_pod, group.k8s_pod):
+        (container,) = json_format.MessageToDict(pod.pod_spec)["containers"]
+        assert {e["name"]: e["value"] for e in container["env"]} == PROCESS_ENV
+    assert PROCESS_ENV["RAY_worker_niceness"] == "0"
+
+
 def test_no_static_workflow_node_runs_a_ray_task_so_every_rayjob_is_sized_at_run_time(package):
     """A Ray task in a static workflow would run on the RayJob of the default config, whatever config a launch
     passes; reached through a dynamic workflow, its RayJob is compiled from the launched config (see

@@ -19,6 +19,7 @@ from tasks.types import PreparedData
 from tests.flyte.compile import RayJobShape, compile_dynamic, rayjob_shape
 from training_core import tuning
 from training_core.config import ScalingConfig, Toleration, TrainingConfig
+from training_core.ray_settings import PROCESS_ENV
 from training_core.scaling_benchmark import point_config, scaling_preset
 from training_core.tuning import TuningConfig
 from workflows.scaling_benchmark import ray_point
@@ -89,6 +90,8 @@ def assert_sized(shape: RayJobShape, scaling: ScalingConfig, *, num_workers: int
     assert head.requests == head.limits == head_expected
     assert head.shm_size is not None and head.tolerations == [] and head.node_selector == {}
     assert shape.head_start_params == {"num-cpus": "0", "num-gpus": "0"}
+    # ``ray start`` and every process of the cluster inherit the platform's Ray settings from the containers.
+    assert head.env == worker.env == PROCESS_ENV
 
 
 def _only_ray_task(spec):
