@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, ray_train_worker_pids, start_ray  # noqa: E402
 
-STEP_LINE = re.compile(r"\[rank 0\] step=(\d+) train_loss")
+STEP_LINE = re.compile(r"\[rank 0\] step=(\d+) .*train_loss=")
 
 
 def child(workdir: str, interval: int, collective_timeout_s: int) -> None:
