@@ -72,7 +72,7 @@ def reference(ray_session, digits_dir, tmp_path_factory):
 
 # The language model's mid-epoch resume is proven in process (tests/unit/test_run_worker.py): the checkpoint and
 # restart path is the same for every workload, and a second Ray run here would cost 1.5 minutes of the suite.
-HANG_TIMEOUT_S = 30
+HANG_TIMEOUT_S = 15
 """``scaling.collective_timeout_s`` of the stalled run: what a hung peer costs before the job restarts."""
 
 

@@ -210,7 +210,7 @@ def test_ray_tune_strategy_runs_asha_on_one_cluster_with_mlflow_children(workloa
         {
             **SEARCH,
             "strategy": "ray_tune",
-            "num_trials": 3,
+            "num_trials": 2,
             "max_concurrency": 2,
             "base": {
                 **base,
@@ -231,7 +231,7 @@ def test_ray_tune_strategy_runs_asha_on_one_cluster_with_mlflow_children(workloa
         parent_run_id=parent,
     )
 
-    assert len(outcomes) == 3 and not [o.error for o in outcomes if o.error]
+    assert len(outcomes) == 2 and not [o.error for o in outcomes if o.error]
     for outcome in outcomes:
         assert outcome.score_epochs == list(range(1, outcome.epochs_trained + 1)), "ASHA sees a score after every epoch"
         assert outcome.epochs_used == outcome.epochs_trained and 0 <= outcome.scores[-1] <= 1
