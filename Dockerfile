@@ -59,6 +59,13 @@ ENV PATH=/opt/venv/bin:$PATH \
     TMPDIR=/tmp \
     RAY_USAGE_STATS_ENABLED=0 \
     MPLCONFIGDIR=/tmp/matplotlib
+# The platform's Ray settings (training_core/ray_settings.py, PROCESS_ENV; a test keeps them equal) for every
+# container of this image, also Ray pods that are not the platform's RayJobs (deployment/kustomize/examples): Ray
+# workers at nice 0, and glibc's malloc keeping a training step's freed memory mapped.
+ENV RAY_worker_niceness=0 \
+    MALLOC_ARENA_MAX=1 \
+    MALLOC_MMAP_THRESHOLD_=134217728 \
+    MALLOC_TRIM_THRESHOLD_=536870912
 WORKDIR /root
 USER 10001
 # Fails the build if the code does not import or the entry points are missing: the imports below are the ones

@@ -40,15 +40,13 @@ def ray_train_worker_pids() -> list[int]:
 def start_ray(*, num_cpus: int, num_gpus: int | None = None) -> dict[str, str] | str:
     """Connect to ``RAY_ADDRESS`` when it is set (that cluster as it is: returns ``"external cluster"``), else start a
     local cluster of ``num_cpus`` CPUs the way the product's Ray task does: the platform's process settings
-    (:func:`training_core.ray_settings.apply_process_env`), then ``ray.init`` with Ray's defaults. A benchmark adds
-    nothing a user does not get. Returns the process settings in effect."""
+    and ``ray.init`` arguments (:func:`training_core.ray_settings.start_local_cluster`). A benchmark adds nothing
+    a user does not get. Returns the process settings in effect."""
     import ray
 
-    from training_core.ray_settings import apply_process_env
+    from training_core.ray_settings import start_local_cluster
 
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])
         return "external cluster"
-    process_env = apply_process_env()
-    ray.init(num_cpus=num_cpus, num_gpus=num_gpus)
-    return process_env
+    return start_local_cluster(num_cpus=num_cpus, num_gpus=num_gpus)

@@ -21,9 +21,10 @@ throughput over ``n`` times one copy's is ``independent_efficiency_n``. DDP can 
 each other at every all-reduce, so whatever delays one rank (another process taking its core) stalls all.
 
 Both launchers run as the product ships them (:mod:`training_core.ray_settings`): the Ray cluster is started the
-way a local ``pyflyte run`` starts it (``ray.init`` with Ray's defaults: dashboard, log streaming) after the
-platform's process settings are applied (Ray workers at nice 0, glibc's malloc keeping freed memory mapped), and
-the plain launcher's ranks get the same process settings from :func:`training_core.launch.launch`. To measure
+way a local ``pyflyte run`` starts it (``start_local_cluster``: the platform's process settings, Ray workers at
+nice 0 and glibc's malloc in one arena keeping freed memory mapped, then ``ray.init`` with log streaming and the
+dashboard as the product sets it), and the plain launcher's ranks get the same process settings from
+:func:`training_core.launch.launch`. To measure
 without one of them, set the variable yourself (``RAY_worker_niceness=15``: Ray's own default); the settings in
 effect are in the result. When ``RAY_ADDRESS`` is set, that cluster is used as it is. The load average before
 and after is recorded: other processes on the machine take cores from multi-worker runs first.
@@ -40,6 +41,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -69,11 +71,11 @@ def run_point(launcher: str, cfg, *, data_dir: str, workdir: str, warmup_steps: 
         model=cfg.model.name,
         num_workers=cfg.scaling.num_workers,
         launcher=launcher,
-        samples_per_s=m["steady_samples_per_s"],
-        step_time_p50_s=m["step_time_p50_s"],
-        step_time_p95_s=m["step_time_p95_s"],
-        allreduce_fraction=m["allreduce_fraction"],
-    ), int(m["steady_steps"])
+        samples_per_s=m.steady_samples_per_s,
+        step_time_p50_s=m.step_time_p50_s,
+        step_time_p95_s=m.step_time_p95_s,
+        allreduce_fraction=m.allreduce_fraction,
+    ), int(m.steady_steps)
 
 
 def _bare_copy(job: tuple[str, int, int, int]) -> float:
@@ -115,6 +117,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16384, help="synthetic dataset size")
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="times every point is measured")
+    parser.add_argument("--settle-s", type=float, default=30.0, help="wait after starting the Ray cluster")
     args = parser.parse_args()
     worker_counts = [int(n) for n in args.worker_counts.split(",")]
 
@@ -122,7 +125,7 @@ def main() -> None:
 
     from training_core.config import TrainingConfig
     from training_core.data import prepare
-    from training_core.ray_settings import apply_process_env
+    from training_core.ray_settings import apply_process_env, local_init_kwargs, start_local_cluster
     from training_core.scaling_benchmark import check_plan, efficiency_table, point_config, scaling_preset
 
     preset = scaling_preset().to_dict()
@@ -144,11 +147,14 @@ def main() -> None:
         prepare(base.data, data_dir)
         external_cluster = bool(os.environ.get("RAY_ADDRESS"))
         if external_cluster:
-            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+            ray.init(address=os.environ["RAY_ADDRESS"])
         else:
-            # One CPU per worker for the largest count (Ray Train's controller takes none); otherwise the
-            # product's local ray.init (flytekit's Ray task): Ray's defaults.
-            ray.init(num_cpus=max(worker_counts))
+            # One CPU per worker for the largest count (Ray Train's controller takes none); otherwise as the
+            # product's Ray task starts a local cluster.
+            start_local_cluster(num_cpus=max(worker_counts))
+            # The dashboard's modules start in the background for ~20 s on 2 cores: let them, or the first
+            # point measures the start-up.
+            time.sleep(args.settle_s)
         for round_index in range(args.rounds):
             points, independent = [], {}
             for n, launcher in round_order(worker_counts, round_index):
@@ -231,6 +237,7 @@ def main() -> None:
         "round_parity": [[float(t.loc[n, "parity"]) for n in sorted(worker_counts)] for t in tables],
         "ray_cluster": "external (RAY_ADDRESS)" if external_cluster else "started here as the product does",
         "process_env": process_env,
+        "ray_init": "external" if external_cluster else local_init_kwargs(),
         "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]],
         "runs": runs,
         "goal": "parity_1 >= 0.97, parity_2 >= 0.97, efficiency_2 >= 0.90",

@@ -4,6 +4,7 @@ wherever it runs: in every RayJob pod's environment, and before a local run's ``
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 from flytekitplugins.ray.task import RayFunctionTask
 
 from training_core.config import SHM_SHARE, ScalingConfig
-from training_core.ray_settings import PROCESS_ENV, apply_process_env
+from training_core.ray_settings import PROCESS_ENV, apply_process_env, start_local_cluster
 
 if TYPE_CHECKING:
     from kubernetes.client import V1PodSpec
@@ -80,11 +81,19 @@ class TrainingRayJobConfig(RayJobConfig):
 
 class TrainingRayTask(RayFunctionTask):
     """flytekit's Ray task, with the platform's Ray settings in the environment before its ``ray.init``: a local
-    run (``pyflyte run`` without ``RAY_ADDRESS``) starts its Ray cluster with them. On a cluster the RayJob's
-    pods carry them already (:func:`ray_job_config`)."""
+    run (``pyflyte run`` without ``RAY_ADDRESS``) starts its Ray cluster with them
+    (:func:`~training_core.ray_settings.start_local_cluster`). On a cluster the RayJob's pods carry them already
+    (:func:`ray_job_config`)."""
 
     def pre_execute(self, user_params):
+        import ray
+        from flytekit import FlyteContextManager
+
         apply_process_env()
+        local = FlyteContextManager.current_context().execution_state.is_local_execution()
+        if local and not self._task_config.address and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
+            # flytekit's own ray.init below then finds this cluster (it passes ignore_reinit_error locally).
+            start_local_cluster()
         return super().pre_execute(user_params)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from training_core.config import TrainingConfig
-from training_core.ray_settings import apply_process_env
+from training_core.ray_settings import start_local_cluster
 from training_core.redact import install_log_redaction, redact
 from training_core.tuning import ParamSpec, TuningConfig, apply_params
 
@@ -163,8 +163,7 @@ def run_search(
     install_log_redaction()
 
     if not ray.is_initialized():
-        apply_process_env()  # as the product's Ray task does before it starts a local cluster
-        ray.init()
+        start_local_cluster()  # as the product's Ray task starts a local one
     scheduler, search_alg = None, None
     if cfg.algorithm == "asha":
         from ray.tune.schedulers import ASHAScheduler

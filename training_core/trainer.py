@@ -15,7 +15,7 @@ from typing import Mapping
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
 from training_core.failures import DIVERGED_METRIC, TrainingDiverged
-from training_core.ray_settings import apply_process_env
+from training_core.ray_settings import start_local_cluster
 from training_core.records import EpochRecord, MlflowRun, WorkerArgs
 from training_core.redact import install_log_redaction, redact
 
@@ -103,8 +103,7 @@ def fit(
     if resume_from and cfg.loop.stop_at_epoch:
         _check_slice(cfg, root, resume_from)
     if not ray.is_initialized():
-        apply_process_env()  # as the product's Ray task does before it starts a local cluster
-        ray.init()
+        start_local_cluster()  # as the product's Ray task starts a local one
     args = WorkerArgs.build(
         cfg,
         data_dir=data_dir,

@@ -8,8 +8,10 @@ import json
 import subprocess
 import textwrap
 
+import pytest
+
 from tests.conftest import REPO_ROOT
-from training_core.ray_settings import PROCESS_ENV, apply_process_env
+from training_core.ray_settings import LOCAL_DASHBOARD_ENV, PROCESS_ENV, apply_process_env
 
 # A Ray task declared as the platform declares its own (``ray_job_config``): it reports what a worker of the Ray
 # cluster it runs on sees.
@@ -45,6 +47,7 @@ def test_a_local_pyflyte_run_starts_its_ray_cluster_with_the_platforms_settings(
     (tmp_path / "probe.py").write_text(PROBE)
     env = {k: v for k, v in subprocess_env.items() if k != "RAY_ADDRESS" and k not in PROCESS_ENV}
     env["PYTHONPATH"] = str(REPO_ROOT)
+    env[LOCAL_DASHBOARD_ENV] = "0"  # the dashboard's start takes ~10 s of two cores; it is no part of the check
     proc = subprocess.run(
         ["pyflyte", "run", "probe.py", "probe"],
         cwd=tmp_path,
@@ -62,3 +65,12 @@ def test_a_setting_the_user_made_is_kept():
     environ = {"RAY_worker_niceness": "15"}
     in_effect = apply_process_env(environ)
     assert in_effect == {**PROCESS_ENV, "RAY_worker_niceness": "15"} == environ
+
+
+def test_the_local_dashboard_setting_is_validated():
+    from training_core.ray_settings import local_init_kwargs
+
+    assert local_init_kwargs({}) == {"include_dashboard": True}
+    assert local_init_kwargs({LOCAL_DASHBOARD_ENV: "0"}) == {"include_dashboard": False}
+    with pytest.raises(ValueError, match=f"{LOCAL_DASHBOARD_ENV}='off' is invalid: use 1 .* or 0"):
+        local_init_kwargs({LOCAL_DASHBOARD_ENV: "off"})

@@ -192,6 +192,15 @@ def test_no_compiler_reaches_the_final_stage(stages):
                     assert not compilers, f"stage {stage.name} (under the final stage) installs {sorted(compilers)}"
 
 
+def test_every_container_of_the_image_gets_the_platforms_ray_settings(stages):
+    """Ray pods the platform did not size (the kustomize examples, a user's own RayCluster on this image) start Ray
+    with the same settings as the platform's RayJobs."""
+    from training_core.ray_settings import PROCESS_ENV
+
+    env = final_env(stages)
+    assert {name: env.get(name) for name in PROCESS_ENV} == PROCESS_ENV
+
+
 def test_pyflyte_execute_resolves_the_train_task_in_the_final_stage(stages):
     from flytekit.configuration import DEFAULT_IN_CONTAINER_SRC_PATH, DEFAULT_RUNTIME_PYTHON_INTERPRETER
 
