@@ -13,13 +13,13 @@ Why each one (figures from ``benchmarks/scaling.py`` and ``benchmarks/loop_overh
   at nice 15 every daemon wake-up preempts it at once, and with DDP a rank that waits stalls every rank.
   Data-loader processes forked by a worker inherit its niceness too.
 - ``MALLOC_ARENA_MAX=1``, ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_``. Ray Train runs the loop in a
-  thread of the worker process, and glibc gives such a thread an arena of its own: heaps of at most 64 MiB that
-  are shrunk and grown again, so a step's activation and gradient buffers are faulted in again on every step
-  (measured on a small CNN: ~1,800 minor page faults per step in a thread, ~11,700 on a main thread at glibc's
-  defaults). One arena and the two thresholds (setting both turns off glibc's adaptive threshold) keep freed
-  memory mapped: 0 faults per step in a thread or not. Ray Train's throughput on one worker went from 0.79-0.92
-  of the plain launcher's to 1.00-1.02 (``benchmarks/scaling.py``, per round). Blocks above :data:`MMAP_THRESHOLD_BYTES` still get
-  their own mapping and go back to the kernel when freed, and at most :data:`TRIM_THRESHOLD_BYTES` of free heap
+  thread of the worker process, and glibc gives such a thread an arena of its own: heaps of at most 64 MiB that are
+  shrunk and grown again, so a step's activation and gradient buffers are faulted in again on every step (measured
+  on a small CNN: ~1,800 minor page faults per step in a thread, ~11,700 on a main thread at glibc's defaults). One
+  arena and the two thresholds (setting both turns off glibc's adaptive threshold) keep freed memory mapped: 0
+  faults per step in a thread or not. Ray Train's throughput on one worker went from 0.79-0.92 of the plain
+  launcher's to 1.00-1.02 (``benchmarks/scaling.py``, per round). Blocks above :data:`MMAP_THRESHOLD_BYTES` still
+  get their own mapping and go back to the kernel when freed, and at most :data:`TRIM_THRESHOLD_BYTES` of free heap
   stays mapped per process. One arena serialises ``malloc`` between a process's threads: in a training process
   nearly every allocation comes from the training thread, and loader workers are processes of their own.
 """
