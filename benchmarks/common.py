@@ -25,16 +25,18 @@ def emit(name: str, result: dict[str, Any]) -> None:
 
 
 def ray_train_worker_pids() -> list[int]:
-    """PIDs of this node's Ray Train worker processes (their command line is ``ray::RayTrainWorker...``)."""
-    pids = []
+    """PIDs of this node's Ray Train worker processes (their command line is ``ray::RayTrainWorker...``), not their
+    loader processes (forked from a worker, they carry its command line)."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 if (entry / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
-                    pids.append(int(entry.name))
-            except OSError:
+                    parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    found[int(entry.name)] = parent
+            except (OSError, IndexError, ValueError):
                 continue
-    return pids
+    return [pid for pid, parent in found.items() if parent not in found]
 
 
 def start_ray(*, num_cpus: int, num_gpus: int | None = None) -> dict[str, str] | str:

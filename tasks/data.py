@@ -12,7 +12,9 @@ from tasks.types import PreparedData
 from training_core.config import DataConfig, WorkloadConfig
 
 # Bump when the shard format or split logic changes, so cached outputs are not reused.
-PREPARE_DATA_CACHE_VERSION = "3"  # 3: manifest v3 (workload, arrays); 2: label ranges; CIFAR checked at read
+# 4: Parquet shards of encoded images (cifar10, image_folder), manifest v4; 3: manifest v3 (workload, arrays);
+# 2: label ranges; CIFAR checked at read
+PREPARE_DATA_CACHE_VERSION = "4"
 
 
 @task(

@@ -101,6 +101,10 @@ class CheckpointMeta:
     preempted: bool = False
     """Written just in time because a worker was told to stop (SIGTERM): the run stopped at this very step, so
     a resume from it recomputes nothing."""
+    data_remaining: list[list[int]] = field(default_factory=list)
+    """Positions of ``epoch``'s global sample order not trained yet, as ``[start, stop)`` intervals
+    (:mod:`training_core.loader`); empty at an epoch's start and in checkpoints written before it (which resume
+    on the same number of workers only)."""
     data: dict[str, Any] = field(default_factory=dict)
     """The prepared data's description (:meth:`~training_core.data.Manifest.description`: workload, arrays, spec)
     that rebuilds the model; empty in checkpoints written before workloads (image classification)."""
@@ -230,6 +234,10 @@ _META_FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "mlflow_run_id": (_is_str, "a string"),
     "elapsed_s": (_is_number, "a number"),
     "telemetry": (_is_mapping, "a JSON object"),
+    "data_remaining": (
+        _list_of(lambda v: isinstance(v, list) and len(v) == 2 and all(_is_count(x) for x in v)),
+        "a list of [start, stop] pairs of integers >= 0",
+    ),
     "data": (_is_mapping, "a JSON object (the prepared data's description)"),
     "preempted": (lambda v: isinstance(v, bool), "true or false"),
 }

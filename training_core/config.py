@@ -231,6 +231,35 @@ class DataConfig:
     max_text_bytes: int = 0
     """Text sources: read at most this many bytes of text (whole files, in order); 0 reads everything."""
 
+    max_bad_samples: int = 100
+    """Image sources: images that do not decode are skipped and counted (the count and the first paths go in the
+    manifest and the prep log); prep fails when more than this many are bad. 0 fails on the first."""
+
+    prep_num_workers: int = 2
+    """Image sources (``cifar10``, ``image_folder``): shard tasks prep runs at once on the Ray cluster (Ray Data),
+    one CPU each; the prep task's RayJob is sized from it."""
+
+    loader_num_workers: int = 2
+    """Loader processes per training worker that read, decode and augment batches ahead of the step (torch
+    ``DataLoader`` workers); 0 reads in the training thread. What a step sees does not depend on it."""
+
+    loader_prefetch_batches: int = 4
+    """Batches the loader processes of one training worker keep ready, in all."""
+
+    augment: bool = True
+    """Encoded images (``cifar10``, ``image_folder``): random-resized-crop and horizontal flip for training; resize
+    and centre crop for evaluation either way. Arrays (``digits``, ``synthetic``) are not augmented."""
+
+    augment_min_crop_scale: float = 0.25
+    """The smallest area, as a fraction of the image, random-resized-crop keeps (torchvision's default is 0.08)."""
+
+    cache_dir: str = ""
+    """Local directory that shards read from ``s3://`` are cached in while training; empty: a directory under the
+    system's temporary directory."""
+
+    cache_max_bytes: int = 16 * 2**30
+    """Bound of the shard cache in bytes: the least recently used shards are deleted beyond it."""
+
     def __post_init__(self) -> None:
         _choice("data.dataset", self.dataset, DATASETS)
         if self.dataset in ("cifar10", "image_folder", "text") and not self.path:
@@ -258,6 +287,13 @@ class DataConfig:
         if not self.tokenizer:
             invalid("data.tokenizer", self.tokenizer, "use 'byte' or the path or s3:// URI of a tokenizer.json")
         _non_negative("data.max_text_bytes", self.max_text_bytes)
+        _non_negative("data.max_bad_samples", self.max_bad_samples)
+        _positive("data.prep_num_workers", self.prep_num_workers)
+        _between("data.loader_num_workers", self.loader_num_workers, 0, 64)
+        _positive("data.loader_prefetch_batches", self.loader_prefetch_batches)
+        if not 0 < self.augment_min_crop_scale <= 1:
+            invalid("data.augment_min_crop_scale", self.augment_min_crop_scale, "it must be in (0, 1]")
+        _positive("data.cache_max_bytes", self.cache_max_bytes)
 
 
 @dataclass

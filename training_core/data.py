@@ -35,8 +35,9 @@ from training_core.redact import redact
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 3
-"""3 names the workload and the arrays every sample has, with each shard's value bounds. 2 recorded each shard's
+MANIFEST_VERSION = 4
+"""4 records the shard format (``npz`` arrays or ``parquet`` encoded images) and the bad samples prep skipped.
+3 names the workload and the arrays every sample has, with each shard's value bounds. 2 recorded each shard's
 label range, 1 none; both still load (images and labels)."""
 
 SPLIT_NAMES = ("train", "val", "test")
@@ -96,6 +97,11 @@ class Manifest:
     """What each shard stores per sample. Empty in a version-1/2 manifest: images and labels."""
     spec: dict[str, Any] = field(default_factory=dict)
     """The workload's own description of the data (a language model's vocabulary and tokenizer), JSON."""
+    format: str = "npz"
+    """How shards store samples: ``npz`` (the arrays, uint8 images at their prepared size) or ``parquet`` (images
+    encoded as they came, decoded and augmented by the loader; :mod:`training_core.image_shards`)."""
+    bad_samples: dict[str, Any] = field(default_factory=lambda: {"count": 0, "examples": []})
+    """Samples prep skipped because they did not decode: ``count`` and the first ``examples`` (``source: reason``)."""
     version: int = MANIFEST_VERSION
     directory: str = field(default="", compare=False)
     """Where the manifest was read from (not stored)."""
@@ -118,6 +124,9 @@ class Manifest:
         """The manifest as written (version 3; an older one loaded keeps its own form)."""
         payload = asdict(self)
         payload.pop("directory")
+        if self.version < 4:
+            for key in ("format", "bad_samples"):
+                payload.pop(key)
         if self.version < 3:
             for key in ("workload", "arrays", "spec"):
                 payload.pop(key)
@@ -185,13 +194,13 @@ class Manifest:
         return shards[rank::world_size]
 
     def steps_per_epoch(self, *, world_size: int, batch_size: int, grad_accum_steps: int) -> int:
-        """Optimizer steps every rank can take in one epoch: the least-loaded rank decides."""
-        per_rank = [sum(s.num_samples for s in self.shards_for_rank("train", r, world_size)) for r in range(world_size)]
-        steps = min(per_rank) // (batch_size * grad_accum_steps)
+        """Optimizer steps every rank takes in one epoch: each trains an equal share of the training split."""
+        per_rank = self.splits["train"].num_samples // world_size
+        steps = per_rank // (batch_size * grad_accum_steps)
         if steps == 0:
             raise ValueError(
                 f"loop.batch_size={batch_size} is too large: with loop.grad_accum_steps={grad_accum_steps} and "
-                f"{world_size} workers the smallest worker has {min(per_rank)} training samples, not enough for one "
+                f"{world_size} workers each worker has {per_rank} training samples, not enough for one "
                 "step; lower loop.batch_size or scaling.num_workers"
             )
         return steps
@@ -266,12 +275,19 @@ _TOP_KEYS = {
     1: ("version", "dataset", "classes", "input_shape", "mean", "std", "splits"),
     2: ("version", "dataset", "classes", "input_shape", "mean", "std", "splits"),
     3: ("version", "workload", "dataset", "classes", "input_shape", "mean", "std", "arrays", "spec", "splits"),
-}
+    4: (
+        "version", "workload", "dataset", "classes", "input_shape", "mean", "std", "arrays", "spec", "format",
+        "bad_samples", "splits",
+    ),
+}  # fmt: skip
 _SHARD_KEYS = {
     1: ("file", "num_samples", "sha256"),
     2: ("file", "num_samples", "sha256", "label_min", "label_max"),
     3: ("file", "num_samples", "sha256", "bounds"),
+    4: ("file", "num_samples", "sha256", "bounds"),
 }
+SHARD_FORMATS = {"npz": ".npz", "parquet": ".parquet"}
+"""Shard formats and their files' suffix."""
 ARRAY_DTYPES = ("uint8", "uint16", "int32", "int64", "float32")
 """What a shard may store: nothing numpy would need pickles or object arrays for."""
 
@@ -303,6 +319,14 @@ def _parse_manifest(raw: Any, *, where: str, directory: str) -> Manifest:
     spec = raw.get("spec", {})
     if not isinstance(spec, dict):
         schema.fail("spec", spec, "expected a JSON object")
+    shard_format = raw.get("format", "npz")
+    if shard_format not in SHARD_FORMATS:
+        schema.fail("format", shard_format, f"expected one of {', '.join(SHARD_FORMATS)}")
+    bad_samples = raw.get("bad_samples", {"count": 0, "examples": []})
+    bad_samples = schema.mapping("bad_samples", bad_samples, ("count", "examples"))
+    schema.integer("bad_samples.count", bad_samples["count"], 0)
+    for index, example in enumerate(schema.items("bad_samples.examples", bad_samples["examples"])):
+        schema.text(f"bad_samples.examples[{index}]", example)
     manifest = Manifest(
         dataset=schema.text("dataset", raw["dataset"]),
         classes=list(classes),
@@ -313,9 +337,13 @@ def _parse_manifest(raw: Any, *, where: str, directory: str) -> Manifest:
         workload=schema.text("workload", raw["workload"]) if version >= 3 else "image_classification",
         arrays=arrays,
         spec=spec,
+        format=shard_format,
+        bad_samples=dict(bad_samples),
         version=version,
         directory=directory,
     )
+    if shard_format == "parquet" and manifest.workload != "image_classification":
+        schema.fail("format", shard_format, "parquet shards hold encoded images (workload image_classification)")
     splits_raw = raw["splits"]
     if not isinstance(splits_raw, dict) or "train" not in splits_raw:
         schema.fail("splits", splits_raw, f"expected an object of splits ({', '.join(SPLIT_NAMES)}) with train")
@@ -337,6 +365,9 @@ def _parse_manifest(raw: Any, *, where: str, directory: str) -> Manifest:
             )
             if file in files:
                 schema.fail(f"{path}.file", file, "another shard names the same file")
+            if version >= 4 and not file.endswith(SHARD_FORMATS[shard_format]):
+                suffix = SHARD_FORMATS[shard_format]
+                schema.fail(f"{path}.file", file, f"a {shard_format} shard's name ends in {suffix}")
             files.add(file)
             sha256 = shard_raw["sha256"]
             if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
@@ -578,53 +609,107 @@ def _shard_error(where: str, found: str) -> NoReturn:
     raise ValueError(f"{where} {found}; {_RERUN}")
 
 
-class ShardStream:
-    """Batches of one split for one rank, read shard by shard.
+class ArraySamples:
+    """An ``npz`` shard's samples: rows of its arrays, as stored."""
 
-    Training order is a deterministic function of (seed, epoch, rank): shard order and the samples within a
-    shard are shuffled, and a small carry-over buffer keeps batches full across shard boundaries.
+    def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
+        self.arrays = arrays
+
+    def __len__(self) -> int:
+        return len(next(iter(self.arrays.values())))
+
+    def sample(self, row: int, *, epoch: int, train: bool, seed: int = 0) -> dict[str, np.ndarray]:
+        return {name: value[row] for name, value in self.arrays.items()}
+
+
+class ShardStream:
+    """Batches of one split for one rank (see :mod:`training_core.loader` for the order and resume).
+
+    Training batches come from the rank's chunk of the epoch's global order, read, decoded and augmented in
+    ``data.loader_num_workers`` loader processes; evaluation reads the rank's shards ``rank, rank + world_size, ...``
+    in stored order.
     """
 
-    def __init__(self, manifest: Manifest, split: str, *, rank: int, world_size: int) -> None:
+    def __init__(
+        self, manifest: Manifest, split: str, *, rank: int, world_size: int, data: DataConfig | None = None
+    ) -> None:
         self.manifest = manifest
         self.split = split
-        self.shards = manifest.shards_for_rank(split, rank, world_size)
-        self.rank = rank
-        self.num_samples = sum(s.num_samples for s in self.shards)
+        self.rank, self.world_size = rank, world_size
+        self.data = data or DataConfig()
+        self.all_shards = manifest.splits[split].shards
+        self.num_samples = manifest.splits[split].num_samples
+
+    def read(self, index: int) -> Any:
+        """Shard ``index`` of the split, verified, as indexable samples."""
+        shard = self.all_shards[index]
+        if self.manifest.format == "parquet":
+            from training_core.image_shards import EncodedImages
+
+            return EncodedImages.read(self.manifest, shard, self.data)
+        return ArraySamples(read_shard(self.manifest, shard))
 
     def train_batches(
-        self, *, epoch: int, seed: int, batch_size: int, num_batches: int, start_batch: int = 0
+        self,
+        *,
+        epoch: int,
+        seed: int,
+        batch_size: int,
+        num_batches: int,
+        start_batch: int = 0,
+        remaining: list[tuple[int, int]] | None = None,
     ) -> Iterator[dict[str, np.ndarray]]:
-        """Batches ``start_batch .. num_batches - 1`` of the epoch's fixed order, all full (the manifest
-        guarantees there are enough). A resume passes the batches already consumed as ``start_batch``."""
-        rng = np.random.default_rng([seed, epoch, self.rank])
-        pending: list[dict[str, np.ndarray]] = []
-        num_pending = 0
-        emitted = 0
-        for index in rng.permutation(len(self.shards)):
-            arrays = read_shard(self.manifest, self.shards[index])
-            order = rng.permutation(self.shards[index].num_samples)
-            pending.append({name: value[order] for name, value in arrays.items()})
-            num_pending += len(order)
-            if num_pending < batch_size:
-                continue
-            joined = {name: np.concatenate([p[name] for p in pending]) for name in arrays}
-            full = num_pending // batch_size
-            for b in range(full):
-                if emitted == num_batches:
-                    return
-                if emitted >= start_batch:
-                    yield {name: value[b * batch_size : (b + 1) * batch_size] for name, value in joined.items()}
-                emitted += 1
-            pending = [{name: value[full * batch_size :] for name, value in joined.items()}]
-            num_pending -= full * batch_size
-        assert emitted == num_batches, f"rank {self.rank} produced {emitted} of {num_batches} batches"
+        """Batches ``start_batch .. num_batches - 1`` of this rank's chunk of ``remaining`` (default: the whole
+        epoch), all full. A resume on the same workers passes the batches consumed as ``start_batch``; one on other
+        workers passes the checkpoint's ``remaining`` and ``start_batch=0``."""
+        from training_core.loader import EpochOrder, TrainBatches, loader_iter, plan_ranks
+
+        order = EpochOrder([s.num_samples for s in self.all_shards], seed=seed, epoch=epoch)
+        chunk = plan_ranks(remaining if remaining is not None else [(0, order.num_samples)], self.world_size)
+        batches = TrainBatches(
+            read=self.read,
+            order=order,
+            chunk=chunk[self.rank],
+            batch_size=batch_size,
+            num_batches=num_batches,
+            start_batch=start_batch,
+        )
+        return loader_iter(
+            batches.batches,
+            num_processes=min(self.data.loader_num_workers, max(num_batches - start_batch, 0)),
+            prefetch_batches=self.data.loader_prefetch_batches,
+        )
 
     def eval_batches(self, *, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
-        """Every sample of this rank's shards once, in stored order; the last batch may be short."""
-        for shard in self.shards:
-            arrays = read_shard(self.manifest, shard)
-            for start in range(0, shard.num_samples, batch_size):
+        """Every sample of this rank's shards once, in stored order; the last batch of each shard may be short."""
+        from training_core.loader import loader_iter
+
+        self.manifest.shards_for_rank(self.split, self.rank, self.world_size)  # raises for too few shards
+        mine = list(range(len(self.all_shards)))[self.rank :: self.world_size]
+        if self.manifest.format == "npz":
+            return self._eval_arrays(mine, batch_size)
+
+        def source(worker: int, num_workers: int) -> Iterator[dict[str, np.ndarray]]:
+            from training_core.loader import collate
+
+            for index in mine[worker::num_workers]:
+                samples = self.read(index)
+                for start in range(0, len(samples), batch_size):
+                    rows = range(start, min(start + batch_size, len(samples)))
+                    yield collate([samples.sample(row, epoch=0, train=False) for row in rows])
+
+        # Whole shards per process: evaluation order is not a contract, only that every sample is seen once.
+        return loader_iter(
+            source,
+            num_processes=min(self.data.loader_num_workers, len(mine)),
+            prefetch_batches=self.data.loader_prefetch_batches,
+        )
+
+    def _eval_arrays(self, mine: list[int], batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+        for index in mine:
+            arrays = read_shard(self.manifest, self.all_shards[index])
+            count = self.all_shards[index].num_samples
+            for start in range(0, count, batch_size):
                 yield {name: value[start : start + batch_size] for name, value in arrays.items()}
 
 

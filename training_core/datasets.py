@@ -74,10 +74,14 @@ def load_raw(cfg: DataConfig) -> RawDataset:
         "digits": _digits,
         "synthetic": _synthetic,
         "cifar10": _cifar10,
-        "image_folder": _image_folder,
     }
+    if cfg.dataset not in loaders:
+        raise ValueError(
+            f"data.dataset={cfg.dataset!r} is not read into memory: training_core.data.prepare writes it as Parquet "
+            "shards of encoded images (training_core.image_shards)"
+        )
     raw = loaders[cfg.dataset](cfg)
-    if cfg.image_size and cfg.dataset != "image_folder":
+    if cfg.image_size:
         raw.splits = {name: (resize_images(x, cfg.image_size), y) for name, (x, y) in raw.splits.items()}
     source = f"data.dataset={cfg.dataset!r}" + (f" at data.path={quote(cfg.path)}" if cfg.path else "")
     raw.check(source)
@@ -173,8 +177,9 @@ def _cifar10(cfg: DataConfig) -> RawDataset:
         ) from None
 
 
-def _cifar10_batches(archive: tarfile.TarFile, path: str) -> RawDataset:
-    """The five training batches and the test batch of an open CIFAR-10 python tarball, each checked."""
+def _cifar10_batches(archive: tarfile.TarFile, path: str, *, check_only: bool = False) -> RawDataset | None:
+    """The five training batches and the test batch of an open CIFAR-10 python tarball, each checked; with
+    ``check_only``, only that each batch member is there exactly once."""
     wanted = {posixpath.basename(name): name for name in CIFAR10_BATCHES}
     found: dict[str, list[tarfile.TarInfo]] = {name: [] for name in CIFAR10_BATCHES}
     for member in archive.getmembers():
@@ -198,6 +203,8 @@ def _cifar10_batches(archive: tarfile.TarFile, path: str) -> RawDataset:
                 f"{posixpath.basename(name)}: {listed}; the format has exactly one, {name!r}. Remove the others, or "
                 f"{_REDOWNLOAD}"
             )
+    if check_only:
+        return None
     batches = {name: _cifar10_batch(archive, found[name][0], path) for name in CIFAR10_BATCHES}
     train = [batches[name] for name in CIFAR10_BATCHES[:5]]
     splits = {
@@ -377,61 +384,6 @@ class _SafeNumpyUnpickler(pickle.Unpickler):
         if encoding not in ("latin1", "latin-1"):
             raise pickle.UnpicklingError(f"refusing _codecs.encode with encoding {quote(encoding)}")
         return codecs.encode(text, encoding, errors)
-
-
-def _image_folder(cfg: DataConfig) -> RawDataset:
-    fs, root = _existing(cfg.path)
-    if not fs.isdir(root):
-        raise ValueError(
-            f"data.path={quote(cfg.path)} is invalid: not a directory; point it at the root of <class>/<image> folders"
-        )
-    top = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.isdir(p))
-    split_dirs = [s for s in ("train", "val", "test") if s in top]
-    # Messages name data.path as the user wrote it (redacted) plus the folder under it, never the resolved
-    # filesystem path, which for a remote store carries the bucket's credentials without a URL scheme to redact.
-    if "train" in split_dirs:
-        classes = _class_names(fs, f"{root}/train", cfg.path, "train/")
-        splits = {
-            split: _read_class_tree(fs, f"{root}/{split}", classes, cfg.image_size, cfg.path, f"{split}/")
-            for split in split_dirs
-        }
-        return RawDataset(splits=splits, classes=classes)
-    classes = _class_names(fs, root, cfg.path, "")
-    return RawDataset(
-        splits={"train": _read_class_tree(fs, root, classes, cfg.image_size, cfg.path, "")}, classes=classes
-    )
-
-
-def _class_names(fs, root: str, user_path: str, under: str) -> list[str]:
-    classes = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.isdir(p))
-    if len(classes) < 2:
-        raise ValueError(
-            f"data.path={quote(user_path)} is invalid: found {len(classes)} class folder(s) under "
-            f"{quote(under or './')}; an image folder needs at least two <class>/ subfolders of images"
-        )
-    return classes
-
-
-def _read_class_tree(
-    fs, root: str, classes: list[str], size: int, user_path: str, under: str
-) -> tuple[np.ndarray, np.ndarray]:
-    from PIL import Image
-
-    images, labels = [], []
-    for label, name in enumerate(classes):
-        for path in sorted(fs.ls(f"{root}/{name}", detail=False)):
-            if not path.lower().endswith(IMAGE_SUFFIXES):
-                continue
-            with fs.open(path, "rb") as f:
-                image = Image.open(f).convert("RGB").resize((size, size), Image.BILINEAR)
-            images.append(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1))
-            labels.append(label)
-    if not images:
-        raise ValueError(
-            f"data.path={quote(user_path)} is invalid: no images ({', '.join(IMAGE_SUFFIXES)}) in the class folders "
-            f"under {quote(under or './')}; add images or point data.path elsewhere"
-        )
-    return np.stack(images), np.asarray(labels, dtype=np.int64)
 
 
 def resize_images(images: np.ndarray, size: int) -> np.ndarray:

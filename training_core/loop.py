@@ -34,6 +34,7 @@ from training_core.distributed import (
 )
 from training_core.evaluation import evaluate
 from training_core.failures import DIVERGED_METRIC, TrainingDiverged, WorkerPreempted
+from training_core.loader import check_intervals, remaining_after, steps_left
 from training_core.metrics import MetricSink, MlflowSink, build_sink, flatten
 from training_core.optim import apply_hyperparameters, build_optimizer, build_scheduler
 from training_core.records import EpochRecord, StepLog, StepRecord, WorkerArgs
@@ -411,6 +412,9 @@ class RunState:
     resume_timings: list[dict[str, float]] = field(default_factory=list)
     clock_start: float = field(default_factory=time.monotonic)
     """``time.monotonic()`` at which the run would have started had it never stopped (its clock continues)."""
+    data_remaining: list[tuple[int, int]] | None = None
+    """Positions of ``epoch``'s sample order left when this attempt resumed into it (the checkpoint's), or None:
+    the epoch's first ``step_in_epoch`` steps were taken on this number of workers (see :mod:`training_core.loader`)."""
 
     @classmethod
     def resumed(cls, meta: ckpt.CheckpointMeta, *, same_run: bool) -> RunState:
@@ -420,6 +424,7 @@ class RunState:
             epoch=meta.epoch,
             step_in_epoch=meta.step_in_epoch,
             global_step=meta.global_step,
+            data_remaining=[(a, b) for a, b in meta.data_remaining] if meta.data_remaining else None,
             best_metric=meta.best_metric,
             history=list(meta.history),
             step_log=StepLog.from_list(meta.step_log, capacity=ckpt.STEP_LOG_CAPACITY),
@@ -482,8 +487,11 @@ class Trainer:
         )
         self.scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
         self.to_device = self.workload.to_device(manifest, device)
-        self.train_stream = ShardStream(manifest, "train", rank=self.rank, world_size=self.world_size)
-        self.val_stream = ShardStream(manifest, "val", rank=self.rank, world_size=self.world_size)
+        self.train_stream = ShardStream(manifest, "train", rank=self.rank, world_size=self.world_size, data=cfg.data)
+        self.val_stream = ShardStream(manifest, "val", rank=self.rank, world_size=self.world_size, data=cfg.data)
+        self.epoch_base: tuple[list[tuple[int, int]], int] = ([(0, manifest.splits["train"].num_samples)], 0)
+        """What this attempt trains of the current epoch: the positions left at its start, and the epoch's step
+        there; a checkpoint records what is left of them."""
         warmup = self.args.warmup_steps_excluded
         self.meter = StepMeter(
             world_size=self.world_size,
@@ -609,11 +617,20 @@ class Trainer:
         for epoch in range(state.epoch, self.end_epoch):
             if state.global_step >= self.total_steps:
                 break
-            first_step = state.step_in_epoch
-            steps_this_epoch = min(self.steps_per_epoch, first_step + self.total_steps - state.global_step)
+            first_step, remaining = state.step_in_epoch, state.data_remaining
+            if remaining is None:  # the epoch from its start, or resumed on the workers that began it
+                epoch_steps, num_samples = self.steps_per_epoch, self.train_stream.num_samples
+                self.epoch_base, skip_batches = ([(0, num_samples)], 0), first_step * accum
+            else:  # resumed from a checkpoint's position, on any number of workers
+                remaining = check_intervals(remaining, self.train_stream.num_samples)
+                epoch_steps = first_step + steps_left(
+                    remaining, world_size=self.world_size, samples_per_step=cfg.loop.batch_size * accum
+                )
+                self.epoch_base, skip_batches = (remaining, first_step), 0
+            steps_this_epoch = min(epoch_steps, first_step + self.total_steps - state.global_step)
             batches = self.train_stream.train_batches(
-                epoch=epoch, seed=cfg.loop.seed, batch_size=cfg.loop.batch_size,
-                num_batches=steps_this_epoch * accum, start_batch=first_step * accum,
+                epoch=epoch, seed=cfg.loop.seed, batch_size=cfg.loop.batch_size, remaining=self.epoch_base[0],
+                num_batches=skip_batches + (steps_this_epoch - first_step) * accum, start_batch=skip_batches,
             )  # fmt: skip
             # A step's wall time runs from the previous step's end, so logging and metric all-reduces count
             # against throughput; only the epoch boundary (validation, checkpoint) and checkpoint stalls do not.
@@ -645,7 +662,7 @@ class Trainer:
                     self.stop_for_preemption()
 
             record = self.validate(epoch=epoch, steps_in_epoch=steps_this_epoch)
-            state.epoch, state.step_in_epoch = epoch + 1, 0
+            state.epoch, state.step_in_epoch, state.data_remaining = epoch + 1, 0, None
             done = state.global_step >= self.total_steps or epoch == self.end_epoch - 1
             if done:
                 self.save_checkpoint(metric=record.metric(cfg.checkpoint.best_metric), model_uri=self.log_model(epoch))
@@ -887,6 +904,7 @@ class Trainer:
             elapsed_s=state.elapsed_s,
             telemetry=self.telemetry.snapshot(),
             data=manifest.description(),
+            data_remaining=[list(pair) for pair in self.data_left()],
             preempted=preempted,
         )
         staged = self.checkpointer.stage(
@@ -899,6 +917,15 @@ class Trainer:
         )
         self.checkpointer.save(state.global_step, staged, metric=metric)
         self.sink.log_metrics({"checkpoint_stall_s": time.perf_counter() - started}, step=state.global_step)
+
+    def data_left(self) -> list[tuple[int, int]]:
+        """Positions of the current epoch's order no rank has trained yet (none at an epoch's start)."""
+        if self.state.step_in_epoch == 0:
+            return []
+        base, base_step = self.epoch_base
+        samples_per_step = self.cfg.loop.batch_size * self.cfg.loop.grad_accum_steps
+        consumed = (self.state.step_in_epoch - base_step) * samples_per_step
+        return remaining_after(base, world_size=self.world_size, consumed_per_rank=consumed)
 
 
 def run_worker(args: WorkerArgs, runtime: WorkerRuntime) -> None:

@@ -479,6 +479,7 @@ def _assert_well_typed(meta: ckpt.CheckpointMeta) -> None:
         "telemetry": isinstance(meta.telemetry, dict),
         "data": isinstance(meta.data, dict),
         "preempted": isinstance(meta.preempted, bool),
+        "data_remaining": all(len(pair) == 2 and all(is_int(n) for n in pair) for pair in meta.data_remaining),
     }
     assert set(checks) == {f.name for f in dataclasses.fields(meta)}
     assert all(checks.values()), [name for name, ok in checks.items() if not ok]

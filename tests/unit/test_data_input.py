@@ -272,7 +272,7 @@ def _copy(prepared, tmp_path):
 def test_prep_records_each_shards_label_range_and_reading_checks_it(prepared):
     directory, raw = prepared
     shards = raw["splits"]["train"]["shards"]
-    assert raw["version"] == 3 and raw["workload"] == "image_classification"
+    assert raw["version"] == 4 and raw["workload"] == "image_classification"
     assert raw["arrays"] == {
         "images": {"dtype": "uint8", "shape": [3, 4, 4], "max_value": None},
         "labels": {"dtype": "int64", "shape": [], "max_value": 4},
@@ -286,10 +286,10 @@ def test_prep_records_each_shards_label_range_and_reading_checks_it(prepared):
 
 
 def _as_version(raw: dict, version: int) -> dict:
-    """A version-3 image manifest written as version 1 (no label ranges) or 2 (``label_min``/``label_max``)."""
+    """A version-4 image manifest written as version 1 (no label ranges) or 2 (``label_min``/``label_max``)."""
     old = copy.deepcopy(raw)
     old["version"] = version
-    for key in ("workload", "arrays", "spec"):
+    for key in ("workload", "arrays", "spec", "format", "bad_samples"):
         del old[key]
     for split in old["splits"].values():
         for shard in split["shards"]:
@@ -385,7 +385,7 @@ ARRAY = {"dtype": "int64", "shape": [], "max_value": 4}
         (("classes",), ["a", "a", "b", "c", "d"], "class names must be unique"),
         (("classes",), ["a", 1, "b", "c", "d"], "classes[1]=1 is invalid: expected a non-empty string"),
         (("dataset",), None, "dataset=None is invalid"),
-        (("version",), 4, "version=4 is invalid: this code reads versions 1 to 3"),
+        (("version",), 5, "version=5 is invalid: this code reads versions 1 to 4"),
         (("version",), True, "version=True is invalid"),
         (("extra",), 1, "manifest has unknown key(s) 'extra'; its keys are version, workload, dataset"),
         (("workload",), _DROP, "manifest lacks workload; its keys are version, workload, dataset"),
@@ -457,7 +457,7 @@ def test_write_prepared_writes_any_declared_arrays_and_the_manifest_reads_them_b
     splits = {"train": _table(30), "val": _table(6, seed=1)}
     written = write_prepared(str(tmp_path / "out"), splits, template=_table_template(), num_shards=3)
     raw = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert raw["version"] == 3 and raw["workload"] == "my_pkg.tabular:Tabular" and raw["classes"] == []
+    assert raw["version"] == 4 and raw["workload"] == "my_pkg.tabular:Tabular" and raw["classes"] == []
     assert raw["arrays"] == {
         "features": {"dtype": "float32", "shape": [4], "max_value": None},
         "target": {"dtype": "int32", "shape": [], "max_value": 2},

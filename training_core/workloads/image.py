@@ -16,6 +16,10 @@ if TYPE_CHECKING:
     from torch import nn
 
 
+ENCODED_SOURCES = ("cifar10", "image_folder")
+"""Sources prepared as encoded images in Parquet shards on Ray Data (:mod:`training_core.image_shards`)."""
+
+
 class ImageClassification:
     """Images in, class logits out. ``model_factory(config, manifest)`` and ``dataset_source(data)`` (returning
     a :class:`~training_core.datasets.RawDataset`) replace the built-in model and dataset."""
@@ -34,6 +38,8 @@ class ImageClassification:
         from training_core.datasets import RawDataset, load_raw, resize_images
 
         cfg = data
+        if self.dataset_source is None and cfg.dataset in ENCODED_SOURCES:
+            return self.prepare_encoded(cfg, out_dir)
         if self.dataset_source is None:
             raw, source = load_raw(cfg), f"data.dataset={cfg.dataset!r}"
         else:
@@ -67,6 +73,49 @@ class ImageClassification:
             },
         )
         return write_prepared(out_dir, splits, template=template, num_shards=cfg.num_shards)
+
+    def prepare_encoded(self, cfg: DataConfig, out_dir: str) -> Manifest:
+        """An image folder or the CIFAR-10 tarball as Parquet shards of encoded images (Ray Data tasks)."""
+        import fsspec
+
+        from training_core.data import MANIFEST_NAME, ShardInfo, SplitInfo
+        from training_core.image_shards import prepare_images
+
+        prep = prepare_images(cfg, out_dir)
+        size = cfg.image_size or 32
+        splits: dict[str, SplitInfo] = {}
+        for result in prep.results:
+            split = splits.setdefault(result.split, SplitInfo(num_samples=0, shards=[]))
+            split.num_samples += result.num_samples
+            split.shards.append(
+                ShardInfo(
+                    file=result.file,
+                    num_samples=result.num_samples,
+                    sha256=result.sha256,
+                    bounds={"labels": result.label_range},
+                )
+            )
+        manifest = Manifest(
+            dataset=cfg.dataset,
+            classes=prep.classes,
+            input_shape=[3, size, size],
+            mean=prep.mean,
+            std=prep.std,
+            splits=splits,
+            workload=self.name,
+            arrays={
+                "images": ArraySpec("uint8", [3, size, size]),
+                "labels": ArraySpec("int64", [], max_value=len(prep.classes) - 1),
+            },
+            spec={"statistics": f"exact, over every training image at {size}x{size}"},
+            format="parquet",
+            bad_samples={"count": prep.num_bad, "examples": prep.bad_examples},
+            directory=out_dir,
+        )
+        # The manifest goes last: a directory with a manifest is complete.
+        with fsspec.open(f"{out_dir.rstrip('/')}/{MANIFEST_NAME}", "w") as f:
+            f.write(manifest.to_json())
+        return manifest
 
     def check(self, config: TrainingConfig, manifest: Manifest) -> None:
         if manifest.workload != self.name or len(manifest.input_shape) != 3:

@@ -1,0 +1,142 @@
+"""Data at scale, measured side by side in one run: prep on Ray Data with 1 and 2 workers, prep memory for ten
+times the images, and the loader's throughput with 1 and 2 processes (224 px JPEGs, the training augmentation)
+against what a ResNet-50 training step consumes on the same machine.
+
+    RAY_AUTH_MODE=disabled .venv/bin/python benchmarks/data_loading.py
+
+The last line is one JSON object (also written to ``benchmarks/results/data_loading.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import emit, start_ray  # noqa: E402
+
+
+def make_tree(root: Path, *, images: int, side: int, classes: int = 4, seed: int = 0) -> Path:
+    """``images`` JPEGs of ``side`` x ``side`` pixels (photo-like noise, ~quality 90) in ``classes`` folders."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    base = rng.uniform(0, 255, size=(classes, 1, 1, 3))
+    for i in range(images):
+        c = i % classes
+        (root / f"class_{c}").mkdir(parents=True, exist_ok=True)
+        low = rng.normal(0, 30, size=(side // 8, side // 8, 3))
+        pixels = np.clip(base[c] + np.kron(low, np.ones((8, 8, 1))) + rng.normal(0, 8, (side, side, 3)), 0, 255)
+        Image.fromarray(pixels.astype(np.uint8)).save(root / f"class_{c}" / f"{i:06d}.jpg", quality=90)
+    return root
+
+
+def prep_seconds(tree: Path, out: Path, *, image_size: int, num_shards: int, num_workers: int):
+    from training_core.config import DataConfig
+    from training_core.image_shards import prepare_images
+
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = DataConfig(
+        dataset="image_folder",
+        path=str(tree),
+        image_size=image_size,
+        num_shards=num_shards,
+        prep_num_workers=num_workers,
+    )
+    start = time.perf_counter()
+    prep = prepare_images(cfg, str(out))
+    return time.perf_counter() - start, prep
+
+
+def loader_samples_per_s(manifest, *, processes: int, batch_size: int, num_batches: int) -> float:
+    from training_core.config import DataConfig
+    from training_core.data import ShardStream
+
+    stream = ShardStream(manifest, "train", rank=0, world_size=1, data=DataConfig(loader_num_workers=processes))
+    batches = stream.train_batches(epoch=0, seed=0, batch_size=batch_size, num_batches=num_batches + 1)
+    next(batches)  # process start-up and the first shard's read are not the steady rate
+    start = time.perf_counter()
+    count = sum(len(b["labels"]) for b in batches)
+    return count / (time.perf_counter() - start)
+
+
+def resnet50_images_per_s(*, batch_size: int, steps: int, threads: int) -> float:
+    import torch
+    import torchvision
+
+    torch.set_num_threads(threads)
+    model = torchvision.models.resnet50(num_classes=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(batch_size, 3, 224, 224), torch.randint(0, 4, (batch_size,))
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return batch_size * steps / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=800, help="224 px JPEGs for the loader and prep timings")
+    parser.add_argument("--cpus", type=int, default=2)
+    args = parser.parse_args()
+    start_ray(num_cpus=args.cpus)
+    from training_core.data import Manifest
+    from training_core.workloads.image import ImageClassification
+
+    work = Path(tempfile.mkdtemp(prefix="data-loading-"))
+    try:
+        tree = make_tree(work / "jpegs", images=args.images, side=256)
+        prep_s = {}
+        for workers in (1, 2):
+            prep_s[workers], _ = prep_seconds(
+                tree, work / f"prep-{workers}", image_size=224, num_shards=16, num_workers=workers
+            )
+        rss = []
+        for images, shards in ((200, 4), (2000, 40)):
+            small = make_tree(work / f"rss-{images}", images=images, side=64, seed=1)
+            _, prep = prep_seconds(small, work / f"rss-out-{images}", image_size=64, num_shards=shards, num_workers=2)
+            rss.append(max(r.peak_rss_bytes for r in prep.results))
+        from training_core.config import DataConfig
+
+        ImageClassification().prepare_data(
+            DataConfig(dataset="image_folder", path=str(tree), image_size=224, num_shards=8), str(work / "shards")
+        )
+        manifest = Manifest.load(str(work / "shards"))
+        loader = {p: loader_samples_per_s(manifest, processes=p, batch_size=32, num_batches=12) for p in (1, 2)}
+        model = resnet50_images_per_s(batch_size=16, steps=3, threads=args.cpus)
+        result = {
+            "images": args.images,
+            "loader_samples_per_s_1": round(loader[1], 1),
+            "loader_samples_per_s_2": round(loader[2], 1),
+            "loader_scaling_2": round(loader[2] / loader[1], 3),
+            "resnet50_train_images_per_s": round(model, 2),
+            "consumption_ratio": round(loader[2] / model, 2),
+            "prep_images_per_s_1": round(args.images / prep_s[1], 1),
+            "prep_images_per_s_2": round(args.images / prep_s[2], 1),
+            "prep_efficiency_2": round(prep_s[1] / prep_s[2] / 2, 3),
+            "prep_rss_bytes_1x": rss[0],
+            "prep_rss_bytes_10x": rss[1],
+            "prep_rss_ratio_10x": round(rss[1] / rss[0], 3),
+            "cpus": args.cpus,
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    emit("data_loading", result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Image data at scale on real parts: prep on Ray Data into Parquet shards (bounded memory, idempotent, bad images
+counted), loader processes, and a resume on another number of workers that sees each sample once."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from training_core.config import DataConfig
+from training_core.data import Manifest, ShardStream, prepare
+from training_core.image_shards import DONE_SUFFIX, prepare_images
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _jpegs(root: Path, *, per_class: int, classes: int = 3, side: int = 40, seed: int = 0) -> Path:
+    """``classes`` folders of generated JPEGs whose colour depends on the class (learnable)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        (root / f"class_{c}").mkdir(parents=True, exist_ok=True)
+        base = rng.uniform(0, 255, size=3)
+        for i in range(per_class):
+            pixels = np.clip(base + rng.normal(0, 40, size=(side, side + 8, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(root / f"class_{c}" / f"{i:05d}.jpg", quality=90)
+    return root
+
+
+@pytest.fixture(scope="module")
+def image_tree(tmp_path_factory) -> Path:
+    return _jpegs(tmp_path_factory.mktemp("tree") / "images", per_class=60)
+
+
+def _train_ids(manifest: Manifest) -> list[int]:
+    ids = []
+    for batch in ShardStream(manifest, "train", rank=0, world_size=1).eval_batches(batch_size=64):
+        ids.extend(batch["sample_ids"].tolist())
+    return ids
+
+
+def test_prep_writes_parquet_shards_other_tools_read_and_a_rerun_writes_only_missing_or_invalid_ones(
+    ray_session, image_tree, tmp_path
+):
+    import pandas as pd
+
+    cfg = DataConfig(dataset="image_folder", path=str(image_tree), image_size=32, num_shards=4)
+    out = tmp_path / "prepared"
+    manifest = prepare(cfg, str(out))
+    assert manifest.format == "parquet" and manifest.version == 4 and manifest.bad_samples["count"] == 0
+    assert sum(manifest.split_counts().values()) == 180 and manifest.classes == ["class_0", "class_1", "class_2"]
+    shard = manifest.splits["train"].shards[0]
+    table = pd.read_parquet(out / shard.file)  # a standard file: pandas reads it with no code of ours
+    assert list(table.columns) == ["sample_id", "label", "image", "source"] and len(table) == shard.num_samples
+    assert table["image"].iloc[0][:2] == b"\xff\xd8"  # the JPEG's own bytes, as they came
+    assert table["source"].iloc[0].startswith("class_")
+
+    files = sorted(p for p in out.iterdir() if p.suffix == ".parquet")
+    before = {p.name: p.stat().st_mtime_ns for p in files}
+    (out / files[0].name).unlink()
+    (out / "manifest.json").unlink()
+    (out / files[1].name).write_bytes(files[1].read_bytes()[:-10])  # truncated: its sha256 no longer matches
+    time.sleep(0.01)
+    again = prepare_images(cfg, str(out))
+    assert again.num_written == 2 and len(again.results) == len(files)
+    after = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.suffix == ".parquet"}
+    assert sorted(n for n in after if after[n] != before[n]) == [files[0].name, files[1].name]
+    assert Manifest.load(str(prepare(cfg, str(out)).directory)).splits == manifest.splits
+
+
+def test_prep_killed_half_way_and_run_again_writes_only_the_missing_shards(
+    ray_session, ray_address, tmp_path, subprocess_env
+):
+    tree = _jpegs(tmp_path / "images", per_class=80, side=96)
+    out = tmp_path / "prepared"
+    script = (
+        "import sys\n"
+        "from training_core.config import DataConfig\n"
+        "from training_core.data import prepare\n"
+        f"prepare(DataConfig(dataset='image_folder', path={str(tree)!r}, image_size=64, num_shards=16, "
+        f"prep_num_workers=1), {str(out)!r})\n"
+    )
+    env = {**subprocess_env, "RAY_ADDRESS": ray_address, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen([sys.executable, "-c", script], env=env, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(out.glob(f"*{DONE_SUFFIX}"))) < 4:
+        assert process.poll() is None, "prep ended before it was killed"
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    done: set[str] = set()
+    while True:  # until Ray has ended the dead driver's tasks
+        time.sleep(1.0)
+        now = {p.name[: -len(DONE_SUFFIX)] for p in out.glob(f"*{DONE_SUFFIX}")}
+        if now == done:
+            break
+        done = now
+    assert not (out / "manifest.json").exists() and len(done) >= 4
+    stamps = {name: (out / name).stat().st_mtime_ns for name in done}
+    cfg = DataConfig(dataset="image_folder", path=str(tree), image_size=64, num_shards=16)
+    again = prepare_images(cfg, str(out))
+    assert len(done) < len(again.results) and again.num_written == len(again.results) - len(done)
+    assert all((out / name).stat().st_mtime_ns == stamp for name, stamp in stamps.items())
+
+
+def test_bad_images_are_counted_and_skipped_or_fail_the_prep_past_the_threshold(ray_session, tmp_path):
+    tree = _jpegs(tmp_path / "images", per_class=20)
+    (tree / "class_0" / "zz-truncated.jpg").write_bytes((tree / "class_0" / "00000.jpg").read_bytes()[:200])
+    (tree / "class_1" / "zz-not-an-image.jpg").write_bytes(b"these are not pixels" * 10)
+    cfg = DataConfig(dataset="image_folder", path=str(tree), image_size=32, num_shards=2, max_bad_samples=2)
+    manifest = prepare(cfg, str(tmp_path / "ok"))
+    assert manifest.bad_samples["count"] == 2 and sum(manifest.split_counts().values()) == 60
+    named = " ".join(manifest.bad_samples["examples"])
+    assert "class_0/zz-truncated.jpg" in named and "class_1/zz-not-an-image.jpg" in named
+    strict = DataConfig(dataset="image_folder", path=str(tree), image_size=32, num_shards=2, max_bad_samples=1)
+    with pytest.raises(ValueError, match=r"found 2 bad .*more than data.max_bad_samples=1.*zz-"):
+        prepare(strict, str(tmp_path / "strict"))
+
+
+@pytest.mark.parametrize(
+    ("layout", "expected"),
+    [
+        ({"train/only_class": 3}, "found 1 class folder(s) with images under 'train/'"),
+        ({"train/a": 3, "train/b": 3, "val/a": 0}, "val/ has no images"),
+        ({"a": 3, "b": 3, "missing": None}, "nothing exists there"),
+    ],
+    ids=["one-class", "empty-split", "missing-path"],
+)
+def test_a_bad_tree_fails_before_any_shard_task_naming_the_field_and_the_fix(layout, expected, tmp_path):
+    root = tmp_path / "images"
+    path = root
+    for folder, count in layout.items():
+        if count is None:
+            path = root / folder
+            continue
+        (root / folder).mkdir(parents=True)
+        for i in range(count):
+            _jpegs(tmp_path / "src", per_class=1, classes=1)
+            (root / folder / f"{i}.jpg").write_bytes((tmp_path / "src" / "class_0" / "00000.jpg").read_bytes())
+    with pytest.raises(ValueError, match=r"data.path=.* is invalid: ") as error:
+        prepare(DataConfig(dataset="image_folder", path=str(path), image_size=16), str(tmp_path / "out"))
+    assert expected in str(error.value)
+
+
+def test_prep_memory_is_bounded_by_a_shard_not_by_the_dataset(ray_session, tmp_path):
+    peaks = []
+    for per_class, shards in ((40, 2), (400, 20)):  # ten times the images, the same images per shard
+        tree = _jpegs(tmp_path / f"images-{per_class}", per_class=per_class, side=64)
+        cfg = DataConfig(dataset="image_folder", path=str(tree), image_size=64, num_shards=shards)
+        prep = prepare_images(cfg, str(tmp_path / f"out-{per_class}"))
+        assert sum(r.num_samples for r in prep.results) == 3 * per_class
+        peaks.append(max(r.peak_rss_bytes for r in prep.results))
+    assert peaks[0] > 0 and peaks[1] / peaks[0] <= 1.2, peaks
+
+
+def test_a_resume_on_another_number_of_workers_trains_each_sample_of_the_epoch_once(ray_session, image_tree, tmp_path):
+    from training_core.loader import remaining_after, steps_left
+
+    manifest = prepare(
+        DataConfig(dataset="image_folder", path=str(image_tree), image_size=16, num_shards=3), str(tmp_path / "p")
+    )
+    everything = _train_ids(manifest)
+    batch_size, seed, epoch = 4, 7, 1
+    loading = DataConfig(loader_num_workers=2)
+
+    def ids(rank: int, world_size: int, num_batches: int, remaining=None, data=loading) -> list[int]:
+        stream = ShardStream(manifest, "train", rank=rank, world_size=world_size, data=data)
+        batches = stream.train_batches(
+            epoch=epoch, seed=seed, batch_size=batch_size, num_batches=num_batches, remaining=remaining
+        )
+        return [i for b in batches for i in b["sample_ids"].tolist()]
+
+    # Two workers train 5 steps each, then the job continues on one worker from the checkpoint's position.
+    first = ids(0, 2, 5) + ids(1, 2, 5)
+    whole = [(0, len(everything))]
+    left = remaining_after(whole, world_size=2, consumed_per_rank=5 * batch_size)
+    rest_steps = steps_left(left, world_size=1, samples_per_step=batch_size)
+    rest = ids(0, 1, rest_steps, left)
+    seen = collections.Counter(first + rest)
+    assert max(seen.values()) == 1, "a sample was trained twice in the epoch"
+    assert len(seen) >= len(everything) - batch_size + 1 and set(seen) <= set(everything)
+    # On the same number of workers the position continues the same chunks: bit-exact.
+    assert ids(0, 2, 5 + 3)[5 * batch_size :] == ids(0, 2, 3, left)
+    # What a batch holds does not depend on the loader processes, augmentation included.
+    in_thread = ShardStream(manifest, "train", rank=0, world_size=2, data=DataConfig(loader_num_workers=0))
+    processes = ShardStream(manifest, "train", rank=0, world_size=2, data=loading)
+    for a, b in zip(
+        in_thread.train_batches(epoch=epoch, seed=seed, batch_size=batch_size, num_batches=3),
+        processes.train_batches(epoch=epoch, seed=seed, batch_size=batch_size, num_batches=3),
+    ):
+        assert np.array_equal(a["images"], b["images"]) and np.array_equal(a["sample_ids"], b["sample_ids"])

@@ -1,0 +1,648 @@
+"""Image datasets prepared at scale: encoded images in Parquet shards, written by Ray Data tasks.
+
+Prep of an ``image_folder`` tree (``<split>/<class>/<image>`` or ``<class>/<image>``) or the CIFAR-10 tarball, local
+or ``s3://``, never holds a split in memory:
+
+- The driver lists the source (paths and labels only; the CIFAR tarball's batches are read one member at a time),
+  assigns each sample to a split by a hash of its name and ``data.split_seed`` (so adding images moves no other
+  image between splits), and groups each split into ``data.num_shards`` shards in a hashed order (classes mixed).
+- Each shard is one Ray Data task (``data.prep_num_workers`` at a time on the job's Ray cluster). It reads its
+  images, decodes each one to check it (a corrupt or undecodable file is skipped and reported), adds its pixels to
+  per-channel sums at ``data.image_size`` (the normalisation statistics, exact and streaming), and writes the
+  images' bytes as they came (JPEG, PNG...; CIFAR's arrays as PNG) into a Parquet file with the columns
+  ``sample_id``, ``label``, ``image`` and ``source``. Parquet because every tool of the field reads it (pyarrow,
+  pandas, Spark, Ray Data, DuckDB) with the label beside the bytes, and one file is one shard to hash and stream.
+- After its shard, a task writes ``<shard>.done.json`` (the shard's record). A prep that died half way and runs
+  again keeps every shard whose file still matches its record's sha256 and rewrites only the others.
+- The manifest goes last, with the statistics, the bad samples' count and first paths, and every shard's sha256.
+
+Training workers decode and augment these shards in loader processes (:mod:`training_core.loader`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import tarfile
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from training_core.config import DataConfig, clip, quote
+from training_core.redact import redact
+
+log = logging.getLogger(__name__)
+
+PARQUET_COLUMNS = ("sample_id", "label", "image", "source")
+DONE_SUFFIX = ".done.json"
+MAX_BAD_EXAMPLES = 10
+"""Bad samples named in the manifest and the prep log (the count covers them all)."""
+
+
+@dataclass
+class ImageItem:
+    source: str
+    """Where the image is: a path under ``data.path`` (image folder) or ``<batch member>#<row>`` (CIFAR-10)."""
+    label: int
+    sample_id: int
+    """The sample's number in the whole dataset, stable across preps of the same source."""
+
+
+@dataclass
+class ShardTask:
+    split: str
+    file: str
+    kind: str
+    """``image_folder`` or ``cifar10``."""
+    root: str
+    """``data.path``."""
+    out_dir: str
+    stats_size: int
+    items: list[ImageItem]
+
+
+@dataclass
+class ShardResult:
+    split: str
+    file: str
+    num_samples: int
+    sha256: str
+    label_range: list[int]
+    pixel_sum: list[float]
+    """Per channel: the sum of pixel values on the 0..1 scale at ``stats_size``."""
+    pixel_sq_sum: list[float]
+    num_pixels: int
+    """Pixels per channel the sums cover."""
+    num_bad: int = 0
+    bad_examples: list[str] = field(default_factory=list)
+    """``source: reason`` of the first bad samples."""
+    written: bool = True
+    """False when a previous prep's valid shard was kept."""
+    peak_rss_bytes: int = 0
+    """The task process's peak resident memory while it made this shard."""
+
+
+# ---------------------------------------------------------------------------------------------- the driver's side
+
+
+def _unit(key: str, seed: int, salt: str) -> float:
+    digest = hashlib.sha256(f"{seed}/{salt}/{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def assign_splits(items: list[ImageItem], cfg: DataConfig, *, own: tuple[str, ...]) -> dict[str, list[ImageItem]]:
+    """The source's train split cut into train, val and test: the items ordered by a hash of their source name
+    and ``data.split_seed``, the first ``data.test_fraction`` to test and the next ``data.val_fraction`` to val
+    (rounded); ``own`` names the splits the source has itself, which are not carved out of train."""
+    ordered = sorted(items, key=lambda item: _unit(item.source, cfg.split_seed, "split"))
+    n_test = 0 if "test" in own else int(round(len(ordered) * cfg.test_fraction))
+    n_val = 0 if "val" in own else int(round(len(ordered) * cfg.val_fraction))
+    splits = {"train": ordered[n_test + n_val :]}
+    if n_test:
+        splits["test"] = ordered[:n_test]
+    if n_val:
+        splits["val"] = ordered[n_test : n_test + n_val]
+    return splits
+
+
+def shard_tasks(splits: dict[str, list[ImageItem]], cfg: DataConfig, *, kind: str, out_dir: str) -> list[ShardTask]:
+    """Each split in a hashed order (classes mixed), cut into up to ``data.num_shards`` shards."""
+    tasks = []
+    for split, items in splits.items():
+        ordered = sorted(items, key=lambda item: _unit(item.source, cfg.split_seed, "order"))
+        parts = np.array_split(np.arange(len(ordered)), min(cfg.num_shards, len(ordered)))
+        for index, part in enumerate(parts):
+            tasks.append(
+                ShardTask(
+                    split=split,
+                    file=f"{split}-{index:05d}-of-{len(parts):05d}.parquet",
+                    kind=kind,
+                    root=cfg.path,
+                    out_dir=out_dir,
+                    stats_size=cfg.image_size or 32,
+                    items=[ordered[i] for i in part],
+                )
+            )
+    return tasks
+
+
+def list_image_folder(cfg: DataConfig) -> tuple[dict[str, list[ImageItem]], list[str], tuple[str, ...]]:
+    """The tree's images by split (``train`` and any ``val``/``test`` folders, else all of it as ``train``), the
+    class names, and the splits the tree has itself. Raises ``ValueError`` naming ``data.path`` for a tree with
+    fewer than two classes, a split without images, or a class folder a split lacks."""
+    from training_core.datasets import IMAGE_SUFFIXES, _existing
+
+    fs, root = _existing(cfg.path)
+    if not fs.isdir(root):
+        raise ValueError(
+            f"data.path={quote(cfg.path)} is invalid: not a directory; point it at the root of <class>/<image> folders"
+        )
+    root = root.rstrip("/")
+    found: dict[str, dict[str, list[str]]] = {}
+    for path in sorted(fs.find(root)):
+        relative = path[len(root) :].lstrip("/")
+        if not relative.lower().endswith(IMAGE_SUFFIXES):
+            continue
+        parts = relative.split("/")
+        if parts[0] in ("train", "val", "test") and len(parts) == 3:
+            split, cls = parts[0], parts[1]
+        elif len(parts) == 2:
+            split, cls = "", parts[0]
+        else:
+            continue
+        found.setdefault(split, {}).setdefault(cls, []).append(relative)
+    for split in ("val", "test"):
+        if fs.isdir(f"{root}/{split}") and split not in found:
+            raise ValueError(
+                f"data.path={quote(cfg.path)} is invalid: {split}/ has no images; every split holds images of the "
+                f"classes of train/ ({', '.join(IMAGE_SUFFIXES)}); add images or remove {split}/"
+            )
+    trees = {name: value for name, value in found.items() if name}
+    if trees and "" in found:
+        raise ValueError(
+            f"data.path={quote(cfg.path)} is invalid: it mixes split folders ({', '.join(sorted(trees))}/) with "
+            f"class folders ({', '.join(sorted(found[''])[:5])}/) at its top; use <split>/<class>/<image> or "
+            "<class>/<image>"
+        )
+    trees = trees or {"train": found.get("", {})}
+    if "train" not in trees:
+        raise ValueError(
+            f"data.path={quote(cfg.path)} is invalid: it has {', '.join(sorted(trees))}/ but no train/ folder of "
+            "<class>/<image>; add train/ or use <class>/<image> at the top"
+        )
+    under = "train/" if "train" in found else "./"
+    classes = sorted(trees["train"])
+    if len(classes) < 2:
+        raise ValueError(
+            f"data.path={quote(cfg.path)} is invalid: found {len(classes)} class folder(s) with images under "
+            f"{quote(under)}; an image folder needs at least two <class>/ subfolders of images "
+            f"({', '.join(IMAGE_SUFFIXES)})"
+        )
+    for split in ("val", "test"):
+        if split in found and (not trees[split] or set(trees[split]) - set(classes)):
+            extra = sorted(set(trees[split]) - set(classes))
+            why = f"class folder(s) {', '.join(extra[:5])} that train/ lacks" if extra else "no images"
+            raise ValueError(
+                f"data.path={quote(cfg.path)} is invalid: {split}/ has {why}; every split holds images of the "
+                "classes of train/"
+            )
+    splits: dict[str, list[ImageItem]] = {}
+    next_id = 0
+    for split, tree in trees.items():
+        items = []
+        for cls, paths in sorted(tree.items()):
+            for path in paths:
+                items.append(ImageItem(source=path, label=classes.index(cls), sample_id=next_id))
+                next_id += 1
+        splits[split] = items
+    return splits, classes, tuple(name for name in trees if name != "train")
+
+
+def list_cifar10(cfg: DataConfig) -> tuple[dict[str, list[ImageItem]], list[str], tuple[str, ...]]:
+    """The CIFAR-10 tarball's rows by split (its test batch is the test split), reading and checking one batch
+    member at a time."""
+    from training_core.datasets import CIFAR10_BATCHES, CIFAR10_CLASSES
+
+    splits: dict[str, list[ImageItem]] = {"train": [], "test": []}
+    next_id = 0
+    for name, (_, labels) in _cifar10_members(cfg.path):
+        split = "test" if name == CIFAR10_BATCHES[5] else "train"
+        for row, label in enumerate(labels.tolist()):
+            splits[split].append(ImageItem(source=f"{name}#{row}", label=int(label), sample_id=next_id))
+            next_id += 1
+    return splits, list(CIFAR10_CLASSES), ("test",)
+
+
+def _cifar10_members(path: str, wanted: set[str] | None = None) -> Iterator[tuple[str, tuple[np.ndarray, np.ndarray]]]:
+    """``(member name, (images, labels))`` of each batch of the tarball (of ``wanted`` only, when given), in the
+    archive's order, each checked as :mod:`training_core.datasets` checks it; one member in memory at a time."""
+    import fsspec
+
+    from training_core.datasets import _ARCHIVE_ERRORS, _existing
+
+    fs, fs_path = _existing(path)
+    if fs.isdir(fs_path):
+        raise ValueError(
+            f"data.path={quote(path)} is invalid: it is a directory; point it at the cifar-10-python.tar.gz tarball"
+        )
+    with fsspec.open(path, "rb") as f:
+        try:
+            archive = tarfile.open(fileobj=f, mode="r:*")
+        except _ARCHIVE_ERRORS:
+            raise ValueError(
+                f"data.path={quote(path)} is invalid: not a tar archive (neither gzip, bz2, xz nor plain tar); "
+                "expected the CIFAR-10 python-version tarball cifar-10-python.tar.gz"
+            ) from None
+        yield from _cifar10_archive_members(archive, path, wanted)
+
+
+def _cifar10_archive_members(
+    archive: tarfile.TarFile, path: str, wanted: set[str] | None
+) -> Iterator[tuple[str, tuple[np.ndarray, np.ndarray]]]:
+    from training_core.datasets import _ARCHIVE_ERRORS, _REDOWNLOAD, CIFAR10_BATCHES, _cifar10_batch, _cifar10_batches
+
+    try:
+        with archive:
+            members = {m.name: m for m in archive.getmembers() if m.name in CIFAR10_BATCHES}
+            if wanted is None:
+                _cifar10_batches(archive, path, check_only=True)  # names, duplicates, missing members
+            for name in CIFAR10_BATCHES:
+                if wanted is None or name in wanted:
+                    yield name, _cifar10_batch(archive, members[name], path)
+    except _ARCHIVE_ERRORS as exc:
+        raise ValueError(
+            f"data.path={quote(path)} is invalid: the tarball is truncated or damaged "
+            f"({type(exc).__name__}: {clip(str(exc))}); {_REDOWNLOAD}"
+        ) from None
+
+
+def run_tasks(tasks: list[ShardTask], *, num_workers: int) -> list[ShardResult]:
+    """Every shard task on Ray Data, ``num_workers`` at a time, on the running Ray cluster (or a local one started
+    as the platform starts it). Only the small results come back to the driver."""
+    import ray
+
+    if not ray.is_initialized():
+        from training_core.ray_settings import start_local_cluster
+
+        start_local_cluster()
+    import ray.data
+
+    rows = [{"task": json.dumps(asdict(task))} for task in tasks]
+    dataset = ray.data.from_items(rows, override_num_blocks=len(rows)).map(
+        _run_row, concurrency=num_workers, num_cpus=1
+    )
+    results = [ShardResult(**json.loads(row["result"])) for row in dataset.take_all()]
+    return sorted(results, key=lambda r: (r.split, r.file))
+
+
+def _run_row(row: dict[str, Any]) -> dict[str, Any]:
+    raw = json.loads(row["task"])
+    raw["items"] = [ImageItem(**item) for item in raw["items"]]
+    return {"result": json.dumps(asdict(write_shard(ShardTask(**raw))))}
+
+
+# ---------------------------------------------------------------------------------------------- one shard's task
+
+
+def _reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM, the peak resident set, to the current one
+    except OSError:
+        pass
+
+
+def _peak_rss_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _join(directory: str, name: str) -> str:
+    return f"{directory.rstrip('/')}/{name}"
+
+
+def kept_shard(fs, task: ShardTask) -> ShardResult | None:
+    """A previous prep's shard of ``task`` when its record exists and the file still has the recorded sha256."""
+    done = _join(task.out_dir, task.file + DONE_SUFFIX)
+    try:
+        with fs.open(done, "rb") as f:
+            result = ShardResult(**json.loads(f.read()))
+        with fs.open(_join(task.out_dir, task.file), "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except (FileNotFoundError, ValueError, TypeError):
+        return None
+    if digest != result.sha256 or result.split != task.split:
+        return None
+    result.written = False
+    return result
+
+
+def write_shard(task: ShardTask) -> ShardResult:
+    """Read, check and write one shard (or keep a previous prep's valid one)."""
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _reset_peak_rss()
+    fs, _ = fsspec.core.url_to_fs(task.out_dir)
+    kept = kept_shard(fs, task)
+    if kept is not None:
+        return kept
+    columns: dict[str, list] = {name: [] for name in PARQUET_COLUMNS}
+    sums, sq_sums, num_pixels = np.zeros(3), np.zeros(3), 0
+    bad: list[str] = []
+    for item, payload in _read_items(task):
+        try:
+            pixels = _decoded(payload, task.stats_size)
+        except Exception as exc:  # noqa: BLE001 - any decoder failure marks the sample bad, never the prep
+            bad.append(f"{item.source}: {type(exc).__name__}: {clip(str(exc).split(' <_io.')[0], 120)}")
+            continue
+        sums += pixels.sum(axis=(0, 1))
+        sq_sums += np.square(pixels).sum(axis=(0, 1))
+        num_pixels += pixels.shape[0] * pixels.shape[1]
+        for name, value in zip(PARQUET_COLUMNS, (item.sample_id, item.label, payload, item.source)):
+            columns[name].append(value)
+    table = pa.table(
+        {
+            "sample_id": pa.array(columns["sample_id"], pa.int64()),
+            "label": pa.array(columns["label"], pa.int64()),
+            "image": pa.array(columns["image"], pa.binary()),
+            "source": pa.array(columns["source"], pa.string()),
+        }
+    )
+    buffer = io.BytesIO()
+    # The images are compressed already; Parquet's own compression would only spend CPU.
+    pq.write_table(table, buffer, compression="none", row_group_size=256)
+    payload = buffer.getvalue()
+    result = ShardResult(
+        split=task.split,
+        file=task.file,
+        num_samples=table.num_rows,
+        sha256=hashlib.sha256(payload).hexdigest(),
+        label_range=[min(columns["label"]), max(columns["label"])] if columns["label"] else [0, 0],
+        pixel_sum=sums.tolist(),
+        pixel_sq_sum=sq_sums.tolist(),
+        num_pixels=num_pixels,
+        num_bad=len(bad),
+        bad_examples=bad[:MAX_BAD_EXAMPLES],
+    )
+    if table.num_rows:
+        with fs.open(_join(task.out_dir, task.file), "wb") as f:
+            f.write(payload)
+    result.peak_rss_bytes = _peak_rss_bytes()
+    with fs.open(_join(task.out_dir, task.file + DONE_SUFFIX), "w") as f:
+        f.write(json.dumps(asdict(result)))
+    return result
+
+
+def _decoded(payload: bytes, size: int) -> np.ndarray:
+    """The image as float RGB pixels on the 0..1 scale at ``size`` x ``size``; raises when it does not decode."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(payload)) as image:
+        image.draft("RGB", (size, size))  # JPEG decodes at a reduced scale when that is enough
+        image = image.convert("RGB").resize((size, size), Image.BILINEAR)
+        return np.asarray(image, dtype=np.float64) / 255.0
+
+
+def _read_items(task: ShardTask) -> Iterator[tuple[ImageItem, bytes]]:
+    if task.kind == "image_folder":
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(task.root)
+        for item in task.items:
+            with fs.open(_join(root, item.source), "rb") as f:
+                yield item, f.read()
+        return
+    by_member: dict[str, list[tuple[int, ImageItem]]] = {}
+    for item in task.items:
+        member, row = item.source.rsplit("#", 1)
+        by_member.setdefault(member, []).append((int(row), item))
+    encoded: dict[int, bytes] = {}
+    # Rows are encoded as PNG member by member, then yielded in the task's order.
+    for member, (images, _) in _cifar10_members(task.root, set(by_member)):
+        for row, item in by_member[member]:
+            encoded[item.sample_id] = _png(images[row])
+    for item in task.items:
+        yield item, encoded[item.sample_id]
+
+
+def _png(chw: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(chw.transpose(1, 2, 0))).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------- the prep
+
+
+@dataclass
+class ImagePrep:
+    """What an encoded-image prep made: the shard records by split, the classes and the statistics."""
+
+    results: list[ShardResult]
+    classes: list[str]
+    mean: list[float]
+    std: list[float]
+    num_bad: int
+    bad_examples: list[str]
+
+    @property
+    def num_written(self) -> int:
+        return sum(r.written for r in self.results)
+
+
+def prepare_images(cfg: DataConfig, out_dir: str) -> ImagePrep:
+    """List, split and shard the image source of ``cfg``, run the shard tasks, and total their statistics and bad
+    samples. Raises ``ValueError`` naming ``data.max_bad_samples`` when more samples than it allows are bad."""
+    import fsspec
+
+    lister = list_cifar10 if cfg.dataset == "cifar10" else list_image_folder
+    splits, classes, own = lister(cfg)
+    if "train" in own:
+        own = tuple(s for s in own if s != "train")
+    splits = {**assign_splits(splits.pop("train"), cfg, own=own), **splits}
+    for name in ("val", "test"):
+        if name not in splits:
+            field_name = f"data.{name}_fraction"
+            raise ValueError(
+                f"{field_name}={getattr(cfg, f'{name}_fraction')!r} is invalid: data.path={quote(cfg.path)} has no "
+                f"{name} split of its own and this fraction of its {len(splits['train'])} training images holds none; "
+                "raise it or add more images"
+            )
+    fs, root = fsspec.core.url_to_fs(out_dir)
+    fs.makedirs(root, exist_ok=True)
+    tasks = shard_tasks(splits, cfg, kind=cfg.dataset, out_dir=out_dir)
+    results = run_tasks(tasks, num_workers=cfg.prep_num_workers)
+    num_bad = sum(r.num_bad for r in results)
+    examples = [e for r in results for e in r.bad_examples][:MAX_BAD_EXAMPLES]
+    if num_bad:
+        log.warning("data prep skipped %d bad sample(s) of %s, first: %s", num_bad, redact(cfg.path), examples)
+    if num_bad > cfg.max_bad_samples:
+        raise ValueError(
+            f"data prep found {num_bad} bad (undecodable) sample(s) in data.path={quote(cfg.path)}, more than "
+            f"data.max_bad_samples={cfg.max_bad_samples}; the first: {clip('; '.join(examples[:3]), 600)}. Remove or "
+            "replace those files, or raise data.max_bad_samples to skip them"
+        )
+    empty = sorted({r.split for r in results} - {r.split for r in results if r.num_samples})
+    if empty:
+        raise ValueError(
+            f"data.path={quote(cfg.path)} is invalid: every image of split(s) {', '.join(empty)} is bad; fix the source"
+        )
+    train = [r for r in results if r.split == "train"]
+    count = sum(r.num_pixels for r in train)
+    mean = np.sum([r.pixel_sum for r in train], axis=0) / count
+    var = np.sum([r.pixel_sq_sum for r in train], axis=0) / count - mean**2
+    std = np.sqrt(np.maximum(var, 0.0))
+    log.info(
+        "image prep of %s: %d shard(s), %d written, %d kept from an earlier prep",
+        redact(cfg.path),
+        len(results),
+        sum(r.written for r in results),
+        sum(not r.written for r in results),
+    )
+    return ImagePrep(
+        results=[r for r in results if r.num_samples],
+        classes=classes,
+        mean=mean.tolist(),
+        std=np.maximum(std, 1e-6).tolist(),
+        num_bad=num_bad,
+        bad_examples=examples,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- the loader's side
+
+
+def shard_bytes(manifest: Any, shard: Any, data: DataConfig) -> bytes:
+    """A shard file's bytes, verified against its sha256; a remote shard goes through the bounded local cache
+    (``data.cache_dir``, ``data.cache_max_bytes``), so an epoch after the first reads it from local disk."""
+    import fsspec
+
+    from training_core.data import _join as join
+    from training_core.data import _plain_name, _shard_error
+
+    where = f"shard {quote(shard.file)} in {clip(redact(manifest.directory), 500)}"
+    _plain_name(shard.file, lambda why: _shard_error(where, why))
+    url = join(manifest.directory, shard.file)
+    remote = "://" in manifest.directory and not manifest.directory.startswith("file://")
+    cache = data.cache_dir or os.path.join(tempfile.gettempdir(), "training-shard-cache")
+    cached = os.path.join(cache, shard.sha256 + SHARD_SUFFIX) if remote else ""
+    if cached and os.path.exists(cached):
+        with open(cached, "rb") as f:
+            payload = f.read()
+        if hashlib.sha256(payload).hexdigest() == shard.sha256:
+            os.utime(cached)  # recently used
+            return payload
+    with fsspec.open(url, "rb") as f:
+        payload = f.read()
+    digest = hashlib.sha256(payload).hexdigest()
+    if digest != shard.sha256:
+        _shard_error(where, f"is corrupt: sha256 {digest} != manifest {shard.sha256}")
+    if cached:
+        os.makedirs(cache, exist_ok=True)
+        staging = f"{cached}.{os.getpid()}.tmp"
+        with open(staging, "wb") as f:
+            f.write(payload)
+        os.replace(staging, cached)
+        evict(cache, data.cache_max_bytes)
+    return payload
+
+
+SHARD_SUFFIX = ".parquet"
+
+
+def evict(cache: str, max_bytes: int) -> None:
+    """Delete the least recently used shards of ``cache`` until it holds at most ``max_bytes`` (the newest shard
+    stays even when it alone is larger)."""
+    entries = []
+    for name in os.listdir(cache):
+        if name.endswith(SHARD_SUFFIX):
+            try:
+                stat = os.stat(os.path.join(cache, name))
+            except FileNotFoundError:  # another loader process evicted it
+                continue
+            entries.append((stat.st_mtime, stat.st_size, name))
+    entries.sort()
+    used = sum(size for _, size, _ in entries)
+    for _, size, name in entries[:-1]:
+        if used <= max_bytes:
+            break
+        try:
+            os.remove(os.path.join(cache, name))
+        except FileNotFoundError:
+            pass
+        used -= size
+
+
+class EncodedImages:
+    """A Parquet shard's images, decoded (and for training augmented) one sample at a time."""
+
+    def __init__(self, sample_ids: list[int], labels: list[int], images: list[bytes], *, size: int, data: DataConfig):
+        self.sample_ids, self.labels, self.images = sample_ids, labels, images
+        self.size, self.data = size, data
+        self._transforms: tuple[Any, Any] | None = None
+
+    @classmethod
+    def read(cls, manifest: Any, shard: Any, data: DataConfig) -> "EncodedImages":
+        """Shard ``shard``, checked against the manifest: sha256, columns and their types, count and labels."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from training_core.data import _shard_error
+
+        where = f"shard {quote(shard.file)} in {clip(redact(manifest.directory), 500)}"
+        payload = shard_bytes(manifest, shard, data)
+        try:
+            table = pq.read_table(pa.BufferReader(payload), columns=["sample_id", "label", "image"])
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            _shard_error(where, f"is not a readable Parquet shard ({type(exc).__name__}: {clip(str(exc))})")
+        types = {"sample_id": pa.int64(), "label": pa.int64(), "image": pa.binary()}
+        for name, expected in types.items():
+            if table.schema.field(name).type != expected:
+                _shard_error(where, f"has column {name} of type {table.schema.field(name).type}; expected {expected}")
+        if table.num_rows != shard.num_samples:
+            _shard_error(where, f"holds {table.num_rows} samples; the manifest says {shard.num_samples}")
+        labels = table.column("label").to_pylist()
+        low, high = min(labels), max(labels)
+        if [low, high] != shard.bounds.get("labels", [low, high]) or not 0 <= low <= high < manifest.num_classes:
+            _shard_error(where, f"holds labels {low}..{high}; the manifest has {manifest.num_classes} classes")
+        return cls(
+            table.column("sample_id").to_pylist(),
+            labels,
+            table.column("image").to_pylist(),
+            size=manifest.input_shape[-1],
+            data=data,
+        )
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def transforms(self) -> tuple[Any, Any]:
+        """(training, evaluation) transforms of a uint8 image tensor."""
+        if self._transforms is None:
+            from torchvision.transforms import v2
+
+            train = v2.Compose(
+                [
+                    v2.RandomResizedCrop(self.size, scale=(self.data.augment_min_crop_scale, 1.0), antialias=True),
+                    v2.RandomHorizontalFlip(),
+                ]
+            )
+            evaluation = v2.Compose([v2.Resize(self.size, antialias=True), v2.CenterCrop(self.size)])
+            self._transforms = (train if self.data.augment else evaluation, evaluation)
+        return self._transforms
+
+    def sample(self, row: int, *, epoch: int, train: bool, seed: int = 0) -> dict[str, np.ndarray]:
+        import torch
+        from torchvision.io import ImageReadMode, decode_image
+
+        from training_core.loader import sample_seed
+
+        encoded = torch.frombuffer(bytearray(self.images[row]), dtype=torch.uint8)
+        image = decode_image(encoded, mode=ImageReadMode.RGB)
+        train_transform, eval_transform = self.transforms()
+        if train:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(sample_seed(seed, epoch, self.sample_ids[row]))
+                image = train_transform(image)
+        else:
+            image = eval_transform(image)
+        return {
+            "images": image.numpy(),
+            "labels": np.int64(self.labels[row]),
+            "sample_ids": np.int64(self.sample_ids[row]),
+        }
