@@ -248,7 +248,7 @@ def test_only_data_prep_and_trials_are_cached_with_their_declared_versions(packa
     from tasks.tuning import TRIAL_CACHE_VERSION
 
     prepare = package.tasks["tasks.data.prepare_data"].template.metadata
-    assert prepare.discoverable and prepare.discovery_version == PREPARE_DATA_CACHE_VERSION == "3"
+    assert prepare.discoverable and prepare.discovery_version == PREPARE_DATA_CACHE_VERSION == "4"
     trial = package.tasks["tasks.tuning.train_trial"].template.metadata
     assert trial.discoverable and trial.discovery_version == TRIAL_CACHE_VERSION
     for name in ("tasks.train.train", "tasks.evaluate.evaluate", "tasks.register.register_model"):
