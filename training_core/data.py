@@ -498,11 +498,18 @@ def write_prepared(
             )
         split_infos[name] = SplitInfo(num_samples=count, shards=shards)
     manifest = dataclasses.replace(template, splits=split_infos, version=MANIFEST_VERSION, directory=out_dir)
-    # The manifest goes last: a directory with a manifest is complete.
-    with fs.open(_join(root, MANIFEST_NAME), "w") as f:
-        f.write(manifest.to_json())
+    write_manifest(manifest)
     log.info("prepared %s (%s): %s", manifest.dataset, manifest.workload, manifest.split_counts())
     return manifest
+
+
+def write_manifest(manifest: Manifest) -> None:
+    """Write ``manifest`` into its directory. Prep calls it after every shard is written: a directory with a
+    manifest is complete."""
+    import fsspec
+
+    with fsspec.open(_join(manifest.directory, MANIFEST_NAME), "w") as f:
+        f.write(manifest.to_json())
 
 
 def _check_split(template: Manifest, split: str, arrays: Mapping[str, np.ndarray]) -> None:

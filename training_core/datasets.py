@@ -22,6 +22,7 @@ import struct
 import tarfile
 import zlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 
@@ -152,34 +153,50 @@ _PICKLE_ERRORS = (
 
 
 def _cifar10(cfg: DataConfig) -> RawDataset:
-    fs, fs_path = _existing(cfg.path)
+    batches = dict(cifar10_members(cfg.path))
+    train = [batches[name] for name in CIFAR10_BATCHES[:5]]
+    splits = {
+        "train": (np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train])),
+        "test": batches[CIFAR10_BATCHES[5]],
+    }
+    return RawDataset(splits=splits, classes=list(CIFAR10_CLASSES))
+
+
+def cifar10_members(path: str, wanted: set[str] | None = None) -> Iterator[tuple[str, tuple[np.ndarray, np.ndarray]]]:
+    """``(member name, (uint8 images N x 3 x 32 x 32, int64 labels N))`` of each batch of the CIFAR-10 tarball at
+    ``path`` (of ``wanted`` only, when given), streamed one member at a time. Without ``wanted``, the archive's
+    members are checked first (each batch exactly once). Raises ``ValueError`` naming ``data.path`` and the fix."""
+    import fsspec
+
+    fs, fs_path = _existing(path)
     if fs.isdir(fs_path):
         raise ValueError(
-            f"data.path={quote(cfg.path)} is invalid: it is a directory; point it at the cifar-10-python.tar.gz "
+            f"data.path={quote(path)} is invalid: it is a directory; point it at the cifar-10-python.tar.gz "
             "tarball itself"
         )
-    with fs.open(fs_path, "rb") as f:
-        payload = f.read()
-    try:
-        archive = tarfile.open(fileobj=io.BytesIO(payload), mode="r:*")
-    except _ARCHIVE_ERRORS:
-        raise ValueError(
-            f"data.path={quote(cfg.path)} is invalid: not a tar archive (neither gzip, bz2, xz nor plain tar); "
-            "expected the CIFAR-10 python-version tarball cifar-10-python.tar.gz"
-        ) from None
-    try:
-        with archive:
-            return _cifar10_batches(archive, cfg.path)
-    except _ARCHIVE_ERRORS as exc:
-        raise ValueError(
-            f"data.path={quote(cfg.path)} is invalid: the tarball is truncated or damaged "
-            f"({type(exc).__name__}: {clip(str(exc))}); {_REDOWNLOAD}"
-        ) from None
+    with fsspec.open(path, "rb") as f:
+        try:
+            archive = tarfile.open(fileobj=f, mode="r:*")
+        except _ARCHIVE_ERRORS:
+            raise ValueError(
+                f"data.path={quote(path)} is invalid: not a tar archive (neither gzip, bz2, xz nor plain tar); "
+                "expected the CIFAR-10 python-version tarball cifar-10-python.tar.gz"
+            ) from None
+        try:
+            with archive:
+                members = _cifar10_checked_members(archive, path)
+                for name in CIFAR10_BATCHES:
+                    if wanted is None or name in wanted:
+                        yield name, _cifar10_batch(archive, members[name], path)
+        except _ARCHIVE_ERRORS as exc:
+            raise ValueError(
+                f"data.path={quote(path)} is invalid: the tarball is truncated or damaged "
+                f"({type(exc).__name__}: {clip(str(exc))}); {_REDOWNLOAD}"
+            ) from None
 
 
-def _cifar10_batches(archive: tarfile.TarFile, path: str, *, check_only: bool = False) -> RawDataset | None:
-    """The five training batches and the test batch of an open CIFAR-10 python tarball, each checked; with
-    ``check_only``, only that each batch member is there exactly once."""
+def _cifar10_checked_members(archive: tarfile.TarFile, path: str) -> dict[str, tarfile.TarInfo]:
+    """The batch members of an open CIFAR-10 python tarball by name, once each is known to be there exactly once."""
     wanted = {posixpath.basename(name): name for name in CIFAR10_BATCHES}
     found: dict[str, list[tarfile.TarInfo]] = {name: [] for name in CIFAR10_BATCHES}
     for member in archive.getmembers():
@@ -203,15 +220,7 @@ def _cifar10_batches(archive: tarfile.TarFile, path: str, *, check_only: bool = 
                 f"{posixpath.basename(name)}: {listed}; the format has exactly one, {name!r}. Remove the others, or "
                 f"{_REDOWNLOAD}"
             )
-    if check_only:
-        return None
-    batches = {name: _cifar10_batch(archive, found[name][0], path) for name in CIFAR10_BATCHES}
-    train = [batches[name] for name in CIFAR10_BATCHES[:5]]
-    splits = {
-        "train": (np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train])),
-        "test": batches[CIFAR10_BATCHES[5]],
-    }
-    return RawDataset(splits=splits, classes=list(CIFAR10_CLASSES))
+    return {name: members[0] for name, members in found.items()}
 
 
 def _cifar10_batch(archive: tarfile.TarFile, member: tarfile.TarInfo, path: str) -> tuple[np.ndarray, np.ndarray]:

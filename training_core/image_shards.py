@@ -26,7 +26,6 @@ import io
 import json
 import logging
 import os
-import tarfile
 import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
@@ -206,59 +205,16 @@ def list_image_folder(cfg: DataConfig) -> tuple[dict[str, list[ImageItem]], list
 def list_cifar10(cfg: DataConfig) -> tuple[dict[str, list[ImageItem]], list[str], tuple[str, ...]]:
     """The CIFAR-10 tarball's rows by split (its test batch is the test split), reading and checking one batch
     member at a time."""
-    from training_core.datasets import CIFAR10_BATCHES, CIFAR10_CLASSES
+    from training_core.datasets import CIFAR10_BATCHES, CIFAR10_CLASSES, cifar10_members
 
     splits: dict[str, list[ImageItem]] = {"train": [], "test": []}
     next_id = 0
-    for name, (_, labels) in _cifar10_members(cfg.path):
+    for name, (_, labels) in cifar10_members(cfg.path):
         split = "test" if name == CIFAR10_BATCHES[5] else "train"
         for row, label in enumerate(labels.tolist()):
             splits[split].append(ImageItem(source=f"{name}#{row}", label=int(label), sample_id=next_id))
             next_id += 1
     return splits, list(CIFAR10_CLASSES), ("test",)
-
-
-def _cifar10_members(path: str, wanted: set[str] | None = None) -> Iterator[tuple[str, tuple[np.ndarray, np.ndarray]]]:
-    """``(member name, (images, labels))`` of each batch of the tarball (of ``wanted`` only, when given), in the
-    archive's order, each checked as :mod:`training_core.datasets` checks it; one member in memory at a time."""
-    import fsspec
-
-    from training_core.datasets import _ARCHIVE_ERRORS, _existing
-
-    fs, fs_path = _existing(path)
-    if fs.isdir(fs_path):
-        raise ValueError(
-            f"data.path={quote(path)} is invalid: it is a directory; point it at the cifar-10-python.tar.gz tarball"
-        )
-    with fsspec.open(path, "rb") as f:
-        try:
-            archive = tarfile.open(fileobj=f, mode="r:*")
-        except _ARCHIVE_ERRORS:
-            raise ValueError(
-                f"data.path={quote(path)} is invalid: not a tar archive (neither gzip, bz2, xz nor plain tar); "
-                "expected the CIFAR-10 python-version tarball cifar-10-python.tar.gz"
-            ) from None
-        yield from _cifar10_archive_members(archive, path, wanted)
-
-
-def _cifar10_archive_members(
-    archive: tarfile.TarFile, path: str, wanted: set[str] | None
-) -> Iterator[tuple[str, tuple[np.ndarray, np.ndarray]]]:
-    from training_core.datasets import _ARCHIVE_ERRORS, _REDOWNLOAD, CIFAR10_BATCHES, _cifar10_batch, _cifar10_batches
-
-    try:
-        with archive:
-            members = {m.name: m for m in archive.getmembers() if m.name in CIFAR10_BATCHES}
-            if wanted is None:
-                _cifar10_batches(archive, path, check_only=True)  # names, duplicates, missing members
-            for name in CIFAR10_BATCHES:
-                if wanted is None or name in wanted:
-                    yield name, _cifar10_batch(archive, members[name], path)
-    except _ARCHIVE_ERRORS as exc:
-        raise ValueError(
-            f"data.path={quote(path)} is invalid: the tarball is truncated or damaged "
-            f"({type(exc).__name__}: {clip(str(exc))}); {_REDOWNLOAD}"
-        ) from None
 
 
 def run_tasks(tasks: list[ShardTask], *, num_workers: int) -> list[ShardResult]:
@@ -409,9 +365,11 @@ def _read_items(task: ShardTask) -> Iterator[tuple[ImageItem, bytes]]:
     for item in task.items:
         member, row = item.source.rsplit("#", 1)
         by_member.setdefault(member, []).append((int(row), item))
+    from training_core.datasets import cifar10_members
+
     encoded: dict[int, bytes] = {}
     # Rows are encoded as PNG member by member, then yielded in the task's order.
-    for member, (images, _) in _cifar10_members(task.root, set(by_member)):
+    for member, (images, _) in cifar10_members(task.root, set(by_member)):
         for row, item in by_member[member]:
             encoded[item.sample_id] = _png(images[row])
     for item in task.items:
@@ -452,8 +410,6 @@ def prepare_images(cfg: DataConfig, out_dir: str) -> ImagePrep:
 
     lister = list_cifar10 if cfg.dataset == "cifar10" else list_image_folder
     splits, classes, own = lister(cfg)
-    if "train" in own:
-        own = tuple(s for s in own if s != "train")
     splits = {**assign_splits(splits.pop("train"), cfg, own=own), **splits}
     for name in ("val", "test"):
         if name not in splits:

@@ -76,9 +76,7 @@ class ImageClassification:
 
     def prepare_encoded(self, cfg: DataConfig, out_dir: str) -> Manifest:
         """An image folder or the CIFAR-10 tarball as Parquet shards of encoded images (Ray Data tasks)."""
-        import fsspec
-
-        from training_core.data import MANIFEST_NAME, ShardInfo, SplitInfo
+        from training_core.data import ShardInfo, SplitInfo, write_manifest
         from training_core.image_shards import prepare_images
 
         prep = prepare_images(cfg, out_dir)
@@ -112,9 +110,7 @@ class ImageClassification:
             bad_samples={"count": prep.num_bad, "examples": prep.bad_examples},
             directory=out_dir,
         )
-        # The manifest goes last: a directory with a manifest is complete.
-        with fsspec.open(f"{out_dir.rstrip('/')}/{MANIFEST_NAME}", "w") as f:
-            f.write(manifest.to_json())
+        write_manifest(manifest)
         return manifest
 
     def check(self, config: TrainingConfig, manifest: Manifest) -> None:
