@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import html
+import json
 import os
 from typing import Sequence
 
@@ -55,6 +56,32 @@ def checkpoint_storage_path(config: CheckpointConfig) -> str:
     execution's raw-output location (s3:// on a cluster or with ``--raw-output-data-prefix``)."""
     raw_output_prefix = FlyteContextManager.current_context().file_access.raw_output_prefix
     return config.storage_path or f"{raw_output_prefix.rstrip('/')}/checkpoints"
+
+
+def _flyte_checkpoint():
+    try:
+        return current_context().checkpoint
+    except NotImplementedError:  # a platform without intra-task checkpoints
+        return None
+
+
+def read_attempt_record() -> dict | None:
+    """What the previous attempt of this node wrote with :func:`write_attempt_record`, or None on a first attempt.
+
+    Flyte hands each retry the intra-task checkpoint of the attempt before (``--prev-checkpoint``): a retry finds
+    where its predecessor kept its work and continues there instead of starting over in a fresh location."""
+    checkpoint = _flyte_checkpoint()
+    if checkpoint is None or not checkpoint.prev_exists():
+        return None
+    payload = checkpoint.read()
+    return json.loads(payload) if payload else None
+
+
+def write_attempt_record(record: dict) -> None:
+    """Record ``record`` (JSON) in Flyte's intra-task checkpoint, which the next attempt receives."""
+    checkpoint = _flyte_checkpoint()
+    if checkpoint is not None:
+        checkpoint.write(json.dumps(record).encode())
 
 
 def local_deck_path(report: FlyteFile) -> str | None:

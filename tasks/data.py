@@ -1,13 +1,20 @@
-"""``prepare_data``: raw dataset -> sharded splits with a manifest, cached by config."""
+"""Data prep: raw dataset -> sharded splits with a manifest, cached by config.
+
+``prepare`` is what workflows call. It compiles, at run time, to ``prepare_images_on_ray`` (the image sources:
+shard tasks on Ray Data, on a RayJob sized from ``data.prep_num_workers``) or ``prepare_data`` (everything else,
+in the task's own process). Both are cached by the same version.
+"""
 
 from __future__ import annotations
 
 import os
 from datetime import timedelta
 
-from flytekit import Cache, Resources, current_context, task
+from flytekit import Cache, FlyteContextManager, Resources, current_context, dynamic, task
+from flytekit.types.directory import FlyteDirectory
 
-from tasks.artifacts import tracked_directory
+from tasks.artifacts import read_attempt_record, tracked_directory, write_attempt_record
+from tasks.ray_config import prep_ray_job_config
 from tasks.types import PreparedData
 from training_core.config import DataConfig, WorkloadConfig
 
@@ -16,32 +23,79 @@ from training_core.config import DataConfig, WorkloadConfig
 # 2: label ranges; CIFAR checked at read
 PREPARE_DATA_CACHE_VERSION = "4"
 
+PREP_TASK_ARGS = {
+    "cache": Cache(version=PREPARE_DATA_CACHE_VERSION),
+    "retries": 2,
+    "interruptible": True,  # idempotent and cached: a preempted attempt is redone (on Ray: only its missing shards)
+    "requests": Resources(cpu="1", mem="2Gi"),
+    "limits": Resources(cpu="2", mem="8Gi"),
+}
 
-@task(
-    cache=Cache(version=PREPARE_DATA_CACHE_VERSION),
-    retries=2,
-    interruptible=True,  # idempotent and cached: a preempted attempt is simply redone
-    timeout=timedelta(hours=2),
-    requests=Resources(cpu="1", mem="2Gi"),
-    limits=Resources(cpu="2", mem="8Gi"),
-)
+
+@task(timeout=timedelta(hours=2), **PREP_TASK_ARGS)
 def prepare_data(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()) -> PreparedData:
-    """Read the dataset, split it into train/val/test and write each split as shards plus a manifest.
+    """Read the dataset, split it into train/val/test and write each split as shards plus a manifest, in this
+    task's process (digits, synthetic, text and user datasets).
 
     :param config: Which dataset, where its raw files are, split fractions, shard count, image size or text
         tokenizer and sequence length. Outputs are cached per distinct config and workload.
     :param workload: Which workload prepares the data: a built-in (image_classification, causal_lm) or user code.
     :return: The shard directory and the manifest's split counts, classes and input shape.
     """
+    out_dir = os.path.join(current_context().working_directory, "prepared")
+    return _prepared(config, workload, out_dir, tracked_directory(out_dir))
+
+
+# The default config's RayJob; ``prepare`` overrides it with the launched config's.
+@task(task_config=prep_ray_job_config(DataConfig()), timeout=timedelta(hours=24), **PREP_TASK_ARGS)
+def prepare_images_on_ray(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()) -> PreparedData:
+    """Prepare an image source (``cifar10``, ``image_folder``) as Parquet shards of encoded images, one Ray Data
+    task per shard on this task's Ray cluster, written straight to the run's raw-output location (s3:// on a
+    cluster). A retry (Flyte's next attempt) writes into its predecessor's directory and rewrites only the shards
+    that are missing or do not match their records.
+
+    :param config: The image source, split fractions, shard count, image size and ``prep_num_workers``.
+    :param workload: The built-in image workload (user datasets go to ``prepare_data``).
+    :return: The shard directory and the manifest's split counts, classes and input shape.
+    """
+    previous = read_attempt_record()
+    if previous:
+        out_dir = previous["out_dir"]
+    else:
+        out_dir = FlyteContextManager.current_context().file_access.get_random_remote_directory()
+        write_attempt_record({"out_dir": out_dir})
+    # Already where Flyte keeps outputs (the raw-output location): passed on as it is, never copied.
+    return _prepared(config, workload, out_dir, FlyteDirectory(out_dir, remote_directory=False))
+
+
+def _prepared(config: DataConfig, workload: WorkloadConfig, out_dir: str, directory: FlyteDirectory) -> PreparedData:
     from training_core.workloads import resolve_workload
 
-    out_dir = os.path.join(current_context().working_directory, "prepared")
     manifest = resolve_workload(workload).prepare_data(config, out_dir)
     return PreparedData(
-        directory=tracked_directory(out_dir),
+        directory=directory,
         workload=manifest.workload,
         dataset=manifest.dataset,
         num_classes=manifest.num_classes,
         input_shape=list(manifest.input_shape),
         split_counts=manifest.split_counts(),
     )
+
+
+@dynamic(interruptible=True)
+def prepare(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()) -> PreparedData:
+    """Data prep where it belongs: an image source on a RayJob of ``data.prep_num_workers`` prep workers (each
+    ``data.prep_memory_per_worker_gib``), compiled at run time so the RayJob follows the launched config; every
+    other source in ``prepare_data``'s own pod.
+
+    :param config: The data config.
+    :param workload: The workload that prepares it.
+    :return: The prepared shards.
+    """
+    from training_core.workloads.image import prep_uses_ray
+
+    if prep_uses_ray(config, workload):
+        return prepare_images_on_ray(config=config, workload=workload).with_overrides(
+            task_config=prep_ray_job_config(config)
+        )
+    return prepare_data(config=config, workload=workload)

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 from flytekit import Resources, task
 
-from tasks.artifacts import publish_report
+from tasks.artifacts import artifact_location, publish_report
 from tasks.types import Evaluation, PreparedData, TrainedModel
 
 
@@ -31,7 +31,9 @@ def evaluate(data: PreparedData, model: TrainedModel) -> Evaluation:
     from training_core import tracking
     from training_core.evaluation import evaluate_checkpoint
 
-    result = evaluate_checkpoint(model.checkpoint.download(), data.directory.download(), split="test")
+    # The test split's shards are read where prep stored them (s3:// on a cluster, through the bounded shard cache),
+    # not downloaded with every other split.
+    result = evaluate_checkpoint(model.checkpoint.download(), artifact_location(data.directory), split="test")
     tracking.log_metrics(
         model.tracking_uri,
         model.mlflow_run_id,

@@ -14,13 +14,18 @@ from flytekit.extend import TaskPlugins
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 from flytekitplugins.ray.task import RayFunctionTask
 
-from training_core.config import SHM_SHARE, ScalingConfig
+from training_core.config import SHM_SHARE, DataConfig, ScalingConfig
 from training_core.ray_settings import PROCESS_ENV, apply_process_env, start_local_cluster
 
 if TYPE_CHECKING:
     from kubernetes.client import V1PodSpec
 
 WORKER_GROUP = "train-workers"
+PREP_GROUP = "prep-workers"
+# The prep driver lists the source (paths and labels: about 200 MB for ImageNet's 1.28 M files) and totals the shard
+# tasks' small results; the images themselves stay on the prep workers.
+PREP_HEAD_MEMORY_GIB = 4.0
+PREP_HEAD = Resources(cpu="1", mem=f"{int(PREP_HEAD_MEMORY_GIB * 1024)}Mi")
 RAYJOB_TTL_S = 3600
 # The container names the Ray plugin gives the head and worker containers: a pod template's primary container must
 # carry them for its resources and mounts to apply.
@@ -105,16 +110,25 @@ def ray_job_config(scaling: ScalingConfig) -> TrainingRayJobConfig:
     (``num-cpus: 0`` and ``num-gpus: 0``, and no GPU placement), so every worker lands on a sized worker pod."""
     head = Resources(cpu=_cpus(scaling.head_cpus), mem=_gib(scaling.head_memory_gib))
     head_spec = _pod_spec(HEAD_CONTAINER, head, SHM_SHARE * scaling.head_memory_gib)
+    return _ray_job(head_spec, WORKER_GROUP, scaling.num_workers, worker_pod_spec(scaling))
+
+
+def prep_ray_job_config(data: DataConfig) -> TrainingRayJobConfig:
+    """The prep task's RayJob: one 1-CPU pod of ``data.prep_memory_per_worker_gib`` per ``data.prep_num_workers``
+    (each runs one shard task at a time), and a head that runs the driver (listing the source, small results)."""
+    worker = Resources(cpu="1", mem=_gib(data.prep_memory_per_worker_gib))
+    spec = _pod_spec(WORKER_CONTAINER, worker, SHM_SHARE * data.prep_memory_per_worker_gib)
+    head_spec = _pod_spec(HEAD_CONTAINER, PREP_HEAD, SHM_SHARE * PREP_HEAD_MEMORY_GIB)
+    return _ray_job(head_spec, PREP_GROUP, data.prep_num_workers, spec)
+
+
+def _ray_job(head_spec: V1PodSpec, group: str, replicas: int, worker_spec: V1PodSpec) -> TrainingRayJobConfig:
     return TrainingRayJobConfig(
         head_node_config=HeadNodeConfig(
             ray_start_params={"num-cpus": "0", "num-gpus": "0"}, pod_template=PodTemplate(pod_spec=head_spec)
         ),
         worker_node_config=[
-            WorkerNodeConfig(
-                group_name=WORKER_GROUP,
-                replicas=scaling.num_workers,
-                pod_template=PodTemplate(pod_spec=worker_pod_spec(scaling)),
-            )
+            WorkerNodeConfig(group_name=group, replicas=replicas, pod_template=PodTemplate(pod_spec=worker_spec))
         ],
         shutdown_after_job_finishes=True,
         ttl_seconds_after_finished=RAYJOB_TTL_S,

@@ -13,7 +13,14 @@ from typing import Optional
 from flytekit import Resources, current_context, task
 from flytekit.types.directory import FlyteDirectory
 
-from tasks.artifacts import artifact_location, checkpoint_storage_path, publish_report, tracked_directory
+from tasks.artifacts import (
+    artifact_location,
+    checkpoint_storage_path,
+    publish_report,
+    read_attempt_record,
+    tracked_directory,
+    write_attempt_record,
+)
 from tasks.ray_config import ray_job_config
 from tasks.types import PreparedData, TrainedModel, TrainMetrics
 from training_core.config import ScalingConfig, TrainingConfig
@@ -216,23 +223,10 @@ def _run_location(config: TrainingConfig, data_dir: str) -> RunLocation:
     )
 
 
-def _flyte_checkpoint():
-    try:
-        return current_context().checkpoint
-    except NotImplementedError:  # a platform without intra-task checkpoints
-        return None
-
-
 def _read_pointer() -> RunLocation | None:
-    checkpoint = _flyte_checkpoint()
-    if checkpoint is None or not checkpoint.prev_exists():
-        return None
-    payload = checkpoint.read()
-    return RunLocation(**json.loads(payload)) if payload else None
+    record = read_attempt_record()
+    return RunLocation(**record) if record else None
 
 
 def _write_pointer(location: RunLocation) -> None:
-    """Record the location in Flyte's intra-task checkpoint, which the next attempt receives."""
-    checkpoint = _flyte_checkpoint()
-    if checkpoint is not None:
-        checkpoint.write(json.dumps(dataclasses.asdict(location)).encode())
+    write_attempt_record(dataclasses.asdict(location))

@@ -239,9 +239,16 @@ class DataConfig:
     """Image sources (``cifar10``, ``image_folder``): shard tasks prep runs at once on the Ray cluster (Ray Data),
     one CPU each; the prep task's RayJob is sized from it."""
 
+    prep_memory_per_worker_gib: float = 4.0
+    """Image sources on a cluster: memory of each prep worker pod of the prep task's RayJob (one per
+    ``prep_num_workers``, 1 CPU each), GiB. A shard task holds one shard's encoded images twice (read, then written),
+    so it needs at least twice the largest shard; raise ``data.num_shards`` or this when a prep worker runs out."""
+
     loader_num_workers: int = 2
-    """Loader processes per training worker that read, decode and augment batches ahead of the step (torch
-    ``DataLoader`` workers); 0 reads in the training thread. What a step sees does not depend on it."""
+    """Loader processes per training worker that read, decode and augment encoded images (Parquet shards) ahead of
+    the step (torch ``DataLoader`` workers); 0 reads in the training thread. Arrays (``.npz`` shards of digits,
+    synthetic and text data) are already decoded and are always read in the training thread. What a step sees does
+    not depend on it."""
 
     loader_prefetch_batches: int = 4
     """Batches the loader processes of one training worker keep ready, in all."""
@@ -288,7 +295,14 @@ class DataConfig:
             invalid("data.tokenizer", self.tokenizer, "use 'byte' or the path or s3:// URI of a tokenizer.json")
         _non_negative("data.max_text_bytes", self.max_text_bytes)
         _non_negative("data.max_bad_samples", self.max_bad_samples)
-        _positive("data.prep_num_workers", self.prep_num_workers)
+        _between("data.prep_num_workers", self.prep_num_workers, 1, 1024)
+        _between(
+            "data.prep_memory_per_worker_gib",
+            self.prep_memory_per_worker_gib,
+            MIN_MEMORY_GIB,
+            MAX_MEMORY_GIB,
+            " GiB: a pod's memory is written in whole MiB, and a Ray node needs at least 256 MiB to start",
+        )
         _between("data.loader_num_workers", self.loader_num_workers, 0, 64)
         _positive("data.loader_prefetch_batches", self.loader_prefetch_batches)
         if not 0 < self.augment_min_crop_scale <= 1:

@@ -633,8 +633,8 @@ class ShardStream:
     """Batches of one split for one rank (see :mod:`training_core.loader` for the order and resume).
 
     Training batches come from the rank's chunk of the epoch's global order, read, decoded and augmented in
-    ``data.loader_num_workers`` loader processes; evaluation reads the rank's shards ``rank, rank + world_size, ...``
-    in stored order.
+    ``data.loader_num_workers`` loader processes (Parquet shards of encoded images; ``.npz`` arrays are read in this
+    thread); evaluation reads the rank's shards ``rank, rank + world_size, ...`` in stored order.
     """
 
     def __init__(
@@ -683,9 +683,14 @@ class ShardStream:
         )
         return loader_iter(
             batches.batches,
-            num_processes=min(self.data.loader_num_workers, max(num_batches - start_batch, 0)),
+            num_processes=min(self._loader_processes(), max(num_batches - start_batch, 0)),
             prefetch_batches=self.data.loader_prefetch_batches,
         )
+
+    def _loader_processes(self) -> int:
+        # An npz shard holds decoded arrays: a loader process would only copy them through shared memory, and
+        # forking one per epoch costs more than the copy saves on small data.
+        return self.data.loader_num_workers if self.manifest.format == "parquet" else 0
 
     def eval_batches(self, *, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
         """Every sample of this rank's shards once, in stored order; the last batch of each shard may be short."""
@@ -708,7 +713,7 @@ class ShardStream:
         # Whole shards per process: evaluation order is not a contract, only that every sample is seen once.
         return loader_iter(
             source,
-            num_processes=min(self.data.loader_num_workers, len(mine)),
+            num_processes=min(self._loader_processes(), len(mine)),
             prefetch_batches=self.data.loader_prefetch_batches,
         )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flytekit import dynamic
 
-from tasks.data import prepare_data
+from tasks.data import prepare
 from tasks.ray_config import ray_job_config
 from tasks.scaling_benchmark import ScalingReport, baseline_resources, scaling_report, torch_baseline
 from tasks.train import train
@@ -52,7 +52,7 @@ def scaling_benchmark(
         parity) as a DataFrame and CSV, and the report page with throughput and efficiency plots.
     """
     planned_models = check_plan(config, worker_counts, models)
-    data = prepare_data(config=config.data, workload=config.workload)
+    data = prepare(config=config.data, workload=config.workload)
     point_models, point_counts, ray_runs, torch_runs = [], [], [], []
     previous = None
     for model in planned_models:

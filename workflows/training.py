@@ -7,7 +7,7 @@ from typing import Optional
 from flytekit import dynamic, workflow
 from flytekit.types.directory import FlyteDirectory
 
-from tasks.data import prepare_data
+from tasks.data import prepare
 from tasks.evaluate import evaluate
 from tasks.ray_config import ray_job_config
 from tasks.register import register_model
@@ -58,7 +58,7 @@ def training_pipeline(
         to continue or fine-tune from instead of starting at step 0.
     :return: The registered version and whether it became the champion, with the reason.
     """
-    data = prepare_data(config=config.data, workload=config.workload)
+    data = prepare(config=config.data, workload=config.workload)
     model = train_on_ray(config=config, data=data, resume_from=resume_from)
     evaluation = evaluate(data=data, model=model)
     return register_model(tracking=config.tracking, model=model, evaluation=evaluation)

@@ -12,7 +12,7 @@ import typing
 import pandas as pd
 from flytekit import Resources, dynamic, workflow
 
-from tasks.data import prepare_data
+from tasks.data import prepare
 from tasks.evaluate import evaluate
 from tasks.ray_config import ray_job_config
 from tasks.register import register_model
@@ -69,7 +69,7 @@ def tuning_pipeline(config: TuningConfig = TuningConfig()) -> tuple[TuningResult
         over 8 trials of a small CNN on digits, rungs of 1, 2 and 4 epochs.
     :return: The best trial (config, checkpoint, metric), the trial table, and its registration.
     """
-    data = prepare_data(config=config.base.data, workload=config.base.workload)
+    data = prepare(config=config.base.data, workload=config.base.workload)
     state = start_search(config=config)
     result, trials = search_round(config=config, data=data, state=state)
     evaluation = evaluate(data=data, model=result.best_model)

@@ -22,6 +22,7 @@ ALERT_EMAILS = "oncall@corp.example, ml-team@corp.example"
 MLFLOW_URI = "http://mlflow.mlflow.svc:5000"
 TRAINING_TASKS = (
     "tasks.data.prepare_data",
+    "tasks.data.prepare_images_on_ray",
     "tasks.train.train",
     "tasks.evaluate.evaluate",
     "tasks.register.register_model",
@@ -164,7 +165,10 @@ def test_train_is_a_ray_job_whose_groups_and_resources_come_from_the_default_sca
     assert "nvidia.com/gpu" not in json_format.MessageToJson(job)
 
 
-@pytest.mark.parametrize("task_name", ["tasks.train.train", "tasks.tuning.train_trial", "tasks.tuning.tune_with_ray"])
+@pytest.mark.parametrize(
+    "task_name",
+    ["tasks.train.train", "tasks.tuning.train_trial", "tasks.tuning.tune_with_ray", "tasks.data.prepare_images_on_ray"],
+)
 def test_every_pod_of_a_packaged_rayjob_carries_the_platforms_ray_settings(package, task_name):
     """``ray start`` in the head and worker containers, and every process it starts, inherit them: workers at nice 0
     and glibc's malloc keeping freed memory mapped (``training_core/ray_settings.py``)."""
@@ -184,7 +188,12 @@ def test_no_static_workflow_node_runs_a_ray_task_so_every_rayjob_is_sized_at_run
     passes; reached through a dynamic workflow, its RayJob is compiled from the launched config (see
     test_rayjob_sizing.py for each dynamic's compile)."""
     ray_tasks = {name for name, spec in package.tasks.items() if spec.template.type == "ray"}
-    assert {"tasks.train.train", "tasks.tuning.train_trial", "tasks.tuning.tune_with_ray"} <= ray_tasks
+    assert {
+        "tasks.train.train",
+        "tasks.tuning.train_trial",
+        "tasks.tuning.tune_with_ray",
+        "tasks.data.prepare_images_on_ray",
+    } <= ray_tasks
 
     def task_refs(nodes):
         for node in nodes:
@@ -200,27 +209,27 @@ def test_no_static_workflow_node_runs_a_ray_task_so_every_rayjob_is_sized_at_run
         templates = [spec.template, *spec.sub_workflows]
         static_refs = {ref for template in templates for ref in task_refs(template.nodes)}
         assert not static_refs & ray_tasks, f"{name} runs {sorted(static_refs & ray_tasks)} on the default RayJob"
-    assert "workflows.training.train_on_ray" in set(
+    assert {"workflows.training.train_on_ray", "tasks.data.prepare"} <= set(
         task_refs(package.workflows["workflows.training.training_pipeline"].template.nodes)
     )
 
 
 def test_task_retries_in_the_package_match_the_declarations(package):
-    from tasks.data import prepare_data
+    from tasks.data import prepare_data, prepare_images_on_ray
     from tasks.evaluate import evaluate
     from tasks.register import register_model
     from tasks.train import train
 
-    for task in (prepare_data, train, evaluate, register_model):
+    for task in (prepare_data, prepare_images_on_ray, train, evaluate, register_model):
         metadata = package.tasks[task.name].template.metadata
         assert metadata.retries.retries == task.metadata.retries >= 1, task.name
-    # The workflow nodes carry the same retry budget FlyteAdmin will apply (train's node is compiled at run time:
-    # test_rayjob_sizing.py checks it).
+    # The workflow nodes carry the same retry budget FlyteAdmin will apply (prep's and train's nodes are compiled at
+    # run time: test_rayjob_sizing.py checks them).
     nodes = {
         n.task_node.reference_id.name: n
         for n in package.workflows["workflows.training.training_pipeline"].template.nodes
     }
-    for task in (prepare_data, evaluate, register_model):
+    for task in (evaluate, register_model):
         assert nodes[task.name].metadata.retries.retries == task.metadata.retries, task.name
 
 
@@ -247,8 +256,9 @@ def test_only_data_prep_and_trials_are_cached_with_their_declared_versions(packa
     from tasks.data import PREPARE_DATA_CACHE_VERSION
     from tasks.tuning import TRIAL_CACHE_VERSION
 
-    prepare = package.tasks["tasks.data.prepare_data"].template.metadata
-    assert prepare.discoverable and prepare.discovery_version == PREPARE_DATA_CACHE_VERSION == "4"
+    for name in ("tasks.data.prepare_data", "tasks.data.prepare_images_on_ray"):
+        prepare = package.tasks[name].template.metadata
+        assert prepare.discoverable and prepare.discovery_version == PREPARE_DATA_CACHE_VERSION == "4", name
     trial = package.tasks["tasks.tuning.train_trial"].template.metadata
     assert trial.discoverable and trial.discovery_version == TRIAL_CACHE_VERSION
     for name in ("tasks.train.train", "tasks.evaluate.evaluate", "tasks.register.register_model"):

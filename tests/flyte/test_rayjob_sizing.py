@@ -1,4 +1,4 @@
-"""Every path that trains on a cluster runs on a RayJob sized from the config it was launched with.
+"""Every path that trains or prepares data on a cluster runs on a RayJob sized from the config it was launched with.
 
 Each entry point's graph is compiled as propeller compiles it (``dispatch_execute`` in TASK_EXECUTION mode) for a
 config of 4 GPU workers with sizes unlike the defaults, and the RayJob of every training node is decoded through
@@ -12,13 +12,14 @@ import dataclasses
 import pytest
 from flytekit.types.directory import FlyteDirectory
 
-from tasks.ray_config import WORKER_GROUP
+from tasks.data import prepare, prepare_data, prepare_images_on_ray
+from tasks.ray_config import PREP_GROUP, PREP_HEAD, WORKER_GROUP
 from tasks.train import train
 from tasks.tuning import SearchState, Trial, train_trial, tune_with_ray
 from tasks.types import PreparedData
 from tests.flyte.compile import RayJobShape, compile_dynamic, rayjob_shape
 from training_core import tuning
-from training_core.config import ScalingConfig, Toleration, TrainingConfig
+from training_core.config import DataConfig, ScalingConfig, Toleration, TrainingConfig, WorkloadConfig
 from training_core.ray_settings import PROCESS_ENV
 from training_core.scaling_benchmark import point_config, scaling_preset
 from training_core.tuning import TuningConfig
@@ -52,9 +53,9 @@ DATA = PreparedData(
 def fresh_compiles():
     """Each test compiles from scratch and leaves the Ray tasks as it found them: a ``task_config`` override stays
     on the task object, and flytekit reuses a dynamic task's first compile within one process."""
-    ray_tasks = (train, train_trial, tune_with_ray)
+    ray_tasks = (train, train_trial, tune_with_ray, prepare_images_on_ray)
     saved = [t._task_config for t in ray_tasks]
-    dynamics = (train_on_ray, ray_point, search_round)
+    dynamics = (train_on_ray, ray_point, search_round, prepare)
     for d in dynamics:
         d._wf = None
     yield
@@ -164,3 +165,44 @@ def test_each_scaling_point_runs_on_the_rayjob_of_its_worker_count_with_the_gpu_
         spec = compile_dynamic(ray_point, {"config": config, "data": DATA})
         assert_sized(rayjob_shape(_only_ray_task(spec).custom), config.scaling)
         ray_point._wf = None
+
+
+def test_image_prep_runs_on_a_rayjob_of_prep_num_workers_sized_from_the_data_config():
+    """Every entry point prepares through ``prepare`` (the packaging tests check no static node runs a Ray task)."""
+    data = DataConfig(
+        dataset="image_folder",
+        path="s3://bucket/images",
+        image_size=224,
+        prep_num_workers=6,
+        prep_memory_per_worker_gib=12.0,
+    )
+    spec = compile_dynamic(prepare, {"config": data, "workload": WorkloadConfig()})
+    (node,) = spec.nodes
+    template = _only_ray_task(spec)
+    assert node.task_node.reference_id.name == template.id.name == prepare_images_on_ray.name
+    assert node.metadata.retries.retries == prepare_images_on_ray.metadata.retries >= 1
+    assert template.metadata.discoverable  # cached as the in-process prep is
+    shape = rayjob_shape(template.custom)
+    assert shape.group_name == PREP_GROUP and shape.replicas == (6, 6, 6)
+    assert shape.worker.requests == shape.worker.limits == {"cpu": "1", "memory": "12288Mi"}
+    assert shape.worker.shm_size == f"{int(0.3 * 12 * 1024)}Mi"
+    assert shape.head.requests == shape.head.limits == {"cpu": PREP_HEAD.cpu, "memory": PREP_HEAD.mem}
+    assert shape.head_start_params == {"num-cpus": "0", "num-gpus": "0"}
+    assert shape.head.env == shape.worker.env == PROCESS_ENV
+    assert "nvidia.com/gpu" not in str(template.custom)
+
+
+@pytest.mark.parametrize(
+    "data, workload",
+    [
+        (DataConfig(), WorkloadConfig()),
+        (DataConfig(dataset="cifar10", path="s3://b/c.tar.gz"), WorkloadConfig(dataset_source="my_pkg.data:load")),
+        (DataConfig(dataset="text", path="s3://b/corpus"), WorkloadConfig(name="causal_lm")),
+    ],
+    ids=["digits", "user-dataset", "text"],
+)
+def test_other_sources_prepare_in_their_own_pod_without_a_ray_cluster(data, workload):
+    spec = compile_dynamic(prepare, {"config": data, "workload": workload})
+    (node,) = spec.nodes
+    assert node.task_node.reference_id.name == prepare_data.name
+    assert not [t for t in spec.tasks if t.type == "ray"]

@@ -50,7 +50,7 @@ def test_each_worker_count_is_a_named_ray_node_and_a_torch_node_sized_to_it_run_
     )
     by_name = {node.metadata.name: node for node in spec.nodes}
     assert list(by_name) == [
-        "prepare_data",
+        "prepare",
         "ray-small_cnn-1w",
         "torch-small_cnn-1w",
         "ray-small_cnn-2w",

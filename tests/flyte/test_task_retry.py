@@ -2,7 +2,8 @@
 
 Attempt 1 runs the train task with ``--checkpoint-path A1``; a Ray Train worker is SIGKILLed after some
 checkpoints, with no in-job restarts left, so the task fails. Attempt 2 runs with ``--checkpoint-path A2
---prev-checkpoint A1``, as propeller would, and must resume from attempt 1's latest step.
+--prev-checkpoint A1``, as propeller would, and must resume from attempt 1's latest step. The same for image prep on
+Ray: attempt 1's pod is killed half way, and attempt 2 writes only the shards attempt 1 did not finish.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from tests.conftest import REPO_ROOT, VENV_BIN
 KILL_AFTER_STEP = 10
 
 
-def _execute(tmp_path: Path, attempt: int, env: dict[str, str], *, prev: str) -> subprocess.Popen:
+def _execute(
+    tmp_path: Path, attempt: int, env: dict[str, str], *, prev: str, task: tuple[str, str] = ("tasks.train", "train")
+) -> subprocess.Popen:
     return subprocess.Popen(
         [
             str(VENV_BIN / "pyflyte-execute"),
@@ -39,20 +42,19 @@ def _execute(tmp_path: Path, attempt: int, env: dict[str, str], *, prev: str) ->
             "flytekit.core.python_auto_container.default_task_resolver",
             "--",
             "task-module",
-            "tasks.train",
+            task[0],
             "task-name",
-            "train",
+            task[1],
         ],
         cwd=tmp_path,
         env=env,
         stdout=open(tmp_path / f"attempt{attempt}.log", "w"),
         stderr=subprocess.STDOUT,
+        start_new_session=True,  # a pod: killed with everything it started
     )
 
 
 def _write_inputs(tmp_path: Path) -> None:
-    from flytekit.core.context_manager import FlyteContextManager
-    from flytekit.core.type_engine import TypeEngine
     from flytekit.types.directory import FlyteDirectory
 
     from tasks.types import PreparedData
@@ -75,13 +77,30 @@ def _write_inputs(tmp_path: Path) -> None:
             "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "promotion_threshold": 0.0},
         }
     )
-    ctx = FlyteContextManager.current_context()
-    literal_map = TypeEngine.dict_to_literal_map(
-        ctx,
+    _write_literals(
+        tmp_path / "inputs.pb",
         {"config": config, "data": data, "resume_from": None},
         {"config": TrainingConfig, "data": PreparedData, "resume_from": FlyteDirectory | None},
     )
-    (tmp_path / "inputs.pb").write_bytes(literal_map.to_flyte_idl().SerializeToString())
+
+
+def _write_literals(path: Path, values: dict, types: dict) -> None:
+    from flytekit.core.context_manager import FlyteContextManager
+    from flytekit.core.type_engine import TypeEngine
+
+    literal_map = TypeEngine.dict_to_literal_map(FlyteContextManager.current_context(), values, types)
+    path.write_bytes(literal_map.to_flyte_idl().SerializeToString())
+
+
+def _output(out_dir: Path, python_type: type):
+    from flytekit.core.context_manager import FlyteContextManager
+    from flytekit.core.type_engine import TypeEngine
+    from flytekit.models.literals import LiteralMap
+
+    outputs = literals_pb2.LiteralMap()
+    outputs.ParseFromString((out_dir / "outputs.pb").read_bytes())
+    literal = LiteralMap.from_flyte_idl(outputs).literals["o0"]
+    return TypeEngine.to_python_value(FlyteContextManager.current_context(), literal, python_type)
 
 
 def _steps_written(raw: Path) -> list[int]:
@@ -116,19 +135,11 @@ def test_a_failed_attempt_is_retried_and_the_retry_resumes_from_its_latest_check
     assert second.wait(timeout=600) == 0
     log = (tmp_path / "attempt2.log").read_text()
     assert not (tmp_path / "out2" / "error.pb").exists(), log[-4000:]
-    outputs = literals_pb2.LiteralMap()
-    outputs.ParseFromString((tmp_path / "out2" / "outputs.pb").read_bytes())
-
-    from flytekit.core.context_manager import FlyteContextManager
-    from flytekit.core.type_engine import TypeEngine
-    from flytekit.models.literals import LiteralMap
 
     from tasks.types import TrainedModel
     from training_core import checkpoint as ckpt
 
-    trained = TypeEngine.to_python_value(
-        FlyteContextManager.current_context(), LiteralMap.from_flyte_idl(outputs).literals["o0"], TrainedModel
-    )
+    trained = _output(tmp_path / "out2", TrainedModel)
     assert trained.metrics.global_step == 4 * 39
     meta = ckpt.load_meta(trained.checkpoint.download())
     (resumed_from,) = meta.resumed_from_steps
@@ -136,3 +147,53 @@ def test_a_failed_attempt_is_retried_and_the_retry_resumes_from_its_latest_check
         "attempt 2 must resume from attempt 1's latest step, not step 0"
     )
     assert "retry: resuming in" in log
+
+
+def test_a_prep_attempt_killed_half_way_is_retried_into_its_directory_and_writes_only_the_missing_shards(
+    ray_address, tmp_path, subprocess_env
+):
+    from tasks.types import PreparedData
+    from tests.image_data import write_jpegs
+    from training_core.config import DataConfig, WorkloadConfig
+    from training_core.data import Manifest
+    from training_core.image_shards import DONE_SUFFIX
+
+    tree = write_jpegs(tmp_path / "images", per_class=80, side=96)
+    config = DataConfig(dataset="image_folder", path=str(tree), image_size=64, num_shards=16, prep_num_workers=1)
+    _write_literals(
+        tmp_path / "inputs.pb",
+        {"config": config, "workload": WorkloadConfig()},
+        {"config": DataConfig, "workload": WorkloadConfig},
+    )
+    env = dict(subprocess_env, RAY_ADDRESS=ray_address, PYTHONPATH=str(REPO_ROOT))
+    task = ("tasks.data", "prepare_images_on_ray")
+
+    def done() -> set[Path]:
+        return {p.with_name(p.name[: -len(DONE_SUFFIX)]) for p in (tmp_path / "raw").rglob(f"*{DONE_SUFFIX}")}
+
+    first = _execute(tmp_path, 1, env, prev='""', task=task)
+    deadline = time.monotonic() + 180
+    while len(done()) < 4:
+        assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "attempt1.log").read_text()[-4000:]
+        time.sleep(0.02)
+    os.killpg(first.pid, signal.SIGKILL)  # the pod is gone: no error document, no outputs
+    first.wait()
+    finished: set[Path] = set()
+    while True:  # until Ray has ended the dead driver's shard tasks
+        time.sleep(1.0)
+        if done() == finished:
+            break
+        finished = done()
+    assert not list((tmp_path / "raw").rglob("manifest.json")) and len(finished) < 3 * 16
+    stamps = {path: path.stat().st_mtime_ns for path in finished}
+
+    second = _execute(tmp_path, 2, env, prev=str(tmp_path / "A1"), task=task)
+    assert second.wait(timeout=300) == 0
+    assert not (tmp_path / "out2" / "error.pb").exists(), (tmp_path / "attempt2.log").read_text()[-4000:]
+    prepared = _output(tmp_path / "out2", PreparedData)
+    (directory,) = {path.parent for path in finished}
+    assert prepared.directory.path == str(directory), "the retry must write into attempt 1's directory"
+    manifest = Manifest.load(str(directory))
+    shards = [directory / s.file for split in manifest.splits.values() for s in split.shards]
+    assert set(shards) >= finished and sum(manifest.split_counts().values()) == 240
+    assert all(path.stat().st_mtime_ns == stamp for path, stamp in stamps.items()), "a finished shard was rewritten"

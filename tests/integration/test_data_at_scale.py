@@ -6,38 +6,23 @@ from __future__ import annotations
 import collections
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.image_data import write_jpegs
 from training_core.config import DataConfig
 from training_core.data import Manifest, ShardStream, prepare
-from training_core.image_shards import DONE_SUFFIX, prepare_images
+from training_core.image_shards import prepare_images
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _jpegs(root: Path, *, per_class: int, classes: int = 3, side: int = 40, seed: int = 0) -> Path:
-    """``classes`` folders of generated JPEGs whose colour depends on the class (learnable)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    for c in range(classes):
-        (root / f"class_{c}").mkdir(parents=True, exist_ok=True)
-        base = rng.uniform(0, 255, size=3)
-        for i in range(per_class):
-            pixels = np.clip(base + rng.normal(0, 40, size=(side, side + 8, 3)), 0, 255).astype(np.uint8)
-            Image.fromarray(pixels).save(root / f"class_{c}" / f"{i:05d}.jpg", quality=90)
-    return root
-
-
 @pytest.fixture(scope="module")
 def image_tree(tmp_path_factory) -> Path:
-    return _jpegs(tmp_path_factory.mktemp("tree") / "images", per_class=60)
+    return write_jpegs(tmp_path_factory.mktemp("tree") / "images", per_class=60)
 
 
 def _train_ids(manifest: Manifest) -> list[int]:
@@ -76,43 +61,8 @@ def test_prep_writes_parquet_shards_other_tools_read_and_a_rerun_writes_only_mis
     assert Manifest.load(str(prepare(cfg, str(out)).directory)).splits == manifest.splits
 
 
-def test_prep_killed_half_way_and_run_again_writes_only_the_missing_shards(
-    ray_session, ray_address, tmp_path, subprocess_env
-):
-    tree = _jpegs(tmp_path / "images", per_class=80, side=96)
-    out = tmp_path / "prepared"
-    script = (
-        "import sys\n"
-        "from training_core.config import DataConfig\n"
-        "from training_core.data import prepare\n"
-        f"prepare(DataConfig(dataset='image_folder', path={str(tree)!r}, image_size=64, num_shards=16, "
-        f"prep_num_workers=1), {str(out)!r})\n"
-    )
-    env = {**subprocess_env, "RAY_ADDRESS": ray_address, "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "-c", script], env=env, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(list(out.glob(f"*{DONE_SUFFIX}"))) < 4:
-        assert process.poll() is None, "prep ended before it was killed"
-        time.sleep(0.02)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    done: set[str] = set()
-    while True:  # until Ray has ended the dead driver's tasks
-        time.sleep(1.0)
-        now = {p.name[: -len(DONE_SUFFIX)] for p in out.glob(f"*{DONE_SUFFIX}")}
-        if now == done:
-            break
-        done = now
-    assert not (out / "manifest.json").exists() and len(done) >= 4
-    stamps = {name: (out / name).stat().st_mtime_ns for name in done}
-    cfg = DataConfig(dataset="image_folder", path=str(tree), image_size=64, num_shards=16)
-    again = prepare_images(cfg, str(out))
-    assert len(done) < len(again.results) and again.num_written == len(again.results) - len(done)
-    assert all((out / name).stat().st_mtime_ns == stamp for name, stamp in stamps.items())
-
-
 def test_bad_images_are_counted_and_skipped_or_fail_the_prep_past_the_threshold(ray_session, tmp_path):
-    tree = _jpegs(tmp_path / "images", per_class=20)
+    tree = write_jpegs(tmp_path / "images", per_class=20)
     (tree / "class_0" / "zz-truncated.jpg").write_bytes((tree / "class_0" / "00000.jpg").read_bytes()[:200])
     (tree / "class_1" / "zz-not-an-image.jpg").write_bytes(b"these are not pixels" * 10)
     cfg = DataConfig(dataset="image_folder", path=str(tree), image_size=32, num_shards=2, max_bad_samples=2)
@@ -143,7 +93,7 @@ def test_a_bad_tree_fails_before_any_shard_task_naming_the_field_and_the_fix(lay
             continue
         (root / folder).mkdir(parents=True)
         for i in range(count):
-            _jpegs(tmp_path / "src", per_class=1, classes=1)
+            write_jpegs(tmp_path / "src", per_class=1, classes=1)
             (root / folder / f"{i}.jpg").write_bytes((tmp_path / "src" / "class_0" / "00000.jpg").read_bytes())
     with pytest.raises(ValueError, match=r"data.path=.* is invalid: ") as error:
         prepare(DataConfig(dataset="image_folder", path=str(path), image_size=16), str(tmp_path / "out"))
@@ -153,7 +103,7 @@ def test_a_bad_tree_fails_before_any_shard_task_naming_the_field_and_the_fix(lay
 def test_prep_memory_is_bounded_by_a_shard_not_by_the_dataset(ray_session, tmp_path):
     peaks = []
     for per_class, shards in ((40, 2), (400, 20)):  # ten times the images, the same images per shard
-        tree = _jpegs(tmp_path / f"images-{per_class}", per_class=per_class, side=64)
+        tree = write_jpegs(tmp_path / f"images-{per_class}", per_class=per_class, side=64)
         cfg = DataConfig(dataset="image_folder", path=str(tree), image_size=64, num_shards=shards)
         prep = prepare_images(cfg, str(tmp_path / f"out-{per_class}"))
         assert sum(r.num_samples for r in prep.results) == 3 * per_class
@@ -197,3 +147,104 @@ def test_a_resume_on_another_number_of_workers_trains_each_sample_of_the_epoch_o
         processes.train_batches(epoch=epoch, seed=seed, batch_size=batch_size, num_batches=3),
     ):
         assert np.array_equal(a["images"], b["images"]) and np.array_equal(a["sample_ids"], b["sample_ids"])
+
+
+def test_a_cifar10_format_tarball_is_prepared_and_a_resnet18_with_augmentation_learns_it(ray_session, tmp_path):
+    from tests.image_data import write_cifar_tarball
+    from training_core.config import TrainingConfig
+    from training_core.evaluation import evaluate_checkpoint
+    from training_core.trainer import fit
+
+    tarball = write_cifar_tarball(tmp_path / "cifar-10-python.tar.gz", per_batch=60, learnable=True)
+    # At 16x16 (prep resizes the statistics' view; the loader decodes and resizes), to keep a CPU run short.
+    data = {"dataset": "cifar10", "path": str(tarball), "num_shards": 2, "image_size": 16}
+    manifest = prepare(DataConfig(**data), str(tmp_path / "prepared"))
+    assert manifest.format == "parquet" and manifest.split_counts()["test"] == 60
+    assert manifest.input_shape == [3, 16, 16]
+    cfg = TrainingConfig.from_dict(
+        {
+            "data": data,
+            "model": {"name": "resnet18"},
+            "optimizer": {"name": "adamw", "lr": 0.001},
+            "loop": {"epochs": 2, "batch_size": 16},
+            "scaling": {"num_workers": 1},  # ResNet-18's 11 M parameters: the all-reduce would be most of a step
+        }
+    )
+    assert cfg.data.augment and cfg.data.loader_num_workers == 2  # random-resized-crop and flip, in 2 processes
+    result = fit(
+        cfg,
+        data_dir=str(tmp_path / "prepared"),
+        checkpoint_dir=str(tmp_path / "final"),
+        run_name="cifar-resnet18",
+        storage_path=str(tmp_path / "ray"),
+    )
+    report = evaluate_checkpoint(result.checkpoint_dir, str(tmp_path / "prepared"))
+    assert report.num_samples == 60 and report.metrics["accuracy"] > 0.6, report.metrics  # 10 classes: chance 0.1
+    assert result.meta.history[-1].train_loss < result.meta.history[0].train_loss
+
+
+def test_a_run_killed_on_two_workers_resumes_on_one_and_trains_each_sample_of_the_epoch_once(ray_session, tmp_path):
+    """Under Ray Train, with 2 loader processes per worker: a 2-worker run loses a worker mid-epoch with no restarts
+    left; the same run continues on 1 worker from its latest checkpoint's position. Every sample id of the epoch is
+    trained once (at most a batch's worth short), counting the first run's steps up to that checkpoint."""
+    import shutil
+    import threading
+
+    from benchmarks.common import ray_train_worker_pids
+    from tests.distributed.sample_recorder import recorded, records_dir
+    from training_core import checkpoint as ckpt
+    from training_core.config import TrainingConfig
+    from training_core.trainer import checkpoint_root, fit
+
+    tree = write_jpegs(tmp_path / "images", per_class=120, side=16)
+    data_dir = str(tmp_path / "prepared")
+    manifest = prepare(DataConfig(dataset="image_folder", path=str(tree), image_size=16, num_shards=4), data_dir)
+    everything = set(_train_ids(manifest))
+    shutil.rmtree(records_dir(), ignore_errors=True)
+
+    def config(num_workers: int) -> TrainingConfig:
+        return TrainingConfig.from_dict(
+            {
+                "workload": {"name": "tests.distributed.sample_recorder:SampleRecorder"},
+                "data": {"dataset": "image_folder", "path": str(tree), "image_size": 16, "num_shards": 4},
+                "model": {"name": "small_cnn"},
+                "loop": {"epochs": 1, "batch_size": 8},
+                "scaling": {"num_workers": num_workers},
+                "checkpoint": {"interval_steps": 4, "max_worker_restarts": 0},
+            }
+        )
+
+    names = {"run_name": "shrunk", "storage_path": str(tmp_path / "ray"), "data_dir": data_dir}
+    storage = ckpt.CheckpointStorage(checkpoint_root(names["storage_path"], "shrunk"))
+    outcome: dict[str, object] = {}
+
+    def first_run() -> None:
+        try:
+            fit(config(2), checkpoint_dir=str(tmp_path / "first"), **names)
+        except BaseException as exc:  # the worker's loss ends it: no restarts are left
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=first_run)
+    thread.start()
+    deadline = time.monotonic() + 300
+    while not storage.list_steps():
+        assert thread.is_alive() and time.monotonic() < deadline, f"ended before a checkpoint: {outcome}"
+        time.sleep(0.02)
+    os.kill(max(ray_train_worker_pids()), signal.SIGKILL)
+    thread.join(timeout=300)
+    assert "error" in outcome, "the first run should fail once a worker is lost"
+    latest = int(storage.list_steps()[-1].split("-")[1])
+    per_epoch = manifest.steps_per_epoch(world_size=2, batch_size=8, grad_accum_steps=1)
+    assert 0 < latest < per_epoch, "the checkpoint must be mid-epoch"
+    first = recorded()
+    assert len(first) == 2, "one record per worker of the first run"
+    trained_first = [i for batches in first for batch in batches[:latest] for i in batch]
+
+    shutil.rmtree(records_dir())
+    result = fit(config(1), checkpoint_dir=str(tmp_path / "second"), **names)
+    assert result.meta.resumed_from_steps == [latest]
+    (second,) = recorded()
+    trained_second = [i for batch in second for i in batch if i in everything]  # not the validation batches
+    seen = collections.Counter(trained_first + trained_second)
+    assert max(seen.values()) == 1, "a sample was trained twice in the epoch"
+    assert set(seen) <= everything and len(seen) >= len(everything) - 2 * 8

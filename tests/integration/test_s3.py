@@ -126,12 +126,26 @@ def test_a_save_during_a_long_outage_fails_clearly_and_keeps_the_last_valid_chec
 
 
 @pytest.mark.slow
-def test_the_pipeline_runs_with_s3_raw_output_and_its_checkpoints_live_there(
+def test_an_image_folder_on_s3_goes_through_pyflyte_run_with_its_shards_and_checkpoints_on_s3(
     ray_address, s3_server, tmp_path, subprocess_env
 ):
+    """A few thousand JPEGs under ``s3://`` are prepared on the session's Ray cluster (Ray Data shard tasks) into
+    Parquet shards written straight to the run's S3 raw-output location, trained on 2 workers reading those shards,
+    evaluated on the test split read from S3, and registered; the shards are listed and verified on S3."""
+    import hashlib
+
+    import pandas as pd
     import s3fs
 
+    from tests.image_data import write_jpegs
+    from training_core.data import Manifest
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    local = write_jpegs(tmp_path / "images", per_class=500, classes=4, side=16)
+    fs.put(str(local), "flyte/datasets/images", recursive=True)
+    assert len(fs.find("flyte/datasets/images")) == 2000
     config = {
+        "data": {"dataset": "image_folder", "path": "s3://flyte/datasets/images", "image_size": 16, "num_shards": 4},
         "model": {"name": "small_cnn"},
         "loop": {"epochs": 2, "batch_size": 32},
         "checkpoint": {"interval_steps": 7},
@@ -159,16 +173,31 @@ def test_the_pipeline_runs_with_s3_raw_output_and_its_checkpoints_live_there(
     assert result.returncode == 0, output[-5000:]
     assert "registered model : digits-classifier version 1" in output
 
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    # The shards: on S3 beside their manifest, each one's bytes matching its recorded sha256, read by pandas.
+    (data_manifest,) = [m for m in fs.glob("flyte/runs/**/manifest.json") if "/step-" not in m]
+    manifest = Manifest.load("s3://" + data_manifest.rsplit("/", 1)[0])
+    assert manifest.format == "parquet" and sum(manifest.split_counts().values()) == 2000
+    shards = [shard for split in manifest.splits.values() for shard in split.shards]
+    assert len(shards) == 3 * 4  # data.num_shards per split
+    prefix = manifest.directory[len("s3://") :]
+    expected = [f"{prefix}/{name}" for shard in shards for name in (shard.file, shard.file + ".done.json")]
+    assert sorted(fs.ls(prefix, detail=False)) == sorted([*expected, data_manifest])
+    for shard in shards:
+        payload = fs.cat(f"{manifest.directory}/{shard.file}")
+        assert hashlib.sha256(payload).hexdigest() == shard.sha256, shard.file
+    assert len(pd.read_parquet(f"{manifest.directory}/{shards[0].file}")) == shards[0].num_samples
+
+    # The checkpoints: on S3, the final one at the last step of 2 epochs on 2 workers.
     manifests = fs.glob("flyte/runs/**/checkpoints/step-*/manifest.json")
     steps = sorted({int(m.split("/step-")[1].split("/")[0]) for m in manifests})
-    assert steps, f"no checkpoints under s3://flyte/runs: {fs.find('flyte/runs')[:20]}"
-    assert steps[-1] == 2 * 19, steps  # the final checkpoint (2 epochs of 19 steps) is on S3
-    assert fs.glob("flyte/runs/**/manifest.json") != manifests, "the prepared shards' manifest should be on S3 too"
-    root = "s3://" + manifests[-1].rsplit("/step-", 1)[0]
-    final = ckpt.load_latest_valid(ckpt.CheckpointStorage(root))
-    assert final.meta.global_step == 38 and final.meta.model_name == "small_cnn"
+    per_epoch = manifest.steps_per_epoch(world_size=2, batch_size=32, grad_accum_steps=1)
+    assert steps and steps[-1] == 2 * per_epoch, steps
+    final = ckpt.load_latest_valid(ckpt.CheckpointStorage("s3://" + manifests[-1].rsplit("/step-", 1)[0]))
+    assert final.meta.global_step == 2 * per_epoch and final.meta.model_name == "small_cnn"
     assert "training report  : s3://flyte/runs/" in output
+    # Evaluation read the test split from S3; the colours make the classes easy.
+    metrics = dict(item.split() for item in output.split("test metrics     : ")[1].splitlines()[0].split(", "))
+    assert float(metrics["accuracy"]) > 0.9, metrics
 
 
 def test_checkpoint_objects_can_be_server_side_encrypted(s3_server):

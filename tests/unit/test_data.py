@@ -5,6 +5,7 @@ import tarfile
 import numpy as np
 import pytest
 
+from tests.image_data import write_cifar_tarball
 from training_core.config import DataConfig
 from training_core.data import Manifest, ShardStream, prepare, read_shard
 
@@ -98,18 +99,7 @@ def test_a_tarball_without_cifar_batches_is_rejected(tmp_path):
 
 
 def _cifar_tarball(path, per_batch=20):
-    """A tarball in the official CIFAR-10 python layout (pickled dicts), with random pixels."""
-    rng = np.random.default_rng(0)
-    with tarfile.open(path, "w:gz") as archive:
-        for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-            record = {
-                b"data": rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8),
-                b"labels": list(rng.integers(0, 10, per_batch).tolist()),
-            }
-            payload = pickle.dumps(record, protocol=2)
-            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
-            info.size = len(payload)
-            archive.addfile(info, io.BytesIO(payload))
+    write_cifar_tarball(path, per_batch=per_batch)
 
 
 def test_cifar10_tarball_is_read_with_its_own_test_split(tmp_path, ray_session):

@@ -20,6 +20,12 @@ ENCODED_SOURCES = ("cifar10", "image_folder")
 """Sources prepared as encoded images in Parquet shards on Ray Data (:mod:`training_core.image_shards`)."""
 
 
+def prep_uses_ray(data: DataConfig, workload: WorkloadConfig) -> bool:
+    """Whether prep of ``data`` runs shard tasks on a Ray cluster (the built-in image workload on an encoded source);
+    every other prep runs in its own process."""
+    return workload.name == ImageClassification.name and not workload.dataset_source and data.dataset in ENCODED_SOURCES
+
+
 class ImageClassification:
     """Images in, class logits out. ``model_factory(config, manifest)`` and ``dataset_source(data)`` (returning
     a :class:`~training_core.datasets.RawDataset`) replace the built-in model and dataset."""
@@ -29,7 +35,7 @@ class ImageClassification:
     primary_mode = "max"
 
     def __init__(self, selected: WorkloadConfig | None = None) -> None:
-        selected = selected or WorkloadConfig()
+        selected = self.selected = selected or WorkloadConfig()
         self.model_factory = load_optional("workload.model_factory", selected.model_factory)
         self.dataset_source = load_optional("workload.dataset_source", selected.dataset_source)
         self.dataset_source_path = selected.dataset_source
@@ -38,7 +44,7 @@ class ImageClassification:
         from training_core.datasets import RawDataset, load_raw, resize_images
 
         cfg = data
-        if self.dataset_source is None and cfg.dataset in ENCODED_SOURCES:
+        if prep_uses_ray(cfg, self.selected):
             return self.prepare_encoded(cfg, out_dir)
         if self.dataset_source is None:
             raw, source = load_raw(cfg), f"data.dataset={cfg.dataset!r}"
