@@ -95,6 +95,9 @@ def prepare(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()) -> 
     from training_core.workloads.image import prep_uses_ray
 
     if prep_uses_ray(config, workload):
+        from training_core.image_shards import check_source
+
+        check_source(config)  # a wrong path fails here, before a RayJob is started for it
         return prepare_images_on_ray(config=config, workload=workload).with_overrides(
             task_config=prep_ray_job_config(config)
         )

@@ -11,6 +11,7 @@ variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...).
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
 import io
 import lzma
@@ -166,6 +167,23 @@ def cifar10_members(path: str, wanted: set[str] | None = None) -> Iterator[tuple
     """``(member name, (uint8 images N x 3 x 32 x 32, int64 labels N))`` of each batch of the CIFAR-10 tarball at
     ``path`` (of ``wanted`` only, when given), streamed one member at a time. Without ``wanted``, the archive's
     members are checked first (each batch exactly once). Raises ``ValueError`` naming ``data.path`` and the fix."""
+    with cifar10_archive(path) as archive:
+        try:
+            members = _cifar10_checked_members(archive, path)
+            for name in CIFAR10_BATCHES:
+                if wanted is None or name in wanted:
+                    yield name, _cifar10_batch(archive, members[name], path)
+        except _ARCHIVE_ERRORS as exc:
+            raise ValueError(
+                f"data.path={quote(path)} is invalid: the tarball is truncated or damaged "
+                f"({type(exc).__name__}: {clip(str(exc))}); {_REDOWNLOAD}"
+            ) from None
+
+
+@contextlib.contextmanager
+def cifar10_archive(path: str) -> Iterator[tarfile.TarFile]:
+    """The tar archive at ``path``, open for streaming (only its first block is read here). Raises ``ValueError``
+    naming ``data.path`` when nothing is there, it is a directory, or it is not a tar archive."""
     import fsspec
 
     fs, fs_path = _existing(path)
@@ -182,17 +200,8 @@ def cifar10_members(path: str, wanted: set[str] | None = None) -> Iterator[tuple
                 f"data.path={quote(path)} is invalid: not a tar archive (neither gzip, bz2, xz nor plain tar); "
                 "expected the CIFAR-10 python-version tarball cifar-10-python.tar.gz"
             ) from None
-        try:
-            with archive:
-                members = _cifar10_checked_members(archive, path)
-                for name in CIFAR10_BATCHES:
-                    if wanted is None or name in wanted:
-                        yield name, _cifar10_batch(archive, members[name], path)
-        except _ARCHIVE_ERRORS as exc:
-            raise ValueError(
-                f"data.path={quote(path)} is invalid: the tarball is truncated or damaged "
-                f"({type(exc).__name__}: {clip(str(exc))}); {_REDOWNLOAD}"
-            ) from None
+        with archive:
+            yield archive
 
 
 def _cifar10_checked_members(archive: tarfile.TarFile, path: str) -> dict[str, tarfile.TarInfo]:

@@ -134,13 +134,9 @@ def list_image_folder(cfg: DataConfig) -> tuple[dict[str, list[ImageItem]], list
     """The tree's images by split (``train`` and any ``val``/``test`` folders, else all of it as ``train``), the
     class names, and the splits the tree has itself. Raises ``ValueError`` naming ``data.path`` for a tree with
     fewer than two classes, a split without images, or a class folder a split lacks."""
-    from training_core.datasets import IMAGE_SUFFIXES, _existing
+    from training_core.datasets import IMAGE_SUFFIXES
 
-    fs, root = _existing(cfg.path)
-    if not fs.isdir(root):
-        raise ValueError(
-            f"data.path={quote(cfg.path)} is invalid: not a directory; point it at the root of <class>/<image> folders"
-        )
+    fs, root = _folder_root(cfg)
     root = root.rstrip("/")
     found: dict[str, dict[str, list[str]]] = {}
     for path in sorted(fs.find(root)):
@@ -200,6 +196,29 @@ def list_image_folder(cfg: DataConfig) -> tuple[dict[str, list[ImageItem]], list
                 next_id += 1
         splits[split] = items
     return splits, classes, tuple(name for name in trees if name != "train")
+
+
+def _folder_root(cfg: DataConfig):
+    from training_core.datasets import _existing
+
+    fs, root = _existing(cfg.path)
+    if not fs.isdir(root):
+        raise ValueError(
+            f"data.path={quote(cfg.path)} is invalid: not a directory; point it at the root of <class>/<image> folders"
+        )
+    return fs, root
+
+
+def check_source(cfg: DataConfig) -> None:
+    """The checks of an image source that need no listing and no Ray cluster: ``data.path`` exists, an image folder
+    is a directory, a CIFAR-10 tarball opens as a tar archive. Raises ``ValueError`` naming ``data.path``; the
+    prep driver checks the rest (classes, splits, members) before any shard task."""
+    if cfg.dataset == "cifar10":
+        from training_core.datasets import cifar10_archive
+
+        with cifar10_archive(cfg.path):
+            return
+    _folder_root(cfg)
 
 
 def list_cifar10(cfg: DataConfig) -> tuple[dict[str, list[ImageItem]], list[str], tuple[str, ...]]:

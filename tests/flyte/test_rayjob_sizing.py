@@ -167,11 +167,12 @@ def test_each_scaling_point_runs_on_the_rayjob_of_its_worker_count_with_the_gpu_
         ray_point._wf = None
 
 
-def test_image_prep_runs_on_a_rayjob_of_prep_num_workers_sized_from_the_data_config():
-    """Every entry point prepares through ``prepare`` (the packaging tests check no static node runs a Ray task)."""
+def test_image_prep_runs_on_a_rayjob_of_prep_num_workers_sized_from_the_data_config(tmp_path):
+    """Every entry point prepares through ``prepare`` (the packaging tests check no static node runs a Ray task).
+    Its compile checks that the source exists (a wrong path fails before a RayJob starts), so it is a real one."""
     data = DataConfig(
         dataset="image_folder",
-        path="s3://bucket/images",
+        path=str(tmp_path),
         image_size=224,
         prep_num_workers=6,
         prep_memory_per_worker_gib=12.0,
@@ -206,3 +207,10 @@ def test_other_sources_prepare_in_their_own_pod_without_a_ray_cluster(data, work
     (node,) = spec.nodes
     assert node.task_node.reference_id.name == prepare_data.name
     assert not [t for t in spec.tasks if t.type == "ray"]
+
+
+def test_a_missing_image_source_fails_the_compile_before_any_rayjob(tmp_path):
+    data = DataConfig(dataset="cifar10", path=str(tmp_path / "nowhere.tar.gz"))
+    # flytekit wraps a user error of the task body; the message is the user's.
+    with pytest.raises(Exception, match=r"data.path='.*nowhere.tar.gz' is invalid: nothing exists there"):
+        compile_dynamic(prepare, {"config": data, "workload": WorkloadConfig()})

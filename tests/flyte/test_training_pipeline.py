@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from tests.conftest import REPO_ROOT, VENV_BIN
@@ -205,6 +206,12 @@ def _cifar_lookalike(path: Path) -> None:
             '"data": {"dataset": "stdlib", "max_text_bytes": 200000, "seq_len": 64}}',
             "data.seq_len=64 is invalid: model.name='gpt2-tiny' attends over 32 positions",
         ),
+        (
+            '{"workload": {"name": "causal_lm"}, "model": {"name": "gpt2-tiny"}, '
+            '"data": {"dataset": "text", "path": "{tmp}/corpus.parquet"}}',
+            "data.text_field='text' is invalid: Parquet file 'corpus.parquet' under "
+            "data.path='{tmp}/corpus.parquet' has no such column (it has body); set data.text_field to the column",
+        ),
     ],
     ids=[
         "unknown-model",
@@ -217,10 +224,12 @@ def _cifar_lookalike(path: Path) -> None:
         "not-a-tarball",
         "lm-not-a-tokenizer",
         "lm-sequence-above-context",
+        "lm-parquet-column-missing",
     ],
 )
 def test_bad_input_fails_before_any_ray_worker_starts(config, expected, tmp_path, subprocess_env, request):
     _cifar_lookalike(tmp_path / "cifar-10-python.tar.gz")
+    pd.DataFrame({"body": ["some text " * 40] * 8}).to_parquet(tmp_path / "corpus.parquet")
     subprocess_env.pop("RAY_ADDRESS", None)
     subprocess_env["COLUMNS"] = "400"
     result = pyflyte_run(

@@ -147,7 +147,7 @@ def test_an_image_folder_on_s3_goes_through_pyflyte_run_with_its_shards_and_chec
     config = {
         "data": {"dataset": "image_folder", "path": "s3://flyte/datasets/images", "image_size": 16, "num_shards": 4},
         "model": {"name": "small_cnn"},
-        "loop": {"epochs": 2, "batch_size": 32},
+        "loop": {"epochs": 1, "batch_size": 32},
         "checkpoint": {"interval_steps": 7},
         "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "promotion_threshold": 0.0},
     }
@@ -187,13 +187,13 @@ def test_an_image_folder_on_s3_goes_through_pyflyte_run_with_its_shards_and_chec
         assert hashlib.sha256(payload).hexdigest() == shard.sha256, shard.file
     assert len(pd.read_parquet(f"{manifest.directory}/{shards[0].file}")) == shards[0].num_samples
 
-    # The checkpoints: on S3, the final one at the last step of 2 epochs on 2 workers.
+    # The checkpoints: on S3, mid-epoch ones and the final one at the epoch's last step on 2 workers.
     manifests = fs.glob("flyte/runs/**/checkpoints/step-*/manifest.json")
     steps = sorted({int(m.split("/step-")[1].split("/")[0]) for m in manifests})
     per_epoch = manifest.steps_per_epoch(world_size=2, batch_size=32, grad_accum_steps=1)
-    assert steps and steps[-1] == 2 * per_epoch, steps
+    assert len(steps) >= 2 and steps[-1] == per_epoch, steps
     final = ckpt.load_latest_valid(ckpt.CheckpointStorage("s3://" + manifests[-1].rsplit("/step-", 1)[0]))
-    assert final.meta.global_step == 2 * per_epoch and final.meta.model_name == "small_cnn"
+    assert final.meta.global_step == per_epoch and final.meta.model_name == "small_cnn"
     assert "training report  : s3://flyte/runs/" in output
     # Evaluation read the test split from S3; the colours make the classes easy.
     metrics = dict(item.split() for item in output.split("test metrics     : ")[1].splitlines()[0].split(", "))

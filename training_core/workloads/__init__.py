@@ -239,6 +239,17 @@ def signature_accepts(factory: Callable[..., Any], count: int) -> bool:
     return True
 
 
+def to_device_async(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` on ``device``. On a GPU the host copy is pinned first, so the copy is asynchronous and overlaps the
+    step's kernels (a copy from pageable memory blocks); elsewhere it is a zero-copy view."""
+    import torch
+
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def mean_of(sums: Mapping[str, Any], numerator: str, denominator: str) -> float:
     """``sums[numerator] / sums[denominator]``, NaN when either is missing or the count is 0."""
     if numerator not in sums or denominator not in sums or not float(sums[denominator]):

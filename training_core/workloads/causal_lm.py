@@ -49,7 +49,7 @@ from training_core.text import (
     tokenize_documents,
     tokenizer_from_description,
 )
-from training_core.workloads import LossOutput, call_user, load_attribute, mean_of
+from training_core.workloads import LossOutput, call_user, load_attribute, mean_of, to_device_async
 from training_core.workloads.image import user_model
 
 if TYPE_CHECKING:
@@ -709,10 +709,9 @@ class TokenBatcher:
         self.device = device
 
     def __call__(self, batch: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        import torch
 
         # Moved as int32 (half the bytes) and widened on the device: embeddings and cross-entropy take int64.
-        tokens = torch.from_numpy(batch["tokens"]).to(self.device, non_blocking=True).long()
+        tokens = to_device_async(batch["tokens"], self.device).long()
         return tokens[:, :-1], tokens[:, 1:]
 
 

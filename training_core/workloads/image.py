@@ -9,7 +9,7 @@ import numpy as np
 
 from training_core.config import DataConfig, TrainingConfig, WorkloadConfig, clip, invalid, quote
 from training_core.data import ArraySpec, Manifest, split_samples, write_prepared
-from training_core.workloads import LossOutput, call_user, load_optional, mean_of
+from training_core.workloads import LossOutput, call_user, load_optional, mean_of, to_device_async
 
 if TYPE_CHECKING:
     import torch
@@ -243,8 +243,7 @@ class Normalizer:
         self.std = torch.tensor(manifest.std, device=device).view(1, -1, 1, 1)
 
     def __call__(self, batch: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        import torch
 
-        x = torch.from_numpy(batch["images"]).to(self.device, non_blocking=True).float().div_(255.0)
-        y = torch.from_numpy(batch["labels"]).to(self.device, non_blocking=True)
+        x = to_device_async(batch["images"], self.device).float().div_(255.0)
+        y = to_device_async(batch["labels"], self.device)
         return (x - self.mean) / self.std, y
