@@ -116,7 +116,7 @@ def main() -> None:
             DataConfig(dataset="image_folder", path=str(tree), image_size=224, num_shards=8), str(work / "shards")
         )
         manifest = Manifest.load(str(work / "shards"))
-        loader = {p: loader_samples_per_s(manifest, processes=p, batch_size=32, num_batches=12) for p in (1, 2)}
+        loader = {p: loader_samples_per_s(manifest, processes=p, batch_size=32, num_batches=14) for p in (1, 2)}
         model = resnet50_images_per_s(batch_size=16, steps=3, threads=args.cpus)
         result = {
             "images": args.images,

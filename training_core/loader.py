@@ -173,14 +173,27 @@ def _iterable(source: Callable[[int, int], Iterator[Any]]):
     class _Batches(torch.utils.data.IterableDataset):
         def __iter__(self):
             info = torch.utils.data.get_worker_info()
-            return source(info.id, info.num_workers) if info else source(0, 1)
+            return (_to_tensors(batch) for batch in source(info.id, info.num_workers))
 
     return _Batches()
 
 
+def _to_tensors(batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    # A tensor crosses to the training process through shared memory (written once, mapped there); a numpy array
+    # would be pickled through a pipe, three copies of every batch.
+    import torch
+
+    return {name: torch.from_numpy(value) for name, value in batch.items()}
+
+
 def _as_built(batch: Any) -> Any:
-    # Batches stay numpy: a workload's ``to_device`` takes arrays (pinning, where wanted, is its own).
     return batch
+
+
+def _to_arrays(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, np.ndarray]]:
+    # Batches stay numpy for the step: a workload's ``to_device`` takes arrays. ``.numpy()`` shares the memory.
+    for batch in batches:
+        yield {name: value.numpy() for name, value in batch.items()}
 
 
 def loader_iter(
@@ -203,4 +216,4 @@ def loader_iter(
         # starts in milliseconds where a spawned process imports torch again.
         multiprocessing_context="fork",
     )
-    return iter(loader)
+    return _to_arrays(iter(loader))
