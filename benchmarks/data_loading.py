@@ -88,6 +88,44 @@ def resnet50_images_per_s(*, batch_size: int, steps: int, threads: int) -> float
     return batch_size * steps / (time.perf_counter() - start)
 
 
+def fit_data_wait(tree: Path, work: Path, *, image_size: int, epochs: int) -> dict[str, float]:
+    """A real ``fit`` (ResNet-18, 2 workers, the default loader settings) on the JPEG tree prepared at ``image_size``:
+    the share of step time spent waiting for data, over every step and over steps after each epoch's first (whose
+    wait includes starting the loader processes and reading the first shards)."""
+    from training_core.config import TrainingConfig
+    from training_core.trainer import fit
+
+    data = {"dataset": "image_folder", "path": str(tree), "image_size": image_size, "num_shards": 8}
+    cfg = TrainingConfig.from_dict(
+        # A log window per step, to tell each epoch's first step apart; the loader settings are the defaults.
+        {
+            "data": data,
+            "model": {"name": "resnet18"},
+            "loop": {"epochs": epochs, "batch_size": 32, "log_interval_steps": 1},
+        }
+    )
+    from training_core.config import DataConfig
+    from training_core.workloads.image import ImageClassification
+
+    ImageClassification().prepare_data(DataConfig(**data), str(work / "fit-shards"))
+    result = fit(
+        cfg,
+        data_dir=str(work / "fit-shards"),
+        checkpoint_dir=str(work / "fit-final"),
+        run_name="data-wait",
+        storage_path=str(work / "fit-ray"),
+    )
+    log = result.meta.step_log
+    assert all(r.num_steps == 1 for r in log), "a window per step"
+    windows = [(r.data_wait_s, r.step_time_s) for r in log]
+    steady = [(r.data_wait_s, r.step_time_s) for i, r in enumerate(log) if i and log[i - 1].epoch == r.epoch]
+    return {
+        "data_wait_fraction": sum(w for w, _ in windows) / sum(t for _, t in windows),
+        "data_wait_fraction_steady": sum(w for w, _ in steady) / sum(t for _, t in steady) if steady else float("nan"),
+        "fit_step_time_s": sum(t for _, t in windows) / len(windows),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=800, help="224 px JPEGs for the loader and prep timings")
@@ -118,6 +156,7 @@ def main() -> None:
         manifest = Manifest.load(str(work / "shards"))
         loader = {p: loader_samples_per_s(manifest, processes=p, batch_size=32, num_batches=14) for p in (1, 2)}
         model = resnet50_images_per_s(batch_size=16, steps=3, threads=args.cpus)
+        waits = fit_data_wait(tree, work, image_size=64, epochs=2)
         result = {
             "images": args.images,
             "loader_samples_per_s_1": round(loader[1], 1),
@@ -125,6 +164,9 @@ def main() -> None:
             "loader_scaling_2": round(loader[2] / loader[1], 3),
             "resnet50_train_images_per_s": round(model, 2),
             "consumption_ratio": round(loader[2] / model, 2),
+            "data_wait_fraction": round(waits["data_wait_fraction"], 4),
+            "data_wait_fraction_steady": round(waits["data_wait_fraction_steady"], 4),
+            "fit_step_time_s": round(waits["fit_step_time_s"], 3),
             "prep_images_per_s_1": round(args.images / prep_s[1], 1),
             "prep_images_per_s_2": round(args.images / prep_s[2], 1),
             "prep_efficiency_2": round(prep_s[1] / prep_s[2] / 2, 3),
