@@ -22,10 +22,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class PreparedData:
-    """Output of ``prepare_data``: sharded splits plus their manifest."""
+    """Output of data prep (``prepare_data`` or ``prepare_images_on_ray``): sharded splits plus their manifest."""
 
     directory: FlyteDirectory
-    """Shards (``<split>-NNNNN-of-NNNNN.npz``) and ``manifest.json``."""
+    """Shards (``<split>-NNNNN-of-NNNNN.npz``, or ``.parquet`` of encoded images) and ``manifest.json``; for image
+    sources, where prep wrote them (the raw-output location, s3:// on a cluster)."""
     dataset: str
     num_classes: int
     """0 for a workload without classes (a language model)."""

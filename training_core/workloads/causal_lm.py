@@ -709,7 +709,6 @@ class TokenBatcher:
         self.device = device
 
     def __call__(self, batch: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-
         # Moved as int32 (half the bytes) and widened on the device: embeddings and cross-entropy take int64.
         tokens = to_device_async(batch["tokens"], self.device).long()
         return tokens[:, :-1], tokens[:, 1:]

@@ -243,7 +243,6 @@ class Normalizer:
         self.std = torch.tensor(manifest.std, device=device).view(1, -1, 1, 1)
 
     def __call__(self, batch: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-
         x = to_device_async(batch["images"], self.device).float().div_(255.0)
         y = to_device_async(batch["labels"], self.device)
         return (x - self.mean) / self.std, y
