@@ -39,6 +39,8 @@ SCHEDULES = ("cosine", "constant")
 NONFINITE_POLICIES = ("stop", "skip_step")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl")
+STRATEGIES = ("ddp", "fsdp")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 TOLERATION_OPERATORS = ("Exists", "Equal")
 TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
 _LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
@@ -335,7 +337,18 @@ class ModelConfig:
     """Convert BatchNorm layers to SyncBatchNorm so statistics span all workers. Only takes effect on GPU
     with more than one worker; ignored (with a warning) on CPU, where PyTorch has no SyncBatchNorm."""
 
+    activation_checkpointing: str = "none"
+    """Recompute blocks' activations in the backward pass instead of keeping them: ``none``; ``full`` (every block:
+    the least memory, about a third more compute); ``selective`` (every ``activation_checkpointing_every_k``-th
+    block). Blocks are the model's repeated units (ResNet stages, ViT and GPT blocks, a user workload's ``blocks``);
+    gradients are the same as without. Works under both ``scaling.strategy`` values."""
+
+    activation_checkpointing_every_k: int = 2
+    """``selective``: checkpoint blocks 0, k, 2k, ... (k >= 1; 1 is ``full``)."""
+
     def __post_init__(self) -> None:
+        _choice("model.activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+        _positive("model.activation_checkpointing_every_k", self.activation_checkpointing_every_k)
         if not self.name:
             invalid("model.name", self.name, f"name an architecture, e.g. {', '.join(MODELS[:2])} or gpt2-tiny")
         for name in ("num_layers", "hidden_size", "num_heads", "context_length"):
@@ -576,6 +589,17 @@ class ScalingConfig:
     """Taints GPU worker pods tolerate when ``use_gpu``; the default tolerates the ``nvidia.com/gpu`` taint that
     managed Kubernetes puts on GPU nodes."""
 
+    strategy: str = "ddp"
+    """How workers hold the model: ``ddp`` (each a full replica; gradients all-reduced) or ``fsdp`` (FSDP2
+    ``fully_shard`` per block: parameters, gradients and optimizer state sharded across workers, so a model
+    ``num_workers`` times larger fits). Under ``fsdp`` with ``precision.mode`` bf16 parameters are held in bf16 for
+    compute and gradients reduced in fp32, and checkpoints are sharded (every worker writes its shard through
+    ``torch.distributed.checkpoint``; a run resumes on any number of workers)."""
+
+    fsdp_cpu_offload: bool = False
+    """``fsdp``: keep sharded parameters, gradients and optimizer state in host memory and copy each block to the
+    device for its forward and backward (FSDP2's ``CPUOffloadPolicy``): larger models, slower steps."""
+
     min_allreduce_gbps: float = 0.0
     """Warn at job start when the measured all-reduce bus bandwidth is below this, Gbit/s (e.g. 100 on a
     200 Gbit/s fabric): a wrong network interface or NCCL's fallback to TCP sockets. 0: no warning. The figures
@@ -594,6 +618,13 @@ class ScalingConfig:
         _between("scaling.head_memory_gib", self.head_memory_gib, MIN_MEMORY_GIB, MAX_MEMORY_GIB, memory_why)
         _positive("scaling.torch_threads_per_worker", self.torch_threads_per_worker)
         _choice("scaling.backend", self.backend, BACKENDS)
+        _choice("scaling.strategy", self.strategy, STRATEGIES)
+        if self.fsdp_cpu_offload and self.strategy != "fsdp":
+            invalid(
+                "scaling.fsdp_cpu_offload",
+                self.fsdp_cpu_offload,
+                f"it offloads FSDP's shards and needs scaling.strategy='fsdp' (now {self.strategy!r})",
+            )
         if self.backend == "nccl" and not self.use_gpu:
             invalid("scaling.backend", self.backend, "nccl needs scaling.use_gpu=true; use gloo or auto on CPU")
         _positive("scaling.collective_timeout_s", self.collective_timeout_s)
@@ -871,6 +902,13 @@ class TrainingConfig:
             )
         if self.model.sync_batchnorm and not self.scaling.use_gpu:
             log.warning("model.sync_batchnorm=True is ignored on CPU: PyTorch's SyncBatchNorm needs a GPU")
+        if self.scaling.strategy == "fsdp" and self.precision.mode == "fp16":
+            invalid(
+                "precision.mode",
+                self.precision.mode,
+                "scaling.strategy='fsdp' trains in bf16 (parameters gathered in bf16, gradients reduced in fp32) or "
+                "fp32: fp16 needs a loss scaler that sharded gradients do not support here; use bf16 or auto",
+            )
         if self.precision.mode == "fp16" and not self.scaling.use_gpu:
             log.warning("precision.mode='fp16' falls back to fp32 on CPU: fp16 autocast with GradScaler needs a GPU")
 

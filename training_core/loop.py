@@ -14,14 +14,14 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from training_core import checkpoint as ckpt
-from training_core import preemption
+from training_core import preemption, sharding
 from training_core.config import METRIC_DIRECTIONS, is_better
 from training_core.data import Manifest, ShardStream
 from training_core.distributed import (
@@ -40,6 +40,7 @@ from training_core.optim import apply_hyperparameters, build_optimizer, build_sc
 from training_core.records import EpochRecord, StepLog, StepRecord, WorkerArgs
 from training_core.redact import redact
 from training_core.rng import gather_rng_states, restore_rng, seed_everything
+from training_core.sharding import full_tensor
 from training_core.telemetry import JobLabels, build_telemetry
 from training_core.workloads import LossOutput, resolve_workload
 from training_core.workloads.image import classification_loss
@@ -52,14 +53,16 @@ MAX_STEP_TIMES_KEPT = 100_000
 EPOCH_FIGURE_PREFIX = "sum."
 
 
-def resolve_precision(mode: str, device: torch.device) -> tuple[torch.dtype | None, bool]:
-    """Autocast dtype (None = fp32) and whether to use a GradScaler, for ``precision.mode`` on ``device``."""
+def resolve_precision(mode: str, device: torch.device, *, sharded: bool = False) -> tuple[torch.dtype | None, bool]:
+    """Autocast dtype (None = fp32) and whether to use a GradScaler, for ``precision.mode`` on ``device``. A
+    ``sharded`` (FSDP) model trains in bf16 or fp32 (the config refuses fp16 there): ``auto`` on a GPU without bf16
+    gives fp32."""
     if device.type != "cuda":
         if mode == "fp16":
             log.warning("precision.mode='fp16' needs a GPU; training in fp32 on %s", device)
         return (torch.bfloat16, False) if mode == "bf16" else (None, False)
     if mode == "auto":
-        mode = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        mode = "bf16" if torch.cuda.is_bf16_supported() else "fp32" if sharded else "fp16"
     return {"fp32": (None, False), "bf16": (torch.bfloat16, False), "fp16": (torch.float16, True)}[mode]
 
 
@@ -95,7 +98,8 @@ def train_step(
     ``(inputs, targets)`` pairs).
 
     Gradients of the micro-batches are accumulated (each loss scaled by ``1/len(micro_batches)``); a DDP
-    model all-reduces only on the last one (``no_sync`` elsewhere). ``max_grad_norm <= 0`` disables clipping.
+    model all-reduces, an FSDP model reduce-scatters, only on the last one. ``max_grad_norm <= 0`` disables
+    clipping; under FSDP it clips by the norm of all shards together.
     The result flags a step whose loss or gradient norm is not finite, on the device (nothing waits for it);
     under a GradScaler (fp16) overflowing gradients are routine (the scaler skips those steps and lowers its
     scale), so only the loss counts there. ``skip_nonfinite`` leaves the model (weights and buffers) and the
@@ -109,8 +113,7 @@ def train_step(
     num_samples = num_tokens = 0
     for index, batch in enumerate(micro_batches):
         is_last = index == num_micro - 1
-        sync_context = model.no_sync() if (not is_last and hasattr(model, "no_sync")) else contextlib.nullcontext()
-        with sync_context:
+        with contextlib.nullcontext() if is_last else _no_gradient_sync(model):
             with torch.autocast(
                 device_type=device.type,
                 dtype=autocast_dtype or torch.float32,
@@ -125,7 +128,8 @@ def train_step(
         num_tokens += output.num_tokens
     scaler.unscale_(optimizer)
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
-    loss, grad_norm = loss_sum / num_micro, grad_norm.detach()
+    # Under FSDP the norm of the sharded gradients is a partial DTensor: its full value is the global norm.
+    loss, grad_norm = loss_sum / num_micro, full_tensor(grad_norm).detach()
     finite = torch.isfinite(loss) if scaler.is_enabled() else torch.isfinite(loss) & torch.isfinite(grad_norm)
     # Under DDP every rank flags the same steps: a non-finite loss makes non-finite gradients, and the gradient
     # all-reduce spreads those to every rank's norm. So ranks skip alike and replicas stay identical.
@@ -138,6 +142,23 @@ def train_step(
     return StepResult(
         loss=loss, sums=sums, num_samples=num_samples, num_tokens=num_tokens, grad_norm=grad_norm, nonfinite=~finite
     )
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate this micro-batch's gradients locally: DDP's ``no_sync``, FSDP2's gradient sync switched off (the
+    last micro-batch reduce-scatters the sum). A model of one process has nothing to sync."""
+    if hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 class _Saved:
@@ -463,13 +484,27 @@ class Trainer:
         cfg, device = self.cfg, self.device
         torch.set_num_threads(cfg.scaling.torch_threads_per_worker)
         seed_everything(cfg.loop.seed)
-        self.autocast_dtype, use_scaler = resolve_precision(cfg.precision.mode, device)
+        self.sharded = cfg.scaling.strategy == "fsdp"
+        self.autocast_dtype, use_scaler = resolve_precision(cfg.precision.mode, device, sharded=self.sharded)
         self.manifest = manifest = Manifest.load(self.args.data_dir)
         self.workload = resolve_workload(cfg.workload)
         model = self.workload.build_model(cfg, manifest)
         if cfg.model.sync_batchnorm and device.type == "cuda" and self.world_size > 1:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        self.model = self.runtime.prepare_model(model)
+        blocks = sharding.model_blocks(model, self.workload)
+        sharding.apply_activation_checkpointing(
+            blocks, mode=cfg.model.activation_checkpointing, every_k=cfg.model.activation_checkpointing_every_k
+        )
+        if self.sharded:
+            self.model = sharding.shard_model(
+                model,
+                blocks,
+                device=device,
+                param_dtype=self.autocast_dtype,
+                cpu_offload=cfg.scaling.fsdp_cpu_offload,
+            )
+        else:
+            self.model = self.runtime.prepare_model(model)
         self.comm_timer = CommTimer()
         if hasattr(self.model, "register_comm_hook"):
             self.comm_timer.install(self.model)

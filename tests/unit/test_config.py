@@ -24,6 +24,21 @@ def test_defaults_build_and_round_trip_through_a_dict():
         ({"precision": {"mode": "int8"}}, "precision.mode", "'int8'", "auto, fp32, bf16, fp16"),
         ({"scaling": {"backend": "nccl"}}, "scaling.backend", "'nccl'", "use_gpu"),
         ({"data": {"num_shards": 2}, "scaling": {"num_workers": 4}}, "data.num_shards", "2", ">= 4"),
+        ({"scaling": {"strategy": "zero3"}}, "scaling.strategy", "'zero3'", "ddp, fsdp"),
+        ({"scaling": {"fsdp_cpu_offload": True}}, "scaling.fsdp_cpu_offload", "True", "strategy='fsdp'"),
+        (
+            {"scaling": {"strategy": "fsdp", "use_gpu": True}, "precision": {"mode": "fp16"}},
+            "precision.mode",
+            "'fp16'",
+            "use bf16 or auto",
+        ),
+        (
+            {"model": {"activation_checkpointing": "some"}},
+            "model.activation_checkpointing",
+            "'some'",
+            "none, full, selective",
+        ),
+        ({"model": {"activation_checkpointing_every_k": 0}}, "model.activation_checkpointing_every_k", "0", "> 0"),
     ],
 )
 def test_invalid_setting_names_field_value_and_fix(overrides, field, bad, fix):
@@ -37,8 +52,8 @@ def test_invalid_setting_names_field_value_and_fix(overrides, field, bad, fix):
 def test_unknown_field_lists_the_valid_ones():
     with pytest.raises(
         ValueError,
-        match=r"model has unknown field\(s\) nmae: valid fields are context_length, hidden_size, name, num_heads, "
-        r"num_layers, sync_batchnorm",
+        match=r"model has unknown field\(s\) nmae: valid fields are activation_checkpointing, "
+        r"activation_checkpointing_every_k, context_length, hidden_size, name, num_heads, num_layers, sync_batchnorm",
     ):
         TrainingConfig.from_dict({"model": {"nmae": "x"}})
 

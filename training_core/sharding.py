@@ -1,0 +1,120 @@
+"""How workers hold the model (``scaling.strategy``): its blocks, activation checkpointing, and FSDP2 sharding.
+
+A block is one repeated unit of the model (a ResNet stage, a ViT or GPT block): FSDP shards each on its own, so only
+one block's parameters are gathered at a time, and activation checkpointing recomputes a block's activations in the
+backward pass. Both attach hooks to the blocks and leave the model's parameter names as they are, so checkpoints
+and MLflow models read the same with and without them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger("training_core")
+
+
+def model_blocks(model: nn.Module, workload: Any) -> list[nn.Module]:
+    """The model's blocks, outermost first in forward order.
+
+    A workload that declares ``blocks(model)`` (a user workload) is asked; otherwise they are found: the block
+    classes a ``transformers`` model names in ``_no_split_modules`` (GPT, Llama...), a torchvision ResNet's four
+    stages, a torchvision ViT's encoder blocks. Empty for a model with none of these (the small CNN)."""
+    declared = getattr(workload, "blocks", None)
+    if callable(declared):
+        blocks = list(declared(model))
+        owned = {id(m) for m in model.modules()}
+        stray = [type(b).__name__ for b in blocks if not isinstance(b, nn.Module) or id(b) not in owned]
+        if stray:
+            raise ValueError(
+                f"the workload's blocks(model) returned {', '.join(stray[:5])}, which are not submodules of the "
+                "model: return the model's own repeated modules (e.g. its transformer layers)"
+            )
+        return blocks
+    return find_blocks(model)
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """Blocks of the architectures this package builds (see :func:`model_blocks`)."""
+    block_classes: set[str] = set()
+    for module in model.modules():
+        block_classes.update(getattr(module, "_no_split_modules", None) or ())
+    if block_classes:
+        return _outermost([m for m in model.modules() if type(m).__name__ in block_classes])
+    if all(isinstance(getattr(model, f"layer{i}", None), nn.Module) for i in range(1, 5)):
+        return [getattr(model, f"layer{i}") for i in range(1, 5)]
+    layers = getattr(getattr(model, "encoder", None), "layers", None)
+    if isinstance(layers, nn.Sequential) and len(layers):
+        return list(layers)
+    return []
+
+
+def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
+    inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
+    return [m for m in modules if id(m) not in inner]
+
+
+def apply_activation_checkpointing(blocks: list[nn.Module], *, mode: str, every_k: int) -> int:
+    """Recompute the activations of the blocks ``mode`` selects (``model.activation_checkpointing``) in the backward
+    pass; returns how many. Non-reentrant checkpointing, attached as hooks (composable API): names stay the same."""
+    if mode == "none" or not blocks:
+        return 0
+    from torch.distributed._composable import checkpoint
+
+    chosen = blocks if mode == "full" else blocks[::every_k]
+    for block in chosen:
+        checkpoint(block)
+    return len(chosen)
+
+
+def shard_model(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    *,
+    device: torch.device,
+    param_dtype: torch.dtype | None,
+    cpu_offload: bool,
+) -> nn.Module:
+    """FSDP2 ``fully_shard`` on each block, then on the root (which holds what no block does: stems, heads,
+    embeddings), over the default process group. ``param_dtype`` (bf16) is the dtype parameters are gathered in
+    for compute, gradients being reduced in fp32; None keeps fp32. With ``cpu_offload`` the shards, their gradients
+    and the optimizer state stay in host memory."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if not blocks:
+        log.warning(
+            "scaling.strategy='fsdp': %s has no blocks to shard one at a time (declare blocks(model) in the "
+            "workload), so the whole model is one FSDP unit and is gathered whole for each forward and backward",
+            type(model).__name__,
+        )
+    model.to(torch.device("cpu") if cpu_offload else device)
+    options = {
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None
+        ),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is FSDP2-sharded (its state dict holds ``DTensor`` shards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor``, else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole value of a ``DTensor`` (a collective when it is sharded or partial), else the tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
