@@ -87,7 +87,7 @@ class TrainedModel:
     """Output of ``train``: the final checkpoint and where MLflow tracked it."""
 
     checkpoint: FlyteDirectory
-    """Final checkpoint directory (model.pt, trainer_state.pt, meta.json)."""
+    """Final checkpoint directory (model.pt, trainer_state.pt, meta.json; under FSDP shards/ instead of model.pt)."""
     model_name: str
     metrics: TrainMetrics
     tracking_uri: str

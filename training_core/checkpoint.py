@@ -54,6 +54,14 @@ META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 CHECKPOINT_FILES = (MODEL_FILE, TRAINER_STATE_FILE, META_FILE)
 """The files a manifest lists: exactly these, each a plain name inside the checkpoint's directory."""
+SHARDS_DIR = "shards"
+"""Folder of a sharded checkpoint's ``torch.distributed.checkpoint`` files: ``.metadata`` and one
+``__<rank>_0.distcp`` per rank."""
+SHARD_METADATA_FILE = f"{SHARDS_DIR}/.metadata"
+_SHARD_FILE = re.compile(rf"{SHARDS_DIR}/(__[0-9]{{1,6}}_[0-9]{{1,6}}\.distcp|\.metadata)")
+SHARDED_FILES = (TRAINER_STATE_FILE, META_FILE)
+"""The files a sharded checkpoint's manifest lists besides its shards (no ``model.pt``: the weights are in them)."""
+FORMATS = ("full", "sharded")
 STEP_PREFIX = "step-"
 _STEP_NAME = re.compile(r"step-([0-9]+)")
 STEP_LOG_CAPACITY = 64
@@ -291,6 +299,21 @@ def _to_cpu(obj: Any, staging: dict[str, Any] | None = None, path: str = "") -> 
     return obj
 
 
+def file_entry(path: str) -> ManifestEntry:
+    """Size and sha256 of a local file, read in 1 MiB pieces (a shard can be gigabytes)."""
+    digest, num_bytes = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while piece := f.read(2**20):
+            digest.update(piece)
+            num_bytes += len(piece)
+    return ManifestEntry(num_bytes=num_bytes, sha256=digest.hexdigest())
+
+
+def detached(state: Any) -> Any:
+    """A copy of a state tree with every tensor on CPU, which later steps cannot change."""
+    return _to_cpu(state)
+
+
 def _torch_bytes(obj: Any) -> bytes:
     import torch
 
@@ -339,15 +362,26 @@ def encode(state: dict[str, Any]) -> dict[str, bytes]:
     }
 
 
-def manifest_for(files: dict[str, bytes], *, global_step: int, metric: float | None) -> bytes:
+def manifest_for(
+    files: dict[str, bytes],
+    *,
+    global_step: int,
+    metric: float | None,
+    shards: dict[str, ManifestEntry] | None = None,
+) -> bytes:
+    """The manifest of ``files`` (contents in hand); ``shards`` (already written, hashed where they were written)
+    makes it a sharded checkpoint's."""
     entries = {name: {"bytes": len(data), "sha256": _sha256(data)} for name, data in files.items()}
-    return json.dumps(
-        {"global_step": global_step, "metric": metric, "files": entries, "written_at": time.time()}, indent=1
-    ).encode()
+    raw = {"global_step": global_step, "metric": metric, "files": entries, "written_at": time.time()}
+    if shards is not None:
+        raw["files"] |= {name: {"bytes": e.num_bytes, "sha256": e.sha256} for name, e in shards.items()}
+        raw["format"] = "sharded"
+    return json.dumps(raw, indent=1).encode()
 
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _MANIFEST_KEYS = ("global_step", "metric", "files", "written_at")
+_OPTIONAL_MANIFEST_KEYS = ("format",)
 
 
 @dataclass(frozen=True)
@@ -366,22 +400,32 @@ class CheckpointManifest:
     metric: float | None
     files: dict[str, ManifestEntry]
     written_at: float
+    format: str = "full"
+    """``full`` (one process wrote the whole model: :data:`CHECKPOINT_FILES`) or ``sharded`` (every rank wrote its
+    shard under :data:`SHARDS_DIR`, beside :data:`SHARDED_FILES`)."""
+
+    @property
+    def shards(self) -> dict[str, ManifestEntry]:
+        return {name: entry for name, entry in self.files.items() if name.startswith(f"{SHARDS_DIR}/")}
 
     @classmethod
     def parse(cls, data: bytes, *, where: str) -> CheckpointManifest:
         """The manifest in ``data``, checked against its schema before any file it names is read.
 
         It must be a JSON object of exactly ``global_step`` (an integer >= 0), ``metric`` (a number or null),
-        ``written_at`` (a number) and ``files``: an object that maps each of :data:`CHECKPOINT_FILES` (plain names
-        inside the checkpoint's directory, nothing else) to ``{"bytes": integer >= 0, "sha256": 64 hex digits}``.
-        Raises :class:`CheckpointError` naming ``where``, the key, the value (bounded in size) and what was expected.
+        ``written_at`` (a number), optionally ``format`` (``full``, the default, or ``sharded``) and ``files``: an
+        object that maps each file of the format to ``{"bytes": integer >= 0, "sha256": 64 hex digits}``. A full
+        checkpoint lists exactly :data:`CHECKPOINT_FILES`; a sharded one :data:`SHARDED_FILES`, ``shards/.metadata``
+        and one or more ``shards/__<rank>_<n>.distcp``. Every name is a plain name inside the checkpoint's directory
+        (or its ``shards`` folder), nothing else. Raises :class:`CheckpointError` naming ``where``, the key, the
+        value (bounded in size) and what was expected.
         """
         raw = _parse_json(data, where=where)
         if not isinstance(raw, dict):
             raise CheckpointError(
                 f"{where} holds {quote(raw)}: expected a JSON object with {', '.join(_MANIFEST_KEYS)}"
             )
-        unknown = [key for key in raw if key not in _MANIFEST_KEYS]
+        unknown = [key for key in raw if key not in _MANIFEST_KEYS + _OPTIONAL_MANIFEST_KEYS]
         missing = [key for key in _MANIFEST_KEYS if key not in raw]
         if unknown or missing:
             found = f"unknown key(s) {_listed(unknown)}" if unknown else f"no {', '.join(missing)}"
@@ -395,12 +439,26 @@ class CheckpointManifest:
         for key, (is_valid, expected) in checks.items():
             if not is_valid(raw[key]):
                 raise CheckpointError(f"{where} key {key}={quote(raw[key])} is invalid: expected {expected}")
+        format = raw.get("format", "full")
+        if format not in FORMATS:
+            raise CheckpointError(
+                f"{where} key format={quote(format)} is invalid: expected one of {', '.join(FORMATS)}"
+            )
         for name in raw["files"]:
-            _check_file_name(name, where=where)
-        if set(raw["files"]) != set(CHECKPOINT_FILES):
+            _check_file_name(name, where=where, sharded=format == "sharded")
+        names = set(raw["files"])
+        if format == "full" and names != set(CHECKPOINT_FILES):
             raise CheckpointError(
                 f"{where} lists the files {_listed(sorted(raw['files']))}: "
                 f"expected exactly {', '.join(CHECKPOINT_FILES)}"
+            )
+        shard_files = {name for name in names if name.startswith(f"{SHARDS_DIR}/")}
+        if format == "sharded" and (
+            names - shard_files != set(SHARDED_FILES) or SHARD_METADATA_FILE not in shard_files or len(shard_files) < 2
+        ):
+            raise CheckpointError(
+                f"{where} lists the files {_listed(sorted(raw['files']))}: a sharded checkpoint lists exactly "
+                f"{', '.join(SHARDED_FILES)}, {SHARD_METADATA_FILE} and the ranks' {SHARDS_DIR}/__<rank>_0.distcp"
             )
         files = {}
         for name, entry in raw["files"].items():
@@ -416,17 +474,30 @@ class CheckpointManifest:
                     '{"bytes": an integer >= 0, "sha256": 64 lowercase hex digits}'
                 )
             files[name] = ManifestEntry(num_bytes=entry["bytes"], sha256=entry["sha256"])
-        return cls(global_step=raw["global_step"], metric=raw["metric"], files=files, written_at=raw["written_at"])
-
-
-def _check_file_name(name: Any, *, where: str) -> None:
-    """Refuse a file name read from a manifest unless it is a plain name inside the checkpoint's directory
-    (:func:`~training_core.config.is_plain_file_name`). Checked before anything is read."""
-    if not is_plain_file_name(name):
-        raise CheckpointError(
-            f"{where} names the file {quote(name)}, which is not a plain name inside the checkpoint's directory: "
-            f"a manifest lists only {', '.join(CHECKPOINT_FILES)}"
+        return cls(
+            global_step=raw["global_step"],
+            metric=raw["metric"],
+            files=files,
+            written_at=raw["written_at"],
+            format=format,
         )
+
+
+def _check_file_name(name: Any, *, where: str, sharded: bool = False) -> None:
+    """Refuse a file name read from a manifest unless it is a plain name inside the checkpoint's directory
+    (:func:`~training_core.config.is_plain_file_name`), or in a sharded checkpoint one of the names
+    ``torch.distributed.checkpoint`` gives its files in ``shards/``. Checked before anything is read."""
+    if is_plain_file_name(name) or (sharded and isinstance(name, str) and _SHARD_FILE.fullmatch(name)):
+        return
+    expected = (
+        f"{', '.join(SHARDED_FILES)} and {SHARDS_DIR}/.metadata, {SHARDS_DIR}/__<rank>_<n>.distcp"
+        if sharded
+        else ", ".join(CHECKPOINT_FILES)
+    )
+    raise CheckpointError(
+        f"{where} names the file {quote(name)}, which is not a plain name inside the checkpoint's directory: "
+        f"a manifest lists only {expected}"
+    )
 
 
 def _parse_json(data: bytes, *, where: str) -> Any:
@@ -585,6 +656,104 @@ class CheckpointStorage:
             lambda: self.fs.pipe_file(f"{final}/{MANIFEST_FILE}", manifest),
         )
 
+    def add_files(self, name: str, files: dict[str, bytes], manifest: bytes) -> None:
+        """Write ``files`` and then ``manifest`` into checkpoint ``name``, whose directory already holds its shards:
+        on a local root each file goes to a temporary name, is synced and renamed into place (the manifest last, so
+        it appears complete or not at all); on an object store the manifest is uploaded last."""
+        if not self.is_local:
+            for file, data in {**files, MANIFEST_FILE: manifest}.items():
+                target = f"{self.path}/{name}/{file}"
+                self._retry(f"uploading {self.uri(name)}/{file}", lambda t=target, d=data: self.fs.pipe_file(t, d))
+            return
+        try:
+            for file, data in {**files, MANIFEST_FILE: manifest}.items():
+                target = f"{self.path}/{name}/{file}"
+                temporary = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+                with open(temporary, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(temporary, target)
+        except OSError as exc:
+            raise CheckpointError(
+                f"writing checkpoint {self.display_uri(name)} failed: {self.scrub(_reason(exc))}"
+            ) from exc
+
+    def staging_dir(self, name: str) -> str:
+        """A new local directory for this process's files of checkpoint ``name`` before they are put in place:
+        beside the checkpoints on a local root (so putting them is a rename), in ``TMPDIR`` otherwise."""
+        import tempfile
+
+        if self.is_local:
+            os.makedirs(self.path, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=self.path if self.is_local else None)
+
+    def put_file(self, name: str, relative: str, local_path: str) -> None:
+        """Move (local root) or upload the local file ``local_path`` to ``relative`` inside checkpoint ``name``."""
+        target = f"{self.path}/{name}/{relative}"
+        if self.is_local:
+            try:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                os.replace(local_path, target)
+            except OSError as exc:
+                raise CheckpointError(
+                    f"writing {self.display_uri(name)}/{relative} failed: {self.scrub(_reason(exc))}"
+                ) from exc
+            return
+        self._retry(f"uploading {self.uri(name)}/{relative}", lambda: self.fs.put_file(local_path, target))
+
+    def get_file(self, name: str, relative: str, local_path: str) -> None:
+        """Download ``relative`` of checkpoint ``name`` to ``local_path``."""
+        source = f"{self.path}/{name}/{relative}"
+        self._retry(f"reading {self.uri(name)}/{relative}", lambda: self.fs.get_file(source, local_path))
+
+    def local_path(self, name: str) -> str | None:
+        """The directory of checkpoint ``name`` on this machine's filesystem, or None on an object store."""
+        return f"{self.path}/{name}" if self.is_local else None
+
+    def sizes(self, name: str, folder: str) -> dict[str, int]:
+        """Sizes of the files in ``folder`` of checkpoint ``name``, by their name inside the checkpoint."""
+        where = f"{self.path}/{name}/{folder}"
+        try:
+            entries = self._retry(
+                f"listing {self.uri(name)}/{folder}", lambda: self.fs.ls(where, detail=True, refresh=True)
+            )
+        except FileNotFoundError:
+            return {}
+        return {
+            f"{folder}/{e['name'].rstrip('/').rsplit('/', 1)[-1]}": int(e["size"])
+            for e in entries
+            if e.get("type") != "directory"
+        }
+
+    def wait_for(self, name: str, expected_bytes: dict[str, int], *, timeout_s: float) -> None:
+        """Wait until each file of ``expected_bytes`` (names inside checkpoint ``name``, all in one folder) is on
+        storage at its size; :class:`CheckpointError` naming the missing ones after ``timeout_s``."""
+        folder = next(iter(expected_bytes)).split("/", 1)[0]
+        deadline, delay = time.monotonic() + timeout_s, 0.05
+        while True:
+            found = self.sizes(name, folder)
+            missing = sorted(f for f, size in expected_bytes.items() if found.get(f) != size)
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"checkpoint {self.display_uri(name)} is incomplete: {_listed(missing)} did not arrive within "
+                    f"{timeout_s:g} s (the rank that writes it failed or is too slow); the previous checkpoint stays"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def discard(self, name: str) -> None:
+        """Delete checkpoint ``name`` if it exists (an unfinished write of an earlier attempt)."""
+        try:
+            if self.is_local or self._retry(
+                f"checking {self.uri(name)}", lambda: self.fs.exists(f"{self.path}/{name}")
+            ):
+                self.delete(name)
+        except FileNotFoundError:
+            pass
+
     def read(self, name: str, file: str) -> bytes:
         return self._retry(f"reading {self.uri(name)}/{file}", lambda: self.fs.cat_file(f"{self.path}/{name}/{file}"))
 
@@ -618,13 +787,24 @@ class LoadedCheckpoint:
     uri: str
     """Where the checkpoint is, for I/O (with any credentials of its root): log :attr:`display_uri` instead."""
     model: dict[str, Any]
+    """The model's state dict (a full checkpoint); empty for a sharded one, whose weights are in :attr:`shards_dir`."""
     trainer: dict[str, Any]
     meta: CheckpointMeta
+    shards_dir: str = ""
+    """A sharded checkpoint's verified ``torch.distributed.checkpoint`` files, on this machine."""
+    owns_shards_dir: bool = False
+    """:attr:`shards_dir` is a download of this process's: :meth:`release` removes it."""
 
     @property
     def display_uri(self) -> str:
         """:attr:`uri` as messages show it, credentials redacted."""
         return redact(self.uri)
+
+    def release(self) -> None:
+        """Remove this process's download of the shards (once they are loaded)."""
+        if self.owns_shards_dir:
+            _remove_local(self.shards_dir)
+            self.owns_shards_dir = False
 
 
 _TRAINER_STATE_KEYS = ("optimizer", "scheduler", "scaler", "rng")
@@ -649,17 +829,19 @@ def verify_and_load(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
     manifest = CheckpointManifest.parse(manifest_bytes, where=f"{where}/{MANIFEST_FILE}")
     payloads = {}
     for file, entry in manifest.files.items():
+        if file in manifest.shards:
+            continue
         try:
             data = storage.read(name, file)
         except (CheckpointError, FileNotFoundError) as exc:
             raise CheckpointError(f"{where}/{file} is missing: {storage.scrub(_reason(exc))}") from None
-        if len(data) != entry.num_bytes:
-            raise CheckpointError(f"{where}/{file} is truncated: {len(data)} bytes, manifest says {entry.num_bytes}")
-        if _sha256(data) != entry.sha256:
-            raise CheckpointError(f"{where}/{file} is corrupt: sha256 differs from the manifest")
+        _check_entry(ManifestEntry(num_bytes=len(data), sha256=_sha256(data)), entry, where=f"{where}/{file}")
         payloads[file] = data
-    tensors = {}
-    for file in (MODEL_FILE, TRAINER_STATE_FILE):
+    shards_dir, owns_shards_dir = (
+        _verified_shards(storage, name, manifest) if manifest.format == "sharded" else ("", False)
+    )
+    tensors = {MODEL_FILE: {}}
+    for file in (MODEL_FILE, TRAINER_STATE_FILE) if manifest.format == "full" else (TRAINER_STATE_FILE,):
         try:
             tensors[file] = torch.load(io.BytesIO(payloads[file]), map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, ... for bad bytes
@@ -679,7 +861,50 @@ def verify_and_load(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
             f"{', '.join(_TRAINER_STATE_KEYS)}"
         )
     meta = _decode_meta(payloads[META_FILE], where=f"{where}/{META_FILE}")
-    return LoadedCheckpoint(name=name, uri=storage.uri(name), model=model, trainer=trainer, meta=meta)
+    return LoadedCheckpoint(
+        name=name,
+        uri=storage.uri(name),
+        model=model,
+        trainer=trainer,
+        meta=meta,
+        shards_dir=shards_dir,
+        owns_shards_dir=owns_shards_dir,
+    )
+
+
+def _check_entry(found: ManifestEntry, expected: ManifestEntry, *, where: str) -> None:
+    if found.num_bytes != expected.num_bytes:
+        raise CheckpointError(f"{where} is truncated: {found.num_bytes} bytes, manifest says {expected.num_bytes}")
+    if found.sha256 != expected.sha256:
+        raise CheckpointError(f"{where} is corrupt: sha256 differs from the manifest")
+
+
+def _verified_shards(storage: CheckpointStorage, name: str, manifest: CheckpointManifest) -> tuple[str, bool]:
+    """A local directory of the checkpoint's shards, each checked against the manifest: the checkpoint's own on a
+    local root, else a download to ``TMPDIR`` (removed again when a file fails). Returns it and whether it is a
+    download."""
+    import tempfile
+
+    where = storage.display_uri(name)
+    local = storage.local_path(name)
+    directory = f"{local}/{SHARDS_DIR}" if local else tempfile.mkdtemp(prefix=f"ckpt-{name}-")
+    try:
+        for relative, entry in manifest.shards.items():
+            path = os.path.join(directory, relative.split("/", 1)[1])
+            if not local:
+                storage.get_file(name, relative, path)
+            try:
+                found = file_entry(path)
+            except OSError as exc:
+                raise CheckpointError(f"{where}/{relative} is missing: {storage.scrub(_reason(exc))}") from None
+            _check_entry(found, entry, where=f"{where}/{relative}")
+    except BaseException as exc:
+        if not local:
+            _remove_local(directory)
+        if isinstance(exc, FileNotFoundError):
+            raise CheckpointError(f"{where} has a missing shard: {storage.scrub(_reason(exc))}") from None
+        raise
+    return directory, not local
 
 
 def _decode_meta(data: bytes, *, where: str) -> CheckpointMeta:
@@ -749,8 +974,11 @@ class Checkpointer:
         async_save: bool = True,
         max_consecutive_failures: int = 1,
         observer: SaveObserver | None = None,
+        shard_wait_s: float = 600.0,
     ) -> None:
         assert keep_last >= 1 and max_consecutive_failures >= 1, "validated by CheckpointConfig"
+        self.shard_wait_s = shard_wait_s
+        """How long rank 0 waits for the other ranks' shards of a sharded checkpoint to be on storage."""
         self.storage = storage
         self.interval_steps = interval_steps
         self.at_epoch_end = at_epoch_end
@@ -793,15 +1021,90 @@ class Checkpointer:
         good checkpoint in place. Once ``max_consecutive_failures`` saves in a row have failed, this raises
         :class:`CheckpointError`.
         """
+        name = step_name(global_step)
+
+        def write() -> int:
+            files = encode(state)
+            manifest = manifest_for(files, global_step=global_step, metric=metric)
+            self.storage.write(name, files, manifest)
+            return sum(len(d) for d in files.values()) + len(manifest)
+
+        return self._submit(global_step, write, prune=True)
+
+    def save_sharded(
+        self,
+        global_step: int,
+        *,
+        model: Any,
+        optimizer: Any,
+        trainer_state: dict[str, Any] | None,
+        meta: CheckpointMeta | None,
+        metric: float | None = None,
+    ) -> float:
+        """Save a sharded checkpoint (``scaling.strategy=fsdp``): a collective, every rank calls it at the same step.
+        Returns the seconds the caller was blocked.
+
+        What the step waits for: each rank's shard of the model and optimizer state written to local disk by
+        ``torch.distributed.checkpoint`` (rank 0 adds its ``.metadata``), hashed, and the hashes gathered on rank 0.
+        Then, in the background when ``async_save``: each rank moves (local root) or uploads its files into the
+        checkpoint's ``shards/``; rank 0 waits until every rank's shard is on storage at its size, writes
+        ``trainer_state.pt`` (scheduler, scaler, RNG), ``meta.json`` and, last, the manifest with every file's
+        sha256, and prunes. ``trainer_state`` and ``meta`` are rank 0's (tensors already on CPU); other ranks pass
+        None. Failures count as in :meth:`save`; a rank whose upload failed raises at its next save or
+        :meth:`wait`, and rank 0's save fails when a shard does not arrive within ``shard_wait_timeout_s``."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self._settle()
+        started = time.perf_counter()
+        rank, name = dist.get_rank(), step_name(global_step)
+        if rank == 0:
+            self.storage.discard(name)  # an earlier attempt's unfinished write of this step (it has no manifest)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        staging = self.storage.staging_dir(name)
+        try:
+            dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp.FileSystemWriter(staging))
+            own = {f"{SHARDS_DIR}/{f}": file_entry(os.path.join(staging, f)) for f in sorted(os.listdir(staging))}
+        except BaseException:
+            _remove_local(staging)
+            raise
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, own)  # also the barrier after rank 0 discarded the step's leftovers
+        self._last_stage_s = time.perf_counter() - started
+
+        def write() -> int:
+            try:
+                for relative in own:
+                    self.storage.put_file(name, relative, os.path.join(staging, relative.split("/", 1)[1]))
+            finally:
+                _remove_local(staging)
+            written = sum(e.num_bytes for e in own.values())
+            if rank != 0:
+                return written
+            assert trainer_state is not None and meta is not None, "rank 0 passes the trainer state and meta"
+            shards = {relative: entry for per_rank in gathered for relative, entry in per_rank.items()}
+            self.storage.wait_for(name, {k: e.num_bytes for k, e in shards.items()}, timeout_s=self.shard_wait_s)
+            files = {
+                TRAINER_STATE_FILE: _torch_bytes(trainer_state),
+                META_FILE: json.dumps(asdict(meta), indent=1).encode(),
+            }
+            manifest = manifest_for(files, global_step=global_step, metric=metric, shards=shards)
+            self.storage.add_files(name, files, manifest)
+            return written + sum(len(d) for d in files.values()) + len(manifest)
+
+        return self._last_stage_s + self._submit(global_step, write, prune=rank == 0)
+
+    def _submit(self, global_step: int, write: Callable[[], int], *, prune: bool) -> float:
         start = time.perf_counter()
         self._settle()
         if self.async_save:
             self._thread = threading.Thread(
-                target=self._write_guarded, args=(global_step, state, metric), name="checkpoint-writer", daemon=True
+                target=self._write_guarded, args=(global_step, write, prune), name="checkpoint-writer", daemon=True
             )
             self._thread.start()
         else:
-            self._write(global_step, state, metric)
+            self._write(global_step, write, prune)
         return time.perf_counter() - start
 
     def wait(self) -> None:
@@ -827,9 +1130,9 @@ class Checkpointer:
                 f"{self.consecutive_failures} checkpoint saves in a row failed; last: {error}"
             ) from error
 
-    def _write_guarded(self, global_step: int, state: dict[str, Any], metric: float | None) -> None:
+    def _write_guarded(self, global_step: int, write: Callable[[], int], prune: bool) -> None:
         try:
-            self._write(global_step, state, metric)
+            self._write(global_step, write, prune)
         except BaseException as exc:  # reported by the next save() or wait() on the training thread
             log.error("checkpoint save of step %d failed: %s", global_step, exc)
             self._error = (
@@ -838,13 +1141,12 @@ class Checkpointer:
                 else CheckpointError(f"checkpoint save of step {global_step} failed: {exc}")
             )
 
-    def _write(self, global_step: int, state: dict[str, Any], metric: float | None) -> None:
+    def _write(self, global_step: int, write: Callable[[], int], prune: bool) -> None:
+        """Run ``write`` (it returns the bytes it wrote), count its outcome, and prune after a success."""
         start = time.perf_counter()
         name = step_name(global_step)
         try:
-            files = encode(state)
-            manifest = manifest_for(files, global_step=global_step, metric=metric)
-            self.storage.write(name, files, manifest)
+            num_bytes = write()
         except BaseException:
             self.num_failed += 1
             self.consecutive_failures += 1
@@ -853,13 +1155,13 @@ class Checkpointer:
             raise
         self.num_saved += 1
         self.consecutive_failures = 0
-        num_bytes = sum(len(d) for d in files.values()) + len(manifest)
         self.bytes_written += num_bytes
         self.last_save_s = time.perf_counter() - start
         if self.observer is not None:
             self.observer.checkpoint_saved(duration_s=self._last_stage_s + self.last_save_s, bytes_written=num_bytes)
         log.info("checkpoint %s written in %.2fs", self.storage.display_uri(name), self.last_save_s)
-        self._prune(keep=name)
+        if prune:
+            self._prune(keep=name)
 
     def _prune(self, *, keep: str) -> None:
         names = self.storage.list_steps()
@@ -917,14 +1219,133 @@ def load_model(directory: str, *, map_location: str = "cpu"):
         )
     workload = resolve_workload(config.workload)
     model = workload.build_model(config, manifest)
-    model.load_state_dict(loaded.model)
+    restore(loaded, model=model)
     return model.to(map_location), meta, workload
 
 
 def restore(loaded: LoadedCheckpoint, *, model, optimizer=None, scheduler=None, scaler=None) -> None:
-    """Load every stateful object in place from a verified checkpoint."""
-    bare = getattr(model, "module", model)
-    bare.load_state_dict(loaded.model)
-    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
+    """Load every stateful object in place from a verified checkpoint, whatever wrote it and however ``model`` is
+    held now: a sharded checkpoint into an FSDP model on any number of ranks (resharded), into a DDP model or into
+    one process; a full checkpoint into a DDP model or, each rank reading the whole of it, into an FSDP model. Under
+    a process group every rank calls it (the sharded load is a collective)."""
+    from training_core.sharding import is_sharded
+
+    try:
+        if loaded.shards_dir:
+            _load_shards(loaded.shards_dir, model=model, optimizer=optimizer)
+        elif is_sharded(model):
+            _load_full_into_sharded(loaded, model=model, optimizer=optimizer)
+        else:
+            getattr(model, "module", model).load_state_dict(loaded.model)
+            if optimizer is not None and "optimizer" in loaded.trainer:
+                optimizer.load_state_dict(loaded.trainer["optimizer"])
+    finally:
+        loaded.release()
+    for name, obj in (("scheduler", scheduler), ("scaler", scaler)):
         if obj is not None and name in loaded.trainer:
             obj.load_state_dict(loaded.trainer[name])
+
+
+def _load_shards(directory: str, *, model, optimizer) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, storage_reader=_safe_reader(directory), planner=_weights_only_planner())
+        set_model_state_dict(model, state["model"])
+        return
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, storage_reader=_safe_reader(directory), planner=_weights_only_planner())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def _load_full_into_sharded(loaded: LoadedCheckpoint, *, model, optimizer) -> None:
+    """A full checkpoint (written under DDP) into an FSDP model: each rank keeps its shard of the whole. The
+    optimizer's state, numbered in parameter order, is keyed by the parameters' names first (the order of
+    ``named_parameters``, in which the optimizer was built)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, loaded.model, options=options)
+    saved = loaded.trainer.get("optimizer")
+    if optimizer is None or saved is None:
+        return
+    names = [name for name, _ in model.named_parameters()]
+    by_name = {
+        "state": {names[index]: value for index, value in saved["state"].items()},
+        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in saved["param_groups"]],
+    }
+    set_optimizer_state_dict(model, optimizer, by_name, options=options)
+
+
+# What a ``torch.distributed.checkpoint`` ``.metadata`` pickle may name: its own records, torch's sizes, dtypes and
+# layouts, and a path. Anything else (a callable that runs code when unpickled) is refused.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+def _safe_reader(directory: str):
+    """A ``FileSystemReader`` of ``directory`` whose ``.metadata`` is unpickled with only the globals of
+    :data:`_METADATA_GLOBALS` (torch's own reader runs ``pickle.load`` on it)."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class MetadataUnpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            dtype = getattr(torch, name, None) if module == "torch" else None
+            if name in _METADATA_GLOBALS.get(module, ()) or isinstance(dtype, torch.dtype):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's {SHARD_METADATA_FILE}")
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with open(os.path.join(directory, ".metadata"), "rb") as f:
+                try:
+                    metadata = MetadataUnpickler(f).load()
+                except Exception as exc:  # noqa: BLE001 - any unpickling failure means the file is not ours
+                    raise CheckpointError(f"{SHARD_METADATA_FILE} cannot be read safely: {_reason(exc)}") from None
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(directory)
+
+
+def _weights_only_planner():
+    """A ``DefaultLoadPlanner`` that decodes the non-tensor entries (optimizer hyper-parameters) with
+    ``torch.load(weights_only=True)``; torch's own unpickles them with ``weights_only=False``."""
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            plain = torch.load(value, map_location="cpu", weights_only=True)
+            super().load_bytes(read_item, io.BytesIO(_torch_bytes(plain)))
+
+    return WeightsOnlyLoadPlanner()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -74,15 +74,18 @@ def evaluate(
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
     all_reduce: bool = False,
+    lockstep: bool = False,
 ) -> EvalResult:
-    """The workload's evaluation sums over ``batches`` and its metrics; ``all_reduce`` sums over all ranks."""
+    """The workload's evaluation sums over ``batches`` and its metrics; ``all_reduce`` sums over all ranks.
+    ``lockstep`` (an FSDP model, whose forward is a collective): every rank runs as many forwards as the rank with
+    the most batches, those past its own batches uncounted."""
     import torch
 
     bare = getattr(model, "module", model)  # no DDP forward: ranks may hold different numbers of batches
     was_training = bare.training
     bare.eval()
     totals: dict[str, torch.Tensor] = {}
-    for batch in batches:
+    for batch, counted in _in_lockstep(batches, device) if lockstep else ((b, True) for b in batches):
         with (
             torch.no_grad(),
             torch.autocast(
@@ -90,6 +93,8 @@ def evaluate(
             ),
         ):
             sums = workload.eval_sums(bare, to_device(batch))
+        if not counted:
+            continue
         for name, value in sums.items():
             value = value.detach().double()
             totals[name] = totals[name] + value if name in totals else value
@@ -109,6 +114,23 @@ def evaluate(
     # A rank with no batches has no sums to add; every rank must still join the all-reduce with the same shapes.
     # The loop's shard assignment gives every rank a shard of each split, so no rank is ever empty.
     return EvalResult(sums=reduced, metrics=workload.metrics(reduced))
+
+
+def _in_lockstep(batches: Iterable[Any], device: torch.device) -> Iterator[tuple[Any, bool]]:
+    """``(batch, True)`` for each of this rank's batches, then ``(its last batch, False)`` until every rank ran out
+    (one all-reduce per batch)."""
+    from training_core.distributed import all_reduce_sum
+
+    iterator, last = iter(batches), None
+    while True:
+        batch = next(iterator, None)
+        (num_ranks_with_a_batch,) = all_reduce_sum([float(batch is not None)], device)
+        if not num_ranks_with_a_batch:
+            return
+        if batch is not None:
+            last = batch
+        assert last is not None, "every rank holds a shard of each split (see the loop's shard assignment)"
+        yield (batch, True) if batch is not None else (last, False)
 
 
 def require_finite(figures: Mapping[str, float], *, what: str, fix: str) -> None:

@@ -581,6 +581,7 @@ class Trainer:
         same_run = loaded is not None
         if loaded is None and self.args.resume_from:
             loaded = ckpt.load_directory(self.args.resume_from)
+        self.require_same_checkpoint(loaded)
         self.awaiting_first_step = loaded is not None
         if loaded is None:
             self.state = RunState()
@@ -618,6 +619,20 @@ class Trainer:
             extra = {"world_size": self.world_size, "steps_per_epoch": self.steps_per_epoch, "device": self.device.type}
             self.sink.log_params(flatten(cfg.to_dict()) | extra)
             self.sink.log_dict(cfg.to_dict(), "config.json")
+
+    def require_same_checkpoint(self, loaded: ckpt.LoadedCheckpoint | None) -> None:
+        """Every rank chose its checkpoint on its own: all must have chosen the same step (a collective), or a
+        shard read while another rank wrote it, or a flaky read, would resume ranks from different states."""
+        step = float(loaded.meta.global_step) if loaded is not None else -1.0
+        total, squares = all_reduce_sum([step, step * step], self.device)
+        if squares * self.world_size != total * total:  # the steps' variance over the ranks is not 0
+            if loaded is not None:
+                loaded.release()
+            raise ckpt.CheckpointError(
+                f"rank {self.rank} chose the checkpoint of step {int(step)} (-1: none) but another rank chose another "
+                f"one under {self.checkpointer.storage.display_uri()}: storage changed while the ranks read it; a "
+                "restart reads it again"
+            )
 
     def report_allreduce_probe(self) -> None:
         """The job-start all-reduce check to MLflow (at the step training starts from), and a warning when its bus
@@ -701,8 +716,7 @@ class Trainer:
             done = state.global_step >= self.total_steps or epoch == self.end_epoch - 1
             if done:
                 self.save_checkpoint(metric=record.metric(cfg.checkpoint.best_metric), model_uri=self.log_model(epoch))
-                if self.rank == 0:
-                    self.checkpointer.wait()  # the final checkpoint is the task's output: it must be on storage
+                self.checkpointer.wait()  # the final checkpoint is the task's output: it must be on storage
             elif self.checkpointer.should_save(state.global_step, epoch_end=True):
                 self.save_checkpoint(metric=record.metric(cfg.checkpoint.best_metric))
             self.runtime.report(record.to_dict())
@@ -723,8 +737,7 @@ class Trainer:
         """After the just-in-time checkpoint: wait until it is on storage (rank 0 writes; the others wait at a
         barrier, so no rank's exit tears the group down mid-write), then stop as recoverable."""
         step, told = self.state.global_step, preemption.requested_unix()
-        if self.rank == 0:
-            self.checkpointer.wait()
+        self.checkpointer.wait()  # each rank its own writes: rank 0's, and every rank's shards under FSDP
         all_reduce_sum([0.0], self.device)
         took_s = time.time() - told if told is not None else 0.0
         grace_s = self.cfg.checkpoint.preemption_grace_s
@@ -830,7 +843,10 @@ class Trainer:
     def require_finite_weights(self, what: str) -> None:
         """Every rank checks its weights and buffers, and all agree (the count is reduced): a model with a NaN or
         infinite value is never checkpointed or logged."""
-        tensors = {name: t for name, t in self.model.state_dict().items() if t.is_floating_point()}
+        # Under FSDP each rank checks its own shard: the count is reduced either way.
+        tensors = {
+            name: sharding.local_tensor(t) for name, t in self.model.state_dict().items() if t.is_floating_point()
+        }
         nonfinite = torch.stack([~torch.isfinite(t).all() for t in tensors.values()])
         (num_bad,) = all_reduce_sum([float(nonfinite.sum())], self.device)
         if num_bad:
@@ -843,13 +859,12 @@ class Trainer:
             )
 
     def diverged(self, message: str) -> TrainingDiverged:
-        """The error that stops a diverged run, raised once rank 0's checkpoint writes in flight (all of finite
+        """The error that stops a diverged run, raised once this rank's checkpoint writes in flight (all of finite
         weights) are on storage."""
-        if self.rank == 0:
-            try:
-                self.checkpointer.wait()
-            except Exception:  # noqa: BLE001 - the divergence is the error to report; this one is logged
-                log.exception("a checkpoint write failed while the diverged run stopped")
+        try:
+            self.checkpointer.wait()
+        except Exception:  # noqa: BLE001 - the divergence is the error to report; this one is logged
+            log.exception("a checkpoint write failed while the diverged run stopped")
         return TrainingDiverged(message)
 
     def emit(self, record: StepRecord) -> None:
@@ -869,6 +884,7 @@ class Trainer:
             device=self.device,
             autocast_dtype=self.autocast_dtype,
             all_reduce=True,
+            lockstep=self.sharded,
         ).metrics
         if not math.isfinite(val["loss"]):  # reduced: every rank sees it
             raise self.diverged(
@@ -899,6 +915,7 @@ class Trainer:
         if self.args.mlflow is None or not full_budget:
             return ""
         self.require_finite_weights("the MLflow model")  # on every rank: a collective
+        model = self.gathered_model() if self.sharded else self.model
         if self.rank != 0:
             return ""
         from training_core.tracking import log_model
@@ -906,17 +923,60 @@ class Trainer:
         example = self.workload.example_input(self.manifest)
         # A workload may free more input axes than the batch (a language model: the sequence length).
         dynamic_axes = getattr(self.workload, "dynamic_axes", (0,))
-        return log_model(self.model, example, self.args.mlflow, dynamic_axes=dynamic_axes)
+        return log_model(model, example, self.args.mlflow, dynamic_axes=dynamic_axes)
+
+    def gathered_model(self) -> nn.Module | None:
+        """The FSDP model whole, in one process on rank 0's CPU (None on the other ranks): a collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return None
+        model = self.workload.build_model(self.cfg, self.manifest)
+        model.load_state_dict(full)
+        return model
 
     def save_checkpoint(self, *, metric: float | None = None, model_uri: str = "", preempted: bool = False) -> None:
         """Every rank calls this at the same steps (the weight check and the RNG gather are collectives); rank 0
         writes."""
         self.require_finite_weights(f"the checkpoint of step {self.state.global_step}")
         json_rng, torch_rng = gather_rng_states(self.world_size)
+        started = time.perf_counter()
+        meta = self.checkpoint_meta(metric=metric, model_uri=model_uri, preempted=preempted, json_rng=json_rng)
+        if self.sharded:  # every rank writes its shard
+            trainer_state = {
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "rng": torch_rng,
+            }
+            self.checkpointer.save_sharded(
+                self.state.global_step,
+                model=self.model,
+                optimizer=self.optimizer,
+                trainer_state=ckpt.detached(trainer_state) if self.rank == 0 else None,
+                meta=meta,
+                metric=metric,
+            )
+        elif self.rank == 0:
+            staged = self.checkpointer.stage(
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                scaler=self.scaler,
+                meta=meta,
+                torch_rng=torch_rng,
+            )
+            self.checkpointer.save(self.state.global_step, staged, metric=metric)
+        self.sink.log_metrics({"checkpoint_stall_s": time.perf_counter() - started}, step=self.state.global_step)
+
+    def checkpoint_meta(
+        self, *, metric: float | None, model_uri: str, preempted: bool, json_rng: dict[str, Any]
+    ) -> ckpt.CheckpointMeta | None:
+        """What a checkpoint's ``meta.json`` records of this run now: rank 0's (None on the other ranks)."""
         if self.rank != 0:
-            return
-        started, state, cfg, manifest = time.perf_counter(), self.state, self.cfg, self.manifest
-        meta = ckpt.CheckpointMeta(
+            return None
+        state, cfg, manifest = self.state, self.cfg, self.manifest
+        return ckpt.CheckpointMeta(
             model_name=cfg.model.name,
             classes=manifest.classes,
             input_shape=manifest.input_shape,
@@ -942,16 +1002,6 @@ class Trainer:
             data_remaining=[list(pair) for pair in self.data_left()],
             preempted=preempted,
         )
-        staged = self.checkpointer.stage(
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.scaler,
-            meta=meta,
-            torch_rng=torch_rng,
-        )
-        self.checkpointer.save(state.global_step, staged, metric=metric)
-        self.sink.log_metrics({"checkpoint_stall_s": time.perf_counter() - started}, step=state.global_step)
 
     def data_left(self) -> list[tuple[int, int]]:
         """Positions of the current epoch's order no rank has trained yet (none at an epoch's start)."""
@@ -973,8 +1023,7 @@ def run_worker(args: WorkerArgs, runtime: WorkerRuntime) -> None:
         trainer.connect_outputs()
         trainer.resume()
         trainer.train()
-        if trainer.rank == 0:
-            trainer.checkpointer.wait()
+        trainer.checkpointer.wait()
         trainer.sink.close()
         finished = True
     finally:

@@ -145,6 +145,7 @@ def collect_final(
         raise RuntimeError(f"{what} left no valid checkpoint under {redact(root)}; see the worker logs above")
     if os.path.exists(checkpoint_dir):
         shutil.rmtree(checkpoint_dir)
+    final.release()  # a sharded checkpoint's verified download: the copy below is the one kept
     storage.fs.get(f"{storage.path}/{final.name}/", checkpoint_dir.rstrip("/") + "/", recursive=True)
     if metrics is None:
         if not final.meta.history:

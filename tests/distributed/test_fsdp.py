@@ -3,6 +3,7 @@ no checkpointing) on the union of the workers' batches, in float64."""
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -148,3 +149,164 @@ def test_fsdp_and_activation_checkpointing_on_two_workers_equal_one_process(ray_
             torch.testing.assert_close(
                 got[name], tensor.detach(), rtol=1e-6, atol=1e-8, msg=lambda m, where=f"{case} {name}": f"{where}: {m}"
             )
+
+
+# ----------------------------------------------------------------------------------------- sharded checkpoints
+
+RESHARD_CASE = "gpt-fsdp"
+
+
+def _fsdp_gpt(data_dir: str):
+    """A fresh float64 GPT sharded over this job's workers, and its optimizer."""
+    from training_core import sharding
+
+    cfg = _config(RESHARD_CASE)
+    model = _fresh_model(RESHARD_CASE, data_dir)
+    blocks = sharding.model_blocks(model, resolve_workload(cfg.workload))
+    model = sharding.shard_model(model, blocks, device=torch.device("cpu"), param_dtype=None, cpu_offload=False)
+    return model, build_optimizer(OptimizerConfig(name="adamw", lr=0.01), model.parameters())
+
+
+def _union_step_batches(data_dir: str, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Step ``step``'s micro-batches of both ranks of a 2-worker run, rank by rank (the first steps' again past
+    them)."""
+    return [
+        mb for rank in range(WORLD_SIZE) for mb in _rank_micro_batches(RESHARD_CASE, data_dir, rank)[step % NUM_STEPS]
+    ]
+
+
+def _reshard_worker(config: dict) -> None:
+    """Phase ``save``: 2 steps, a sharded checkpoint, then a third step (its loss and the full weights are the
+    reference). Phase ``load``: restore the newest valid checkpoint on this job's workers, check it against the
+    reference, take the third step, and save again."""
+    import ray.train
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    from training_core import checkpoint as ckpt
+    from training_core.distributed import all_reduce_sum
+    from training_core.loop import train_step
+
+    context = ray.train.get_context()
+    rank, world_size, out = context.get_world_rank(), context.get_world_size(), Path(config["out_dir"])
+    data_dir, phase = config["data_dir"], config["phase"]
+    model, optimizer = _fsdp_gpt(data_dir)
+    loss_fn = resolve_workload(_config(RESHARD_CASE).workload).loss
+    storage = ckpt.CheckpointStorage(config["root"])
+    checkpointer = ckpt.Checkpointer(storage, keep_last=3, async_save=True)
+
+    def step(index: int) -> float:
+        union = _union_step_batches(data_dir, index)
+        share = len(union) // world_size  # each rank's share of the global batch; 1 worker accumulates all 4
+        result = train_step(
+            model=model,
+            optimizer=optimizer,
+            scaler=torch.amp.GradScaler("cpu", enabled=False),
+            micro_batches=union[rank * share : (rank + 1) * share],
+            autocast_dtype=None,
+            max_grad_norm=0.5,
+            loss_fn=loss_fn,
+        )
+        (loss_sum,) = all_reduce_sum([float(result.loss)], torch.device("cpu"))
+        return loss_sum / world_size  # the mean over the global batch's micro-batches
+
+    def save(global_step: int) -> None:
+        meta = ckpt.CheckpointMeta(
+            model_name="gpt2-tiny", classes=[], input_shape=[], mean=[], std=[], epoch=0, global_step=global_step,
+            config={},
+        )  # fmt: skip
+        checkpointer.save_sharded(
+            global_step,
+            model=model,
+            optimizer=optimizer,
+            trainer_state={"rng": {}} if rank == 0 else None,
+            meta=meta if rank == 0 else None,
+        )
+        checkpointer.wait()
+
+    def full_state() -> tuple[dict, dict]:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        # A copy: on one worker the full state dict's tensors are the live parameters themselves.
+        return copy.deepcopy(
+            (get_model_state_dict(model, options=options), get_state_dict(model, optimizer, options=options)[1])
+        )
+
+    if phase == "save":
+        step(0), save(1), step(1), save(2)
+        restored, loss = full_state(), step(2)
+    else:
+        loaded = ckpt.load_latest_valid(storage)
+        assert loaded is not None and loaded.meta.global_step == config["expect_step"], loaded
+        ckpt.restore(loaded, model=model, optimizer=optimizer)
+        restored, loss = full_state(), step(config["expect_step"])
+        save(config["expect_step"] + 1)
+    after = full_state()
+    if rank == 0:
+        torch.save({"restored": restored, "loss": loss, "after": after}, out / f"{phase}-{world_size}.pt")
+    ray.train.report({"rank": rank})
+
+
+def _run(workers: int, config: dict, storage_path: Path) -> None:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    TorchTrainer(
+        _reshard_worker,
+        train_loop_config=config,
+        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=f"reshard-{config['phase']}-{workers}", storage_path=str(storage_path)),
+    ).fit()
+
+
+def _assert_same_state(got: dict, expected: dict, what: str) -> None:
+    (got_model, got_optim), (model, optim) = got, expected
+    assert got_model.keys() == model.keys()
+    for name, tensor in model.items():
+        assert torch.equal(got_model[name], tensor), f"{what}: weight {name}"
+    for name, state in optim["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(got_optim["state"][name][key]), torch.as_tensor(value)), (what, name)
+
+
+def test_a_sharded_checkpoint_reshards_from_2_workers_to_1_and_back_and_a_corrupt_shard_falls_back(
+    ray_session, data_dirs, tmp_path
+):
+    import cloudpickle
+
+    from training_core import checkpoint as ckpt
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    data_dir, root, out = data_dirs["gpt"], str(tmp_path / "checkpoints"), tmp_path
+    base = {"data_dir": data_dir, "root": root, "out_dir": str(out)}
+    _run(2, {**base, "phase": "save"}, tmp_path / "ray")
+    storage = ckpt.CheckpointStorage(root)
+    assert storage.list_steps() == [ckpt.step_name(1), ckpt.step_name(2)]
+    manifest = ckpt.CheckpointManifest.parse(storage.read(ckpt.step_name(2), ckpt.MANIFEST_FILE), where="manifest")
+    # Every rank wrote its own shard, and the manifest (written last) has the sha256 of each.
+    assert manifest.format == "sharded"
+    assert sorted(manifest.shards) == ["shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"]
+    reference = torch.load(out / "save-2.pt", weights_only=True)
+
+    # 2 -> 1: the state restored on one worker is the 2-worker run's at step 2, bit for bit, and its next step
+    # (both halves of the global batch, accumulated) has the loss the 2-worker run's had.
+    _run(1, {**base, "phase": "load", "expect_step": 2}, tmp_path / "ray")
+    on_one = torch.load(out / "load-1.pt", weights_only=True)
+    _assert_same_state(on_one["restored"], reference["restored"], "2 -> 1")
+    assert on_one["loss"] == pytest.approx(reference["loss"], rel=1e-12)
+    assert storage.list_steps()[-1] == ckpt.step_name(3)
+
+    # 1 -> 2: the checkpoint the single worker wrote after that step restores on two workers, bit for bit.
+    _run(2, {**base, "phase": "load", "expect_step": 3}, tmp_path / "ray")
+    on_two = torch.load(out / "load-2.pt", weights_only=True)
+    _assert_same_state(on_two["restored"], on_one["after"], "1 -> 2")
+
+    # A corrupted shard of the newest checkpoint (step 4, from the 2 workers) is detected by its hash, and a resume
+    # takes the previous valid one (step 3).
+    shard = Path(root) / ckpt.step_name(4) / "shards" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=r"step-000000004/shards/__1_0.distcp is corrupt: sha256"):
+        ckpt.verify_and_load(storage, ckpt.step_name(4))
+    fallback = ckpt.load_latest_valid(storage)  # what every rank of a resumed run chooses (the 1 -> 2 run restored it)
+    assert fallback is not None and fallback.name == ckpt.step_name(3)

@@ -14,6 +14,9 @@ import fractions
 import io
 import json
 import logging
+import os
+import pickle
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -622,3 +625,57 @@ def test_a_mutated_manifest_or_meta_loads_unchanged_or_falls_back_with_a_short_w
     num_cases = sum(outcomes.values())
     print(f"hypothesis: {num_cases} mutated checkpoint manifests and metas: {outcomes}")
     assert num_cases >= 100 and outcomes[OLDER] > 0 and outcomes[NEWER] > 0, outcomes
+
+
+# ------------------------------------------------------------------------------------ sharded checkpoints (FSDP)
+
+
+def _sharded_manifest(names: list[str]) -> bytes:
+    entry = {"bytes": 1, "sha256": "0" * 64}
+    raw = {
+        "global_step": 1,
+        "metric": None,
+        "written_at": 0.0,
+        "format": "sharded",
+        "files": dict.fromkeys(names, entry),
+    }
+    return json.dumps(raw).encode()
+
+
+@pytest.mark.parametrize(
+    ("names", "fragment"),
+    [
+        (["trainer_state.pt", "meta.json", "shards/.metadata", "shards/../../etc.distcp"], "not a plain name"),
+        (["trainer_state.pt", "meta.json", "shards/.metadata", "/abs/__0_0.distcp"], "not a plain name"),
+        (["trainer_state.pt", "meta.json", "shards/__0_0.distcp"], "a sharded checkpoint lists exactly"),
+        (["model.pt", "trainer_state.pt", "meta.json", "shards/.metadata", "shards/__0_0.distcp"], "lists exactly"),
+    ],
+    ids=["traversal", "absolute", "no-metadata", "model-file"],
+)
+def test_a_sharded_manifest_names_only_its_own_files(names, fragment):
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(fragment)):
+        ckpt.CheckpointManifest.parse(_sharded_manifest(names), where="m.json")
+
+
+def test_a_full_manifest_cannot_name_shard_files():
+    raw = json.loads(_sharded_manifest(["model.pt", "trainer_state.pt", "meta.json", "shards/__0_0.distcp"]))
+    del raw["format"]
+    with pytest.raises(ckpt.CheckpointError, match="not a plain name"):
+        ckpt.CheckpointManifest.parse(json.dumps(raw).encode(), where="m.json")
+
+
+class _RunsCode:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_shard_metadata_pickle_that_names_anything_else_is_refused_without_running_it(tmp_path):
+    """torch's own reader runs pickle.load on shards/.metadata; ours allows only the checkpoint's own records."""
+    marker = tmp_path / "ran"
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))
+    with pytest.raises(ckpt.CheckpointError, match=r"posix\.system is not allowed"):
+        ckpt._safe_reader(str(tmp_path)).read_metadata()
+    assert not marker.exists()

@@ -142,18 +142,32 @@ def test_run_worker_resumes_mid_epoch_from_an_interval_checkpoint_bit_identical(
         assert getattr(resumed.meta.history[-1], key) == getattr(whole.meta.history[-1], key), key
 
 
-def test_a_language_model_resumes_mid_epoch_from_an_interval_checkpoint_bit_identical(tmp_path):
+@pytest.fixture
+def process_group(tmp_path):
+    """A one-process gloo group, as Ray Train sets up for one worker (FSDP shards over it)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_language_model_resumes_mid_epoch_from_an_interval_checkpoint_bit_identical(strategy, request, tmp_path):
     """The causal_lm workload through the same loop and checkpoints: a GPT resumed from a mid-epoch checkpoint
-    (model, AdamW moments, RNG, data position) ends bit-identical to an uninterrupted run. Under Ray with a
+    (model, AdamW moments, RNG, data position) ends bit-identical to an uninterrupted run, with full checkpoints
+    (ddp) and with sharded ones (fsdp, every block sharded and recomputed in the backward pass). Under Ray with a
     SIGKILLed worker, tests/distributed/test_recovery.py shows the same for images."""
+    if strategy == "fsdp":
+        request.getfixturevalue("process_group")
     cfg = TrainingConfig.from_dict(
         {
             "workload": {"name": "causal_lm"},
-            "model": {"name": "gpt2-tiny"},
+            "model": {"name": "gpt2-tiny", "activation_checkpointing": "full" if strategy == "fsdp" else "none"},
             "data": {"dataset": "stdlib", "max_text_bytes": 40_000, "seq_len": 32, "num_shards": 1},
             "loop": {"epochs": 1, "batch_size": 16, "log_interval_steps": 4},
             "checkpoint": {"interval_steps": 5, "keep_last": 5, "async_save": True},
-            "scaling": {"num_workers": 1, "torch_threads_per_worker": 1},
+            "scaling": {"num_workers": 1, "torch_threads_per_worker": 1, "strategy": strategy},
             "observability": {"enabled": False},
         }
     )
@@ -171,8 +185,15 @@ def test_a_language_model_resumes_mid_epoch_from_an_interval_checkpoint_bit_iden
     resumed = _final(mid)
 
     assert resumed.meta.resumed_from_steps == [5] and resumed.meta.global_step == whole.meta.global_step
-    for name, tensor in whole.model.items():
-        assert torch.equal(tensor, resumed.model[name]), name
+    final = ckpt.step_name(whole.meta.global_step)
+    assert (
+        ckpt.CheckpointManifest.parse(storage.read(final, ckpt.MANIFEST_FILE), where="manifest").format
+        == {"ddp": "full", "fsdp": "sharded"}[strategy]
+    )
+    whole_weights = ckpt.load_model(str(tmp_path / "whole" / final))[0].state_dict()
+    resumed_weights = ckpt.load_model(str(mid / final))[0].state_dict()
+    for name, tensor in whole_weights.items():
+        assert torch.equal(tensor, resumed_weights[name]), name
     assert resumed.meta.history[-1].val_perplexity == whole.meta.history[-1].val_perplexity
     assert resumed.meta.history[-1].train_loss == whole.meta.history[-1].train_loss
 
