@@ -330,10 +330,12 @@ def snapshot(
     scaler=None,
     meta: CheckpointMeta,
     torch_rng: dict | None = None,
+    replicas: dict[str, dict[str, Any]] | None = None,
     staging: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The state to save, detached from the live objects (tensors copied to CPU, into ``staging`` buffers
-    when given: see :meth:`Checkpointer.stage`)."""
+    when given: see :meth:`Checkpointer.stage`). ``replicas`` (local SGD) are every rank's own model and optimizer
+    state by rank, already on CPU."""
     import torch
 
     bare = getattr(model, "module", model)
@@ -343,6 +345,8 @@ def snapshot(
             trainer[name] = obj.state_dict()
     if torch_rng:
         trainer["rng"] = torch_rng
+    if replicas:
+        trainer["replicas"] = replicas
     state = {
         "model": _to_cpu(bare.state_dict(), staging, "model"),
         "trainer": _to_cpu(trainer, staging, "trainer"),
@@ -807,7 +811,7 @@ class LoadedCheckpoint:
             self.owns_shards_dir = False
 
 
-_TRAINER_STATE_KEYS = ("optimizer", "scheduler", "scaler", "rng")
+_TRAINER_STATE_KEYS = ("optimizer", "scheduler", "scaler", "rng", "replicas")
 
 
 def verify_and_load(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:

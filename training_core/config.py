@@ -40,6 +40,7 @@ NONFINITE_POLICIES = ("stop", "skip_step")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl")
 STRATEGIES = ("ddp", "fsdp")
+SYNC_MODES = ("allreduce", "local_sgd")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 TOLERATION_OPERATORS = ("Exists", "Equal")
 TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
@@ -652,6 +653,26 @@ class ScalingConfig:
 
 
 @dataclass
+class SyncConfig:
+    mode: str = "allreduce"
+    """How workers' updates meet: ``allreduce`` (gradients averaged every step, as one process on the global batch
+    would) or ``local_sgd`` (post-local SGD: gradients averaged every step for ``local_sgd_warmup_steps``, then each
+    worker steps on its own gradients and the parameters are averaged every ``local_sgd_period_steps`` steps and at
+    each epoch's end: far fewer collectives, for slow networks). ``local_sgd`` needs ``scaling.strategy='ddp'``."""
+
+    local_sgd_period_steps: int = 8
+    """``local_sgd``: optimizer steps between parameter averages, >= 2 (1 would be all-reduce with extra cost)."""
+
+    local_sgd_warmup_steps: int = 100
+    """``local_sgd``: first optimizer steps with gradients all-reduced, while the loss falls fastest."""
+
+    def __post_init__(self) -> None:
+        _choice("sync.mode", self.mode, SYNC_MODES)
+        _between("sync.local_sgd_period_steps", self.local_sgd_period_steps, 2, 1_000_000)
+        _non_negative("sync.local_sgd_warmup_steps", self.local_sgd_warmup_steps)
+
+
+@dataclass
 class PrecisionConfig:
     mode: str = "auto"
     """``fp32``; ``bf16`` autocast; ``fp16`` autocast with GradScaler (GPU only); ``auto`` picks bf16 on
@@ -872,6 +893,9 @@ class TrainingConfig:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     """Workers and their resources."""
 
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """How workers' updates are combined: gradient all-reduce or local SGD."""
+
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """Mixed precision."""
 
@@ -902,6 +926,13 @@ class TrainingConfig:
             )
         if self.model.sync_batchnorm and not self.scaling.use_gpu:
             log.warning("model.sync_batchnorm=True is ignored on CPU: PyTorch's SyncBatchNorm needs a GPU")
+        if self.sync.mode == "local_sgd" and self.scaling.strategy != "ddp":
+            invalid(
+                "sync.mode",
+                self.sync.mode,
+                f"local SGD steps each worker's full replica and averages them; scaling.strategy="
+                f"{self.scaling.strategy!r} holds no replica: use scaling.strategy='ddp' or sync.mode='allreduce'",
+            )
         if self.scaling.strategy == "fsdp" and self.precision.mode == "fp16":
             invalid(
                 "precision.mode",

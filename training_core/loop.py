@@ -91,6 +91,7 @@ def train_step(
     max_grad_norm: float,
     skip_nonfinite: bool = False,
     loss_fn: Callable[[nn.Module, Any], LossOutput] = classification_loss,
+    sync_gradients: bool = True,
 ) -> StepResult:
     """One optimizer step over equally sized micro-batches, equal to one step on their concatenation.
 
@@ -99,7 +100,8 @@ def train_step(
 
     Gradients of the micro-batches are accumulated (each loss scaled by ``1/len(micro_batches)``); a DDP
     model all-reduces, an FSDP model reduce-scatters, only on the last one. ``max_grad_norm <= 0`` disables
-    clipping; under FSDP it clips by the norm of all shards together.
+    clipping; under FSDP it clips by the norm of all shards together. Without ``sync_gradients`` (local SGD)
+    no micro-batch syncs: the step uses this rank's gradients alone.
     The result flags a step whose loss or gradient norm is not finite, on the device (nothing waits for it);
     under a GradScaler (fp16) overflowing gradients are routine (the scaler skips those steps and lowers its
     scale), so only the loss counts there. ``skip_nonfinite`` leaves the model (weights and buffers) and the
@@ -113,7 +115,7 @@ def train_step(
     num_samples = num_tokens = 0
     for index, batch in enumerate(micro_batches):
         is_last = index == num_micro - 1
-        with contextlib.nullcontext() if is_last else _no_gradient_sync(model):
+        with contextlib.nullcontext() if is_last and sync_gradients else _no_gradient_sync(model):
             with torch.autocast(
                 device_type=device.type,
                 dtype=autocast_dtype or torch.float32,
@@ -521,6 +523,8 @@ class Trainer:
             getattr(self.runtime, "run_on_main_thread", None)
         )
         self.scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+        self.local_sgd = cfg.sync.mode == "local_sgd" and self.world_size > 1
+        """Workers step on their own gradients past the warm-up (``sync.mode``); one worker has nothing to sync."""
         self.to_device = self.workload.to_device(manifest, device)
         self.train_stream = ShardStream(manifest, "train", rank=self.rank, world_size=self.world_size, data=cfg.data)
         self.val_stream = ShardStream(manifest, "val", rank=self.rank, world_size=self.world_size, data=cfg.data)
@@ -589,6 +593,7 @@ class Trainer:
             ckpt.restore(
                 loaded, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler
             )
+            self.restore_replica(loaded)
             apply_hyperparameters(cfg, self.optimizer, self.scheduler)
             self.state = state = RunState.resumed(loaded.meta, same_run=same_run)
             self.meter.restore_epoch_sums(loaded.meta.epoch_partial)
@@ -711,6 +716,7 @@ class Trainer:
                 if preempted:
                     self.stop_for_preemption()
 
+            self.average_replicas()
             record = self.validate(epoch=epoch, steps_in_epoch=steps_this_epoch)
             state.epoch, state.step_in_epoch, state.data_remaining = epoch + 1, 0, None
             done = state.global_step >= self.total_steps or epoch == self.end_epoch - 1
@@ -722,6 +728,48 @@ class Trainer:
             self.runtime.report(record.to_dict())
             if done:
                 break
+
+    def average_replicas(self) -> None:
+        """Local SGD past its warm-up: average the workers' parameters at an epoch's end, so validation, the
+        epoch's checkpoint and the logged model describe one model (a collective)."""
+        if self.local_sgd and self.state.global_step > self.cfg.sync.local_sgd_warmup_steps:
+            self.average_parameters()
+
+    def average_parameters(self) -> None:
+        """Every rank's parameters become their mean over the ranks (one all-reduce of them all, flattened)."""
+        from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
+        average_parameters(iter(list(self.model.parameters())), process_group=None)
+
+    def gather_replicas(self) -> dict[str, dict[str, Any]] | None:
+        """Local SGD past its warm-up: every rank's own model and optimizer state, by rank, on rank 0 (a collective;
+        None elsewhere, and when the replicas are one model): what an exact resume needs, as they differ between
+        averages."""
+        if not self.local_sgd or self.state.global_step <= self.cfg.sync.local_sgd_warmup_steps:
+            return None
+        own = ckpt.detached({"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict()})
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        torch.distributed.gather_object(own, gathered, dst=0)
+        return {str(rank): state for rank, state in enumerate(gathered)} if gathered is not None else None
+
+    def restore_replica(self, loaded: ckpt.LoadedCheckpoint) -> None:
+        """Local SGD: this rank's own model and optimizer state from a checkpoint that holds every rank's, when it
+        was written by as many workers (else every rank continues from rank 0's, logged)."""
+        replicas = loaded.trainer.get("replicas")
+        if not replicas or not self.local_sgd:
+            return
+        if len(replicas) != self.world_size:
+            if self.rank == 0:
+                log.warning(
+                    "the checkpoint holds the local SGD replicas of %d workers, this run has %d: every worker "
+                    "continues from worker 0's",
+                    len(replicas),
+                    self.world_size,
+                )
+            return
+        mine = replicas[str(self.rank)]
+        self.model.module.load_state_dict(mine["model"])
+        self.optimizer.load_state_dict(mine["optimizer"])
 
     def preemption_requested(self) -> bool:
         """Whether any rank was told to stop (SIGTERM). A collective at log steps, when armed: all ranks agree,
@@ -768,10 +816,14 @@ class Trainer:
                 max_grad_norm=self.cfg.optimizer.max_grad_norm,
                 skip_nonfinite=self.cfg.loop.nonfinite_policy == "skip_step",
                 loss_fn=self.workload.loss,
+                sync_gradients=not self.local_sgd or self.state.global_step < self.cfg.sync.local_sgd_warmup_steps,
             )
         except torch.cuda.OutOfMemoryError:
             self.telemetry.gpu_oom()
             raise
+        past_warmup = self.state.global_step - self.cfg.sync.local_sgd_warmup_steps  # of this update, 0-based
+        if self.local_sgd and past_warmup >= 0 and past_warmup % self.cfg.sync.local_sgd_period_steps == 0:
+            self.average_parameters()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         if self.awaiting_first_step:
@@ -941,6 +993,7 @@ class Trainer:
         writes."""
         self.require_finite_weights(f"the checkpoint of step {self.state.global_step}")
         json_rng, torch_rng = gather_rng_states(self.world_size)
+        replicas = self.gather_replicas()
         started = time.perf_counter()
         meta = self.checkpoint_meta(metric=metric, model_uri=model_uri, preempted=preempted, json_rng=json_rng)
         if self.sharded:  # every rank writes its shard
@@ -965,6 +1018,7 @@ class Trainer:
                 scaler=self.scaler,
                 meta=meta,
                 torch_rng=torch_rng,
+                replicas=replicas,
             )
             self.checkpointer.save(self.state.global_step, staged, metric=metric)
         self.sink.log_metrics({"checkpoint_stall_s": time.perf_counter() - started}, step=self.state.global_step)

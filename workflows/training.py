@@ -48,10 +48,11 @@ def training_pipeline(
         as ``package.module:attribute`` (or a user model factory or dataset source for a built-in). ``data``:
         dataset (digits, synthetic, cifar10, image_folder; stdlib or text files for language models), path,
         split fractions, shard count, tokenizer and sequence length. ``model``: architecture (small_cnn,
-        resnet18-152, vit_b_16; gpt2-tiny to gpt2-xl or a transformers config class). ``optimizer``/``schedule``:
-        sgd/adam/adamw, lr, weight decay, clipping, warmup + cosine.
-        ``loop``: epochs, per-worker batch size, gradient accumulation, seed. ``scaling``: Ray Train workers
-        and their CPUs/GPUs/memory. ``precision``: auto/fp32/bf16/fp16. ``checkpoint``: Ray Train storage.
+        resnet18-152, vit_b_16; gpt2-tiny to gpt2-xl or a transformers config class) and activation
+        checkpointing. ``optimizer``/``schedule``: sgd/adam/adamw, lr, weight decay, clipping, warmup + cosine.
+        ``loop``: epochs, per-worker batch size, gradient accumulation, seed. ``scaling``: Ray Train workers,
+        their CPUs/GPUs/memory, and the strategy (ddp replicas or fsdp shards). ``sync``: gradient all-reduce or
+        local SGD. ``precision``: auto/fp32/bf16/fp16. ``checkpoint``: Ray Train storage.
         ``tracking``: MLflow URI, experiment, registered model name, champion alias and promotion threshold.
         Defaults train a small ResNet on sklearn digits with 2 CPU workers and a local sqlite MLflow.
     :param resume_from: Optional checkpoint directory of an earlier run (its ``train`` output ``checkpoint``)

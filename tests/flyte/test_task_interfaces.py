@@ -18,7 +18,7 @@ def test_every_workflow_and_task_input_is_described_for_the_launch_form():
         for name, variable in entity.interface.inputs.items():
             assert len(variable.description) > 20, f"{entity.name}.{name} has no description"
     description = training_pipeline.interface.inputs["config"].description
-    for section in ("data", "model", "optimizer", "loop", "scaling", "precision", "checkpoint", "tracking"):
+    for section in ("data", "model", "optimizer", "loop", "scaling", "sync", "precision", "checkpoint", "tracking"):
         assert f"``{section}``" in description
 
 

@@ -14,6 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from flyteidl.core import errors_pb2, literals_pb2
 
 from benchmarks.common import ray_train_worker_pids
@@ -54,7 +55,7 @@ def _execute(
     )
 
 
-def _write_inputs(tmp_path: Path) -> None:
+def _write_inputs(tmp_path: Path, *, strategy: str = "ddp", epochs: int = 4) -> None:
     from flytekit.types.directory import FlyteDirectory
 
     from tasks.types import PreparedData
@@ -72,7 +73,8 @@ def _write_inputs(tmp_path: Path) -> None:
     config = TrainingConfig.from_dict(
         {
             "model": {"name": "small_cnn"},
-            "loop": {"epochs": 4, "batch_size": 16},
+            "scaling": {"strategy": strategy},
+            "loop": {"epochs": epochs, "batch_size": 16},
             "checkpoint": {"interval_steps": 5, "max_worker_restarts": 0},
             "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "promotion_threshold": 0.0},
         }
@@ -107,10 +109,12 @@ def _steps_written(raw: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in raw.rglob("step-*") if (p / "manifest.json").exists())
 
 
+@pytest.mark.parametrize(("strategy", "epochs"), [("ddp", 4), ("fsdp", 2)])
 def test_a_failed_attempt_is_retried_and_the_retry_resumes_from_its_latest_checkpoint(
-    ray_address, tmp_path, subprocess_env
+    strategy, epochs, ray_address, tmp_path, subprocess_env
 ):
-    _write_inputs(tmp_path)
+    """Under ``fsdp`` attempt 1's checkpoints are sharded (each worker wrote its shard): attempt 2 restores them."""
+    _write_inputs(tmp_path, strategy=strategy, epochs=epochs)
     env = dict(subprocess_env, RAY_ADDRESS=ray_address, PYTHONPATH=str(REPO_ROOT))
 
     first = _execute(tmp_path, 1, env, prev='""')
@@ -140,8 +144,13 @@ def test_a_failed_attempt_is_retried_and_the_retry_resumes_from_its_latest_check
     from training_core import checkpoint as ckpt
 
     trained = _output(tmp_path / "out2", TrainedModel)
-    assert trained.metrics.global_step == 4 * 39
-    meta = ckpt.load_meta(trained.checkpoint.download())
+    assert trained.metrics.global_step == epochs * 39
+    final = trained.checkpoint.download()
+    manifest = ckpt.CheckpointManifest.parse(Path(final, ckpt.MANIFEST_FILE).read_bytes(), where="final")
+    assert manifest.format == {"ddp": "full", "fsdp": "sharded"}[strategy]
+    if strategy == "fsdp":
+        assert sorted(manifest.shards) == ["shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"]
+    meta = ckpt.load_meta(final)
     (resumed_from,) = meta.resumed_from_steps
     assert resumed_from >= latest_before_kill >= KILL_AFTER_STEP, (
         "attempt 2 must resume from attempt 1's latest step, not step 0"

@@ -66,11 +66,16 @@ class OutageProxy:
 def _state(step: int):
     import torch
 
-    from training_core.config import TrainingConfig
     from training_core.models import build_model
 
     model = build_model("small_cnn", num_classes=10, input_shape=(1, 8, 8))
-    meta = ckpt.CheckpointMeta(
+    return ckpt.snapshot(model=model, meta=_meta(step), torch_rng={"0": {"cpu": torch.get_rng_state()}})
+
+
+def _meta(step: int) -> ckpt.CheckpointMeta:
+    from training_core.config import TrainingConfig
+
+    return ckpt.CheckpointMeta(
         model_name="small_cnn",
         classes=[str(i) for i in range(10)],
         input_shape=[1, 8, 8],
@@ -80,7 +85,69 @@ def _state(step: int):
         global_step=step,
         config=TrainingConfig().to_dict(),
     )
-    return ckpt.snapshot(model=model, meta=meta, torch_rng={"0": {"cpu": torch.get_rng_state()}})
+
+
+def test_a_sharded_checkpoint_on_s3_is_verified_downloaded_restored_and_a_corrupt_shard_falls_back(s3_server, tmp_path):
+    """The FSDP path on an object store: each rank uploads its shard, rank 0 waits for them and writes the manifest
+    last; a resume downloads and verifies every shard, restores, and removes its download."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from training_core import sharding
+    from training_core.models import build_model
+
+    def sharded_model():
+        torch.manual_seed(0)
+        model = build_model("small_cnn", num_classes=10, input_shape=(1, 8, 8))
+        model = sharding.shard_model(
+            model, [model.features], device=torch.device("cpu"), param_dtype=None, cpu_offload=False
+        )
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def train_step(model, optimizer) -> None:
+        model(torch.randn(4, 1, 8, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def weights(model) -> dict:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model, optimizer = sharded_model()
+        storage = ckpt.CheckpointStorage("s3://flyte/sharded-test")
+        checkpointer = ckpt.Checkpointer(storage, keep_last=2)
+        for step in (1, 2):
+            train_step(model, optimizer)
+            checkpointer.save_sharded(
+                step, model=model, optimizer=optimizer, trainer_state={"rng": {}}, meta=_meta(step), metric=None
+            )
+            checkpointer.wait()
+            if step == 1:
+                after_step_1 = {k: v.clone() for k, v in weights(model).items()}
+        saved = {k: v.clone() for k, v in weights(model).items()}
+        shard_keys = sorted(p.rsplit("/", 1)[1] for p in storage.fs.ls("flyte/sharded-test/step-000000002/shards"))
+        assert shard_keys == [".metadata", "__0_0.distcp"]
+
+        fresh, fresh_optimizer = sharded_model()
+        loaded = ckpt.load_latest_valid(storage)
+        assert loaded.meta.global_step == 2 and loaded.owns_shards_dir and os.path.isdir(loaded.shards_dir)
+        ckpt.restore(loaded, model=fresh, optimizer=fresh_optimizer)
+        assert not os.path.exists(loaded.shards_dir), "the verified download is removed once loaded"
+        for name, tensor in saved.items():
+            assert torch.equal(weights(fresh)[name], tensor), name
+
+        storage.fs.pipe_file("flyte/sharded-test/step-000000002/shards/__0_0.distcp", b"not the shard")
+        fallback = ckpt.load_latest_valid(storage)
+        assert fallback.meta.global_step == 1
+        ckpt.restore(fallback, model=fresh, optimizer=fresh_optimizer)
+        for name, tensor in after_step_1.items():
+            assert torch.equal(weights(fresh)[name], tensor), name
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_save_during_an_s3_outage_retries_and_succeeds_once_it_is_back(s3_server, caplog):

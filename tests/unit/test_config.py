@@ -39,6 +39,14 @@ def test_defaults_build_and_round_trip_through_a_dict():
             "none, full, selective",
         ),
         ({"model": {"activation_checkpointing_every_k": 0}}, "model.activation_checkpointing_every_k", "0", "> 0"),
+        ({"sync": {"mode": "gossip"}}, "sync.mode", "'gossip'", "allreduce, local_sgd"),
+        ({"sync": {"local_sgd_period_steps": 1}}, "sync.local_sgd_period_steps", "1", "[2, 1_000_000]"),
+        (
+            {"sync": {"mode": "local_sgd"}, "scaling": {"strategy": "fsdp"}},
+            "sync.mode",
+            "'local_sgd'",
+            "use scaling.strategy='ddp'",
+        ),
     ],
 )
 def test_invalid_setting_names_field_value_and_fix(overrides, field, bad, fix):
