@@ -41,6 +41,10 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl")
 STRATEGIES = ("ddp", "fsdp")
 SYNC_MODES = ("allreduce", "local_sgd")
+OOM_POLICIES = ("fail", "reduce")
+AUTO = 0
+"""How a field that takes ``auto`` (``loop.batch_size``) stores it."""
+AUTO_FIELDS = frozenset({"loop.batch_size"})
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 TOLERATION_OPERATORS = ("Exists", "Equal")
 TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
@@ -445,7 +449,22 @@ class LoopConfig:
 
     batch_size: int = 32
     """Samples per micro-batch on each worker. The global batch of one optimizer step is
-    ``batch_size * grad_accum_steps * scaling.num_workers``."""
+    ``batch_size * grad_accum_steps * scaling.num_workers``. ``auto`` (stored as 0): each worker takes the largest
+    micro-batch that fits ``memory_budget_gib`` and divides its share of ``global_batch_size``, and accumulates
+    gradients to keep that global batch (measured at start: see :mod:`training_core.batch_size`)."""
+
+    global_batch_size: int = 0
+    """Samples per optimizer step over all workers. Required with ``batch_size: auto``; otherwise 0, or equal to
+    ``batch_size * grad_accum_steps * scaling.num_workers`` (a check)."""
+
+    memory_budget_gib: float = 0.0
+    """``batch_size: auto``: memory a worker's training step may use, GiB. 0: 80% of the GPU's memory, or of
+    ``scaling.memory_per_worker_gib`` on CPU."""
+
+    oom_policy: str = "fail"
+    """A CUDA out-of-memory error in a step: ``fail`` (the error stops the run) or ``reduce`` (the step is retried
+    with half the micro-batch and twice the accumulation, the same global batch, for the rest of the run; counted
+    in ``training_oom_retries_total``). The out-of-memory alert fires either way."""
 
     grad_accum_steps: int = 1
     """Micro-batches accumulated per optimizer step; DDP syncs gradients only on the last one."""
@@ -487,8 +506,25 @@ class LoopConfig:
                 self.stop_at_epoch,
                 f"it must be <= loop.epochs={self.epochs} (or 0 to run all epochs)",
             )
-        _positive("loop.batch_size", self.batch_size)
+        _non_negative("loop.batch_size", self.batch_size)
         _positive("loop.grad_accum_steps", self.grad_accum_steps)
+        _non_negative("loop.global_batch_size", self.global_batch_size)
+        _between("loop.memory_budget_gib", self.memory_budget_gib, 0, MAX_MEMORY_GIB)
+        _choice("loop.oom_policy", self.oom_policy, OOM_POLICIES)
+        if self.batch_size == AUTO and not self.global_batch_size:
+            invalid(
+                "loop.batch_size",
+                self.batch_size,
+                "auto (or 0) sizes the micro-batch to what fits and keeps loop.global_batch_size fixed, which is "
+                "not set: set loop.global_batch_size (e.g. 256), or a batch size > 0",
+            )
+        if self.batch_size == AUTO and self.grad_accum_steps != 1:
+            invalid(
+                "loop.grad_accum_steps",
+                self.grad_accum_steps,
+                "loop.batch_size=auto sets the accumulation itself (loop.global_batch_size over the micro-batch that "
+                "fits); leave it at 1",
+            )
         _non_negative("loop.max_steps", self.max_steps)
         _positive("loop.log_interval_steps", self.log_interval_steps)
         _seed("loop.seed", self.seed)
@@ -926,6 +962,7 @@ class TrainingConfig:
             )
         if self.model.sync_batchnorm and not self.scaling.use_gpu:
             log.warning("model.sync_batchnorm=True is ignored on CPU: PyTorch's SyncBatchNorm needs a GPU")
+        self._check_global_batch()
         if self.sync.mode == "local_sgd" and self.scaling.strategy != "ddp":
             invalid(
                 "sync.mode",
@@ -942,6 +979,26 @@ class TrainingConfig:
             )
         if self.precision.mode == "fp16" and not self.scaling.use_gpu:
             log.warning("precision.mode='fp16' falls back to fp32 on CPU: fp16 autocast with GradScaler needs a GPU")
+
+    def _check_global_batch(self) -> None:
+        loop, workers = self.loop, self.scaling.num_workers
+        if not loop.global_batch_size:
+            return
+        if loop.global_batch_size % workers:
+            invalid(
+                "loop.global_batch_size",
+                loop.global_batch_size,
+                f"every one of the scaling.num_workers={workers} workers trains an equal share: use a multiple of "
+                f"{workers}",
+            )
+        if loop.batch_size and loop.batch_size * loop.grad_accum_steps * workers != loop.global_batch_size:
+            invalid(
+                "loop.global_batch_size",
+                loop.global_batch_size,
+                f"it must be loop.batch_size * loop.grad_accum_steps * scaling.num_workers = {loop.batch_size} * "
+                f"{loop.grad_accum_steps} * {workers} = {loop.batch_size * loop.grad_accum_steps * workers}; set it "
+                "to 0, or loop.batch_size to auto",
+            )
 
     def _check_workload_fields(self) -> None:
         """The dataset and model a built-in workload reads must be its own (a user workload reads them as it
@@ -1010,6 +1067,8 @@ def coerce(path: str, value: Any, hint: type) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         invalid(path, value, "expected true or false")
+    if hint is int and path in AUTO_FIELDS and isinstance(value, str) and value.strip().lower() == "auto":
+        return AUTO
     if hint in (int, float):
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             invalid(path, value, f"expected a number ({hint.__name__})")

@@ -10,6 +10,7 @@ the save policy in :meth:`Checkpointer.should_save <training_core.checkpoint.Che
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -20,9 +21,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from training_core import batch_size, preemption, sharding
 from training_core import checkpoint as ckpt
-from training_core import preemption, sharding
-from training_core.config import METRIC_DIRECTIONS, is_better
+from training_core.config import AUTO, METRIC_DIRECTIONS, TrainingConfig, is_better
 from training_core.data import Manifest, ShardStream
 from training_core.distributed import (
     CommTimer,
@@ -161,6 +162,16 @@ def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
             model.set_requires_gradient_sync(True)
     else:
         yield
+
+
+def split_batch(batch: Any, parts: int) -> list[Any]:
+    """``batch`` (a tensor, or a tuple, list or dict of them) cut along its first dimension into ``parts`` equal
+    micro-batches; itself when ``parts`` is 1."""
+    if parts == 1:
+        return [batch]
+    leaves, spec = torch.utils._pytree.tree_flatten(batch)
+    pieces = [leaf.tensor_split(parts) if isinstance(leaf, torch.Tensor) else [leaf] * parts for leaf in leaves]
+    return [torch.utils._pytree.tree_unflatten([piece[i] for piece in pieces], spec) for i in range(parts)]
 
 
 class _Saved:
@@ -511,6 +522,11 @@ class Trainer:
         if hasattr(self.model, "register_comm_hook"):
             self.comm_timer.install(self.model)
         self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
+        if cfg.loop.batch_size == AUTO:
+            self.cfg = cfg = self.plan_batch(cfg)
+        self.oom_split = 1
+        """Each loaded batch is split into this many micro-batches: doubled by each out-of-memory step retried under
+        ``loop.oom_policy='reduce'``, so the data order and the global batch stay as they were."""
         self.steps_per_epoch = manifest.steps_per_epoch(
             world_size=self.world_size, batch_size=cfg.loop.batch_size, grad_accum_steps=cfg.loop.grad_accum_steps
         )
@@ -555,6 +571,51 @@ class Trainer:
                 bus_bandwidth_bytes_per_s=self.allreduce_probe.bus_bandwidth_bytes_per_s,
                 latency_s=self.allreduce_probe.latency_s,
             )
+
+    def plan_batch(self, cfg: TrainingConfig) -> TrainingConfig:
+        """``cfg`` with ``loop.batch_size: auto`` resolved: the largest micro-batch that fits the memory budget and
+        divides this worker's share of ``loop.global_batch_size``, the smallest over the ranks (a collective), and
+        the accumulation that keeps the global batch."""
+        per_worker = cfg.loop.global_batch_size // self.world_size
+        to_device = self.workload.to_device(self.manifest, self.device)
+        stream = ShardStream(self.manifest, "train", rank=self.rank, world_size=self.world_size, data=cfg.data)
+        probes = tuple(
+            to_device(next(stream.train_batches(epoch=0, seed=cfg.loop.seed, batch_size=n, num_batches=1)))
+            for n in (1, 2)
+        )
+        # On CPU the probe is a forward alone, of the module itself: no DDP or FSDP state is left expecting a backward.
+        probed = self.model if self.device.type == "cuda" or self.sharded else getattr(self.model, "module", self.model)
+        fixed_bytes, bytes_per_sample = batch_size.measure(
+            probed,
+            self.workload.loss,
+            probes,
+            device=self.device,
+            optimizer_name=cfg.optimizer.name,
+            momentum=cfg.optimizer.momentum,
+            no_sync=_no_gradient_sync,
+        )
+        budget = batch_size.budget_bytes(
+            cfg.loop.memory_budget_gib, device=self.device, memory_per_worker_gib=cfg.scaling.memory_per_worker_gib
+        )
+        plan = batch_size.plan_micro_batch(
+            per_worker, fixed_bytes=fixed_bytes, bytes_per_sample=bytes_per_sample, budget_bytes=budget
+        )
+        size = batch_size.agree(plan.micro_batch_size, self.device)
+        if self.rank == 0:
+            log.warning(
+                "loop.batch_size=auto: micro-batch %d, %d accumulation step(s) per optimizer step (global batch %d); "
+                "predicted %.3f GiB of a %.3f GiB budget (%.3f GiB fixed, %.3f MiB per sample)",
+                size,
+                per_worker // size,
+                cfg.loop.global_batch_size,
+                plan.predicted_bytes(size) / 2**30,
+                budget / 2**30,
+                fixed_bytes / 2**30,
+                bytes_per_sample / 2**20,
+            )
+        return dataclasses.replace(
+            cfg, loop=dataclasses.replace(cfg.loop, batch_size=size, grad_accum_steps=per_worker // size)
+        )
 
     def connect_outputs(self) -> None:
         """Checkpoint storage and the metric sink (after telemetry: the checkpointer reports to it)."""
@@ -804,32 +865,59 @@ class Trainer:
             "retry resumes from it"
         )
 
-    def optimizer_step(self, micro_batches: Sequence[Any]) -> tuple[StepResult, float]:
-        """:func:`train_step`, the schedule's step, and the LR the step used."""
-        try:
-            result = train_step(
-                model=self.model,
-                optimizer=self.optimizer,
-                scaler=self.scaler,
-                micro_batches=micro_batches,
-                autocast_dtype=self.autocast_dtype,
-                max_grad_norm=self.cfg.optimizer.max_grad_norm,
-                skip_nonfinite=self.cfg.loop.nonfinite_policy == "skip_step",
-                loss_fn=self.workload.loss,
-                sync_gradients=not self.local_sgd or self.state.global_step < self.cfg.sync.local_sgd_warmup_steps,
-            )
-        except torch.cuda.OutOfMemoryError:
-            self.telemetry.gpu_oom()
-            raise
-        past_warmup = self.state.global_step - self.cfg.sync.local_sgd_warmup_steps  # of this update, 0-based
-        if self.local_sgd and past_warmup >= 0 and past_warmup % self.cfg.sync.local_sgd_period_steps == 0:
-            self.average_parameters()
+    def optimizer_step(self, batches: Sequence[Any]) -> tuple[StepResult, float]:
+        """:func:`train_step` over ``batches`` (each split into ``oom_split`` micro-batches), the schedule's step,
+        and the LR the step used. Under ``loop.oom_policy='reduce'`` a CUDA out-of-memory error retries the step
+        with twice the split."""
+        while True:
+            try:
+                result = self.train_step([piece for batch in batches for piece in split_batch(batch, self.oom_split)])
+                break
+            except torch.cuda.OutOfMemoryError:
+                self.telemetry.gpu_oom()
+                self.reduce_after_oom(batches)
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         if self.awaiting_first_step:
             self.state.resume_timings[-1]["first_step_unix"] = time.time()
             self.awaiting_first_step = False
+        past_warmup = self.state.global_step - self.cfg.sync.local_sgd_warmup_steps  # of this update, 0-based
+        if self.local_sgd and past_warmup >= 0 and past_warmup % self.cfg.sync.local_sgd_period_steps == 0:
+            self.average_parameters()
         return result, lr
+
+    def reduce_after_oom(self, batches: Sequence[Any]) -> None:
+        """After a step ran out of memory: halve the micro-batch for the rest of the run (``loop.oom_policy``), or
+        re-raise when the policy is ``fail`` or the micro-batch cannot be halved into equal parts."""
+        micro = self.cfg.loop.batch_size // self.oom_split
+        if self.cfg.loop.oom_policy != "reduce" or micro % 2:
+            raise
+        self.optimizer.zero_grad(set_to_none=True)  # what the failed step accumulated
+        torch.cuda.empty_cache()
+        self.oom_split *= 2
+        self.telemetry.oom_retried()
+        log.warning(
+            "rank %d: CUDA out of memory at step %d with micro-batch %d; retrying it with micro-batch %d and %d "
+            "accumulation steps (loop.oom_policy=reduce), the global batch unchanged",
+            self.rank,
+            self.state.global_step + 1,
+            micro,
+            micro // 2,
+            len(batches) * self.oom_split,
+        )
+
+    def train_step(self, micro_batches: Sequence[Any]) -> StepResult:
+        return train_step(
+            model=self.model,
+            optimizer=self.optimizer,
+            scaler=self.scaler,
+            micro_batches=micro_batches,
+            autocast_dtype=self.autocast_dtype,
+            max_grad_norm=self.cfg.optimizer.max_grad_norm,
+            skip_nonfinite=self.cfg.loop.nonfinite_policy == "skip_step",
+            loss_fn=self.workload.loss,
+            sync_gradients=not self.local_sgd or self.state.global_step < self.cfg.sync.local_sgd_warmup_steps,
+        )
 
     def measure_step(self, result: StepResult, *, step_time_s: float, data_wait_s: float) -> None:
         """A finished step's times (and its all-reduce time) into the meter's sums and the telemetry."""

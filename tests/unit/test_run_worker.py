@@ -6,6 +6,8 @@ and checkpoints, and that training in two calls (a resume mid-run) ends bit-iden
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 from dataclasses import dataclass, field
@@ -354,3 +356,78 @@ def test_the_all_reduce_check_goes_to_mlflow_and_warns_below_the_configured_floo
     caplog.clear()
     Trainer.report_allreduce_probe(SimpleNamespace(**{**vars(trainer), "cfg": TrainingConfig(), "sink": Sink()}))
     assert "below" not in caplog.text  # 0 (the default) never warns
+
+
+def _same_final_weights(a: Path, b: Path) -> None:
+    first, second = _final(a), _final(b)
+    assert first.meta.global_step == second.meta.global_step
+    for name, tensor in first.model.items():
+        assert torch.equal(tensor, second.model[name]), name
+
+
+def test_an_auto_batch_size_takes_the_largest_micro_batch_the_budget_fits_and_keeps_the_global_batch(
+    digits_dir, tmp_path, caplog
+):
+    """The budget is set between what micro-batches of 8 and 16 need (measured the way the loop measures): the
+    loop takes 8 with 4 accumulation steps, and trains exactly as that explicit setting does."""
+    from training_core import batch_size
+    from training_core.data import Manifest, ShardStream
+    from training_core.workloads import resolve_workload
+
+    cfg = _config(epochs=1)
+    manifest, workload = Manifest.load(digits_dir), resolve_workload(cfg.workload)
+    model = workload.build_model(cfg, manifest)
+    to_device = workload.to_device(manifest, torch.device("cpu"))
+    stream = ShardStream(manifest, "train", rank=0, world_size=1)
+    probes = tuple(to_device(next(stream.train_batches(epoch=0, seed=0, batch_size=n, num_batches=1))) for n in (1, 2))
+    fixed, per_sample = batch_size.measure(
+        model, workload.loss, probes, device=torch.device("cpu"), optimizer_name="adamw", momentum=0.0,
+        no_sync=lambda m: contextlib.nullcontext(),
+    )  # fmt: skip
+    assert fixed > 0 and per_sample > 0
+    budget_gib = (fixed + 12 * per_sample) / 2**30  # fits 8, not 16
+    auto = _config(epochs=1, batch_size="auto", global_batch_size=32, memory_budget_gib=budget_gib)
+    with caplog.at_level(logging.WARNING, logger="training_core"):
+        _run(auto, data_dir=digits_dir, root=tmp_path / "auto")
+    assert "loop.batch_size=auto: micro-batch 8, 4 accumulation step(s) per optimizer step (global batch 32)" in (
+        caplog.text
+    )
+    _run(_config(epochs=1, batch_size=8, grad_accum_steps=4), data_dir=digits_dir, root=tmp_path / "explicit")
+    _same_final_weights(tmp_path / "auto", tmp_path / "explicit")
+
+
+@dataclass
+class OutOfMemoryAbove(InProcessRuntime):
+    """A device with room for ``max_batch`` samples: a training forward of more raises CUDA's out-of-memory error,
+    as PyTorch raises it on a GPU (the loop's handling is the same; tests/gpu/test_batch_size.py measures a real
+    GPU's memory)."""
+
+    max_batch: int = 0
+    raised: int = 0
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        def check(module, args):
+            if module.training and len(args[0]) > self.max_batch:
+                self.raised += 1
+                raise torch.cuda.OutOfMemoryError(f"CUDA out of memory: {len(args[0])} samples")
+
+        model.register_forward_pre_hook(check)
+        return super().prepare_model(model)
+
+
+def test_an_out_of_memory_step_is_retried_with_half_the_micro_batch_under_the_reduce_policy(digits_dir, tmp_path):
+    runtime = OutOfMemoryAbove(max_batch=16)
+    args = WorkerArgs.build(
+        _config(epochs=1, batch_size=64, oom_policy="reduce"), data_dir=digits_dir, checkpoint_root=str(tmp_path / "a"),
+        run_name="unit",
+    )  # fmt: skip
+    run_worker(args, runtime)
+    assert runtime.raised == 2  # 64 -> 32 -> 16, once each, at the first step; the run keeps 16
+    _run(_config(epochs=1, batch_size=16, grad_accum_steps=4), data_dir=digits_dir, root=tmp_path / "b")
+    _same_final_weights(tmp_path / "a", tmp_path / "b")
+
+    failing = WorkerArgs.build(
+        _config(epochs=1, batch_size=64), data_dir=digits_dir, checkpoint_root=str(tmp_path / "c"), run_name="unit"
+    )
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="64 samples"):
+        run_worker(failing, OutOfMemoryAbove(max_batch=16))

@@ -67,7 +67,7 @@ from training_core.tuning import (
         ),
         (
             lambda: TuningConfig(search_space=[ParamSpec("loop.batch_size", "choice", choices=["16", "0"])]),
-            "loop.batch_size=0 is invalid: it must be > 0",
+            "loop.batch_size=0 is invalid: auto (or 0) sizes the micro-batch",
         ),
         (
             lambda: ParamSpec("loop.batch_size", "choice", choices=["16", "big"]),

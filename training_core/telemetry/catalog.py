@@ -129,6 +129,11 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("training_gpu_oom_total", "counter", "CUDA out-of-memory errors raised in this rank's training step."),
     MetricSpec(
+        "training_oom_retries_total",
+        "counter",
+        "Of those, the steps retried with half the micro-batch (loop.oom_policy=reduce) instead of stopping the run.",
+    ),
+    MetricSpec(
         "training_allreduce_bus_bandwidth_bytes_per_second",
         "gauge",
         "Bus bandwidth of the all-reduce check at the start of the run (or its latest restart), slowest rank: "

@@ -81,6 +81,8 @@ class Telemetry(Protocol):
 
     def gpu_oom(self) -> None: ...
 
+    def oom_retried(self) -> None: ...
+
     def allreduce_probe(self, *, bus_bandwidth_bytes_per_s: float, latency_s: float) -> None: ...
 
     def nonfinite_steps(self, count: int) -> None: ...
@@ -120,6 +122,9 @@ class NullTelemetry:
         pass
 
     def gpu_oom(self) -> None:
+        pass
+
+    def oom_retried(self) -> None:
         pass
 
     def allreduce_probe(self, *, bus_bandwidth_bytes_per_s: float, latency_s: float) -> None:
@@ -285,6 +290,9 @@ class PrometheusTelemetry:
 
     def gpu_oom(self) -> None:
         self._m["training_gpu_oom_total"].inc()
+
+    def oom_retried(self) -> None:
+        self._m["training_oom_retries_total"].inc()
 
     def allreduce_probe(self, *, bus_bandwidth_bytes_per_s: float, latency_s: float) -> None:
         """The job-start all-reduce check (:func:`~training_core.distributed.probe_allreduce`)."""

@@ -1,0 +1,152 @@
+"""``loop.batch_size: auto``: the largest per-worker micro-batch that fits a memory budget, and the gradient
+accumulation that keeps ``loop.global_batch_size``.
+
+A training step's memory is a fixed part (weights, their gradients, the optimizer's state) plus a part that grows
+with the micro-batch (the activations kept for the backward pass). Both are measured at start with two small
+probes, of 1 and 2 samples, so no probe can itself run out of memory:
+
+- on a GPU, the allocator's peak over a forward and backward pass (gradient sync off: no collective);
+- on CPU, the bytes of the tensors autograd saves for the backward pass during a forward (saved-tensor hooks), times
+  :data:`CPU_TRANSIENT_FACTOR` for what the backward allocates on top, plus the weights, gradients and optimizer
+  state.
+
+The probes leave the model, its buffers (BatchNorm statistics) and the RNG as they found them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+log = logging.getLogger("training_core")
+
+CPU_TRANSIENT_FACTOR = 1.5
+"""The backward pass holds, besides the saved activations, the gradients of the activations it is working on."""
+OPTIMIZER_STATE_COPIES = {"sgd": 1, "adam": 2, "adamw": 2}
+"""Tensors of parameter size an optimizer keeps per parameter (SGD: momentum; Adam: two moments)."""
+DEFAULT_BUDGET_SHARE = 0.8
+"""Share of the device's memory (the GPU's, or the worker pod's on CPU) a step may use by default."""
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The micro-batch a worker trains with, and what it was chosen from."""
+
+    micro_batch_size: int
+    grad_accum_steps: int
+    fixed_bytes: int
+    """Memory a step needs whatever the micro-batch: weights, gradients, optimizer state."""
+    bytes_per_sample: int
+    """What each sample of the micro-batch adds."""
+    budget_bytes: int
+
+    def predicted_bytes(self, micro_batch_size: int) -> int:
+        return self.fixed_bytes + self.bytes_per_sample * micro_batch_size
+
+
+def plan_micro_batch(per_worker: int, *, fixed_bytes: int, bytes_per_sample: int, budget_bytes: int) -> BatchPlan:
+    """The largest divisor of ``per_worker`` (the worker's share of the global batch) whose predicted memory fits
+    ``budget_bytes``. Raises ``ValueError`` naming the settings when not even one sample fits."""
+    for size in sorted((d for d in range(1, per_worker + 1) if per_worker % d == 0), reverse=True):
+        if fixed_bytes + bytes_per_sample * size <= budget_bytes:
+            return BatchPlan(size, per_worker // size, fixed_bytes, bytes_per_sample, budget_bytes)
+    gib = 2**30
+    raise ValueError(
+        f"loop.batch_size=auto: one sample needs {(fixed_bytes + bytes_per_sample) / gib:.2f} GiB "
+        f"({fixed_bytes / gib:.2f} GiB of weights, gradients and optimizer state), more than "
+        f"loop.memory_budget_gib={budget_bytes / gib:.2f}: raise it, shard the model (scaling.strategy=fsdp), "
+        "recompute activations (model.activation_checkpointing=full) or use a smaller model"
+    )
+
+
+def budget_bytes(memory_budget_gib: float, *, device: torch.device, memory_per_worker_gib: float) -> int:
+    """``loop.memory_budget_gib`` in bytes, or its default: a share of the GPU's memory, or of the worker pod's."""
+    if memory_budget_gib:
+        return int(memory_budget_gib * 2**30)
+    if device.type == "cuda":
+        return int(DEFAULT_BUDGET_SHARE * torch.cuda.get_device_properties(device).total_memory)
+    return int(DEFAULT_BUDGET_SHARE * memory_per_worker_gib * 2**30)
+
+
+def measure(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, Any], Any],
+    batches: tuple[Any, Any],
+    *,
+    device: torch.device,
+    optimizer_name: str,
+    momentum: float,
+    no_sync: Callable[[nn.Module], Any],
+) -> tuple[int, int]:
+    """``(fixed_bytes, bytes_per_sample)`` of a training step of ``model``, from ``batches``: micro-batches of 1 and 2
+    samples. ``no_sync(model)`` is the context that keeps a backward pass from syncing gradients."""
+    from training_core.loop import _Saved
+
+    buffers = _Saved(list(model.buffers()))
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+    state_copies = OPTIMIZER_STATE_COPIES.get(optimizer_name, 2) if optimizer_name != "sgd" or momentum else 0
+    weights = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
+    try:
+        if device.type == "cuda":
+            # The peak holds the weights, the gradients and the activations; the optimizer's state comes at its
+            # first step.
+            peaks = [_cuda_peak_bytes(model, loss_fn, batch, device=device, no_sync=no_sync) for batch in batches]
+            per_sample = max(0, peaks[1] - peaks[0])
+            return peaks[0] - per_sample + state_copies * weights, per_sample
+        saved = [_saved_tensor_bytes(model, loss_fn, batch) for batch in batches]
+    finally:
+        buffers.keep_if(torch.zeros((), dtype=torch.bool, device=device))
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state_all(rng[1])
+    # The difference of the two probes is one sample's activations; what both saved alike is mostly the weights
+    # themselves (autograd keeps a reference to them), no new memory.
+    per_sample = int(CPU_TRANSIENT_FACTOR * max(0, saved[1] - saved[0]))
+    return (2 + state_copies) * weights, per_sample  # weights, gradients, optimizer state
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _saved_tensor_bytes(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], batch: Any) -> int:
+    """Bytes of the distinct tensors autograd saves for the backward pass in one forward of ``batch``."""
+    seen: dict[tuple[int, int], int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss_fn(model, batch).loss.detach()
+    return sum(seen.values())
+
+
+def _cuda_peak_bytes(
+    model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], batch: Any, *, device: torch.device, no_sync
+) -> int:
+    """The allocator's peak over a forward and backward of ``batch``, gradients synced nowhere and dropped after."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with no_sync(model):
+        loss_fn(model, batch).loss.backward()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
+def agree(micro_batch_size: int, device: torch.device) -> int:
+    """The smallest of the ranks' micro-batches (a collective): FSDP's collectives run per micro-batch, so every rank
+    must take as many."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return micro_batch_size
+    value = torch.tensor([micro_batch_size], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+    return int(value.item())
