@@ -66,10 +66,15 @@ def _pod_spec(container: str, resources: Resources, shm_gib: float) -> V1PodSpec
 
 
 def worker_pod_spec(scaling: ScalingConfig) -> V1PodSpec:
-    """A Ray Train worker's pod: its resources, ``/dev/shm``, and on GPUs the node selector and tolerations."""
+    """A Ray Train worker's pod: its resources, ``/dev/shm``, ``scaling.nccl_env``, and on GPUs the node selector
+    and tolerations."""
     from kubernetes.client import V1Toleration
 
     spec = _pod_spec(WORKER_CONTAINER, worker_resources(scaling), scaling.worker_shm_gib())
+    if scaling.nccl_env:  # read by NCCL when a worker's communicator starts: in the environment from the pod's start
+        from kubernetes.client import V1EnvVar
+
+        spec.containers[0].env += [V1EnvVar(name=name, value=value) for name, value in sorted(scaling.nccl_env.items())]
     if scaling.use_gpu:
         spec.node_selector = dict(scaling.gpu_node_selector) or None
         spec.tolerations = [

@@ -41,6 +41,7 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl")
 STRATEGIES = ("ddp", "fsdp")
 SYNC_MODES = ("allreduce", "local_sgd")
+_NCCL_VARIABLE = re.compile(r"NCCL_[A-Z0-9_]{1,100}")
 OOM_POLICIES = ("fail", "reduce")
 AUTO = 0
 """How a field that takes ``auto`` (``loop.batch_size``) stores it."""
@@ -351,6 +352,14 @@ class ModelConfig:
     activation_checkpointing_every_k: int = 2
     """``selective``: checkpoint blocks 0, k, 2k, ... (k >= 1; 1 is ``full``)."""
 
+    channels_last: bool = True
+    """On a GPU, hold a model with 2-D convolutions (and its inputs) in the channels-last memory format, the layout
+    tensor cores read without transposes. Ignored on CPU and for models without convolutions."""
+
+    compile: bool = False
+    """``torch.compile`` the model (after sharding or DDP): fused kernels, at the cost of compiling during the first
+    steps (and again for a new input shape)."""
+
     def __post_init__(self) -> None:
         _choice("model.activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
         _positive("model.activation_checkpointing_every_k", self.activation_checkpointing_every_k)
@@ -416,6 +425,10 @@ class OptimizerConfig:
 
     max_grad_norm: float = 1.0
     """Clip the global gradient L2 norm to this value; 0 disables clipping (the norm is still logged)."""
+
+    fused: bool = True
+    """On a GPU, PyTorch's fused kernel of the optimizer (one kernel for every parameter instead of a loop of
+    them); on CPU the default (``foreach``) implementation either way."""
 
     def __post_init__(self) -> None:
         _choice("optimizer.name", self.name, OPTIMIZERS)
@@ -637,6 +650,22 @@ class ScalingConfig:
     """``fsdp``: keep sharded parameters, gradients and optimizer state in host memory and copy each block to the
     device for its forward and backward (FSDP2's ``CPUOffloadPolicy``): larger models, slower steps."""
 
+    ddp_bucket_cap_mb: int = 25
+    """``ddp``: size of the gradient buckets DDP all-reduces while the backward pass goes on, MiB (PyTorch's
+    default 25). Larger buckets: fewer, larger all-reduces (fast networks); smaller: earlier overlap."""
+
+    ddp_gradient_as_bucket_view: bool = True
+    """``ddp``: gradients are views into the all-reduce buckets, saving a copy of every gradient (memory and time)."""
+
+    ddp_static_graph: bool = False
+    """``ddp``: the model uses the same parameters in every step (no unused branches): DDP then skips per-step
+    graph checks. Wrong for a model that skips parameters in some steps."""
+
+    nccl_env: dict[str, str] = field(default_factory=dict)
+    """NCCL settings for every worker (``NCCL_*`` variables, e.g. ``{"NCCL_SOCKET_IFNAME": "eth0",
+    "NCCL_IB_DISABLE": "1"}``): in the RayJob pods' environment on a cluster, and in each worker's before its first
+    collective locally. See the troubleshooting guide in the README."""
+
     min_allreduce_gbps: float = 0.0
     """Warn at job start when the measured all-reduce bus bandwidth is below this, Gbit/s (e.g. 100 on a
     200 Gbit/s fabric): a wrong network interface or NCCL's fallback to TCP sockets. 0: no warning. The figures
@@ -674,6 +703,16 @@ class ScalingConfig:
                 "starves loaders",
             )
         _non_negative("scaling.min_allreduce_gbps", self.min_allreduce_gbps)
+        _between("scaling.ddp_bucket_cap_mb", self.ddp_bucket_cap_mb, 1, 4096)
+        for key, value in self.nccl_env.items():
+            if not _NCCL_VARIABLE.fullmatch(key):
+                invalid(
+                    "scaling.nccl_env",
+                    key,
+                    "each key is an NCCL environment variable: NCCL_ followed by capitals, digits and _",
+                )
+            if len(value) > 1000 or "\x00" in value:
+                invalid(f"scaling.nccl_env[{key}]", value, "use a value of at most 1000 characters, without NUL")
         for key, value in self.gpu_node_selector.items():
             _label_key("scaling.gpu_node_selector", key)
             _label_value(f"scaling.gpu_node_selector[{clip(key, 60)}]", value)
@@ -963,6 +1002,15 @@ class TrainingConfig:
         if self.model.sync_batchnorm and not self.scaling.use_gpu:
             log.warning("model.sync_batchnorm=True is ignored on CPU: PyTorch's SyncBatchNorm needs a GPU")
         self._check_global_batch()
+        accumulates = self.loop.grad_accum_steps > 1 or self.loop.batch_size == AUTO or self.loop.oom_policy == "reduce"
+        if self.scaling.ddp_static_graph and (accumulates or self.sync.mode == "local_sgd"):
+            invalid(
+                "scaling.ddp_static_graph",
+                self.scaling.ddp_static_graph,
+                "a static graph syncs gradients in every backward pass, and gradient accumulation "
+                "(loop.grad_accum_steps > 1, loop.batch_size=auto, loop.oom_policy=reduce) or sync.mode=local_sgd "
+                "skips syncs (DDP fails on it): turn one of them off",
+            )
         if self.sync.mode == "local_sgd" and self.scaling.strategy != "ddp":
             invalid(
                 "sync.mode",

@@ -81,8 +81,9 @@ class WorkerRuntime(Protocol):
     world_size: int
     device: torch.device
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Move ``model`` to ``device`` and wrap it in DDP when ``world_size > 1``."""
+    def prepare_model(self, model: nn.Module, ddp_kwargs: dict[str, Any] | None = None) -> nn.Module:
+        """Move ``model`` to ``device`` and wrap it in DDP when ``world_size > 1``, with ``ddp_kwargs`` (bucket size,
+        gradient views, static graph)."""
 
     def report(self, metrics: dict[str, float]) -> None:
         """Called by every rank once per epoch with the epoch's record (``EpochRecord.to_dict()``)."""
@@ -99,10 +100,10 @@ class RayTrainRuntime:
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
         self.device = ray.train.torch.get_device()
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def prepare_model(self, model: nn.Module, ddp_kwargs: dict[str, Any] | None = None) -> nn.Module:
         import ray.train.torch
 
-        return ray.train.torch.prepare_model(model)
+        return ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_kwargs)
 
     def report(self, metrics: dict[str, float]) -> None:
         import ray.train

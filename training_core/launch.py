@@ -73,8 +73,8 @@ class TorchDistributedRuntime:
         )
         return cls(rank=rank, world_size=world_size, local_rank=local_rank, device=device, records_path=records_path)
 
-    def prepare_model(self, model: "nn.Module") -> "nn.Module":
-        """Move to the device; wrap in DDP with its defaults when there is more than one rank, as Ray's
+    def prepare_model(self, model: "nn.Module", ddp_kwargs: dict | None = None) -> "nn.Module":
+        """Move to the device; wrap in DDP with ``ddp_kwargs`` when there is more than one rank, as Ray's
         ``prepare_model`` does, so both launchers train the same way."""
         model = model.to(self.device)
         if self.world_size == 1:
@@ -83,7 +83,7 @@ class TorchDistributedRuntime:
 
         device_ids = [self.device] if self.device.type == "cuda" else None
         return DistributedDataParallel(
-            model, device_ids=device_ids, output_device=device_ids[0] if device_ids else None
+            model, device_ids=device_ids, output_device=device_ids[0] if device_ids else None, **(ddp_kwargs or {})
         )
 
     def report(self, metrics: dict[str, float]) -> None:
@@ -117,6 +117,7 @@ def _worker_main(local_rank: int, spec: _Spec) -> None:
 
     # The same variables torchrun and Ray Train set, for code that reads them.
     os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec.world_size)})
+    os.environ.update(spec.args.config.scaling.nccl_env)  # before the process group starts
     logging.basicConfig(level=logging.INFO, format=f"[rank {local_rank}] %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
     runtime = TorchDistributedRuntime.connect(

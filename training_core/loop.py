@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
@@ -504,10 +505,16 @@ class Trainer:
         model = self.workload.build_model(cfg, manifest)
         if cfg.model.sync_batchnorm and device.type == "cuda" and self.world_size > 1:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        self.channels_last = cfg.model.channels_last and device.type == "cuda" and sharding.has_conv2d(model)
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
         blocks = sharding.model_blocks(model, self.workload)
         sharding.apply_activation_checkpointing(
             blocks, mode=cfg.model.activation_checkpointing, every_k=cfg.model.activation_checkpointing_every_k
         )
+        if cfg.model.compile:  # in place, block by block under FSDP: parameter names and DDP's hooks stay as they are
+            for module in blocks if self.sharded and blocks else [model]:
+                module.compile()
         if self.sharded:
             self.model = sharding.shard_model(
                 model,
@@ -515,6 +522,15 @@ class Trainer:
                 device=device,
                 param_dtype=self.autocast_dtype,
                 cpu_offload=cfg.scaling.fsdp_cpu_offload,
+            )
+        elif self.world_size > 1:
+            self.model = self.runtime.prepare_model(
+                model,
+                {
+                    "bucket_cap_mb": cfg.scaling.ddp_bucket_cap_mb,
+                    "gradient_as_bucket_view": cfg.scaling.ddp_gradient_as_bucket_view,
+                    "static_graph": cfg.scaling.ddp_static_graph,
+                },
             )
         else:
             self.model = self.runtime.prepare_model(model)
@@ -542,6 +558,8 @@ class Trainer:
         self.local_sgd = cfg.sync.mode == "local_sgd" and self.world_size > 1
         """Workers step on their own gradients past the warm-up (``sync.mode``); one worker has nothing to sync."""
         self.to_device = self.workload.to_device(manifest, device)
+        if self.channels_last:
+            self.to_device = sharding.channels_last_inputs(self.to_device)
         self.train_stream = ShardStream(manifest, "train", rank=self.rank, world_size=self.world_size, data=cfg.data)
         self.val_stream = ShardStream(manifest, "val", rank=self.rank, world_size=self.world_size, data=cfg.data)
         self.epoch_base: tuple[list[tuple[int, int]], int] = ([(0, manifest.splits["train"].num_samples)], 0)
@@ -1192,8 +1210,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     from training_core.redact import install_log_redaction
 
     install_log_redaction()
-    runtime = RayTrainRuntime()
     args = WorkerArgs.from_dict(loop_config)
+    # Ray Train has started the process group; torch creates NCCL's communicators at the first collective, which
+    # reads these. On a cluster the RayJob pods also have them from the start (tasks/ray_config.py).
+    os.environ.update(args.config.scaling.nccl_env)
+    runtime = RayTrainRuntime()
     add_code_paths(args.code_paths)
     try:
         run_worker(args, runtime)

@@ -10,14 +10,18 @@ from training_core.config import OptimizerConfig, ScheduleConfig, TrainingConfig
 
 
 def build_optimizer(cfg: OptimizerConfig, params) -> torch.optim.Optimizer:
+    """The optimizer ``cfg`` names over ``params``; with ``optimizer.fused`` PyTorch's fused kernel when the
+    parameters are on a GPU."""
+    params = list(params)
+    fused = {"fused": True} if cfg.fused and params and all(p.device.type == "cuda" for p in params) else {}
     if cfg.name == "sgd":
         return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay
+            params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay, **fused
         )
     if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
     raise ValueError(f"optimizer.name={cfg.name!r} is invalid: choose one of sgd, adam, adamw")
 
 

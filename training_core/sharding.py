@@ -9,7 +9,7 @@ and MLflow models read the same with and without them.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -118,3 +118,21 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole value of a ``DTensor`` (a collective when it is sharded or partial), else the tensor itself."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def has_conv2d(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+def channels_last_inputs(to_device: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``to_device`` whose 4-D floating-point tensors (image batches) come out in the channels-last memory format."""
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() == 4 and value.is_floating_point():
+            return value.contiguous(memory_format=torch.channels_last)
+        return value
+
+    def to_device_channels_last(batch: Any) -> Any:
+        return torch.utils._pytree.tree_map(convert, to_device(batch))
+
+    return to_device_channels_last

@@ -27,7 +27,7 @@ GPT = {
     "model": {"name": "gpt2-tiny", "num_layers": 3},
 }
 # (model config, strategy, activation checkpointing): FSDP alone on both families, FSDP with every GPT block
-# recomputed, and DDP with every other ResNet stage recomputed.
+# recomputed, and DDP (1 MiB buckets, gradients as bucket views) with every other ResNet stage recomputed.
 CASES = {
     "resnet-fsdp": (RESNET, "fsdp", "none"),
     "gpt-fsdp": (GPT, "fsdp", "none"),
@@ -80,10 +80,10 @@ def _steps(case: str, model: torch.nn.Module, micro_batches_per_step) -> None:
 
 def _worker(config: dict) -> None:
     import ray.train
-    import ray.train.torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from training_core import sharding
+    from training_core.distributed import RayTrainRuntime
 
     rank = ray.train.get_context().get_world_rank()
     for case, data_dir in config["cases"].items():
@@ -98,8 +98,11 @@ def _worker(config: dict) -> None:
         if cfg.scaling.strategy == "fsdp":
             model = sharding.shard_model(model, blocks, device=torch.device("cpu"), param_dtype=None, cpu_offload=False)
             assert sharding.is_sharded(model)
-        else:
-            model = ray.train.torch.prepare_model(model)
+        else:  # the loop's DDP options reach DDP through the runtime
+            model = RayTrainRuntime().prepare_model(
+                model, {"bucket_cap_mb": 1, "gradient_as_bucket_view": True, "static_graph": False}
+            )
+            assert (model.bucket_bytes_cap, model.gradient_as_bucket_view, model.static_graph) == (2**20, True, False)
         _steps(case, model, _rank_micro_batches(case, data_dir, rank))
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:

@@ -38,6 +38,7 @@ GPU_SCALING = ScalingConfig(
     shm_per_worker_gib=8.0,
     gpu_node_selector={"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"},
     gpu_tolerations=[Toleration(), Toleration(key="spot", operator="Equal", value="true", effect="NoExecute")],
+    nccl_env={"NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1"},
 )
 # A remote directory: a compile only references the data, it never reads it.
 DATA = PreparedData(
@@ -91,8 +92,9 @@ def assert_sized(shape: RayJobShape, scaling: ScalingConfig, *, num_workers: int
     assert head.requests == head.limits == head_expected
     assert head.shm_size is not None and head.tolerations == [] and head.node_selector == {}
     assert shape.head_start_params == {"num-cpus": "0", "num-gpus": "0"}
-    # ``ray start`` and every process of the cluster inherit the platform's Ray settings from the containers.
-    assert head.env == worker.env == PROCESS_ENV
+    # ``ray start`` and every process of the cluster inherit the platform's Ray settings from the containers; the
+    # workers, which run the collectives, also the config's NCCL settings.
+    assert head.env == PROCESS_ENV and worker.env == PROCESS_ENV | scaling.nccl_env
 
 
 def _only_ray_task(spec):

@@ -40,6 +40,14 @@ def test_defaults_build_and_round_trip_through_a_dict():
         ),
         ({"model": {"activation_checkpointing_every_k": 0}}, "model.activation_checkpointing_every_k", "0", "> 0"),
         ({"sync": {"mode": "gossip"}}, "sync.mode", "'gossip'", "allreduce, local_sgd"),
+        (
+            {"scaling": {"ddp_static_graph": True}, "loop": {"grad_accum_steps": 2}},
+            "scaling.ddp_static_graph",
+            "True",
+            "turn one of them off",
+        ),
+        ({"scaling": {"nccl_env": {"LD_PRELOAD": "x.so"}}}, "scaling.nccl_env", "'LD_PRELOAD'", "NCCL_"),
+        ({"scaling": {"ddp_bucket_cap_mb": 0}}, "scaling.ddp_bucket_cap_mb", "0", "[1, 4_096]"),
         ({"sync": {"local_sgd_period_steps": 1}}, "sync.local_sgd_period_steps", "1", "[2, 1_000_000]"),
         (
             {"sync": {"mode": "local_sgd"}, "scaling": {"strategy": "fsdp"}},
@@ -61,7 +69,8 @@ def test_unknown_field_lists_the_valid_ones():
     with pytest.raises(
         ValueError,
         match=r"model has unknown field\(s\) nmae: valid fields are activation_checkpointing, "
-        r"activation_checkpointing_every_k, context_length, hidden_size, name, num_heads, num_layers, sync_batchnorm",
+        r"activation_checkpointing_every_k, channels_last, compile, context_length, hidden_size, name, num_heads, "
+        r"num_layers, sync_batchnorm",
     ):
         TrainingConfig.from_dict({"model": {"nmae": "x"}})
 

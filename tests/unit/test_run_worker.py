@@ -48,10 +48,10 @@ def digits_dir(tmp_path_factory) -> str:
     return str(out)
 
 
-def _config(**loop) -> TrainingConfig:
+def _config(compile: bool = False, **loop) -> TrainingConfig:
     return TrainingConfig.from_dict(
         {
-            "model": {"name": "small_cnn"},
+            "model": {"name": "small_cnn", "compile": compile},
             "optimizer": {"name": "adamw", "lr": 0.01},
             "loop": {"epochs": 2, "batch_size": 64, "log_interval_steps": 4, **loop},
             "checkpoint": {"interval_steps": 7, "keep_last": 3, "async_save": True},
@@ -431,3 +431,23 @@ def test_an_out_of_memory_step_is_retried_with_half_the_micro_batch_under_the_re
     )
     with pytest.raises(torch.cuda.OutOfMemoryError, match="64 samples"):
         run_worker(failing, OutOfMemoryAbove(max_batch=16))
+
+
+def test_model_compile_compiles_the_module_in_place_so_checkpoints_keep_their_parameter_names(digits_dir, tmp_path):
+    """``model.compile`` is ``nn.Module.compile`` on the model (block by block under FSDP) before any wrapper:
+    compiled at its first call, with the same parameter names as the eager model."""
+    from training_core.loop import Trainer
+
+    trainer = Trainer(
+        WorkerArgs.build(_config(compile=True), data_dir=digits_dir, checkpoint_root=str(tmp_path), run_name="unit"),
+        InProcessRuntime(),
+    )
+    trainer.setup()
+    assert trainer.model._compiled_call_impl is not None
+    eager = Trainer(
+        WorkerArgs.build(_config(), data_dir=digits_dir, checkpoint_root=str(tmp_path), run_name="unit"),
+        InProcessRuntime(),
+    )
+    eager.setup()
+    assert eager.model._compiled_call_impl is None
+    assert list(trainer.model.state_dict()) == list(eager.model.state_dict())
