@@ -37,6 +37,30 @@ def model_blocks(model: nn.Module, workload: Any) -> list[nn.Module]:
     return find_blocks(model)
 
 
+def require_blocks(config: Any, manifest: Any, workload: Any) -> int:
+    """``scaling.strategy=fsdp`` checked before any worker starts: the model (built on the meta device, so without
+    its memory) must have blocks to shard one at a time. Returns how many; raises ``ValueError`` naming the fields
+    and the fixes."""
+    from training_core.config import invalid
+
+    try:
+        with torch.device("meta"):
+            model = workload.build_model(config, manifest)
+    except Exception:  # noqa: BLE001 - a model whose construction needs real tensors is built on CPU instead
+        model = workload.build_model(config, manifest)
+    blocks = model_blocks(model, workload)
+    if not blocks:
+        invalid(
+            "scaling.strategy",
+            config.scaling.strategy,
+            f"FSDP shards a model block by block, and model.name={config.model.name!r} ({type(model).__name__}) has "
+            "no blocks this package can find: declare blocks(model) in the workload (its repeated layers), choose a "
+            "model with repeated blocks (resnet18-152, vit_b_16, a GPT or a transformers config), or use "
+            "scaling.strategy='ddp'",
+        )
+    return len(blocks)
+
+
 def find_blocks(model: nn.Module) -> list[nn.Module]:
     """Blocks of the architectures this package builds (see :func:`model_blocks`)."""
     block_classes: set[str] = set()

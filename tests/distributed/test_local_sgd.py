@@ -136,3 +136,29 @@ def test_local_sgd_trains_like_its_simulation_and_resumes_bit_identical_between_
         for index, state in final.trainer["replicas"][rank]["optimizer"]["state"].items():
             assert torch.equal(again.trainer["replicas"][rank]["optimizer"]["state"][index]["momentum_buffer"],
                                state["momentum_buffer"])  # fmt: skip
+
+
+def test_a_digits_run_with_local_sgd_reaches_the_accuracy_of_allreduce_within_one_point(digits_dir, tmp_path):
+    from training_core.evaluation import evaluate_checkpoint
+
+    accuracy = {}
+    for mode in ("allreduce", "local_sgd"):
+        cfg = TrainingConfig.from_dict(
+            {
+                "model": {"name": "small_cnn"},
+                "loop": {"epochs": 8, "batch_size": 16, "log_interval_steps": 20},
+                "sync": {"mode": mode, "local_sgd_period_steps": 4, "local_sgd_warmup_steps": 40},
+                "observability": {"enabled": False},
+            }
+        )
+        result = launch(
+            cfg,
+            data_dir=digits_dir,
+            checkpoint_dir=str(tmp_path / f"{mode}-final"),
+            run_name=mode,
+            storage_path=str(tmp_path),
+        )
+        accuracy[mode] = evaluate_checkpoint(result.checkpoint_dir, digits_dir).metrics["accuracy"]
+    print(f"test accuracy: {accuracy}")
+    assert accuracy["allreduce"] > 0.9
+    assert abs(accuracy["local_sgd"] - accuracy["allreduce"]) <= 0.01

@@ -20,6 +20,7 @@ from benchmarks.common import ray_train_worker_pids
 from tests.conftest import REPO_ROOT, VENV_BIN
 
 KILL_AFTER_STEP = 10
+EPOCHS = 2
 
 
 def _execute(
@@ -54,35 +55,40 @@ def _execute(
     )
 
 
-def _write_inputs(tmp_path: Path, *, strategy: str = "ddp", epochs: int = 4) -> None:
+def _write_inputs(tmp_path: Path) -> int:
+    """A tiny GPT under FSDP on the standard library's text: 2 epochs on 2 workers."""
     from flytekit.types.directory import FlyteDirectory
 
     from tasks.types import PreparedData
-    from training_core.config import DataConfig, TrainingConfig
+    from training_core.config import TrainingConfig
     from training_core.data import prepare
 
-    manifest = prepare(DataConfig(), str(tmp_path / "prepared"))
-    data = PreparedData(
-        directory=FlyteDirectory(str(tmp_path / "prepared")),
-        dataset=manifest.dataset,
-        num_classes=manifest.num_classes,
-        input_shape=manifest.input_shape,
-        split_counts=manifest.split_counts(),
-    )
     config = TrainingConfig.from_dict(
         {
-            "model": {"name": "small_cnn"},
-            "scaling": {"strategy": strategy},
-            "loop": {"epochs": epochs, "batch_size": 16},
+            "workload": {"name": "causal_lm"},
+            "data": {"dataset": "stdlib", "max_text_bytes": 40_000, "seq_len": 32, "num_shards": 2},
+            "model": {"name": "gpt2-tiny"},
+            "scaling": {"strategy": "fsdp"},
+            "loop": {"epochs": EPOCHS, "batch_size": 8},
             "checkpoint": {"interval_steps": 5, "max_worker_restarts": 0},
-            "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "promotion_threshold": 0.0},
+            "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "promotion_threshold": 1e9},
         }
+    )
+    manifest = prepare(config.data, str(tmp_path / "prepared"), workload=config.workload)
+    data = PreparedData(
+        directory=FlyteDirectory(str(tmp_path / "prepared")),
+        workload=manifest.workload,
+        dataset=manifest.dataset,
+        num_classes=manifest.num_classes,
+        input_shape=list(manifest.input_shape),
+        split_counts=manifest.split_counts(),
     )
     _write_literals(
         tmp_path / "inputs.pb",
         {"config": config, "data": data, "resume_from": None},
         {"config": TrainingConfig, "data": PreparedData, "resume_from": FlyteDirectory | None},
     )
+    return manifest.steps_per_epoch(world_size=2, batch_size=8, grad_accum_steps=1)
 
 
 def _write_literals(path: Path, values: dict, types: dict) -> None:
@@ -111,11 +117,11 @@ def _steps_written(raw: Path) -> list[int]:
 def test_a_failed_attempt_is_retried_and_the_retry_resumes_from_its_latest_checkpoint(
     ray_address, tmp_path, subprocess_env
 ):
-    """The run is sharded (``scaling.strategy=fsdp``): each of attempt 1's checkpoints holds one shard per worker,
-    and attempt 2 restores them. The full checkpoints of ``ddp`` go through the same pointer and the same
-    ``load_latest_valid`` (tests/distributed/test_recovery.py resumes them after a SIGKILL)."""
-    strategy, epochs = "fsdp", 2
-    _write_inputs(tmp_path, strategy=strategy, epochs=epochs)
+    """The run is sharded (``scaling.strategy=fsdp``, a GPT's blocks): each of attempt 1's checkpoints holds one
+    shard per worker, and attempt 2 restores them. The full checkpoints of ``ddp`` go through the same pointer and
+    the same ``load_latest_valid`` (tests/distributed/test_recovery.py resumes them after a SIGKILL)."""
+    steps_per_epoch = _write_inputs(tmp_path)
+    assert steps_per_epoch * EPOCHS > 2 * KILL_AFTER_STEP
     env = dict(subprocess_env, RAY_ADDRESS=ray_address, PYTHONPATH=str(REPO_ROOT))
 
     first = _execute(tmp_path, 1, env, prev='""')
@@ -145,7 +151,7 @@ def test_a_failed_attempt_is_retried_and_the_retry_resumes_from_its_latest_check
     from training_core import checkpoint as ckpt
 
     trained = _output(tmp_path / "out2", TrainedModel)
-    assert trained.metrics.global_step == epochs * 39
+    assert trained.metrics.global_step == EPOCHS * steps_per_epoch
     final = trained.checkpoint.download()
     manifest = ckpt.CheckpointManifest.parse(Path(final, ckpt.MANIFEST_FILE).read_bytes(), where="final")
     assert manifest.format == "sharded"

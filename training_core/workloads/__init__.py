@@ -193,6 +193,10 @@ def preflight(config: TrainingConfig, data_dir: str) -> Workload:
             f"{quote(data_dir)} was prepared by {manifest.workload!r}; prepare the data with the same workload"
         )
     workload.check(config, manifest)
+    if config.scaling.strategy == "fsdp":
+        from training_core.sharding import require_blocks
+
+        require_blocks(config, manifest, workload)
     return workload
 
 
