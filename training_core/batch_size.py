@@ -7,8 +7,8 @@ probes, of 1 and 2 samples, so no probe can itself run out of memory:
 
 - on a GPU, the allocator's peak over a forward and backward pass (gradient sync off: no collective);
 - on CPU, the bytes of the tensors autograd saves for the backward pass during a forward (saved-tensor hooks), times
-  :data:`CPU_TRANSIENT_FACTOR` for what the backward allocates on top, plus the weights, gradients and optimizer
-  state.
+  :data:`CPU_TRANSIENT_FACTOR` for what the backward allocates on top, plus the weights, gradients, optimizer state
+  and step temporaries, and an asynchronous checkpoint's copy of them (all in host memory).
 
 The probes leave the model, its buffers (BatchNorm statistics) and the RNG as they found them.
 """
@@ -28,6 +28,8 @@ CPU_TRANSIENT_FACTOR = 1.5
 """The backward pass holds, besides the saved activations, the gradients of the activations it is working on."""
 OPTIMIZER_STATE_COPIES = {"sgd": 1, "adam": 2, "adamw": 2}
 """Tensors of parameter size an optimizer keeps per parameter (SGD: momentum; Adam: two moments)."""
+OPTIMIZER_STEP_COPIES = 2
+"""Temporaries of parameter size an optimizer step allocates (the ``foreach`` implementations' intermediate lists)."""
 DEFAULT_BUDGET_SHARE = 0.8
 """Share of the device's memory (the GPU's, or the worker pod's on CPU) a step may use by default."""
 
@@ -81,9 +83,12 @@ def measure(
     optimizer_name: str,
     momentum: float,
     no_sync: Callable[[nn.Module], Any],
+    checkpoint_staging: bool = False,
 ) -> tuple[int, int]:
     """``(fixed_bytes, bytes_per_sample)`` of a training step of ``model``, from ``batches``: micro-batches of 1 and 2
-    samples. ``no_sync(model)`` is the context that keeps a backward pass from syncing gradients."""
+    samples. ``no_sync(model)`` is the context that keeps a backward pass from syncing gradients. The fixed part
+    counts the optimizer's state and its step's temporaries, and with ``checkpoint_staging`` (asynchronous saves on
+    CPU) the host copy of the weights and optimizer state a save keeps."""
     from training_core.loop import _Saved
 
     buffers = _Saved(list(model.buffers()))
@@ -96,7 +101,7 @@ def measure(
             # first step.
             peaks = [_cuda_peak_bytes(model, loss_fn, batch, device=device, no_sync=no_sync) for batch in batches]
             per_sample = max(0, peaks[1] - peaks[0])
-            return peaks[0] - per_sample + state_copies * weights, per_sample
+            return peaks[0] - per_sample + (state_copies + OPTIMIZER_STEP_COPIES) * weights, per_sample
         saved = [_saved_tensor_bytes(model, loss_fn, batch) for batch in batches]
     finally:
         buffers.keep_if(torch.zeros((), dtype=torch.bool, device=device))
@@ -106,7 +111,9 @@ def measure(
     # The difference of the two probes is one sample's activations; what both saved alike is mostly the weights
     # themselves (autograd keeps a reference to them), no new memory.
     per_sample = int(CPU_TRANSIENT_FACTOR * max(0, saved[1] - saved[0]))
-    return (2 + state_copies) * weights, per_sample  # weights, gradients, optimizer state
+    # Weights, gradients, optimizer state and its step's temporaries, and a save's copy of weights and state.
+    copies = 2 + state_copies + OPTIMIZER_STEP_COPIES + (1 + state_copies if checkpoint_staging else 0)
+    return copies * weights, per_sample
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

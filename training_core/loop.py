@@ -611,6 +611,7 @@ class Trainer:
             optimizer_name=cfg.optimizer.name,
             momentum=cfg.optimizer.momentum,
             no_sync=_no_gradient_sync,
+            checkpoint_staging=cfg.checkpoint.async_save and self.rank == 0,
         )
         budget = batch_size.budget_bytes(
             cfg.loop.memory_budget_gib, device=self.device, memory_per_worker_gib=cfg.scaling.memory_per_worker_gib

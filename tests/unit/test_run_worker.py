@@ -382,7 +382,7 @@ def test_an_auto_batch_size_takes_the_largest_micro_batch_the_budget_fits_and_ke
     probes = tuple(to_device(next(stream.train_batches(epoch=0, seed=0, batch_size=n, num_batches=1))) for n in (1, 2))
     fixed, per_sample = batch_size.measure(
         model, workload.loss, probes, device=torch.device("cpu"), optimizer_name="adamw", momentum=0.0,
-        no_sync=lambda m: contextlib.nullcontext(),
+        no_sync=lambda m: contextlib.nullcontext(), checkpoint_staging=True,
     )  # fmt: skip
     assert fixed > 0 and per_sample > 0
     budget_gib = (fixed + 12 * per_sample) / 2**30  # fits 8, not 16
