@@ -284,6 +284,13 @@ def _to_cpu(obj: Any, staging: dict[str, Any] | None = None, path: str = "") -> 
     """
     import torch
 
+    if isinstance(obj, torch.Tensor) and hasattr(obj, "device_mesh"):  # a DTensor: copy its shard, keep its layout
+        from torch.distributed.tensor import DTensor
+
+        local = _to_cpu(obj.to_local(), staging, path)
+        return DTensor.from_local(
+            local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
+        )
     if isinstance(obj, torch.Tensor):
         if staging is None:
             return obj.detach().to("cpu", copy=True)
@@ -1044,41 +1051,47 @@ class Checkpointer:
         trainer_state: dict[str, Any] | None,
         meta: CheckpointMeta | None,
         metric: float | None = None,
+        process_group: Any = None,
     ) -> float:
-        """Save a sharded checkpoint (``scaling.strategy=fsdp``): a collective, every rank calls it at the same step.
-        Returns the seconds the caller was blocked.
+        """Save a sharded checkpoint (``scaling.strategy=fsdp``): every rank calls it at the same step. Returns the
+        seconds the caller was blocked.
 
-        What the step waits for: each rank's shard of the model and optimizer state written to local disk by
-        ``torch.distributed.checkpoint`` (rank 0 adds its ``.metadata``), hashed, and the hashes gathered on rank 0.
-        Then, in the background when ``async_save``: each rank moves (local root) or uploads its files into the
-        checkpoint's ``shards/``; rank 0 waits until every rank's shard is on storage at its size, writes
-        ``trainer_state.pt`` (scheduler, scaler, RNG), ``meta.json`` and, last, the manifest with every file's
-        sha256, and prunes. ``trainer_state`` and ``meta`` are rank 0's (tensors already on CPU); other ranks pass
-        None. Failures count as in :meth:`save`; a rank whose upload failed raises at its next save or
-        :meth:`wait`, and rank 0's save fails when a shard does not arrive within ``shard_wait_timeout_s``."""
+        What the step waits for: a copy of this rank's shards of the model and optimizer state in host memory
+        (buffers reused from save to save). The rest runs in the background when ``async_save``: rank 0 removes what
+        an earlier attempt left of this step, every rank writes its shard to local disk through
+        ``torch.distributed.checkpoint`` (rank 0 adds ``.metadata``), hashes it, the hashes are gathered, and each
+        rank moves (local root) or uploads its files into the checkpoint's ``shards/``; rank 0 waits until every
+        shard is on storage at its size, then writes ``trainer_state.pt`` (scheduler, scaler, RNG), ``meta.json``
+        and, last, the manifest with every file's sha256, and prunes. The background collectives run on
+        ``process_group``: give it a group of its own (gloo) so they never meet training's collectives; None is the
+        default group, for callers that wait for the save before any other collective.
+        ``trainer_state`` and ``meta`` are rank 0's (tensors already on CPU); other ranks pass None. Failures count
+        as in :meth:`save`; a rank whose write failed raises at its next save or :meth:`wait`, and rank 0's save
+        fails when a shard does not arrive within ``shard_wait_s``."""
         import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         self._settle()
         started = time.perf_counter()
-        rank, name = dist.get_rank(), step_name(global_step)
-        if rank == 0:
-            self.storage.discard(name)  # an earlier attempt's unfinished write of this step (it has no manifest)
+        rank, world_size, name = dist.get_rank(), dist.get_world_size(), step_name(global_step)
         model_state, optim_state = get_state_dict(model, optimizer)
-        staging = self.storage.staging_dir(name)
-        try:
-            dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp.FileSystemWriter(staging))
-            own = {f"{SHARDS_DIR}/{f}": file_entry(os.path.join(staging, f)) for f in sorted(os.listdir(staging))}
-        except BaseException:
-            _remove_local(staging)
-            raise
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, own)  # also the barrier after rank 0 discarded the step's leftovers
+        state = _to_cpu(
+            {"model": model_state, "optimizer": optim_state}, self._staging if self.async_save else None, "sharded"
+        )
         self._last_stage_s = time.perf_counter() - started
 
         def write() -> int:
+            import torch.distributed.checkpoint as dcp
+
+            if rank == 0:
+                self.storage.discard(name)  # an earlier attempt's unfinished write of this step (it has no manifest)
+            staging = self.storage.staging_dir(name)
             try:
+                # A collective: every rank returns only once rank 0 has discarded the leftovers above.
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), process_group=process_group)
+                own = {f"{SHARDS_DIR}/{f}": file_entry(os.path.join(staging, f)) for f in sorted(os.listdir(staging))}
+                gathered: list[Any] = [None] * world_size
+                dist.all_gather_object(gathered, own, group=process_group)
                 for relative in own:
                     self.storage.put_file(name, relative, os.path.join(staging, relative.split("/", 1)[1]))
             finally:

@@ -515,7 +515,10 @@ class Trainer:
         if cfg.model.compile:  # in place, block by block under FSDP: parameter names and DDP's hooks stay as they are
             for module in blocks if self.sharded and blocks else [model]:
                 module.compile()
+        self.checkpoint_group = None
+        """Sharded checkpoints' own (gloo) process group: their writes run collectives in the background."""
         if self.sharded:
+            self.checkpoint_group = torch.distributed.new_group(backend="gloo")
             self.model = sharding.shard_model(
                 model,
                 blocks,
@@ -1116,6 +1119,7 @@ class Trainer:
                 trainer_state=ckpt.detached(trainer_state) if self.rank == 0 else None,
                 meta=meta,
                 metric=metric,
+                process_group=self.checkpoint_group,
             )
         elif self.rank == 0:
             staged = self.checkpointer.stage(
