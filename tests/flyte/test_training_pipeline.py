@@ -180,7 +180,7 @@ def _cifar_lookalike(path: Path) -> None:
     ("config", "expected"),
     [
         ('{"model": {"name": "resnet9000"}}', "model.name='resnet9000' is invalid: choose one of small_cnn, resnet18"),
-        ('{"loop": {"batch_size": 0}}', "loop.batch_size=0 is invalid: it must be > 0"),
+        ('{"loop": {"batch_size": 0}}', "loop.batch_size=0 is invalid: auto (or 0) sizes the micro-batch"),
         ('{"scaling": {"num_workers": 0}}', "scaling.num_workers=0 is invalid: it must be > 0"),
         ('{"optimizer": {"name": "lion"}}', "optimizer.name='lion' is invalid: choose one of sgd, adam, adamw"),
         ('{"optimizer": {"lr": -0.1}}', "optimizer.lr=-0.1 is invalid: it must be > 0"),
