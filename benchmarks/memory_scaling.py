@@ -51,6 +51,8 @@ def _worker(rank: int, spec: dict, out: dict) -> None:
     from training_core.workloads.causal_lm import TextSpec
 
     torch.set_num_threads(1)
+    if spec["strategy"] == "fsdp":
+        sharding.return_freed_host_memory()  # as the loop does under FSDP on CPU
     dist.init_process_group("gloo", init_method=spec["init"], rank=rank, world_size=WORLD_SIZE)
     cfg = TrainingConfig.from_dict(
         {
@@ -168,6 +170,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     os.environ.setdefault("TMPDIR", tempfile.gettempdir())
+    from training_core.ray_settings import apply_process_env
+
+    apply_process_env()  # the workers start with the environment of the platform's Ray workers (glibc reads it then)
 
     data, vocab = _text_data(tempfile.mkdtemp(prefix="memory-scaling-"))
     ddp, fsdp = _run(args.model, "ddp", data), _run(args.model, "fsdp", data)

@@ -499,6 +499,8 @@ class Trainer:
         torch.set_num_threads(cfg.scaling.torch_threads_per_worker)
         seed_everything(cfg.loop.seed)
         self.sharded = cfg.scaling.strategy == "fsdp"
+        if self.sharded and device.type == "cpu":
+            sharding.return_freed_host_memory()
         self.autocast_dtype, use_scaler = resolve_precision(cfg.precision.mode, device, sharded=self.sharded)
         self.manifest = manifest = Manifest.load(self.args.data_dir)
         self.workload = resolve_workload(cfg.workload)
