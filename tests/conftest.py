@@ -190,3 +190,20 @@ def s3_server():
     yield {"endpoint": S3_ENDPOINT, "bucket": "flyte", "process": process}
     os.killpg(process.pid, signal.SIGTERM)
     process.wait(timeout=20)
+
+
+def session_train_workers() -> list[int]:
+    """This machine's Ray Train workers of the session's own cluster: ``ray start`` (see :func:`ray_address`) leads
+    the session its raylet and workers run in, so another cluster's workers on the machine (another test run's, a
+    benchmark's) are neither counted nor killed."""
+    from benchmarks.common import ray_train_worker_pids
+
+    leader = _RAY_STATE["process"].pid
+    found = []
+    for pid in ray_train_worker_pids():
+        try:
+            if os.getsid(pid) == leader:
+                found.append(pid)
+        except ProcessLookupError:
+            continue
+    return found

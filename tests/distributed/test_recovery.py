@@ -12,29 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.common import ray_train_worker_pids
-from tests.conftest import _RAY_STATE
+from tests.conftest import session_train_workers
 from training_core import checkpoint as ckpt
 from training_core.config import DataConfig, TrainingConfig
 from training_core.data import Manifest, prepare
 from training_core.trainer import checkpoint_root, fit
 
 INTERVAL_STEPS = 5
-
-
-def _this_clusters_train_workers() -> list[int]:
-    """This node's Ray Train workers of the session's own cluster: ``ray start`` (see ``tests/conftest.py``) leads
-    the session its raylet and workers run in, so another cluster's workers on the machine (another test run's) are
-    neither counted nor killed."""
-    leader = _RAY_STATE["process"].pid
-    found = []
-    for pid in ray_train_worker_pids():
-        try:
-            if os.getsid(pid) == leader:
-                found.append(pid)
-        except ProcessLookupError:
-            continue
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +99,7 @@ def test_a_worker_killed_or_told_to_stop_mid_epoch_resumes_bit_identical(
     while not [n for n in storage.list_steps() if int(n.split("-")[1]) >= 3 * INTERVAL_STEPS]:
         assert thread.is_alive() and time.monotonic() < deadline, "training ended or stalled before the kill"
         time.sleep(0.05)
-    pids = _this_clusters_train_workers()
+    pids = session_train_workers()
     assert len(pids) == 2, f"expected the 2 Ray Train workers, found {pids}"
     latest_before_kill = int(storage.list_steps()[-1].split("-")[1])
     os.kill(max(pids), stop_signal)

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from flyteidl.core import errors_pb2, literals_pb2
 
-from benchmarks.common import ray_train_worker_pids
-from tests.conftest import REPO_ROOT, VENV_BIN
+from tests.conftest import REPO_ROOT, VENV_BIN, session_train_workers
 
 KILL_AFTER_STEP = 10
 EPOCHS = 2
@@ -130,7 +129,7 @@ def test_a_failed_attempt_is_retried_and_the_retry_resumes_from_its_latest_check
         assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "attempt1.log").read_text()[-4000:]
         time.sleep(0.05)
     latest_before_kill = _steps_written(tmp_path / "raw")[-1]
-    pids = ray_train_worker_pids()
+    pids = session_train_workers()
     assert pids, "no Ray Train worker to kill"
     os.kill(max(pids), signal.SIGKILL)
     assert first.wait(timeout=300) == 0  # pyflyte-execute reports task errors in error.pb, not its exit code

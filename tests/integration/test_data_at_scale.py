@@ -190,7 +190,7 @@ def test_a_run_killed_on_two_workers_resumes_on_one_and_trains_each_sample_of_th
     import shutil
     import threading
 
-    from benchmarks.common import ray_train_worker_pids
+    from tests.conftest import session_train_workers
     from tests.distributed.sample_recorder import recorded, records_dir
     from training_core import checkpoint as ckpt
     from training_core.config import TrainingConfig
@@ -230,7 +230,7 @@ def test_a_run_killed_on_two_workers_resumes_on_one_and_trains_each_sample_of_th
     while not storage.list_steps():
         assert thread.is_alive() and time.monotonic() < deadline, f"ended before a checkpoint: {outcome}"
         time.sleep(0.02)
-    os.kill(max(ray_train_worker_pids()), signal.SIGKILL)
+    os.kill(max(session_train_workers()), signal.SIGKILL)
     thread.join(timeout=300)
     assert "error" in outcome, "the first run should fail once a worker is lost"
     latest = int(storage.list_steps()[-1].split("-")[1])
