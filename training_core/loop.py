@@ -507,38 +507,7 @@ class Trainer:
         model = self.workload.build_model(cfg, manifest)
         if cfg.model.sync_batchnorm and device.type == "cuda" and self.world_size > 1:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        self.channels_last = cfg.model.channels_last and device.type == "cuda" and sharding.has_conv2d(model)
-        if self.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        blocks = sharding.model_blocks(model, self.workload)
-        sharding.apply_activation_checkpointing(
-            blocks, mode=cfg.model.activation_checkpointing, every_k=cfg.model.activation_checkpointing_every_k
-        )
-        if cfg.model.compile:  # in place, block by block under FSDP: parameter names and DDP's hooks stay as they are
-            for module in blocks if self.sharded and blocks else [model]:
-                module.compile()
-        self.checkpoint_group = None
-        """Sharded checkpoints' own (gloo) process group: their writes run collectives in the background."""
-        if self.sharded:
-            self.checkpoint_group = torch.distributed.new_group(backend="gloo")
-            self.model = sharding.shard_model(
-                model,
-                blocks,
-                device=device,
-                param_dtype=self.autocast_dtype,
-                cpu_offload=cfg.scaling.fsdp_cpu_offload,
-            )
-        elif self.world_size > 1:
-            self.model = self.runtime.prepare_model(
-                model,
-                {
-                    "bucket_cap_mb": cfg.scaling.ddp_bucket_cap_mb,
-                    "gradient_as_bucket_view": cfg.scaling.ddp_gradient_as_bucket_view,
-                    "static_graph": cfg.scaling.ddp_static_graph,
-                },
-            )
-        else:
-            self.model = self.runtime.prepare_model(model)
+        self.model = self.hold_model(model)
         self.comm_timer = CommTimer()
         if hasattr(self.model, "register_comm_hook"):
             self.comm_timer.install(self.model)
@@ -594,6 +563,40 @@ class Trainer:
                 bus_bandwidth_bytes_per_s=self.allreduce_probe.bus_bandwidth_bytes_per_s,
                 latency_s=self.allreduce_probe.latency_s,
             )
+
+    def hold_model(self, model: nn.Module) -> nn.Module:
+        """How this worker holds the model (``scaling.strategy``, ``model.*``): channels-last on a GPU, activation
+        checkpointing and compilation of its blocks, then FSDP shards over the workers or a DDP replica."""
+        cfg, device = self.cfg, self.device
+        self.channels_last = cfg.model.channels_last and device.type == "cuda" and sharding.has_conv2d(model)
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        blocks = sharding.model_blocks(model, self.workload)
+        sharding.apply_activation_checkpointing(
+            blocks, mode=cfg.model.activation_checkpointing, every_k=cfg.model.activation_checkpointing_every_k
+        )
+        if cfg.model.compile:  # in place, block by block under FSDP: parameter names and DDP's hooks stay as they are
+            for module in blocks if self.sharded and blocks else [model]:
+                module.compile()
+        self.checkpoint_group = None
+        """Sharded checkpoints' own (gloo) process group: their writes run collectives in the background."""
+        if self.sharded:
+            self.checkpoint_group = torch.distributed.new_group(backend="gloo")
+            return sharding.shard_model(
+                model,
+                blocks,
+                device=device,
+                param_dtype=self.autocast_dtype,
+                cpu_offload=cfg.scaling.fsdp_cpu_offload,
+            )
+        if self.world_size == 1:
+            return self.runtime.prepare_model(model)
+        ddp_options = {
+            "bucket_cap_mb": cfg.scaling.ddp_bucket_cap_mb,
+            "gradient_as_bucket_view": cfg.scaling.ddp_gradient_as_bucket_view,
+            "static_graph": cfg.scaling.ddp_static_graph,
+        }
+        return self.runtime.prepare_model(model, ddp_options)
 
     def plan_batch(self, cfg: TrainingConfig) -> TrainingConfig:
         """``cfg`` with ``loop.batch_size: auto`` resolved: the largest micro-batch that fits the memory budget and
