@@ -68,53 +68,60 @@ def test_auto_is_stored_as_zero_and_round_trips():
     assert TrainingConfig.from_dict(cfg.to_dict()).loop.batch_size == 0
 
 
-# Run in a process of its own: its peak RSS is then the training run's (``ru_maxrss`` never goes down).
-_RSS_RUN = """
+# Each step in a process of its own: ``ru_maxrss`` never goes down, so the run's process must not have held anything
+# else before. ``measure <data>`` prints a step's memory as the loop measures it; ``run <data> <budget>`` trains with
+# that budget and prints how much the peak RSS grew over the process's peak before the run.
+_RSS_SCRIPT = """
 import contextlib, json, resource, sys, tempfile
 import torch
 from training_core import batch_size
 from training_core.config import TrainingConfig
-from training_core.data import ShardStream, prepare
+from training_core.data import Manifest, ShardStream
 from training_core.loop import run_worker
 from training_core.records import WorkerArgs
 from training_core.workloads import resolve_workload
+from tests.unit.test_batch_size import RSS_BASE
 from tests.unit.test_run_worker import InProcessRuntime
 
-base = {
+mode, data_dir = sys.argv[1], sys.argv[2]
+if mode == "measure":
+    cfg = TrainingConfig.from_dict(RSS_BASE)
+    manifest, workload = Manifest.load(data_dir), resolve_workload(cfg.workload)
+    model = workload.build_model(cfg, manifest)
+    to_device = workload.to_device(manifest, torch.device("cpu"))
+    stream = ShardStream(manifest, "train", rank=0, world_size=1)
+    probes = tuple(to_device(next(stream.train_batches(epoch=0, seed=0, batch_size=n, num_batches=1))) for n in (1, 2))
+    fixed, per_sample = batch_size.measure(
+        model, workload.loss, probes, device=torch.device("cpu"), optimizer_name="adamw", momentum=0.9,
+        no_sync=lambda m: contextlib.nullcontext(), checkpoint_staging=True,
+    )
+    print("RESULT " + json.dumps({"fixed": fixed, "per_sample": per_sample}))
+else:
+    auto = TrainingConfig.from_dict(
+        {**RSS_BASE, "loop": {**RSS_BASE["loop"], "batch_size": "auto", "global_batch_size": 64,
+         "memory_budget_gib": float(sys.argv[3]) / 2**30}}
+    )
+    # What the run imports (torchvision's models, fsspec) is the process's, not the step's: imported before the count.
+    import fsspec
+    manifest, workload = Manifest.load(data_dir), resolve_workload(auto.workload)
+    with torch.device("meta"):
+        workload.build_model(auto, manifest)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    run_worker(WorkerArgs.build(auto, data_dir=data_dir, checkpoint_root=tempfile.mkdtemp(), run_name="rss"),
+               InProcessRuntime())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print("RESULT " + json.dumps({"growth": peak - before}))
+"""
+RSS_BASE = {
     "data": {"dataset": "synthetic", "synthetic_image_size": 32, "synthetic_num_samples": 512, "num_shards": 1},
     "model": {"name": "resnet18"},
+    "loop": {"epochs": 1, "max_steps": 3},
     "scaling": {"num_workers": 1},
     "observability": {"enabled": False},
 }
-cfg = TrainingConfig.from_dict({**base, "loop": {"epochs": 1, "max_steps": 3}})
-data_dir = tempfile.mkdtemp()
-manifest, workload = prepare(cfg.data, data_dir), resolve_workload(cfg.workload)
-model = workload.build_model(cfg, manifest)
-to_device = workload.to_device(manifest, torch.device("cpu"))
-stream = ShardStream(manifest, "train", rank=0, world_size=1)
-probes = tuple(to_device(next(stream.train_batches(epoch=0, seed=0, batch_size=n, num_batches=1))) for n in (1, 2))
-fixed, per_sample = batch_size.measure(
-    model, workload.loss, probes, device=torch.device("cpu"), optimizer_name="adamw", momentum=0.9,
-    no_sync=lambda m: contextlib.nullcontext(), checkpoint_staging=True,
-)
-del model, probes
-budget = fixed + 20 * per_sample  # fits 16 of the global 64, not 32
-auto = TrainingConfig.from_dict(
-    {**base, "loop": {"epochs": 1, "max_steps": 3, "batch_size": "auto", "global_batch_size": 64,
-     "memory_budget_gib": budget / 2**30}}
-)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-run_worker(WorkerArgs.build(auto, data_dir=data_dir, checkpoint_root=tempfile.mkdtemp(), run_name="rss"),
-           InProcessRuntime())
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print("RESULT " + json.dumps({"budget": budget, "growth": peak - before, "per_sample": per_sample}))
-"""
 
 
-def test_on_cpu_an_auto_batch_run_stays_within_its_memory_budget_by_peak_rss():
-    """A ResNet-18 (32 px) with a budget that fits 16 samples of a global batch of 64: the run's peak RSS grows by
-    less than the budget over what the process held before it (weights, gradients, AdamW, the checkpoint's copy and
-    the activations all count)."""
+def _rss_step(*args: str) -> tuple[dict, str]:
     import json
     import subprocess
     import sys
@@ -122,11 +129,25 @@ def test_on_cpu_an_auto_batch_run_stays_within_its_memory_budget_by_peak_rss():
     from tests.conftest import REPO_ROOT
 
     done = subprocess.run(
-        [sys.executable, "-c", _RSS_RUN], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, "-c", _RSS_SCRIPT, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "loop.batch_size=auto: micro-batch 16, 4 accumulation step(s)" in done.stderr
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    result = json.loads(line.removeprefix("RESULT "))
-    print(f"peak RSS growth {result['growth'] / 2**20:.0f} MiB, budget {result['budget'] / 2**20:.0f} MiB")
-    assert 0 < result["growth"] <= result["budget"]
+    return json.loads(line.removeprefix("RESULT ")), done.stderr
+
+
+def test_on_cpu_an_auto_batch_run_stays_within_its_memory_budget_by_peak_rss(tmp_path):
+    """A ResNet-18 (32 px) with a budget that fits 16 samples of a global batch of 64: the run's peak RSS grows by
+    no more than the budget over what its process held before (weights, gradients, AdamW, the checkpoint's copy and
+    the activations all count)."""
+    from training_core.data import prepare
+
+    data_dir = str(tmp_path / "data")
+    prepare(TrainingConfig.from_dict(RSS_BASE).data, data_dir)
+    measured, _ = _rss_step("measure", data_dir)
+    budget = measured["fixed"] + 20 * measured["per_sample"]  # fits 16 of the global 64, not 32
+    result, log = _rss_step("run", data_dir, str(budget))
+    assert "loop.batch_size=auto: micro-batch 16, 4 accumulation step(s)" in log
+    print(f"peak RSS growth {result['growth'] / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB")
+    # More than the weights alone (the run really allocated after the measurement), no more than the budget.
+    assert measured["fixed"] / 9 < result["growth"] <= budget
