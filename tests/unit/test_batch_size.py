@@ -72,29 +72,19 @@ def test_auto_is_stored_as_zero_and_round_trips():
 # else before. ``measure <data>`` prints a step's memory as the loop measures it; ``run <data> <budget>`` trains with
 # that budget and prints how much the peak RSS grew over the process's peak before the run.
 _RSS_SCRIPT = """
-import contextlib, json, resource, sys, tempfile
+import json, resource, sys, tempfile
 import torch
-from training_core import batch_size
 from training_core.config import TrainingConfig
-from training_core.data import Manifest, ShardStream
+from training_core.data import Manifest
 from training_core.loop import run_worker
 from training_core.records import WorkerArgs
 from training_core.workloads import resolve_workload
-from tests.unit.test_batch_size import RSS_BASE
+from tests.unit.test_batch_size import RSS_BASE, measured_step_memory
 from tests.unit.test_run_worker import InProcessRuntime
 
 mode, data_dir = sys.argv[1], sys.argv[2]
 if mode == "measure":
-    cfg = TrainingConfig.from_dict(RSS_BASE)
-    manifest, workload = Manifest.load(data_dir), resolve_workload(cfg.workload)
-    model = workload.build_model(cfg, manifest)
-    to_device = workload.to_device(manifest, torch.device("cpu"))
-    stream = ShardStream(manifest, "train", rank=0, world_size=1)
-    probes = tuple(to_device(next(stream.train_batches(epoch=0, seed=0, batch_size=n, num_batches=1))) for n in (1, 2))
-    fixed, per_sample = batch_size.measure(
-        model, workload.loss, probes, device=torch.device("cpu"), optimizer_name="adamw", momentum=0.9,
-        no_sync=lambda m: contextlib.nullcontext(), checkpoint_staging=True,
-    )
+    fixed, per_sample = measured_step_memory(TrainingConfig.from_dict(RSS_BASE), data_dir)
     print("RESULT " + json.dumps({"fixed": fixed, "per_sample": per_sample}))
 else:
     auto = TrainingConfig.from_dict(
@@ -112,6 +102,25 @@ else:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print("RESULT " + json.dumps({"growth": peak - before}))
 """
+
+
+def measured_step_memory(cfg: TrainingConfig, data_dir: str) -> tuple[int, int]:
+    """``(fixed_bytes, bytes_per_sample)`` of a CPU training step of ``cfg``'s model on rank 0's data, measured as
+    the loop measures them (asynchronous checkpoints on)."""
+    from training_core.data import Manifest, ShardStream
+    from training_core.workloads import resolve_workload
+
+    manifest, workload = Manifest.load(data_dir), resolve_workload(cfg.workload)
+    model = workload.build_model(cfg, manifest)
+    to_device = workload.to_device(manifest, torch.device("cpu"))
+    stream = ShardStream(manifest, "train", rank=0, world_size=1)
+    probes = tuple(to_device(next(stream.train_batches(epoch=0, seed=0, batch_size=n, num_batches=1))) for n in (1, 2))
+    return batch_size.measure(
+        model, workload.loss, probes, device=torch.device("cpu"), optimizer_name=cfg.optimizer.name,
+        momentum=cfg.optimizer.momentum, no_sync=lambda m: contextlib.nullcontext(), checkpoint_staging=True,
+    )  # fmt: skip
+
+
 RSS_BASE = {
     "data": {"dataset": "synthetic", "synthetic_image_size": 32, "synthetic_num_samples": 512, "num_shards": 1},
     "model": {"name": "resnet18"},

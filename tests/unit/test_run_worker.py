@@ -6,7 +6,6 @@ and checkpoints, and that training in two calls (a resume mid-run) ends bit-iden
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -370,20 +369,9 @@ def test_an_auto_batch_size_takes_the_largest_micro_batch_the_budget_fits_and_ke
 ):
     """The budget is set between what micro-batches of 8 and 16 need (measured the way the loop measures): the
     loop takes 8 with 4 accumulation steps, and trains exactly as that explicit setting does."""
-    from training_core import batch_size
-    from training_core.data import Manifest, ShardStream
-    from training_core.workloads import resolve_workload
+    from tests.unit.test_batch_size import measured_step_memory
 
-    cfg = _config(epochs=1)
-    manifest, workload = Manifest.load(digits_dir), resolve_workload(cfg.workload)
-    model = workload.build_model(cfg, manifest)
-    to_device = workload.to_device(manifest, torch.device("cpu"))
-    stream = ShardStream(manifest, "train", rank=0, world_size=1)
-    probes = tuple(to_device(next(stream.train_batches(epoch=0, seed=0, batch_size=n, num_batches=1))) for n in (1, 2))
-    fixed, per_sample = batch_size.measure(
-        model, workload.loss, probes, device=torch.device("cpu"), optimizer_name="adamw", momentum=0.0,
-        no_sync=lambda m: contextlib.nullcontext(), checkpoint_staging=True,
-    )  # fmt: skip
+    fixed, per_sample = measured_step_memory(_config(epochs=1), digits_dir)
     assert fixed > 0 and per_sample > 0
     budget_gib = (fixed + 12 * per_sample) / 2**30  # fits 8, not 16
     auto = _config(epochs=1, batch_size="auto", global_batch_size=32, memory_budget_gib=budget_gib)
