@@ -68,11 +68,12 @@ def test_auto_is_stored_as_zero_and_round_trips():
     assert TrainingConfig.from_dict(cfg.to_dict()).loop.batch_size == 0
 
 
-# Each step in a process of its own: ``ru_maxrss`` never goes down, so the run's process must not have held anything
-# else before. ``measure <data>`` prints a step's memory as the loop measures it; ``run <data> <budget>`` trains with
-# that budget and prints how much the peak RSS grew over the process's peak before the run.
-_RSS_SCRIPT = """
-import json, resource, sys, tempfile
+# Each step in a process of its own. The peak is the kernel's VmHWM, reset just before the run (``5`` to
+# ``/proc/self/clear_refs``): ``ru_maxrss`` keeps the forking parent's RSS across exec, so under a large pytest process
+# it read the parent's size and the growth 0. ``measure <data>`` prints a step's memory as the loop measures it;
+# ``run <data> <budget>`` trains with that budget and prints how much the peak RSS grew over the RSS before the run.
+_RSS_SCRIPT = r"""
+import json, re, sys, tempfile
 import torch
 from training_core.config import TrainingConfig
 from training_core.data import Manifest
@@ -96,10 +97,14 @@ else:
     manifest, workload = Manifest.load(data_dir), resolve_workload(auto.workload)
     with torch.device("meta"):
         workload.build_model(auto, manifest)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    def status_bytes(key):
+        return int(re.search(key + r":\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # resets VmHWM to the current RSS
+    before = status_bytes("VmRSS")
     run_worker(WorkerArgs.build(auto, data_dir=data_dir, checkpoint_root=tempfile.mkdtemp(), run_name="rss"),
                InProcessRuntime())
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = status_bytes("VmHWM")
     print("RESULT " + json.dumps({"growth": peak - before}))
 """
 
