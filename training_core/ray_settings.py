@@ -22,6 +22,12 @@ Why each one (figures from ``benchmarks/scaling.py`` and ``benchmarks/loop_overh
   get their own mapping and go back to the kernel when freed, and at most :data:`TRIM_THRESHOLD_BYTES` of free heap
   stays mapped per process. One arena serialises ``malloc`` between a process's threads: in a training process
   nearly every allocation comes from the training thread, and loader workers are processes of their own.
+- ``TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S=5``. Before Ray Train restarts a worker group it asks every worker to
+  destroy its process group and waits up to this long (Ray's default: 30 s). A hung rank (the very failure
+  ``scaling.collective_timeout_s`` catches) never answers, so every hang cost 30 s more before the restart. A healthy
+  group is destroyed in milliseconds, and a group cut short is discarded anyway: its workers are killed next.
+  Measured (tests/distributed/test_recovery.py, SIGSTOP with a 15 s collective timeout): stall to resume 59 s at
+  Ray's default, 30-35 s with it.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ PROCESS_ENV: dict[str, str] = {
     "MALLOC_ARENA_MAX": "1",
     "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
     "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES),
+    "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "5",
 }
 """Environment of every process of a Ray cluster the platform starts (daemons, workers, loader processes).
 All are read when a process starts (glibc at ``exec``, the raylet at ``ray start``), so they must be in the
