@@ -1018,13 +1018,6 @@ class TrainingConfig:
                 f"local SGD steps each worker's full replica and averages them; scaling.strategy="
                 f"{self.scaling.strategy!r} holds no replica: use scaling.strategy='ddp' or sync.mode='allreduce'",
             )
-        if self.scaling.strategy == "fsdp" and self.precision.mode == "fp16":
-            invalid(
-                "precision.mode",
-                self.precision.mode,
-                "scaling.strategy='fsdp' trains in bf16 (parameters gathered in bf16, gradients reduced in fp32) or "
-                "fp32: fp16 needs a loss scaler that sharded gradients do not support here; use bf16 or auto",
-            )
         if self.precision.mode == "fp16" and not self.scaling.use_gpu:
             log.warning("precision.mode='fp16' falls back to fp32 on CPU: fp16 autocast with GradScaler needs a GPU")
 

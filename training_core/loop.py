@@ -55,16 +55,17 @@ MAX_STEP_TIMES_KEPT = 100_000
 EPOCH_FIGURE_PREFIX = "sum."
 
 
-def resolve_precision(mode: str, device: torch.device, *, sharded: bool = False) -> tuple[torch.dtype | None, bool]:
-    """Autocast dtype (None = fp32) and whether to use a GradScaler, for ``precision.mode`` on ``device``. A
-    ``sharded`` (FSDP) model trains in bf16 or fp32 (the config refuses fp16 there): ``auto`` on a GPU without bf16
-    gives fp32."""
+def resolve_precision(mode: str, device: torch.device) -> tuple[torch.dtype | None, bool]:
+    """Autocast dtype (None = fp32) and whether to use a GradScaler, for ``precision.mode`` on ``device``; the same
+    under both strategies (FSDP gathers its parameters in the autocast dtype and reduces gradients in fp32). The
+    GradScaler works on FSDP's sharded gradients: DTensor all-reduces its overflow flag, so every rank skips the same
+    steps (tests/gpu/test_fsdp_precision.py)."""
     if device.type != "cuda":
         if mode == "fp16":
             log.warning("precision.mode='fp16' needs a GPU; training in fp32 on %s", device)
         return (torch.bfloat16, False) if mode == "bf16" else (None, False)
     if mode == "auto":
-        mode = "bf16" if torch.cuda.is_bf16_supported() else "fp32" if sharded else "fp16"
+        mode = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     return {"fp32": (None, False), "bf16": (torch.bfloat16, False), "fp16": (torch.float16, True)}[mode]
 
 
@@ -501,7 +502,7 @@ class Trainer:
         self.sharded = cfg.scaling.strategy == "fsdp"
         if self.sharded and device.type == "cpu":
             sharding.return_freed_host_memory()
-        self.autocast_dtype, use_scaler = resolve_precision(cfg.precision.mode, device, sharded=self.sharded)
+        self.autocast_dtype, use_scaler = resolve_precision(cfg.precision.mode, device)
         self.manifest = manifest = Manifest.load(self.args.data_dir)
         self.workload = resolve_workload(cfg.workload)
         model = self.workload.build_model(cfg, manifest)

@@ -104,9 +104,9 @@ def shard_model(
     cpu_offload: bool,
 ) -> nn.Module:
     """FSDP2 ``fully_shard`` on each block, then on the root (which holds what no block does: stems, heads,
-    embeddings), over the default process group. ``param_dtype`` (bf16) is the dtype parameters are gathered in
-    for compute, gradients being reduced in fp32; None keeps fp32. With ``cpu_offload`` the shards, their gradients
-    and the optimizer state stay in host memory."""
+    embeddings), over the default process group. ``param_dtype`` (bf16 or fp16) is the dtype parameters are
+    gathered in for compute, gradients being reduced in fp32 into fp32 shards; None keeps fp32. With
+    ``cpu_offload`` the shards, their gradients and the optimizer state stay in host memory."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if not blocks:

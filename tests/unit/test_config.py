@@ -27,12 +27,6 @@ def test_defaults_build_and_round_trip_through_a_dict():
         ({"scaling": {"strategy": "zero3"}}, "scaling.strategy", "'zero3'", "ddp, fsdp"),
         ({"scaling": {"fsdp_cpu_offload": True}}, "scaling.fsdp_cpu_offload", "True", "strategy='fsdp'"),
         (
-            {"scaling": {"strategy": "fsdp", "use_gpu": True}, "precision": {"mode": "fp16"}},
-            "precision.mode",
-            "'fp16'",
-            "use bf16 or auto",
-        ),
-        (
             {"model": {"activation_checkpointing": "some"}},
             "model.activation_checkpointing",
             "'some'",
