@@ -84,6 +84,18 @@ def worker_pod_spec(scaling: ScalingConfig) -> V1PodSpec:
     return spec
 
 
+def gpu_task_pod_template(scaling: ScalingConfig) -> PodTemplate:
+    """The pod of a plain (non-Ray) task that runs on one of the run's GPU nodes: ``scaling.gpu_node_selector`` and
+    ``scaling.gpu_tolerations`` on its primary container's pod (its resources are the task's)."""
+    from kubernetes.client import V1Container, V1PodSpec
+
+    gpu_spec = worker_pod_spec(scaling)
+    spec = V1PodSpec(
+        containers=[V1Container(name="primary")], node_selector=gpu_spec.node_selector, tolerations=gpu_spec.tolerations
+    )
+    return PodTemplate(pod_spec=spec, primary_container_name="primary")
+
+
 @dataclass
 class TrainingRayJobConfig(RayJobConfig):
     """flytekit's ``RayJobConfig``, run by :class:`TrainingRayTask` (the plugin is chosen by the config's type)."""

@@ -106,6 +106,9 @@ class CheckpointMeta:
     mlflow_run_id: str = ""
     elapsed_s: float = 0.0
     """Seconds the run has trained so far, across resumes (the clock of ``step_log``'s ``elapsed_s``)."""
+    num_parameters: int = 0
+    """The model's parameter count (0 in checkpoints written before it): where it can be evaluated, without loading
+    it (:func:`~training_core.evaluation.evaluation_placement`)."""
     preempted: bool = False
     """Written just in time because a worker was told to stop (SIGTERM): the run stopped at this very step, so
     a resume from it recomputes nothing."""
@@ -248,6 +251,7 @@ _META_FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "data": (_is_mapping, "a JSON object (the prepared data's description)"),
     "preempted": (lambda v: isinstance(v, bool), "true or false"),
+    "num_parameters": (_is_count, "an integer >= 0"),
 }
 """How each field of :class:`CheckpointMeta` is checked when read from JSON, and what the message says it expects."""
 
@@ -1215,12 +1219,19 @@ def load_meta(directory: str) -> CheckpointMeta:
 def load_model(directory: str, *, map_location: str = "cpu"):
     """Rebuild the model a checkpoint directory describes with its workload (user code is imported again), verify
     and load its weights. Returns ``(model, meta, workload)``."""
+    loaded = load_directory(os.path.abspath(directory))
+    model, workload = build_saved_model(loaded.meta)
+    restore(loaded, model=model)
+    return model.to(map_location), loaded.meta, workload
+
+
+def build_saved_model(meta: CheckpointMeta):
+    """The model a checkpoint's metadata describes, freshly initialised, and its workload (user code is imported
+    again): ``(model, workload)``. Load its weights with :func:`restore`."""
     from training_core.config import TrainingConfig
     from training_core.data import Manifest
     from training_core.workloads import resolve_workload
 
-    loaded = load_directory(os.path.abspath(directory))
-    meta = loaded.meta
     # The saved config is a (redacted) record: only the sections that shape the model (and that a workload's
     # config checks read) are read back, so a checkpoint written by an older version, with fields since renamed
     # elsewhere, still loads.
@@ -1235,9 +1246,7 @@ def load_model(directory: str, *, map_location: str = "cpu"):
             dataset="", classes=meta.classes, input_shape=meta.input_shape, mean=meta.mean, std=meta.std, splits={}
         )
     workload = resolve_workload(config.workload)
-    model = workload.build_model(config, manifest)
-    restore(loaded, model=model)
-    return model.to(map_location), meta, workload
+    return workload.build_model(config, manifest), workload
 
 
 def restore(loaded: LoadedCheckpoint, *, model, optimizer=None, scheduler=None, scaler=None) -> None:

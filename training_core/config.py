@@ -43,6 +43,7 @@ STRATEGIES = ("ddp", "fsdp")
 SYNC_MODES = ("allreduce", "local_sgd")
 _NCCL_VARIABLE = re.compile(r"NCCL_[A-Z0-9_]{1,100}")
 OOM_POLICIES = ("fail", "reduce")
+EVALUATION_PLACEMENTS = ("auto", "process", "cluster")
 AUTO = 0
 """How a field that takes ``auto`` (``loop.batch_size``) stores it."""
 AUTO_FIELDS = frozenset({"loop.batch_size"})
@@ -943,6 +944,23 @@ class ObservabilityConfig:
 
 
 @dataclass
+class EvaluationConfig:
+    placement: str = "auto"
+    """Where ``evaluate`` runs the test split. ``process``: the evaluate task's own process, on a GPU when
+    ``scaling.use_gpu`` asks for one (the task's pod then requests one). ``cluster``: Ray Train workers sized, placed
+    and holding the model as in training (``scaling``: FSDP shards stay shards), on a RayJob like ``train``'s.
+    ``auto``: ``cluster`` for an FSDP model whose whole weights do not fit ``process_memory_gib`` (8 bytes per
+    parameter: the fp32 weights read from the checkpoint and the model they are loaded into), else ``process``."""
+
+    process_memory_gib: float = 8.0
+    """Memory limit of the evaluate task's container when it evaluates in its own process."""
+
+    def __post_init__(self) -> None:
+        _choice("evaluation.placement", self.placement, EVALUATION_PLACEMENTS)
+        _positive("evaluation.process_memory_gib", self.process_memory_gib)
+
+
+@dataclass
 class TrainingConfig:
     """A whole training run: data, model, optimizer and schedule, loop, scaling, precision, checkpoints,
     tracking, observability."""
@@ -982,6 +1000,9 @@ class TrainingConfig:
 
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     """Prometheus metrics (training, GPUs, host, cost), their delivery, and MLflow system metrics."""
+
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    """Where the trained model is evaluated on the test split."""
 
     def __post_init__(self) -> None:
         self._check_workload_fields()

@@ -1,5 +1,6 @@
 """Evaluation: a workload's metrics of a model over batches (all-reduced across ranks during training), and the
-test-split evaluation of a checkpoint in one process."""
+test-split evaluation of a checkpoint where it fits: in one process (on a GPU when there is one), or on Ray Train
+workers holding the model as training did (FSDP shards), for a model that cannot be gathered in one process."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from training_core.config import TrainingConfig
     from training_core.workloads import Workload
 
 
@@ -140,25 +142,78 @@ def require_finite(figures: Mapping[str, float], *, what: str, fix: str) -> None
         raise ValueError(f"{what} has non-finite {bad}: {fix}")
 
 
+GATHER_BYTES_PER_PARAMETER = 8
+"""Host memory a model's whole weights take in one process while it is loaded: fp32 weights, twice (the state read
+from the checkpoint and the model it is loaded into)."""
+
+
+def evaluation_placement(cfg: TrainingConfig, num_parameters: int) -> str:
+    """``process`` or ``cluster``: where ``cfg.evaluation.placement`` puts the evaluation of a model of
+    ``num_parameters`` parameters (0: unknown, an older checkpoint) trained under ``cfg.scaling``."""
+    placement = cfg.evaluation.placement
+    if placement != "auto":
+        return placement
+    gathered_bytes = num_parameters * GATHER_BYTES_PER_PARAMETER
+    fits = gathered_bytes <= cfg.evaluation.process_memory_gib * 2**30
+    return "cluster" if cfg.scaling.strategy == "fsdp" and not fits else "process"
+
+
 def evaluate_checkpoint(
-    checkpoint_dir: str, data_dir: str, *, split: str = "test", batch_size: int = 256
+    checkpoint_dir: str,
+    data_dir: str,
+    *,
+    split: str = "test",
+    batch_size: int = 256,
+    device: torch.device | str | None = None,
 ) -> EvalReport:
-    """The checkpoint's model evaluated on ``split`` of the prepared data in ``data_dir``, in this process."""
+    """The checkpoint's model evaluated on ``split`` of the prepared data in ``data_dir``, in this process, on
+    ``device`` (default: the GPU when there is one, else the CPU)."""
     import torch
 
     from training_core.checkpoint import load_model
-    from training_core.data import Manifest, ShardStream
+    from training_core.data import ShardStream
+
+    manifest = _split_of(data_dir, split)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, meta, workload = load_model(checkpoint_dir, map_location=str(device))
+    require_finite(
+        {name: float(t.abs().max()) for name, t in model.state_dict().items() if t.is_floating_point() and t.numel()},
+        what=f"checkpoint {checkpoint_dir} (its largest absolute weights)",
+        fix=DIVERGED_FIX,
+    )
+    require_same_data(meta, manifest, checkpoint_dir=checkpoint_dir, data_dir=data_dir)
+    stream = ShardStream(manifest, split, rank=0, world_size=1)
+    result = evaluate(
+        model,
+        stream.eval_batches(batch_size=batch_size),
+        workload=workload,
+        to_device=workload.to_device(manifest, device),
+        device=device,
+    )
+    return _report(result, split=split, workload=workload, manifest=manifest, model=model)
+
+
+DIVERGED_FIX = (
+    "a diverged model is neither evaluated nor registered; retrain with a lower optimizer.lr or with "
+    "optimizer.max_grad_norm set"
+)
+
+
+def _split_of(data_dir: str, split: str):
+    """The prepared data's manifest, which must hold ``split``."""
+    from training_core.data import Manifest
 
     manifest = Manifest.load(data_dir)
     if split not in manifest.splits:
         raise ValueError(f"split={split!r} is invalid: the prepared data has {', '.join(manifest.splits)}")
-    model, meta, workload = load_model(checkpoint_dir)
-    require_finite(
-        {name: float(t.abs().max()) for name, t in model.state_dict().items() if t.is_floating_point() and t.numel()},
-        what=f"checkpoint {checkpoint_dir} (its largest absolute weights)",
-        fix="a diverged model is neither evaluated nor registered; retrain with a lower optimizer.lr or with "
-        "optimizer.max_grad_norm set",
-    )
+    return manifest
+
+
+def require_same_data(meta, manifest, *, checkpoint_dir: str, data_dir: str) -> None:
+    """Raise a ``ValueError`` unless the checkpoint (its metadata ``meta``) was trained on data like ``manifest``'s:
+    the same classes, input shape, workload and spec."""
+    from training_core.data import Manifest
+
     trained_on = Manifest.from_description(meta.data) if meta.data else None
     if (
         meta.classes != manifest.classes
@@ -172,15 +227,11 @@ def evaluate_checkpoint(
             + f", but the data at {data_dir} has {clip(str(manifest.classes))} and {manifest.input_shape} "
             f"({manifest.workload}, {clip(str(manifest.spec))}); evaluate on matching data"
         )
-    device = torch.device("cpu")
-    stream = ShardStream(manifest, split, rank=0, world_size=1)
-    result = evaluate(
-        model,
-        stream.eval_batches(batch_size=batch_size),
-        workload=workload,
-        to_device=workload.to_device(manifest, device),
-        device=device,
-    )
+
+
+def _report(result: EvalResult, *, split: str, workload: Workload, manifest, model: nn.Module) -> EvalReport:
+    """The :class:`EvalReport` of ``result``; a language model's continuations are generated here (under FSDP
+    every rank generates, in lockstep: greedy decoding runs the same forwards on each)."""
     confusion = result.sums.get("confusion")
     showcase = getattr(workload, "showcase", None)
     return EvalReport(
@@ -194,3 +245,101 @@ def evaluate_checkpoint(
         classes=manifest.classes,
         continuations=[Continuation(p, t) for p, t in showcase(model, manifest)] if callable(showcase) else [],
     )
+
+
+REPORT_METRIC = "eval_report"
+"""The key under which rank 0 of a cluster evaluation reports its :class:`EvalReport` (as JSON) to Ray Train."""
+
+
+def evaluate_on_cluster(
+    checkpoint_uri: str,
+    data_dir: str,
+    cfg: TrainingConfig,
+    *,
+    storage_path: str,
+    run_name: str,
+    split: str = "test",
+    batch_size: int = 256,
+) -> EvalReport:
+    """The checkpoint's model evaluated on ``split`` by ``cfg.scaling.num_workers`` Ray Train workers that hold it
+    as training did: under ``scaling.strategy: fsdp`` each keeps its shard (a sharded checkpoint is loaded shard by
+    shard, resharded to this number of workers), so no process ever holds the whole model. Each worker evaluates
+    its own shards of the split; the sums are all-reduced. ``checkpoint_uri`` and ``data_dir`` must be readable
+    by every worker (``s3://`` on a cluster). Ray Train's run state goes to ``storage_path``/``run_name``."""
+    import json
+
+    import ray
+    from ray.train import RunConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from training_core.checkpoint import load_meta
+    from training_core.ray_settings import start_local_cluster
+    from training_core.trainer import ray_scaling_config
+
+    manifest = _split_of(data_dir, split)
+    require_same_data(load_meta(checkpoint_uri), manifest, checkpoint_dir=checkpoint_uri, data_dir=data_dir)
+    if not ray.is_initialized():
+        start_local_cluster()
+    trainer = TorchTrainer(
+        _evaluate_worker,
+        train_loop_config={
+            "checkpoint_uri": checkpoint_uri,
+            "data_dir": data_dir,
+            "split": split,
+            "batch_size": batch_size,
+            "sharded": cfg.scaling.strategy == "fsdp",
+            "torch_threads": cfg.scaling.torch_threads_per_worker,
+        },
+        torch_config=TorchConfig(backend=cfg.scaling.resolved_backend(), timeout_s=cfg.scaling.collective_timeout_s),
+        scaling_config=ray_scaling_config(cfg),
+        run_config=RunConfig(name=run_name, storage_path=storage_path),
+    )
+    raw = json.loads(trainer.fit().metrics[REPORT_METRIC])
+    raw["continuations"] = [Continuation(**c) for c in raw["continuations"]]
+    return EvalReport(**raw)
+
+
+def _evaluate_worker(config: dict[str, Any]) -> None:
+    """One Ray Train worker of :func:`evaluate_on_cluster`."""
+    import dataclasses
+    import json
+
+    import torch
+
+    from training_core import sharding
+    from training_core.checkpoint import build_saved_model, load_directory, restore
+    from training_core.data import Manifest, ShardStream
+    from training_core.distributed import RayTrainRuntime, all_reduce_sum
+
+    torch.set_num_threads(config["torch_threads"])
+    runtime = RayTrainRuntime()
+    device = runtime.device
+    loaded = load_directory(config["checkpoint_uri"])  # every rank verifies what it reads
+    model, workload = build_saved_model(loaded.meta)
+    if config["sharded"]:
+        if device.type == "cpu":
+            sharding.return_freed_host_memory()
+        model = sharding.shard_model(
+            model, sharding.model_blocks(model, workload), device=device, param_dtype=None, cpu_offload=False
+        )
+    else:
+        model = model.to(device)
+    restore(loaded, model=model)  # a collective under FSDP
+    largest = [float(sharding.local_tensor(t).abs().max()) for t in model.state_dict().values()
+               if t.is_floating_point() and sharding.local_tensor(t).numel()]  # fmt: skip
+    (num_nonfinite,) = all_reduce_sum([float(sum(not math.isfinite(v) for v in largest))], device)
+    if num_nonfinite:
+        raise ValueError(f"checkpoint {config['checkpoint_uri']} has non-finite weights: {DIVERGED_FIX}")
+    manifest = Manifest.load(config["data_dir"])
+    stream = ShardStream(manifest, config["split"], rank=runtime.rank, world_size=runtime.world_size)
+    result = evaluate(
+        model,
+        stream.eval_batches(batch_size=config["batch_size"]),
+        workload=workload,
+        to_device=workload.to_device(manifest, device),
+        device=device,
+        all_reduce=True,
+        lockstep=config["sharded"],
+    )
+    report = _report(result, split=config["split"], workload=workload, manifest=manifest, model=model)
+    runtime.report_result({REPORT_METRIC: json.dumps(dataclasses.asdict(report))})

@@ -506,6 +506,7 @@ class Trainer:
         self.manifest = manifest = Manifest.load(self.args.data_dir)
         self.workload = resolve_workload(cfg.workload)
         model = self.workload.build_model(cfg, manifest)
+        self.num_parameters = sum(p.numel() for p in model.parameters())
         if cfg.model.sync_batchnorm and device.type == "cuda" and self.world_size > 1:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         self.model = self.hold_model(model)
@@ -1172,6 +1173,7 @@ class Trainer:
             data=manifest.description(),
             data_remaining=[list(pair) for pair in self.data_left()],
             preempted=preempted,
+            num_parameters=self.num_parameters,
         )
 
     def data_left(self) -> list[tuple[int, int]]:

@@ -28,52 +28,112 @@ def digits_dir(tmp_path_factory) -> str:
     return str(out)
 
 
-def _config() -> TrainingConfig:
-    # 39 steps per epoch: checkpoints every 5 steps land mid-epoch, and the kill comes right after step 15.
-    # No dropout or BatchNorm, so CPU results are bit-reproducible.
+# A GPT sharded by FSDP (2 blocks), on 34 steps of text per epoch: its checkpoints are sharded ones.
+GPT_FSDP = {
+    "workload": {"name": "causal_lm"},
+    "data": {"dataset": "stdlib", "max_text_bytes": 60_000, "seq_len": 32, "num_shards": 2},
+    "model": {"name": "gpt2-tiny", "num_layers": 2},
+    "scaling": {"strategy": "fsdp"},
+    "loop": {"epochs": 1},
+}
+
+
+def _config(strategy: str = "ddp") -> TrainingConfig:
+    # DDP: a small CNN on digits, 39 steps per epoch. No dropout or BatchNorm, so CPU results are bit-reproducible.
+    # Checkpoints every 5 steps land mid-epoch, and the kill comes right after step 15.
+    sections = GPT_FSDP if strategy == "fsdp" else {"model": {"name": "small_cnn"}, "loop": {"epochs": 3}}
     return TrainingConfig.from_dict(
         {
-            "model": {"name": "small_cnn"},
+            **sections,
             # A log step every step: a SIGTERM'd worker's just-in-time checkpoint comes at the next step.
-            "loop": {"epochs": 3, "batch_size": 16, "log_interval_steps": 1},
+            "loop": {**sections["loop"], "batch_size": 16, "log_interval_steps": 1},
             "checkpoint": {"interval_steps": INTERVAL_STEPS, "keep_last": 3, "max_worker_restarts": 2},
         }
     )
 
 
 @pytest.fixture(scope="module")
-def reference(ray_session, digits_dir, tmp_path_factory):
-    """The uninterrupted run every interrupted one must end bit-identical to."""
-    tmp = tmp_path_factory.mktemp("reference")
-    return fit(
-        _config(),
-        data_dir=digits_dir,
-        checkpoint_dir=str(tmp / "ref-final"),
-        run_name="reference",
-        storage_path=str(tmp / "ref"),
-    )
+def gpt_dir(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("gpt")
+    cfg = _config("fsdp")
+    prepare(cfg.data, str(out), workload=cfg.workload)
+    return str(out)
 
 
-# The language model's mid-epoch resume is proven in process (tests/unit/test_run_worker.py): the checkpoint and
-# restart path is the same for every workload, and a second Ray run here would cost 1.5 minutes of the suite.
+@pytest.fixture(scope="module")
+def references(ray_session, digits_dir, gpt_dir, tmp_path_factory):
+    """``references(strategy)``: the uninterrupted run every interrupted one must end bit-identical to (run once)."""
+    runs: dict[str, object] = {}
+
+    def of(strategy: str):
+        if strategy not in runs:
+            tmp = tmp_path_factory.mktemp(f"reference-{strategy}")
+            runs[strategy] = fit(
+                _config(strategy),
+                data_dir=gpt_dir if strategy == "fsdp" else digits_dir,
+                checkpoint_dir=str(tmp / "ref-final"),
+                run_name="reference",
+                storage_path=str(tmp / "ref"),
+            )
+        return runs[strategy]
+
+    return of
+
+
+def _final_state(checkpoint_dir: str, scratch: Path) -> dict:
+    """The model and optimizer state of a final checkpoint, whole: a full checkpoint's files, or a sharded one's
+    shards joined into one file by ``torch.distributed.checkpoint``."""
+    root = Path(checkpoint_dir)
+    if (root / "shards").is_dir():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        joined = scratch / f"{root.name}-joined.pt"
+        dcp_to_torch_save(str(root / "shards"), str(joined))
+        return torch.load(joined, weights_only=False)  # written by the line above from a test run's own shards
+    trainer = torch.load(root / ckpt.TRAINER_STATE_FILE, weights_only=True)
+    return {"model": torch.load(root / ckpt.MODEL_FILE, weights_only=True), "optimizer": trainer["optimizer"]}
+
+
+def _assert_equal(got, expected, where: str = "") -> None:
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(torch.as_tensor(got), expected), f"{where} differs after the resume"
+    elif isinstance(expected, dict):
+        assert set(got) == set(expected), where
+        for key, value in expected.items():
+            _assert_equal(got[key], value, f"{where}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(got) == len(expected), where
+        for index, value in enumerate(expected):
+            _assert_equal(got[index], value, f"{where}[{index}]")
+    else:
+        assert got == expected, where
+
+
 HANG_TIMEOUT_S = 15
 """``scaling.collective_timeout_s`` of the stalled run: what a hung peer costs before the job restarts."""
 
 
+# SIGKILL under FSDP (sharded checkpoints, async saves on their own process group), SIGTERM and SIGSTOP under DDP.
+# The restart path after a failure is the same for both strategies; what differs is the checkpoint, so each
+# strategy is killed once and the suite runs no fourth pair of Ray runs.
 @pytest.mark.parametrize(
-    "stop_signal", [signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP], ids=["sigkill", "sigterm", "sigstop"]
+    ("stop_signal", "strategy"),
+    [(signal.SIGKILL, "fsdp"), (signal.SIGTERM, "ddp"), (signal.SIGSTOP, "ddp")],
+    ids=["sigkill-fsdp", "sigterm", "sigstop"],
 )
 def test_a_worker_killed_or_told_to_stop_mid_epoch_resumes_bit_identical(
-    ray_session, digits_dir, reference, stop_signal, tmp_path
+    ray_session, digits_dir, gpt_dir, references, stop_signal, strategy, tmp_path
 ):
     """SIGKILL (a lost node): the resume loses at most one checkpoint interval. SIGTERM (an eviction, a spot
     reclaim): the worker writes a just-in-time checkpoint at its current step first, so nothing is recomputed.
     SIGSTOP (a hung rank): its peer's collective times out after ``scaling.collective_timeout_s``, and the job
     restarts from the latest checkpoint within that timeout plus a margin, not at the task's time limit."""
-    cfg = _config()
+    cfg = _config(strategy)
+    data_dir = gpt_dir if strategy == "fsdp" else digits_dir
+    reference = references(strategy)
     if stop_signal == signal.SIGSTOP:  # the timeout changes no number the run computes
         cfg = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, collective_timeout_s=HANG_TIMEOUT_S))
-    steps_per_epoch = Manifest.load(digits_dir).steps_per_epoch(
+    steps_per_epoch = Manifest.load(data_dir).steps_per_epoch(
         world_size=cfg.scaling.num_workers, batch_size=cfg.loop.batch_size, grad_accum_steps=1
     )
     assert steps_per_epoch > 3 * INTERVAL_STEPS + 1, "the kill must come mid-epoch"
@@ -85,7 +145,7 @@ def test_a_worker_killed_or_told_to_stop_mid_epoch_resumes_bit_identical(
         try:
             outcome["result"] = fit(
                 cfg,
-                data_dir=digits_dir,
+                data_dir=data_dir,
                 checkpoint_dir=str(tmp_path / "killed-final"),
                 run_name="killed",
                 storage_path=str(tmp_path / "killed"),
@@ -96,12 +156,18 @@ def test_a_worker_killed_or_told_to_stop_mid_epoch_resumes_bit_identical(
     thread = threading.Thread(target=run)
     thread.start()
     deadline = time.monotonic() + 300
-    while not [n for n in storage.list_steps() if int(n.split("-")[1]) >= 3 * INTERVAL_STEPS]:
+
+    def complete_steps() -> list[int]:
+        # Written in full: the manifest comes last (a sharded save is still writing in the background before it).
+        names = storage.list_steps()
+        return [int(n.split("-")[1]) for n in names if os.path.exists(f"{storage.path}/{n}/{ckpt.MANIFEST_FILE}")]
+
+    while not [step for step in complete_steps() if step >= 3 * INTERVAL_STEPS]:
         assert thread.is_alive() and time.monotonic() < deadline, "training ended or stalled before the kill"
         time.sleep(0.05)
     pids = session_train_workers()
     assert len(pids) == 2, f"expected the 2 Ray Train workers, found {pids}"
-    latest_before_kill = int(storage.list_steps()[-1].split("-")[1])
+    latest_before_kill = complete_steps()[-1]
     os.kill(max(pids), stop_signal)
     stalled_unix = time.time()
     thread.join(timeout=600)
@@ -127,20 +193,66 @@ def test_a_worker_killed_or_told_to_stop_mid_epoch_resumes_bit_identical(
     assert resumed_from % steps_per_epoch != 0, f"the resume point (step {resumed_from}) should be mid-epoch"
     assert result.meta.global_step == reference.meta.global_step == cfg.loop.epochs * steps_per_epoch
 
-    expected = torch.load(Path(reference.checkpoint_dir) / ckpt.MODEL_FILE, weights_only=True)
-    got = torch.load(Path(result.checkpoint_dir) / ckpt.MODEL_FILE, weights_only=True)
-    for name, tensor in expected.items():
-        assert torch.equal(got[name], tensor), f"{name} differs after the resume"
-    expected_trainer = torch.load(Path(reference.checkpoint_dir) / ckpt.TRAINER_STATE_FILE, weights_only=True)
-    got_trainer = torch.load(Path(result.checkpoint_dir) / ckpt.TRAINER_STATE_FILE, weights_only=True)
-    for key, state in expected_trainer["optimizer"]["state"].items():
-        for field, value in state.items():
-            assert torch.equal(torch.as_tensor(got_trainer["optimizer"]["state"][key][field]), torch.as_tensor(value))
+    assert (Path(result.checkpoint_dir) / "shards").is_dir() == (strategy == "fsdp")
+    expected = _final_state(reference.checkpoint_dir, tmp_path)
+    got = _final_state(result.checkpoint_dir, tmp_path)
+    _assert_equal(got["model"], expected["model"], "model")
+    _assert_equal(got["optimizer"]["state"], expected["optimizer"]["state"], "optimizer")
     # The resumed epoch's record is the same as the uninterrupted one's, too, the workload's figures (the
     # epoch's correct count, saved mid-epoch in the checkpoint) included.
     assert [(r.train_loss, r.train_accuracy, r.val_loss, r.val_accuracy) for r in result.meta.history] == [
         (r.train_loss, r.train_accuracy, r.val_loss, r.val_accuracy) for r in reference.meta.history
     ]
+
+
+def test_a_sharded_model_is_evaluated_on_ray_workers_holding_its_shards_as_in_one_process(
+    references, gpt_dir, tmp_path
+):
+    """``evaluate_on_ray`` (the evaluate task for a model too large for one process): 2 Ray Train workers each load
+    their shards of the FSDP run's sharded checkpoint (no process gathers the model) and evaluate their shards of
+    the test split; the figures, logged to the run's MLflow run, equal ``evaluate``'s in one process."""
+    from flytekit import FlyteFile
+    from flytekit.types.directory import FlyteDirectory
+    from mlflow.tracking import MlflowClient
+
+    from tasks.evaluate import evaluate, evaluate_on_ray
+    from tasks.types import PreparedData, TrainedModel, TrainMetrics
+
+    reference = references("fsdp")
+    assert (Path(reference.checkpoint_dir) / "shards").is_dir()
+    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=tracking_uri)
+    runs = {name: client.create_run(client.create_experiment(name)).info.run_id for name in ("ray", "process")}
+    (tmp_path / "report.html").write_text("<html></html>")
+    manifest = Manifest.load(gpt_dir)
+    data = PreparedData(
+        directory=FlyteDirectory(gpt_dir),
+        dataset=manifest.dataset,
+        num_classes=len(manifest.classes),
+        input_shape=list(manifest.input_shape),
+        split_counts={},
+    )
+
+    def trained(run_id: str) -> TrainedModel:
+        return TrainedModel(
+            checkpoint=FlyteDirectory(reference.checkpoint_dir),
+            model_name=reference.meta.model_name,
+            metrics=TrainMetrics(**{f.name: 0 for f in dataclasses.fields(TrainMetrics)}),
+            tracking_uri=tracking_uri,
+            mlflow_run_id=run_id,
+            mlflow_model_uri="",
+            report=FlyteFile(str(tmp_path / "report.html")),
+        )
+
+    on_ray = evaluate_on_ray(config=_config("fsdp"), data=data, model=trained(runs["ray"])).metrics
+    in_process = evaluate(data=data, model=trained(runs["process"])).metrics
+    assert on_ray.num_samples == in_process.num_samples == manifest.splits["test"].num_samples
+    assert on_ray.metrics.keys() == in_process.metrics.keys() and "perplexity" in on_ray.metrics
+    for name, value in in_process.metrics.items():
+        assert on_ray.metrics[name] == pytest.approx(value, rel=1e-5), name
+    assert on_ray.continuations == in_process.continuations
+    logged = client.get_run(runs["ray"]).data.metrics
+    assert logged["test_loss"] == pytest.approx(on_ray.metrics["loss"])
 
 
 def test_training_in_slices_with_stop_at_epoch_equals_one_uninterrupted_run(ray_session, digits_dir, tmp_path):

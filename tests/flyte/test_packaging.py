@@ -25,6 +25,7 @@ TRAINING_TASKS = (
     "tasks.data.prepare_images_on_ray",
     "tasks.train.train",
     "tasks.evaluate.evaluate",
+    "tasks.evaluate.evaluate_on_ray",
     "tasks.register.register_model",
 )
 
@@ -209,28 +210,29 @@ def test_no_static_workflow_node_runs_a_ray_task_so_every_rayjob_is_sized_at_run
         templates = [spec.template, *spec.sub_workflows]
         static_refs = {ref for template in templates for ref in task_refs(template.nodes)}
         assert not static_refs & ray_tasks, f"{name} runs {sorted(static_refs & ray_tasks)} on the default RayJob"
-    assert {"workflows.training.train_on_ray", "tasks.data.prepare"} <= set(
-        task_refs(package.workflows["workflows.training.training_pipeline"].template.nodes)
-    )
+    assert {
+        "workflows.training.train_on_ray",
+        "tasks.data.prepare",
+        "workflows.training.evaluate_where_it_fits",
+    } <= set(task_refs(package.workflows["workflows.training.training_pipeline"].template.nodes))
 
 
 def test_task_retries_in_the_package_match_the_declarations(package):
     from tasks.data import prepare_data, prepare_images_on_ray
-    from tasks.evaluate import evaluate
+    from tasks.evaluate import evaluate, evaluate_on_ray
     from tasks.register import register_model
     from tasks.train import train
 
-    for task in (prepare_data, prepare_images_on_ray, train, evaluate, register_model):
+    for task in (prepare_data, prepare_images_on_ray, train, evaluate, evaluate_on_ray, register_model):
         metadata = package.tasks[task.name].template.metadata
         assert metadata.retries.retries == task.metadata.retries >= 1, task.name
-    # The workflow nodes carry the same retry budget FlyteAdmin will apply (prep's and train's nodes are compiled at
-    # run time: test_rayjob_sizing.py checks them).
+    # The workflow nodes carry the same retry budget FlyteAdmin will apply (prep's, train's and evaluate's nodes are
+    # compiled at run time: test_rayjob_sizing.py checks them).
     nodes = {
         n.task_node.reference_id.name: n
         for n in package.workflows["workflows.training.training_pipeline"].template.nodes
     }
-    for task in (evaluate, register_model):
-        assert nodes[task.name].metadata.retries.retries == task.metadata.retries, task.name
+    assert nodes[register_model.name].metadata.retries.retries == register_model.metadata.retries
 
 
 def test_train_and_trials_are_interruptible_with_a_timeout(package):
@@ -261,7 +263,12 @@ def test_only_data_prep_and_trials_are_cached_with_their_declared_versions(packa
         assert prepare.discoverable and prepare.discovery_version == PREPARE_DATA_CACHE_VERSION == "4", name
     trial = package.tasks["tasks.tuning.train_trial"].template.metadata
     assert trial.discoverable and trial.discovery_version == TRIAL_CACHE_VERSION
-    for name in ("tasks.train.train", "tasks.evaluate.evaluate", "tasks.register.register_model"):
+    for name in (
+        "tasks.train.train",
+        "tasks.evaluate.evaluate",
+        "tasks.evaluate.evaluate_on_ray",
+        "tasks.register.register_model",
+    ):
         assert not package.tasks[name].template.metadata.discoverable, name
 
 

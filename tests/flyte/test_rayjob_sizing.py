@@ -8,23 +8,27 @@ flyteidl's RayJob message: replicas, requests and limits, GPUs, node selector, t
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
+from flytekit import FlyteFile
 from flytekit.types.directory import FlyteDirectory
 
 from tasks.data import prepare, prepare_data, prepare_images_on_ray
+from tasks.evaluate import evaluate, evaluate_on_ray
 from tasks.ray_config import PREP_GROUP, PREP_HEAD, WORKER_GROUP
 from tasks.train import train
 from tasks.tuning import SearchState, Trial, train_trial, tune_with_ray
-from tasks.types import PreparedData
+from tasks.types import PreparedData, TrainedModel, TrainMetrics
 from tests.flyte.compile import RayJobShape, compile_dynamic, rayjob_shape
+from training_core import checkpoint as ckpt
 from training_core import tuning
 from training_core.config import DataConfig, ScalingConfig, Toleration, TrainingConfig, WorkloadConfig
 from training_core.ray_settings import PROCESS_ENV
 from training_core.scaling_benchmark import point_config, scaling_preset
 from training_core.tuning import TuningConfig
 from workflows.scaling_benchmark import ray_point
-from workflows.training import train_on_ray
+from workflows.training import evaluate_where_it_fits, train_on_ray
 from workflows.tuning import search_round
 
 GPU_SCALING = ScalingConfig(
@@ -54,9 +58,9 @@ DATA = PreparedData(
 def fresh_compiles():
     """Each test compiles from scratch and leaves the Ray tasks as it found them: a ``task_config`` override stays
     on the task object, and flytekit reuses a dynamic task's first compile within one process."""
-    ray_tasks = (train, train_trial, tune_with_ray, prepare_images_on_ray)
+    ray_tasks = (train, train_trial, tune_with_ray, prepare_images_on_ray, evaluate_on_ray)
     saved = [t._task_config for t in ray_tasks]
-    dynamics = (train_on_ray, ray_point, search_round, prepare)
+    dynamics = (train_on_ray, ray_point, search_round, prepare, evaluate_where_it_fits)
     for d in dynamics:
         d._wf = None
     yield
@@ -122,6 +126,71 @@ def test_the_default_config_gets_cpu_pods_with_shared_memory_and_no_gpu_placemen
     shape = rayjob_shape(_only_ray_task(spec).custom)
     assert_sized(shape, ScalingConfig())
     assert shape.worker.shm_size == "1228Mi"  # 30% of 4 GiB: room for Ray's object store and loader processes
+
+
+def _trained(tmp_path, num_parameters: int) -> TrainedModel:
+    """A train output whose checkpoint holds only its metadata: the evaluation's placement reads nothing else."""
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    meta = ckpt.CheckpointMeta(
+        model_name="gpt2-large", classes=[], input_shape=[], mean=[], std=[], epoch=1, global_step=10, config={},
+        num_parameters=num_parameters,
+    )  # fmt: skip
+    (checkpoint / ckpt.META_FILE).write_text(json.dumps(dataclasses.asdict(meta)))
+    (tmp_path / "report.html").write_text("<html></html>")
+    return TrainedModel(
+        checkpoint=FlyteDirectory(str(checkpoint)),
+        model_name=meta.model_name,
+        metrics=TrainMetrics(**{f.name: 0 for f in dataclasses.fields(TrainMetrics)}),
+        tracking_uri="sqlite:///x.db",
+        mlflow_run_id="run",
+        mlflow_model_uri="",
+        report=FlyteFile(str(tmp_path / "report.html")),
+    )
+
+
+def _evaluation_node(config: TrainingConfig, model: TrainedModel):
+    spec = compile_dynamic(evaluate_where_it_fits, {"config": config, "data": DATA, "model": model})
+    (node,) = spec.nodes
+    (template,) = spec.tasks
+    assert node.task_node.reference_id.name == template.id.name
+    return node, template
+
+
+FSDP_ON_GPUS = {"scaling": {**dataclasses.asdict(GPU_SCALING), "strategy": "fsdp"}, "data": {"num_shards": 8}}
+
+
+def test_a_sharded_model_too_large_for_one_process_is_evaluated_on_the_rayjob_of_the_launched_config(tmp_path):
+    """1.5 B parameters take 12 GB to gather in one process, over the default 8 GiB: ``evaluate_on_ray`` on the
+    training's RayJob, its workers loading only their shards."""
+    node, template = _evaluation_node(TrainingConfig.from_dict(FSDP_ON_GPUS), _trained(tmp_path, 1_500_000_000))
+    assert template.id.name == "tasks.evaluate.evaluate_on_ray" and template.type == "ray"
+    assert node.metadata.retries.retries == evaluate_on_ray.metadata.retries >= 1
+    assert_sized(rayjob_shape(template.custom), GPU_SCALING)
+
+
+def test_a_model_that_fits_is_evaluated_in_its_own_pod_on_a_gpu_node_when_the_run_trained_on_gpus(tmp_path):
+    raised = {**FSDP_ON_GPUS, "evaluation": {"process_memory_gib": 16}}  # 12 GB fits in 16 GiB
+    node, template = _evaluation_node(TrainingConfig.from_dict(raised), _trained(tmp_path, 1_500_000_000))
+    assert template.id.name == "tasks.evaluate.evaluate" and template.type == "python-task"
+    overrides = node.task_node.overrides
+    requests = {r.name: r.value for r in overrides.resources.requests}
+    limits = {r.name: r.value for r in overrides.resources.limits}
+    assert requests == {1: "1", 3: "2Gi", 2: "1"} and limits == {1: "2", 3: "16Gi", 2: "1"}  # CPU, MEMORY, GPU
+    pod = overrides.pod_template
+    assert pod.primary_container_name == "primary"
+    assert pod.pod_spec["nodeSelector"] == GPU_SCALING.gpu_node_selector
+    assert pod.pod_spec["tolerations"] == [
+        {k: v for k, v in dataclasses.asdict(t).items() if v} for t in GPU_SCALING.gpu_tolerations
+    ]
+
+
+def test_the_default_run_is_evaluated_in_a_cpu_pod_of_the_evaluate_tasks_size(tmp_path):
+    node, template = _evaluation_node(TrainingConfig(), _trained(tmp_path, 300_000))
+    assert template.id.name == "tasks.evaluate.evaluate"
+    limits = {r.name: r.value for r in node.task_node.overrides.resources.limits}
+    assert limits == {1: "2", 3: "8Gi"} and evaluate.metadata.retries >= 1
+    assert node.task_node.overrides.pod_template is None
 
 
 def _search_state(config: TuningConfig) -> SearchState:

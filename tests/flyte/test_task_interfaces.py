@@ -5,20 +5,39 @@ from __future__ import annotations
 from flytekit.configuration import ImageConfig, SerializationSettings
 
 from tasks.data import PREPARE_DATA_CACHE_VERSION, prepare_data
-from tasks.evaluate import evaluate
+from tasks.evaluate import evaluate, evaluate_on_ray
 from tasks.ray_config import WORKER_GROUP
 from tasks.register import register_model
 from tasks.train import train
 from training_core.config import ScalingConfig
-from workflows.training import training_pipeline
+from workflows.training import evaluate_where_it_fits, training_pipeline
 
 
 def test_every_workflow_and_task_input_is_described_for_the_launch_form():
-    for entity in (training_pipeline, prepare_data, train, evaluate, register_model):
+    for entity in (
+        training_pipeline,
+        prepare_data,
+        train,
+        evaluate,
+        evaluate_on_ray,
+        evaluate_where_it_fits,
+        register_model,
+    ):
         for name, variable in entity.interface.inputs.items():
             assert len(variable.description) > 20, f"{entity.name}.{name} has no description"
     description = training_pipeline.interface.inputs["config"].description
-    for section in ("data", "model", "optimizer", "loop", "scaling", "sync", "precision", "checkpoint", "tracking"):
+    for section in (
+        "data",
+        "model",
+        "optimizer",
+        "loop",
+        "scaling",
+        "sync",
+        "precision",
+        "checkpoint",
+        "tracking",
+        "evaluation",
+    ):
         assert f"``{section}``" in description
 
 

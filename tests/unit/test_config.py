@@ -34,6 +34,8 @@ def test_defaults_build_and_round_trip_through_a_dict():
         ),
         ({"model": {"activation_checkpointing_every_k": 0}}, "model.activation_checkpointing_every_k", "0", "> 0"),
         ({"sync": {"mode": "gossip"}}, "sync.mode", "'gossip'", "allreduce, local_sgd"),
+        ({"evaluation": {"placement": "gpu"}}, "evaluation.placement", "'gpu'", "auto, process, cluster"),
+        ({"evaluation": {"process_memory_gib": 0}}, "evaluation.process_memory_gib", "0", "> 0"),
         (
             {"scaling": {"ddp_static_graph": True}, "loop": {"grad_accum_steps": 2}},
             "scaling.ddp_static_graph",
