@@ -263,7 +263,14 @@ def _listed(names: list[Any], limit: int = 10) -> str:
 
 
 def _reason(exc: BaseException) -> str:
-    """An underlying error for a message: its type (unless it is this module's own) and its text, clipped."""
+    """An underlying error for a message: its type (unless it is this module's own) and its text, clipped. For
+    ``torch.distributed.checkpoint``'s ``CheckpointException`` (whose text is every rank's whole traceback), each
+    failed rank's own error."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        causes = [(rank, f[0] if isinstance(f, tuple) else f) for rank, f in sorted(failures.items())]
+        text = "; ".join(f"rank {rank}: {_reason(cause)}" for rank, cause in causes if isinstance(cause, BaseException))
+        return clip(text, MAX_REASON_CHARS)
     text = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
     return clip(text, MAX_REASON_CHARS)
 
@@ -1155,11 +1162,11 @@ class Checkpointer:
         try:
             self._write(global_step, write, prune)
         except BaseException as exc:  # reported by the next save() or wait() on the training thread
-            log.error("checkpoint save of step %d failed: %s", global_step, exc)
+            log.error("checkpoint save of step %d failed: %s", global_step, _reason(exc))
             self._error = (
                 exc
                 if isinstance(exc, CheckpointError)
-                else CheckpointError(f"checkpoint save of step {global_step} failed: {exc}")
+                else CheckpointError(f"checkpoint save of step {global_step} failed: {_reason(exc)}")
             )
 
     def _write(self, global_step: int, write: Callable[[], int], prune: bool) -> None:
