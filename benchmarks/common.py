@@ -52,3 +52,105 @@ def start_ray(*, num_cpus: int, num_gpus: int | None = None) -> dict[str, str] |
         ray.init(address=os.environ["RAY_ADDRESS"])
         return "external cluster"
     return start_local_cluster(num_cpus=num_cpus, num_gpus=num_gpus)
+
+
+FAST_NODE_DEATH = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+    "RAY_health_check_initial_delay_ms": "1000",
+}
+"""The GCS declares a node dead after ``health_check_failure_threshold`` missed checks: about 3 s with these (Ray's
+default is 5 checks 3 s apart), so a node-loss run spends its time on the restart, not on noticing the loss."""
+
+
+class TwoNodeCluster:
+    """A Ray cluster of two nodes on this machine, 1 CPU each (a 2-worker run is placed across both): a head and a
+    second node started with ``ray start --address``, each ``ray start --block`` in a session of its own, with the
+    platform's process settings and :data:`FAST_NODE_DEATH`. :meth:`lose_second_node` kills the second node's
+    raylet and every process it started at once, as a lost machine. Use it as a context manager. Ray's session
+    directory goes under ``workdir``: keep it short, since Ray's socket paths are limited to ~107 characters."""
+
+    def __init__(self, workdir: Path, *, log_dir: Path | None = None) -> None:
+        self.workdir, self.log_dir = Path(workdir), Path(log_dir or workdir)
+        self.env = {**os.environ, **FAST_NODE_DEATH}
+        self.env.pop("RAY_ADDRESS", None)  # a cluster of its own
+        self.env.setdefault("RAY_AUTH_MODE", "disabled")
+        self.nodes: list[Any] = []
+        self.address = ""
+
+    def _start(self, name: str, args: list[str]):
+        import subprocess
+
+        from training_core.ray_settings import apply_process_env
+
+        apply_process_env(self.env)
+        ray = Path(sys.executable).parent / "ray"
+        node = subprocess.Popen(
+            [str(ray), "start", "--block", "--num-cpus=1", "--num-gpus=0", "--disable-usage-stats", *args],
+            stdout=open(self.log_dir / f"{name}.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=self.env,
+        )
+        self.nodes.append(node)
+        return node
+
+    def __enter__(self) -> TwoNodeCluster:
+        import subprocess
+        import time
+
+        temp_dir = self.workdir / "ray"
+        head = self._start("head", ["--head", "--port=0", "--include-dashboard=false", f"--temp-dir={temp_dir}"])
+        try:
+            address_file = temp_dir / "ray_current_cluster"
+            deadline = time.monotonic() + 120
+            while not (address_file.exists() and address_file.read_text().strip()):
+                if head.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError((self.log_dir / "head.log").read_text()[-3000:])
+                time.sleep(0.5)
+            self.address = address_file.read_text().strip()
+            self._start("second", [f"--address={self.address}"])
+            check = f"import ray; ray.init(address={self.address!r}); print(sum(n['Alive'] for n in ray.nodes()))"
+            while True:
+                done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=self.env)
+                if done.returncode == 0 and done.stdout.strip().splitlines()[-1:] == ["2"]:
+                    return self
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the second node did not join:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+                time.sleep(1)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    @staticmethod
+    def _kill(node) -> float:
+        """SIGKILL a node's ``ray start`` and every process it started (raylet, GCS, workers); returns the Unix
+        time of the kill."""
+        import time
+
+        import psutil
+
+        try:
+            root = psutil.Process(node.pid)
+            doomed = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            doomed = []
+        killed_unix = time.time()
+        for process in doomed:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        node.wait(timeout=30)
+        return killed_unix
+
+    def lose_second_node(self) -> float:
+        """The second node is lost: its raylet and everything it started die at once. Returns the Unix time."""
+        return self._kill(self.nodes[1])
+
+    def __exit__(self, *exc_info: Any) -> None:
+        # A throwaway cluster: killed outright (a graceful ``ray stop`` of each node takes tens of seconds).
+        for node in reversed(self.nodes):
+            if node.poll() is None:
+                self._kill(node)

@@ -127,7 +127,9 @@ def ray_job_config(scaling: ScalingConfig) -> TrainingRayJobConfig:
     (``num-cpus: 0`` and ``num-gpus: 0``, and no GPU placement), so every worker lands on a sized worker pod."""
     head = Resources(cpu=_cpus(scaling.head_cpus), mem=_gib(scaling.head_memory_gib))
     head_spec = _pod_spec(HEAD_CONTAINER, head, SHM_SHARE * scaling.head_memory_gib)
-    return _ray_job(head_spec, WORKER_GROUP, scaling.num_workers, worker_pod_spec(scaling))
+    return _ray_job(
+        head_spec, WORKER_GROUP, scaling.num_workers, worker_pod_spec(scaling), min_replicas=scaling.worker_counts()[0]
+    )
 
 
 def prep_ray_job_config(data: DataConfig) -> TrainingRayJobConfig:
@@ -139,13 +141,23 @@ def prep_ray_job_config(data: DataConfig) -> TrainingRayJobConfig:
     return _ray_job(head_spec, PREP_GROUP, data.prep_num_workers, spec)
 
 
-def _ray_job(head_spec: V1PodSpec, group: str, replicas: int, worker_spec: V1PodSpec) -> TrainingRayJobConfig:
+def _ray_job(
+    head_spec: V1PodSpec, group: str, replicas: int, worker_spec: V1PodSpec, *, min_replicas: int | None = None
+) -> TrainingRayJobConfig:
+    """A RayJob of one head and one worker group of ``replicas`` pods (at least ``min_replicas`` of them: elastic
+    training goes on when KubeRay cannot replace lost pods at once)."""
     return TrainingRayJobConfig(
         head_node_config=HeadNodeConfig(
             ray_start_params={"num-cpus": "0", "num-gpus": "0"}, pod_template=PodTemplate(pod_spec=head_spec)
         ),
         worker_node_config=[
-            WorkerNodeConfig(group_name=group, replicas=replicas, pod_template=PodTemplate(pod_spec=worker_spec))
+            WorkerNodeConfig(
+                group_name=group,
+                replicas=replicas,
+                min_replicas=replicas if min_replicas is None else min_replicas,
+                max_replicas=replicas,
+                pod_template=PodTemplate(pod_spec=worker_spec),
+            )
         ],
         shutdown_after_job_finishes=True,
         ttl_seconds_after_finished=RAYJOB_TTL_S,

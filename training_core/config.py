@@ -667,6 +667,25 @@ class ScalingConfig:
     "NCCL_IB_DISABLE": "1"}``): in the RayJob pods' environment on a cluster, and in each worker's before its first
     collective locally. See the troubleshooting guide in the README."""
 
+    min_workers: int = 0
+    """Elastic training: the fewest workers the job goes on with when nodes are lost (Ray Train's
+    ``ScalingConfig(num_workers=(min_workers, num_workers))``). When a worker is lost, Ray Train restarts the group
+    at once from the latest checkpoint on the workers the cluster still has room for (at least ``min_workers``); the
+    loop keeps the global batch (``num_workers * loop.batch_size * loop.grad_accum_steps``) by accumulating more
+    micro-batches, and the epoch's position (no sample repeated or skipped). It grows back to ``num_workers`` within
+    ``elastic_resize_interval_s`` of the capacity returning. The RayJob's worker group gets these min and max
+    replicas. 0 (default): not elastic, exactly ``num_workers``."""
+
+    elastic_resize_interval_s: float = 60.0
+    """Elastic training: seconds between Ray Train's checks for capacity that came back. A group smaller than
+    ``num_workers`` restarts larger, from its latest checkpoint, at the first check that finds room for it."""
+
+    elastic_start_timeout_s: float = 20.0
+    """Elastic training: seconds a (re)start waits for its workers before Ray Train gives up and decides again on
+    the workers the cluster has room for (its ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, 60 s by default, which a
+    value set in the environment overrides). A restart right after a node is lost can still count the lost node's
+    capacity until the cluster declares the node dead: the job then waits this long before it goes on without it."""
+
     min_allreduce_gbps: float = 0.0
     """Warn at job start when the measured all-reduce bus bandwidth is below this, Gbit/s (e.g. 100 on a
     200 Gbit/s fabric): a wrong network interface or NCCL's fallback to TCP sockets. 0: no warning. The figures
@@ -695,6 +714,9 @@ class ScalingConfig:
         if self.backend == "nccl" and not self.use_gpu:
             invalid("scaling.backend", self.backend, "nccl needs scaling.use_gpu=true; use gloo or auto on CPU")
         _positive("scaling.collective_timeout_s", self.collective_timeout_s)
+        _between("scaling.min_workers", self.min_workers, 0, self.num_workers, " (0: not elastic)")
+        _positive("scaling.elastic_resize_interval_s", self.elastic_resize_interval_s)
+        _positive("scaling.elastic_start_timeout_s", self.elastic_start_timeout_s)
         if self.shm_per_worker_gib and not MIN_SHM_GIB <= self.shm_per_worker_gib <= self.memory_per_worker_gib:
             invalid(
                 "scaling.shm_per_worker_gib",
@@ -717,6 +739,15 @@ class ScalingConfig:
         for key, value in self.gpu_node_selector.items():
             _label_key("scaling.gpu_node_selector", key)
             _label_value(f"scaling.gpu_node_selector[{clip(key, 60)}]", value)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job may run on fewer workers than ``num_workers`` (``min_workers`` below it)."""
+        return 0 < self.min_workers < self.num_workers
+
+    def worker_counts(self) -> range:
+        """Every number of workers the job may run on."""
+        return range(self.min_workers if self.elastic else self.num_workers, self.num_workers + 1)
 
     def worker_shm_gib(self) -> float:
         """The size limit of a worker pod's ``/dev/shm``, GiB."""
@@ -1023,6 +1054,7 @@ class TrainingConfig:
         if self.model.sync_batchnorm and not self.scaling.use_gpu:
             log.warning("model.sync_batchnorm=True is ignored on CPU: PyTorch's SyncBatchNorm needs a GPU")
         self._check_global_batch()
+        self._check_elastic()
         accumulates = self.loop.grad_accum_steps > 1 or self.loop.batch_size == AUTO or self.loop.oom_policy == "reduce"
         if self.scaling.ddp_static_graph and (accumulates or self.sync.mode == "local_sgd"):
             invalid(
@@ -1060,6 +1092,30 @@ class TrainingConfig:
                 f"it must be loop.batch_size * loop.grad_accum_steps * scaling.num_workers = {loop.batch_size} * "
                 f"{loop.grad_accum_steps} * {workers} = {loop.batch_size * loop.grad_accum_steps * workers}; set it "
                 "to 0, or loop.batch_size to auto",
+            )
+
+    def _check_elastic(self) -> None:
+        """An elastic job keeps its global batch on every worker count it may run on: each must divide it."""
+        scaling, loop = self.scaling, self.loop
+        if not scaling.elastic:
+            return
+        if self.sync.mode == "local_sgd":
+            invalid(
+                "scaling.min_workers",
+                scaling.min_workers,
+                "local SGD averages a fixed set of replicas; use sync.mode='allreduce' or scaling.min_workers=0",
+            )
+        global_batch = loop.global_batch_size or loop.batch_size * loop.grad_accum_steps * scaling.num_workers
+        uneven = [n for n in scaling.worker_counts() if global_batch % n]
+        if uneven:
+            multiple = math.lcm(*scaling.worker_counts())
+            invalid(
+                "scaling.min_workers",
+                scaling.min_workers,
+                f"the global batch of {global_batch} samples must split evenly over every worker count from "
+                f"{scaling.min_workers} to {scaling.num_workers}, and {', '.join(map(str, uneven[:5]))} does not "
+                f"divide it: make loop.global_batch_size (or loop.batch_size * loop.grad_accum_steps * "
+                f"scaling.num_workers) a multiple of {multiple}, or raise scaling.min_workers",
             )
 
     def _check_workload_fields(self) -> None:

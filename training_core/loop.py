@@ -235,9 +235,11 @@ class Sums:
     (tensors) until the window closes, so a step never waits for the device."""
 
     loss: Any = 0.0
-    """Sum of the steps' mean losses (this rank's in a window; all ranks' once reduced), finite steps only."""
+    """Sum of the steps' mean losses, finite steps only: this rank's in a window; in an epoch, each step's mean over
+    the ranks."""
     nonfinite: Any = 0.0
-    """Steps whose loss or gradient norm was not finite (this rank's, then all ranks')."""
+    """Steps whose loss or gradient norm was not finite: this rank's in a window; in an epoch, the steps' mean over
+    the ranks (the ranks flag the same steps)."""
     samples: Any = 0.0
     tokens: float = 0.0
     figures: dict[str, Any] = field(default_factory=dict)
@@ -343,9 +345,11 @@ class StepMeter:
             self.device,
         )
         figures = dict(zip(names, values))
+        # The epoch keeps per-step means over the ranks (ranks train equal shares of each step's global batch): an
+        # elastic run that resumes an epoch on another number of workers weighs every step alike, before and after.
         e.loss, e.nonfinite, e.samples, e.tokens, e.time_s = (
-            e.loss + loss_sum,
-            e.nonfinite + nonfinite,
+            e.loss + loss_sum / self.world_size,
+            e.nonfinite + nonfinite / self.world_size,
             e.samples + samples,
             e.tokens + tokens,
             e.time_s + w.time_s,
@@ -386,7 +390,7 @@ class StepMeter:
         return EpochRecord(
             epoch=epoch + 1,
             global_step=global_step,
-            train_loss=e.loss / max(1, steps_in_epoch * self.world_size - e.nonfinite),
+            train_loss=e.loss / max(1, steps_in_epoch - e.nonfinite),
             train_accuracy=self.metrics(e.figures).get("accuracy", math.nan),
             val_loss=val["loss"],
             val_accuracy=val.get("accuracy", math.nan),
@@ -402,12 +406,13 @@ class StepMeter:
         )
 
     def epoch_sums(self) -> dict[str, float]:
-        """The epoch's reduced sums, for a checkpoint (a resume mid-epoch reports the same epoch record): loss,
-        samples and time, and the workload's figures as ``sum.<name>``."""
+        """The epoch's reduced sums, for a checkpoint (a resume mid-epoch reports the same epoch record): the sum of
+        the steps' mean losses over the ranks and the count of non-finite steps, samples and time, and the
+        workload's figures as ``sum.<name>``."""
         e = self.epoch
         saved = {
-            "loss": float(e.loss),
-            "nonfinite": float(e.nonfinite),
+            "step_loss": float(e.loss),
+            "nonfinite_steps": float(e.nonfinite),
             "samples": e.samples,
             "tokens": e.tokens,
             "time_s": e.time_s,
@@ -418,9 +423,13 @@ class StepMeter:
         figures = {k[len(EPOCH_FIGURE_PREFIX) :]: v for k, v in saved.items() if k.startswith(EPOCH_FIGURE_PREFIX)}
         if "correct" in saved:  # written before workloads: image classification's count
             figures = {"correct": saved["correct"], "samples": saved.get("samples", 0.0)}
+        if "step_loss" in saved:
+            loss, nonfinite = saved["step_loss"], saved.get("nonfinite_steps", 0.0)
+        else:  # written before elastic runs: sums over every rank's steps, of a run on this many workers
+            loss, nonfinite = saved.get("loss", 0.0) / self.world_size, saved.get("nonfinite", 0.0) / self.world_size
         self.epoch = Sums(
-            loss=saved.get("loss", 0.0),
-            nonfinite=saved.get("nonfinite", 0.0),
+            loss=loss,
+            nonfinite=nonfinite,
             samples=saved.get("samples", 0.0),
             tokens=saved.get("tokens", 0.0),
             time_s=saved.get("time_s", 0.0),
@@ -516,6 +525,8 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
         if cfg.loop.batch_size == AUTO:
             self.cfg = cfg = self.plan_batch(cfg)
+        elif cfg.scaling.elastic and self.world_size != cfg.scaling.num_workers:
+            self.cfg = cfg = self.keep_global_batch(cfg)
         self.oom_split = 1
         """Each loaded batch is split into this many micro-batches: doubled by each out-of-memory step retried under
         ``loop.oom_policy='reduce'``, so the data order and the global batch stay as they were."""
@@ -645,6 +656,26 @@ class Trainer:
         return dataclasses.replace(
             cfg, loop=dataclasses.replace(cfg.loop, batch_size=size, grad_accum_steps=per_worker // size)
         )
+
+    def keep_global_batch(self, cfg: TrainingConfig) -> TrainingConfig:
+        """``cfg`` for an elastic job running on another number of workers than ``scaling.num_workers`` (after a
+        lost node, or grown back): the largest micro-batch up to ``loop.batch_size`` that divides this worker's share
+        of the global batch, and the accumulation that keeps it (the config checked that the share is whole)."""
+        loop = cfg.loop
+        global_batch = loop.batch_size * loop.grad_accum_steps * cfg.scaling.num_workers
+        share = global_batch // self.world_size
+        size = max(n for n in range(1, min(loop.batch_size, share) + 1) if share % n == 0)
+        if self.rank == 0:
+            log.warning(
+                "elastic: %d of scaling.num_workers=%d workers; micro-batch %d, %d accumulation step(s) per optimizer "
+                "step keep the global batch of %d",
+                self.world_size,
+                cfg.scaling.num_workers,
+                size,
+                share // size,
+                global_batch,
+            )
+        return dataclasses.replace(cfg, loop=dataclasses.replace(loop, batch_size=size, grad_accum_steps=share // size))
 
     def connect_outputs(self) -> None:
         """Checkpoint storage and the metric sink (after telemetry: the checkpointer reports to it)."""

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -39,9 +40,15 @@ def ray_scaling_config(cfg: TrainingConfig):
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
         resources["GPU"] = cfg.scaling.gpus_per_worker
-    return ScalingConfig(
-        num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu, resources_per_worker=resources
-    )
+    scaling = cfg.scaling
+    if scaling.elastic:  # Ray Train's elastic policy: (min, max) workers, resized at its monitor interval
+        return ScalingConfig(
+            num_workers=(scaling.min_workers, scaling.num_workers),
+            use_gpu=scaling.use_gpu,
+            resources_per_worker=resources,
+            elastic_resize_monitor_interval_s=scaling.elastic_resize_interval_s,
+        )
+    return ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu, resources_per_worker=resources)
 
 
 def checkpoint_root(storage_path: str, run_name: str) -> str:
@@ -127,11 +134,29 @@ def fit(
             failure_config=FailureConfig(max_failures=cfg.checkpoint.max_worker_restarts),
         ),
     )
-    result = trainer.fit()
+    with _worker_start_timeout(cfg):
+        result = trainer.fit()
     diverged = (result.metrics or {}).get(DIVERGED_METRIC)
     if diverged:  # reported by the workers instead of raised, so Ray Train did not restart them (see the loop)
         raise TrainingDiverged(diverged)
     return collect_final(cfg, root, checkpoint_dir, what=f"Ray Train run {run_name!r}")
+
+
+WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+
+
+@contextlib.contextmanager
+def _worker_start_timeout(cfg: TrainingConfig):
+    """For an elastic run, ``scaling.elastic_start_timeout_s`` as Ray Train's worker group start timeout while
+    ``fit`` runs (Ray Train hands the driver's value to its controller), unless the environment sets one."""
+    if not cfg.scaling.elastic or WORKER_GROUP_START_TIMEOUT_ENV in os.environ:
+        yield
+        return
+    os.environ[WORKER_GROUP_START_TIMEOUT_ENV] = f"{cfg.scaling.elastic_start_timeout_s:g}"
+    try:
+        yield
+    finally:
+        os.environ.pop(WORKER_GROUP_START_TIMEOUT_ENV, None)
 
 
 def collect_final(

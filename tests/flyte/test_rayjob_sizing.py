@@ -193,6 +193,26 @@ def test_the_default_run_is_evaluated_in_a_cpu_pod_of_the_evaluate_tasks_size(tm
     assert node.task_node.overrides.pod_template is None
 
 
+def test_an_elastic_run_gets_a_worker_group_of_min_workers_to_num_workers_replicas():
+    """``scaling.min_workers``: KubeRay keeps at least that many worker pods, Ray Train's scaling config gets
+    ``(min_workers, num_workers)`` workers and its resize interval."""
+    from training_core.trainer import ray_scaling_config
+
+    elastic = dataclasses.replace(GPU_SCALING, min_workers=2, elastic_resize_interval_s=45.0)
+    config = TrainingConfig.from_dict(
+        {"scaling": dataclasses.asdict(elastic), "data": {"num_shards": 8}, "loop": {"batch_size": 24}}
+    )  # a global batch of 96 splits over 2, 3 and 4 workers
+    spec = compile_dynamic(train_on_ray, {"config": config, "data": DATA, "resume_from": None})
+    shape = rayjob_shape(_only_ray_task(spec).custom)
+    assert shape.replicas == (4, 2, 4)
+    assert_sized(dataclasses.replace(shape, replicas=(4, 4, 4)), elastic)  # the pods are those of a fixed run
+    ray_scaling = ray_scaling_config(config)
+    assert (ray_scaling.min_workers, ray_scaling.max_workers) == (2, 4)
+    assert ray_scaling.elastic_resize_monitor_interval_s == 45.0
+    fixed = ray_scaling_config(TrainingConfig.from_dict({"scaling": {"num_workers": 2, "min_workers": 2}}))
+    assert fixed.num_workers == 2, "min_workers == num_workers is not elastic"
+
+
 def _search_state(config: TuningConfig) -> SearchState:
     trials = [Trial(trial_id=i, params=p) for i, p in enumerate(tuning.initial_params(config))]
     return SearchState(round_index=0, trials=trials, tracking_uri="sqlite:///x.db", parent_run_id="parent")

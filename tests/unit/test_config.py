@@ -35,6 +35,19 @@ def test_defaults_build_and_round_trip_through_a_dict():
         ({"model": {"activation_checkpointing_every_k": 0}}, "model.activation_checkpointing_every_k", "0", "> 0"),
         ({"sync": {"mode": "gossip"}}, "sync.mode", "'gossip'", "allreduce, local_sgd"),
         ({"evaluation": {"placement": "gpu"}}, "evaluation.placement", "'gpu'", "auto, process, cluster"),
+        ({"scaling": {"min_workers": 3}}, "scaling.min_workers", "3", "in [0, 2] (0: not elastic"),
+        (
+            {"scaling": {"num_workers": 4, "min_workers": 3}, "data": {"num_shards": 4}, "loop": {"batch_size": 8}},
+            "scaling.min_workers",
+            "3",
+            "a multiple of 12",
+        ),
+        (
+            {"scaling": {"min_workers": 1}, "sync": {"mode": "local_sgd"}},
+            "scaling.min_workers",
+            "1",
+            "sync.mode='allreduce'",
+        ),
         ({"evaluation": {"process_memory_gib": 0}}, "evaluation.process_memory_gib", "0", "> 0"),
         (
             {"scaling": {"ddp_static_graph": True}, "loop": {"grad_accum_steps": 2}},

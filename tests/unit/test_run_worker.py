@@ -6,6 +6,7 @@ and checkpoints, and that training in two calls (a resume mid-run) ends bit-iden
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -384,6 +385,19 @@ def test_an_auto_batch_size_takes_the_largest_micro_batch_the_budget_fits_and_ke
     _same_final_weights(tmp_path / "auto", tmp_path / "explicit")
 
 
+def test_an_elastic_job_on_fewer_workers_keeps_the_global_batch_by_accumulating(digits_dir, tmp_path, caplog):
+    """``scaling.num_workers: 2, min_workers: 1`` running on 1 worker (a lost node): micro-batches of 16 with 2
+    accumulation steps keep the global batch of 2 x 16, and the run trains exactly as that explicit 1-worker setting
+    does."""
+    elastic = _config(epochs=1, batch_size=16)
+    elastic = dataclasses.replace(elastic, scaling=dataclasses.replace(elastic.scaling, num_workers=2, min_workers=1))
+    with caplog.at_level(logging.WARNING, logger="training_core"):
+        _run(elastic, data_dir=digits_dir, root=tmp_path / "elastic")
+    assert "elastic: 1 of scaling.num_workers=2 workers; micro-batch 16, 2 accumulation step(s)" in caplog.text
+    _run(_config(epochs=1, batch_size=16, grad_accum_steps=2), data_dir=digits_dir, root=tmp_path / "explicit")
+    _same_final_weights(tmp_path / "elastic", tmp_path / "explicit")
+
+
 @dataclass
 class OutOfMemoryAbove(InProcessRuntime):
     """A device with room for ``max_batch`` samples: a training forward of more raises CUDA's out-of-memory error,
@@ -439,3 +453,63 @@ def test_model_compile_compiles_the_module_in_place_so_checkpoints_keep_their_pa
     eager.setup()
     assert eager.model._compiled_call_impl is None
     assert list(trainer.model.state_dict()) == list(eager.model.state_dict())
+
+
+# Successive halving and PBT train a trial in slices; tests/flyte/test_tuning_pipeline.py runs them through Ray and
+# pyflyte. These two check the slices' arithmetic in process.
+def _slice_run(cfg: TrainingConfig, *, data_dir: str, root: Path, resume_from: str = "") -> ckpt.LoadedCheckpoint:
+    args = WorkerArgs.build(
+        cfg, data_dir=data_dir, checkpoint_root=str(root), run_name="slice", resume_from=resume_from
+    )
+    run_worker(args, InProcessRuntime())
+    return _final(root)
+
+
+def test_training_in_slices_with_stop_at_epoch_equals_one_uninterrupted_run(digits_dir, tmp_path):
+    """Each slice (``loop.stop_at_epoch``) resumes from the previous slice's checkpoint in a new run: the LR schedule
+    spans ``loop.epochs`` throughout, so the slices add up to exactly the uninterrupted run, and no step is trained
+    twice. A slice whose stop is not past its checkpoint has nothing to do, and ``fit`` says so before any worker
+    starts."""
+    from training_core.trainer import fit
+
+    base = _config(epochs=2, batch_size=32)
+    whole = _slice_run(base, data_dir=digits_dir, root=tmp_path / "whole")
+    first = dataclasses.replace(base, loop=dataclasses.replace(base.loop, stop_at_epoch=1))
+    slice_1 = _slice_run(first, data_dir=digits_dir, root=tmp_path / "s1")
+    assert slice_1.meta.epoch == 1 and slice_1.meta.global_step * 2 == whole.meta.global_step
+    slice_2 = _slice_run(base, data_dir=digits_dir, root=tmp_path / "s2", resume_from=slice_1.uri)
+    assert slice_2.meta.resumed_from_steps == [slice_1.meta.global_step]
+    assert slice_2.meta.global_step == whole.meta.global_step
+    for name, tensor in whole.model.items():
+        assert torch.equal(slice_2.model[name], tensor), f"{name} differs between sliced and whole training"
+    assert [r.val_accuracy for r in slice_2.meta.history] == [r.val_accuracy for r in whole.meta.history]
+
+    with pytest.raises(ValueError, match="stop_at_epoch"):
+        fit(first, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "s3"), run_name="slice-3",
+            storage_path=str(tmp_path / "runs"), resume_from=slice_1.uri)  # fmt: skip
+
+
+def test_a_resumed_slice_follows_the_configs_new_learning_rate_and_weight_decay(digits_dir, tmp_path):
+    """PBT continues a copied checkpoint with perturbed hyperparameters: the optimizer moments and the
+    schedule position come from the checkpoint, the peak LR and weight decay from the new config."""
+    from training_core.optim import lr_factor
+
+    base = _config(epochs=2, batch_size=64, log_interval_steps=1, stop_at_epoch=1)
+    base = dataclasses.replace(base, optimizer=dataclasses.replace(base.optimizer, lr=0.002, weight_decay=0.01))
+    first = _slice_run(base, data_dir=digits_dir, root=tmp_path / "s1")
+    perturbed = dataclasses.replace(
+        base,
+        optimizer=dataclasses.replace(base.optimizer, lr=0.005, weight_decay=0.05),
+        loop=dataclasses.replace(base.loop, stop_at_epoch=0),
+    )
+    second = _slice_run(perturbed, data_dir=digits_dir, root=tmp_path / "s2", resume_from=first.uri)
+    total_steps = second.meta.global_step
+    resumed = [r for r in second.meta.step_log if r.step > first.meta.global_step]
+    assert resumed, "the second slice logged its steps"
+    for record in resumed:
+        step = int(record.step) - 1  # the LR a step used is set before the scheduler advances
+        assert record.lr == pytest.approx(
+            0.005 * lr_factor(step, cfg=perturbed.schedule, total_steps=total_steps), rel=1e-9
+        )
+    assert {g["weight_decay"] for g in second.trainer["optimizer"]["param_groups"]} == {0.05}
+    assert second.trainer["scheduler"]["base_lrs"] == [0.005]

@@ -123,7 +123,7 @@ def test_a_resume_from_a_checkpoint_written_before_workloads_restores_the_image_
     _train(stopped, make_step, range(1, STOP_AFTER + 1))
     current = stopped.epoch_sums()
     legacy = {
-        "loss": current["loss"],
+        "loss": current["step_loss"],  # the sum over every rank's steps: one rank here
         "correct": current[EPOCH_FIGURE_PREFIX + "correct"],
         "samples": current["samples"],
         "time_s": current["time_s"],

@@ -1,0 +1,160 @@
+"""Elastic training on a real two-node Ray cluster on this machine: a head and a second node started with
+``ray start --address``, one CPU each, so a 2-worker run is placed across both. The second node is lost mid-epoch
+(its raylet and every process it started, SIGKILL): Ray Train restarts the group on the worker the cluster still
+has room for (``scaling.min_workers: 1``), the loop keeps the global batch by accumulating and the epoch's position,
+and the run finishes with each sample of the epoch trained once and the figures of an uninterrupted run."""
+
+from __future__ import annotations
+
+import collections
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.common import TwoNodeCluster
+from tests.conftest import REPO_ROOT
+from tests.distributed.sample_recorder import records_dir
+from tests.image_data import write_jpegs
+from tests.unit.test_run_worker import InProcessRuntime
+from training_core import checkpoint as ckpt
+from training_core.config import DataConfig, TrainingConfig
+from training_core.data import Manifest, ShardStream, prepare
+from training_core.loop import run_worker
+from training_core.records import WorkerArgs
+from training_core.trainer import checkpoint_root
+
+BATCH_SIZE = 8
+INTERVAL_STEPS = 4
+
+_DRIVER = """
+import json, sys
+import ray
+from training_core.config import TrainingConfig
+from training_core.trainer import fit
+
+config, names = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+ray.init(address=names.pop("address"))
+result = fit(TrainingConfig.from_dict(config), **names)
+print("RESULT " + json.dumps({
+    "resumed_from_steps": result.meta.resumed_from_steps,
+    "resume_timings": result.meta.resume_timings,
+    "global_step": result.meta.global_step,
+    "history": [r.__dict__ for r in result.meta.history],
+}))
+"""
+
+
+@pytest.fixture
+def two_nodes():
+    workdir = tempfile.mkdtemp(prefix="nodes-")  # in the session's short TMPDIR: Ray's socket paths are bounded
+    with TwoNodeCluster(Path(workdir)) as cluster:
+        yield cluster
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _config(tree: Path) -> dict:
+    return {
+        "workload": {"name": "tests.distributed.sample_recorder:SampleRecorder"},
+        "data": {"dataset": "image_folder", "path": str(tree), "image_size": 16, "num_shards": 4},
+        "model": {"name": "small_cnn"},
+        "loop": {"epochs": 1, "batch_size": BATCH_SIZE},
+        # The restart right after the loss may still count the lost node (until the cluster declares it dead, ~3 s
+        # here): it gives up after elastic_start_timeout_s and goes on with the worker left.
+        "scaling": {
+            "num_workers": 2,
+            "min_workers": 1,
+            "elastic_resize_interval_s": 3600,
+            "elastic_start_timeout_s": 10,
+        },
+        "checkpoint": {"interval_steps": INTERVAL_STEPS, "max_worker_restarts": 2},
+        "observability": {"enabled": False},
+    }
+
+
+def _driver(config: dict, names: dict, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", _DRIVER, json.dumps(config), json.dumps(names)],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _result(driver: subprocess.Popen, timeout_s: float) -> tuple[dict, str]:
+    output, _ = driver.communicate(timeout=timeout_s)
+    assert driver.returncode == 0, output[-6000:]
+    (line,) = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    return json.loads(line.removeprefix("RESULT ")), output
+
+
+def test_a_lost_node_shrinks_the_run_to_the_remaining_worker_which_finishes_the_epoch_once(two_nodes, tmp_path):
+    address, env = two_nodes.address, two_nodes.env
+    tree = write_jpegs(tmp_path / "images", per_class=120, side=16)
+    data_dir = str(tmp_path / "prepared")
+    manifest = prepare(DataConfig(dataset="image_folder", path=str(tree), image_size=16, num_shards=4), data_dir)
+    train_ids = set()
+    for batch in ShardStream(manifest, "train", rank=0, world_size=1).eval_batches(batch_size=64):
+        train_ids.update(batch["sample_ids"].tolist())
+    steps_per_epoch = Manifest.load(data_dir).steps_per_epoch(world_size=2, batch_size=BATCH_SIZE, grad_accum_steps=1)
+    assert steps_per_epoch > 2 * INTERVAL_STEPS + 2, "the loss must come mid-epoch"
+    config = _config(tree)
+
+    def names(run: str) -> dict:
+        return {"address": address, "data_dir": data_dir, "checkpoint_dir": str(tmp_path / f"{run}-final"),
+                "run_name": run, "storage_path": str(tmp_path / "runs")}  # fmt: skip
+
+    # The uninterrupted run of the same global batch, in this process (2 x 8 samples a step as 8 x 2 on one rank:
+    # DDP's equality with one process is proven in test_ddp.py).
+    run_worker(
+        WorkerArgs.build(TrainingConfig.from_dict(config), data_dir=data_dir, checkpoint_root=str(tmp_path / "whole"),
+                         run_name="whole"),
+        InProcessRuntime(),
+    )  # fmt: skip
+    whole = ckpt.load_latest_valid(ckpt.CheckpointStorage(str(tmp_path / "whole"))).meta
+
+    shutil.rmtree(records_dir(), ignore_errors=True)
+    storage = ckpt.CheckpointStorage(checkpoint_root(str(tmp_path / "runs"), "elastic"))
+    driver = _driver(config, names("elastic"), env)
+    deadline = time.monotonic() + 300
+    while not [s for s in storage.list_steps() if int(s.split("-")[1]) >= 2 * INTERVAL_STEPS]:
+        assert driver.poll() is None and time.monotonic() < deadline, "the run ended or stalled before the loss"
+        time.sleep(0.05)
+    first_group = {path.name for path in records_dir().glob("*.jsonl")}
+    assert len(first_group) == 2, "one recording per worker of the 2-worker group"
+    # The node is lost: its raylet and every process it started (its Ray Train worker among them) die at once.
+    lost_unix = two_nodes.lose_second_node()
+    result, output = _result(driver, timeout_s=600)
+
+    (resumed_from,) = result["resumed_from_steps"]
+    assert 2 * INTERVAL_STEPS <= resumed_from < steps_per_epoch
+    assert "elastic: 1 of scaling.num_workers=2 workers; micro-batch 8, 2 accumulation step(s)" in output
+    resumed_s = result["resume_timings"][-1]["first_step_unix"] - lost_unix
+    print(f"node lost to the first step on the remaining worker: {resumed_s:.1f} s")
+    assert resumed_s < 60, "the restart should wait elastic_start_timeout_s, not Ray's 60 s, for the lost node"
+    # Each sample of the epoch trained once: the 2 first workers' batches up to the resumed step, then the one
+    # remaining worker's (validation batches hold other ids).
+    runs = {
+        path.name: [json.loads(line) for line in path.read_text().splitlines()]
+        for path in records_dir().glob("*.jsonl")
+    }
+    assert len(runs) == 3, f"2 workers, then 1: {sorted(runs)}"
+    trained = [i for name in first_group for batch in runs[name][:resumed_from] for i in batch]
+    (second,) = [batches for name, batches in runs.items() if name not in first_group]
+    trained += [i for batch in second for i in batch if i in train_ids]
+    seen = collections.Counter(trained)
+    assert max(seen.values()) == 1, "a sample was trained twice in the epoch"
+    assert set(seen) <= train_ids and len(seen) >= len(train_ids) - 2 * BATCH_SIZE
+    # The epoch's steps, and the uninterrupted run's figures within tolerance (the epoch's loss weighs the steps on
+    # 2 workers and on 1 alike).
+    assert result["global_step"] == steps_per_epoch
+    (got,), (want,) = result["history"], whole.history
+    assert got["val_accuracy"] == pytest.approx(want.val_accuracy, abs=0.1)
+    assert got["train_loss"] == pytest.approx(want.train_loss, rel=0.25)
