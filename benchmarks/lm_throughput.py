@@ -31,9 +31,11 @@ causal. ``mfu`` = model FLOPs/s over the machine's peak matmul FLOP/s, measured 
 ``--peak-repeats`` timings of a ``--peak-size`` square ``torch.matmul`` (fp32 on CPU, bf16 on a GPU) with the
 same thread count, before the first training run and after the last.
 
-``--device cuda`` trains on the GPU (Ray Train with ``use_gpu``) with bf16 autocast where the GPU supports it;
-without a GPU it falls back to the CPU with a warning. The benchmark starts its own Ray cluster as the product does
-(``common.start_ray``; ``RAY_TMPDIR`` and ``TMPDIR`` in a temporary directory), or uses ``RAY_ADDRESS``'s as it is.
+``--device cuda`` trains on the GPU (Ray Train with ``use_gpu``) with bf16 autocast where the GPU supports it, and
+the fused AdamW kernel in both loops; without a GPU it falls back to the CPU with a warning. ``--compile`` compiles
+the model in both (``model.compile`` in ours); compiling happens in the warm-up steps, which are left out. The
+benchmark starts its own Ray cluster as the product does (``common.start_ray``; ``RAY_TMPDIR`` and ``TMPDIR`` in a
+temporary directory), or uses ``RAY_ADDRESS``'s as it is.
 
 Prints one JSON object as the last line and writes it to ``benchmarks/results/lm_throughput.json``.
 Goal: ``throughput_ratio`` (ours / bare, tokens/s) >= 0.97.
@@ -69,7 +71,7 @@ def training_config(args: argparse.Namespace, *, device: str, precision: str) ->
             "val_fraction": 0.05,
             "test_fraction": 0.05,
         },
-        "model": {"name": args.model},
+        "model": {"name": args.model, "compile": args.compile},
         "optimizer": {"name": "adamw", "lr": 3e-4, "weight_decay": 0.0, "max_grad_norm": 0.0},
         "schedule": {"name": "constant", "warmup_steps": 0},
         "loop": {
@@ -131,7 +133,12 @@ def bare_loop(config: dict[str, Any], data_dir: str, warmup_steps: int) -> dict[
     ).long()
     model = resolve_workload(cfg.workload).build_model(cfg, manifest).to(device)
     figures = model_figures(model, seq_len=cfg.data.seq_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
+    if cfg.model.compile:
+        model.compile()
+    # On a GPU the fused kernel, as our loop builds it there (optimizer.fused).
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay, fused=device.type == "cuda"
+    )
     batch_size, total_steps, log_every = cfg.loop.batch_size, cfg.loop.max_steps, cfg.loop.log_interval_steps
     steady_step_times_s: list[float] = []
     step = 0
@@ -231,6 +238,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on a GPU")
     parser.add_argument("--max-text-bytes", type=int, default=400_000, help="stdlib text prepared")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model in both loops")
     parser.add_argument("--rounds", type=int, default=4, help="runs of our loop, each bracketed by bare runs")
     parser.add_argument("--peak-size", type=int, default=0, help="peak matmul side; 0: 2048 on CPU, 8192 on GPU")
     parser.add_argument("--peak-repeats", type=int, default=5)
