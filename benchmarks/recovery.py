@@ -14,6 +14,10 @@ the newest valid checkpoint.
   just-in-time checkpoint of the step they are at).
 - SIGSTOP (a hung rank), with ``scaling.collective_timeout_s`` = ``--collective-timeout-s``:
   ``hang_detect_seconds``, from the stall to the resumed state's restore, goal <= the timeout + 10 s.
+- A lost node (elastic training, ``scaling.min_workers: 1``): the run is placed across a two-node Ray cluster on this
+  machine (``common.TwoNodeCluster``: a head and a node started with ``ray start --address``, 1 CPU each), and the
+  second node's raylet and every process it started are killed: ``node_loss_resume_seconds``, from the loss to the
+  first step on the remaining worker, goal < 30 s.
 
 Prints one JSON object as the last line and writes ``benchmarks/results/recovery.json``.
 """
@@ -24,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,12 +37,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, ray_train_worker_pids, start_ray  # noqa: E402
+from common import TwoNodeCluster, emit, ray_train_worker_pids, start_ray  # noqa: E402
 
 STEP_LINE = re.compile(r"\[rank 0\] step=(\d+) .*train_loss=")
 
 
-def child(workdir: str, interval: int, collective_timeout_s: int) -> None:
+def child(workdir: str, interval: int, collective_timeout_s: int, min_workers: int) -> None:
     """Train in this process (the Ray driver); worker log lines arrive on our stderr."""
 
     from training_core.config import DataConfig, TrainingConfig
@@ -51,7 +56,7 @@ def child(workdir: str, interval: int, collective_timeout_s: int) -> None:
             "model": {"name": "small_cnn"},
             "loop": {"epochs": 4, "batch_size": 16, "log_interval_steps": 1},
             "checkpoint": {"interval_steps": interval, "keep_last": 3, "max_worker_restarts": 2},
-            "scaling": {"collective_timeout_s": collective_timeout_s},
+            "scaling": {"collective_timeout_s": collective_timeout_s, "min_workers": min_workers},
         }
     )
     result = fit(
@@ -70,11 +75,35 @@ def child(workdir: str, interval: int, collective_timeout_s: int) -> None:
     )
 
 
-def run_scenario(stop_signal: int, *, interval: int, kill_after_step: int, collective_timeout_s: int) -> dict:
-    """One training run whose worker gets ``stop_signal`` once a checkpoint past ``kill_after_step`` exists."""
+def signal_a_worker(stop_signal: int):
+    """A stop: ``stop_signal`` to one of this machine's Ray Train workers; returns the Unix time it was sent."""
+
+    def stop() -> float:
+        pids = ray_train_worker_pids()
+        sent_unix = time.time()
+        os.kill(max(pids), stop_signal)
+        return sent_unix
+
+    return stop
+
+
+def run_scenario(
+    name: str,
+    stop,
+    *,
+    interval: int,
+    kill_after_step: int,
+    collective_timeout_s: int,
+    min_workers: int = 0,
+    ray_address: str = "",
+) -> dict:
+    """One training run that ``stop()`` interrupts once a checkpoint past ``kill_after_step`` exists, on a local
+    cluster of its own or on the cluster at ``ray_address``."""
     env = dict(
         os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"), PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0"
     )
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
     with tempfile.TemporaryDirectory(prefix="recovery-") as workdir:
         log_path = Path(workdir) / "child.log"
         process = subprocess.Popen(
@@ -87,6 +116,8 @@ def run_scenario(stop_signal: int, *, interval: int, kill_after_step: int, colle
                 str(interval),
                 "--collective-timeout-s",
                 str(collective_timeout_s),
+                "--min-workers",
+                str(min_workers),
             ],
             stdout=open(log_path, "w"),
             stderr=subprocess.STDOUT,
@@ -109,9 +140,7 @@ def run_scenario(stop_signal: int, *, interval: int, kill_after_step: int, colle
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"training ended or stalled before the kill:\n{log_path.read_text()[-3000:]}")
                 time.sleep(0.02)
-            pids = ray_train_worker_pids()
-            kill_unix = time.time()
-            os.kill(max(pids), stop_signal)
+            kill_unix = stop()
             if process.wait(timeout=900) != 0:
                 raise RuntimeError(f"training failed after the kill:\n{log_path.read_text()[-3000:]}")
         finally:
@@ -119,7 +148,7 @@ def run_scenario(stop_signal: int, *, interval: int, kill_after_step: int, colle
                 os.killpg(process.pid, signal.SIGKILL)
         log = log_path.read_text()
         if os.environ.get("RECOVERY_KEEP_LOG"):
-            Path(os.environ["RECOVERY_KEEP_LOG"] + f".{signal.Signals(stop_signal).name}").write_text(log)
+            Path(os.environ["RECOVERY_KEEP_LOG"] + f".{name}").write_text(log)
 
     outcome = json.loads(log.split("RESULT ", 1)[1].splitlines()[0])
     (timing,) = outcome["resume_timings"]
@@ -146,16 +175,32 @@ def main() -> None:
     )
     parser.add_argument("--collective-timeout-s", type=int, default=30, help="the hung-rank scenario's timeout")
     parser.add_argument("--child", metavar="WORKDIR", help=argparse.SUPPRESS)
+    parser.add_argument("--min-workers", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.checkpoint_interval_steps, args.collective_timeout_s)
+        child(args.child, args.checkpoint_interval_steps, args.collective_timeout_s, args.min_workers)
         return
 
     common = {"interval": args.checkpoint_interval_steps, "kill_after_step": args.kill_after_step}
     # Only the hung-rank run gets the short collective timeout: the others keep the default, as users do.
-    killed = run_scenario(signal.SIGKILL, **common, collective_timeout_s=1800)
-    preempted = run_scenario(signal.SIGTERM, **common, collective_timeout_s=1800)
-    hung = run_scenario(signal.SIGSTOP, **common, collective_timeout_s=args.collective_timeout_s)
+    killed = run_scenario("sigkill", signal_a_worker(signal.SIGKILL), **common, collective_timeout_s=1800)
+    preempted = run_scenario("sigterm", signal_a_worker(signal.SIGTERM), **common, collective_timeout_s=1800)
+    hung = run_scenario(
+        "sigstop", signal_a_worker(signal.SIGSTOP), **common, collective_timeout_s=args.collective_timeout_s
+    )
+    nodes_dir = tempfile.mkdtemp(prefix="recovery-nodes-")  # short: Ray's socket paths are bounded
+    try:
+        with TwoNodeCluster(Path(nodes_dir)) as cluster:
+            node_loss = run_scenario(
+                "node_loss",
+                cluster.lose_second_node,
+                **common,
+                collective_timeout_s=1800,
+                min_workers=1,
+                ray_address=cluster.address,
+            )
+    finally:
+        shutil.rmtree(nodes_dir, ignore_errors=True)
     result = {
         "benchmark": "recovery",
         "resume_seconds": killed["resume_seconds"],
@@ -164,11 +209,13 @@ def main() -> None:
         "preemption_steps_lost": preempted["steps_lost"],
         "preemption_resume_seconds": preempted["resume_seconds"],
         "hang_detect_seconds": hung["restore_seconds"],
+        "node_loss_resume_seconds": node_loss["resume_seconds"],
+        "node_loss_steps_lost": node_loss["steps_lost"],
         "collective_timeout_s": args.collective_timeout_s,
         "checkpoint_interval_steps": args.checkpoint_interval_steps,
-        "scenarios": {"sigkill": killed, "sigterm": preempted, "sigstop": hung},
+        "scenarios": {"sigkill": killed, "sigterm": preempted, "sigstop": hung, "node_loss": node_loss},
         "goal": "resume_seconds < 30, steps_lost <= checkpoint_interval_steps, preemption_steps_lost == 0, "
-        "hang_detect_seconds <= collective_timeout_s + 10",
+        "hang_detect_seconds <= collective_timeout_s + 10, node_loss_resume_seconds < 30",
     }
     emit("recovery", result)
 
