@@ -199,6 +199,9 @@ def test_job_cost_is_world_size_times_resources_times_wall_time_at_the_configure
     )
     cpu_only = job_cost(ScalingConfig(num_workers=2, cpus_per_worker=1.5), prices, wall_s=3600)
     assert (cpu_only.gpu_seconds, cpu_only.cpu_seconds, cpu_only.cost_usd) == (0.0, 3 * 3600, pytest.approx(0.3))
+    # An elastic run going on with 3 of its 4 workers after a lost node pays for the 3 it holds.
+    shrunk = job_cost(dataclasses.replace(gpu_job, min_workers=2), prices, wall_s=1800, num_workers=3)
+    assert (shrunk.gpu_seconds, shrunk.cpu_seconds) == (3 * 2 * 1800, 3 * 8 * 1800)
 
 
 def test_cost_and_timeline_carry_over_a_restart_through_the_checkpoint_meta():

@@ -1,9 +1,10 @@
 """The job's cost: the GPUs and CPUs its workers hold over wall time, at the configured prices.
 
-Contract: :func:`job_cost` only computes: world size x GPUs (or CPUs) per worker x this attempt's wall seconds, plus
-``prior``, the ``cost`` summary of earlier attempts and restarts as :meth:`JobCost.summary` writes it into a
-checkpoint's ``meta.telemetry``, so the cost carries across restarts and retries. It measures nothing; the exporter
-reports it (counters of GPU- and CPU-seconds, a gauge of dollars) and logs the final one to MLflow.
+Contract: :func:`job_cost` only computes: world size (the workers running now) x GPUs (or CPUs) per worker x this
+attempt's wall seconds, plus ``prior``, the ``cost`` summary of earlier attempts and restarts as
+:meth:`JobCost.summary` writes it into a checkpoint's ``meta.telemetry``, so the cost carries across restarts and
+retries. It measures nothing; the exporter reports it (counters of GPU- and CPU-seconds, a gauge of dollars) and
+logs the final one to MLflow.
 """
 
 from __future__ import annotations
@@ -37,13 +38,21 @@ class JobCost:
 
 
 def job_cost(
-    scaling: ScalingConfig, prices: ObservabilityConfig, *, wall_s: float, prior: Mapping[str, float] | None = None
+    scaling: ScalingConfig,
+    prices: ObservabilityConfig,
+    *,
+    wall_s: float,
+    prior: Mapping[str, float] | None = None,
+    num_workers: int | None = None,
 ) -> JobCost:
     """What the job's workers held over ``wall_s`` seconds, plus ``prior`` (the ``cost`` summary of earlier
-    attempts and restarts): world size x GPUs (or CPUs) per worker x wall time, at the configured prices."""
+    attempts and restarts): world size x GPUs (or CPUs) per worker x wall time, at the configured prices. The world
+    size is ``num_workers``, the workers running now (default ``scaling.num_workers``): an elastic run that goes on
+    after a lost node holds fewer."""
     prior = prior or {}
-    gpus = scaling.num_workers * scaling.gpus_per_worker if scaling.use_gpu else 0
-    cpus = scaling.num_workers * scaling.cpus_per_worker
+    workers = scaling.num_workers if num_workers is None else num_workers
+    gpus = workers * scaling.gpus_per_worker if scaling.use_gpu else 0
+    cpus = workers * scaling.cpus_per_worker
     return JobCost(
         gpu_seconds=float(prior.get("gpu_hours", 0.0)) * 3600 + gpus * wall_s,
         cpu_seconds=float(prior.get("cpu_hours", 0.0)) * 3600 + cpus * wall_s,

@@ -175,7 +175,7 @@ class PrometheusTelemetry:
     ) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-        self.cfg, self.scaling, self.labels = cfg, scaling, labels
+        self.cfg, self.scaling, self.labels, self.world_size = cfg, scaling, labels, world_size
         self.is_rank0 = labels.rank == "0"
         self.system_sink = system_sink if self.is_rank0 else None
         self._metrics_registry = CollectorRegistry(auto_describe=False)
@@ -285,7 +285,7 @@ class PrometheusTelemetry:
             if self.is_rank0:
                 self._prior_cost = dict(saved.get("cost") or {})
                 self.timeline = Timeline(self.cfg.timeline_max_samples, saved.get("samples") or [])
-                cost = job_cost(self.scaling, self.cfg, wall_s=0.0, prior=self._prior_cost)
+                cost = job_cost(self.scaling, self.cfg, wall_s=0.0, prior=self._prior_cost, num_workers=self.world_size)
                 self._report_cost(cost)
 
     def gpu_oom(self) -> None:
@@ -326,7 +326,7 @@ class PrometheusTelemetry:
 
     def _cost(self) -> JobCost:
         wall_s = time.monotonic() - self._started
-        return job_cost(self.scaling, self.cfg, wall_s=wall_s, prior=self._prior_cost)
+        return job_cost(self.scaling, self.cfg, wall_s=wall_s, prior=self._prior_cost, num_workers=self.world_size)
 
     def _report_cost(self, cost: JobCost) -> None:
         """Counters only go up: add what accrued since the last report."""
