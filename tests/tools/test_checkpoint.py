@@ -13,14 +13,23 @@ from tests.unit.test_checkpoint import _state
 from training_core import checkpoint as ckpt
 
 
-def test_disk_full_keeps_the_previous_checkpoint_and_reports_the_error(tmp_path, caplog):
+@pytest.fixture
+def small_disk(tmp_path):
+    """``(root, mounted)``: a real full filesystem where ``mount`` is allowed, a 512 KiB tmpfs that one checkpoint
+    (~350 KB) fits and two do not; else a plain directory (the test injects ENOSPC)."""
     root = tmp_path / "small-disk"
     root.mkdir()
-    # A real full filesystem: a 512 KiB tmpfs that one checkpoint (~350 KB) fits and two do not.
     mounted = (
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(root)], capture_output=True).returncode
         == 0
     )
+    yield root, mounted
+    if mounted:
+        subprocess.run(["umount", str(root)], check=True)
+
+
+def test_disk_full_keeps_the_previous_checkpoint_and_reports_the_error(small_disk, caplog):
+    root, mounted = small_disk
     storage = ckpt.CheckpointStorage(str(root))
     if not mounted:  # not root: a storage whose writes hit ENOSPC after the first checkpoint
         original = storage.write
@@ -33,27 +42,21 @@ def test_disk_full_keeps_the_previous_checkpoint_and_reports_the_error(tmp_path,
             original(name, files, manifest)
 
         storage.write = write_until_full
-    try:
-        checkpointer = ckpt.Checkpointer(storage, keep_last=3, max_consecutive_failures=2)
-        checkpointer.save(1, _state(1))
-        checkpointer.save(2, _state(2))  # fails in the background ...
-        with caplog.at_level(logging.ERROR, logger="training_core"):
-            checkpointer.save(3, _state(3))  # ... is reported, tolerated once, and this one fails too
-            with pytest.raises(
-                ckpt.CheckpointError, match="2 checkpoint saves in a row failed.*No space left on device"
-            ):
-                checkpointer.save(4, _state(4))
-        assert "checkpoint save of step 2 failed" in caplog.text and "No space left on device" in caplog.text
-        assert checkpointer.num_failed == 2
-        assert storage.list_steps() == ["step-000000001"]
-        assert not [p for p in os.listdir(root) if p.startswith(".tmp-")], "a failed write must clean up after itself"
-        assert ckpt.load_latest_valid(storage).meta.global_step == 1
-    finally:
-        if mounted:
-            subprocess.run(["umount", str(root)], check=True)
+    checkpointer = ckpt.Checkpointer(storage, keep_last=3, max_consecutive_failures=2)
+    checkpointer.save(1, _state(1))
+    checkpointer.save(2, _state(2))  # fails in the background ...
+    with caplog.at_level(logging.ERROR, logger="training_core"):
+        checkpointer.save(3, _state(3))  # ... is reported, tolerated once, and this one fails too
+        with pytest.raises(ckpt.CheckpointError, match="2 checkpoint saves in a row failed.*No space left on device"):
+            checkpointer.save(4, _state(4))
+    assert "checkpoint save of step 2 failed" in caplog.text and "No space left on device" in caplog.text
+    assert checkpointer.num_failed == 2
+    assert storage.list_steps() == ["step-000000001"]
+    assert not [p for p in os.listdir(root) if p.startswith(".tmp-")], "a failed write must clean up after itself"
+    assert ckpt.load_latest_valid(storage).meta.global_step == 1
 
 
-def test_a_sharded_save_on_a_full_disk_keeps_the_previous_checkpoint_and_cleans_up(tmp_path, caplog):
+def test_a_sharded_save_on_a_full_disk_keeps_the_previous_checkpoint_and_cleans_up(small_disk, tmp_path, caplog):
     """The same under FSDP (``Checkpointer.save_sharded``): the shards are written by ``torch.distributed.checkpoint``
     into a staging directory on the full filesystem, in the background; the failure is reported at the next save,
     the previous checkpoint stays the latest valid one, and no staging directory or partial step is left."""
@@ -66,12 +69,7 @@ def test_a_sharded_save_on_a_full_disk_keeps_the_previous_checkpoint_and_cleans_
     from training_core import sharding
     from training_core.models import build_model
 
-    root = tmp_path / "small-disk"
-    root.mkdir()
-    mounted = (
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(root)], capture_output=True).returncode
-        == 0
-    )
+    root, mounted = small_disk
     storage = ckpt.CheckpointStorage(str(root))
     if not mounted:  # not root: moving a shard into place hits ENOSPC after the first checkpoint
         original = storage.put_file
@@ -115,5 +113,3 @@ def test_a_sharded_save_on_a_full_disk_keeps_the_previous_checkpoint_and_cleans_
         latest.release()
     finally:
         dist.destroy_process_group()
-        if mounted:
-            subprocess.run(["umount", str(root)], check=True)
