@@ -340,16 +340,28 @@ def _checkpoints_health_cost() -> list[Builder[dashboard.Panel]]:
         ),
         _stat(
             "GPU-hours",
-            "GPU-hours the job's workers held, all attempts.",
+            "GPU-hours the job's workers held, all attempts, and those lost to preemptions (start-up after each).",
             "h",
-            [(f"max by (execution) (training_job_gpu_seconds_total{{{JOB}}}) / 3600", "{{execution}}")],
+            [
+                (f"max by (execution) (training_job_gpu_seconds_total{{{JOB}}}) / 3600", "{{execution}}"),
+                (
+                    f"max by (execution) (training_job_preemption_gpu_seconds_total{{{JOB}}}) / 3600",
+                    "{{execution}} lost to preemptions",
+                ),
+            ],
             span=8,
         ),
         _stat(
             "CPU-hours",
-            "CPU-hours the job's workers held, all attempts.",
+            "CPU-hours the job's workers held, all attempts, and those lost to preemptions (start-up after each).",
             "h",
-            [(f"max by (execution) (training_job_cpu_seconds_total{{{JOB}}}) / 3600", "{{execution}}")],
+            [
+                (f"max by (execution) (training_job_cpu_seconds_total{{{JOB}}}) / 3600", "{{execution}}"),
+                (
+                    f"max by (execution) (training_job_preemption_cpu_seconds_total{{{JOB}}}) / 3600",
+                    "{{execution}} lost to preemptions",
+                ),
+            ],
             span=8,
         ),
         _timeseries(

@@ -267,10 +267,27 @@ def _cost(cost: Mapping[str, float]) -> str:
             ("GPU", f"{gpu_hours:.4f}", f"{gpu_price:.2f}", f"{gpu_hours * gpu_price:.4f}"),
             ("CPU", f"{cpu_hours:.4f}", f"{cpu_price:.2f}", f"{cpu_hours * cpu_price:.4f}"),
             ("total", "", "", f"{total:.4f}"),
+            *_preemption_rows(cost, gpu_price, cpu_price),
         ],
     ) + note(
         "Hours are summed over all workers and attempts; prices come from observability.gpu_hour_usd and cpu_hour_usd."
+        " Lost to preemptions: of those hours, the ones each attempt resumed after a preemption spent before its"
+        " first step (start-up and restore); the steps before the preemption's checkpoint are kept."
     )
+
+
+def _preemption_rows(cost: Mapping[str, float], gpu_price: float, cpu_price: float) -> list[tuple[str, ...]]:
+    """The cost table's rows of what preemptions cost, when the run had any (checkpoints written before the split
+    have no such figures)."""
+    gpu_hours, cpu_hours = float(cost.get("preemption_gpu_hours", 0.0)), float(cost.get("preemption_cpu_hours", 0.0))
+    if not (gpu_hours or cpu_hours):
+        return []
+    total = float(cost.get("preemption_cost_usd", gpu_hours * gpu_price + cpu_hours * cpu_price))
+    return [
+        ("GPU lost to preemptions", f"{gpu_hours:.4f}", f"{gpu_price:.2f}", f"{gpu_hours * gpu_price:.4f}"),
+        ("CPU lost to preemptions", f"{cpu_hours:.4f}", f"{cpu_price:.2f}", f"{cpu_hours * cpu_price:.4f}"),
+        ("lost to preemptions", "", "", f"{total:.4f}"),
+    ]
 
 
 # --- evaluation -----------------------------------------------------------------------------------------------

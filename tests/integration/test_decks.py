@@ -8,6 +8,7 @@ import io
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -352,6 +353,23 @@ def test_without_gpu_samples_the_training_report_says_no_gpu_was_present_and_plo
     gpu_section = _training_sections(num_gpus=0)[TRAINING_SECTIONS.index("gpu")]
     assert "No GPU was present on this run" in gpu_section
     assert gpu_section.count("<img") == 1  # the host CPU and memory timeline
+
+
+def test_the_cost_section_splits_out_the_hours_lost_to_preemptions_when_there_were_any():
+    telemetry = _telemetry(num_gpus=2)
+    without = _training_sections(num_gpus=2, telemetry=telemetry)[TRAINING_SECTIONS.index("cost")]
+    assert "lost to preemptions</th>" not in without  # a run that was never preempted gets no such rows
+    cost = {**telemetry["cost"], "preemption_gpu_hours": 0.002, "preemption_cpu_hours": 0.004}
+    cost["preemption_cost_usd"] = 0.002 * 2.5 + 0.004 * 0.05
+    section = _training_sections(num_gpus=2, telemetry={**telemetry, "cost": cost})[TRAINING_SECTIONS.index("cost")]
+    rows = {
+        m.group(1): re.findall(r"<td>([^<]*)</td>", m.group(2))
+        for m in re.finditer(r"<tr><th class='key'>([^<]+)</th>(.*?)</tr>", section)
+    }
+    assert rows["GPU lost to preemptions"] == ["0.0020", "2.50", "0.0050"]
+    assert rows["CPU lost to preemptions"] == ["0.0040", "0.05", "0.0002"]
+    assert rows["lost to preemptions"][-1] == "0.0052"
+    assert rows["total"][-1] == "0.0347"  # the lost hours are part of the total, not added to it
 
 
 def test_a_run_without_telemetry_or_elapsed_time_still_gets_every_section_with_curves():

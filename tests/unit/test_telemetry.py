@@ -195,13 +195,54 @@ def test_job_cost_is_world_size_times_resources_times_wall_time_at_the_configure
     assert cost.gpu_seconds == 3600 + 4 * 2 * 1800
     assert cost.cpu_seconds == 36000 + 4 * 8 * 1800
     assert cost.summary() == pytest.approx(
-        {"gpu_hours": 5.0, "cpu_hours": 26.0, "cost_usd": 5 * 2.0 + 26 * 0.1, "gpu_hour_usd": 2.0, "cpu_hour_usd": 0.1}
+        {
+            "gpu_hours": 5.0,
+            "cpu_hours": 26.0,
+            "cost_usd": 5 * 2.0 + 26 * 0.1,
+            "gpu_hour_usd": 2.0,
+            "cpu_hour_usd": 0.1,
+            "preemption_gpu_hours": 0.0,
+            "preemption_cpu_hours": 0.0,
+            "preemption_cost_usd": 0.0,
+        }
     )
     cpu_only = job_cost(ScalingConfig(num_workers=2, cpus_per_worker=1.5), prices, wall_s=3600)
     assert (cpu_only.gpu_seconds, cpu_only.cpu_seconds, cpu_only.cost_usd) == (0.0, 3 * 3600, pytest.approx(0.3))
     # An elastic run going on with 3 of its 4 workers after a lost node pays for the 3 it holds.
     shrunk = job_cost(dataclasses.replace(gpu_job, min_workers=2), prices, wall_s=1800, num_workers=3)
     assert (shrunk.gpu_seconds, shrunk.cpu_seconds) == (3 * 2 * 1800, 3 * 8 * 1800)
+
+
+def test_the_cost_splits_out_what_preemptions_lost_and_carries_it_over_restarts():
+    prices = ObservabilityConfig(gpu_hour_usd=2.0, cpu_hour_usd=0.1)
+    gpu_job = ScalingConfig(num_workers=4, use_gpu=True, gpus_per_worker=2, cpus_per_worker=8)
+    earlier = {"gpu_hours": 3.0, "cpu_hours": 12.0, "preemption_gpu_hours": 0.5, "preemption_cpu_hours": 2.0}
+    # This attempt: 1800 s held, of which its first 90 s (start-up after a preemption) trained nothing.
+    cost = job_cost(gpu_job, prices, wall_s=1800, prior=earlier, lost_wall_s=90)
+    assert cost.preemption_gpu_seconds == 0.5 * 3600 + 4 * 2 * 90
+    assert cost.preemption_cpu_seconds == 2.0 * 3600 + 4 * 8 * 90
+    assert cost.preemption_cost_usd == pytest.approx((0.5 + 8 * 90 / 3600) * 2.0 + (2.0 + 32 * 90 / 3600) * 0.1)
+    assert cost.preemption_gpu_seconds < cost.gpu_seconds and cost.preemption_cost_usd < cost.cost_usd
+    summary = cost.summary()
+    assert summary["preemption_gpu_hours"] == pytest.approx(0.5 + 8 * 90 / 3600)
+
+    # The exporter: the first step after a preemption's resume, 30 s after this attempt started.
+    telemetry = _telemetry(gpu_hour_usd=2.0, cpu_hour_usd=0.1)
+    telemetry.resumed({"cost": earlier}, global_step=40, elapsed_s=100.0, num_restarts=1, num_preemptions=1)
+    lost_s = telemetry.preemption_recovered(first_step_unix=telemetry.started_unix + 30.0)
+    assert lost_s == pytest.approx(30.0)
+    # Two 1-CPU workers (the default scaling) held 30 s without training, on top of the earlier attempts' 2 h.
+    assert _value(telemetry, "training_job_preemption_cpu_seconds_total") == pytest.approx(2.0 * 3600 + 2 * 30.0)
+    # The earlier attempts' GPU-hours carry over; this CPU attempt adds none.
+    assert _value(telemetry, "training_job_preemption_gpu_seconds_total") == pytest.approx(0.5 * 3600)
+    saved = telemetry.snapshot()["cost"]
+    assert saved["preemption_cpu_hours"] == pytest.approx(2.0 + 60 / 3600)
+    assert saved["preemption_cpu_hours"] <= saved["cpu_hours"]
+    telemetry.close(finished=False)
+    other_rank = _telemetry(dataclasses.replace(LABELS, rank="1"))
+    assert other_rank.preemption_recovered(first_step_unix=other_rank.started_unix + 5.0) == pytest.approx(5.0)
+    assert _value(other_rank, "training_job_preemption_cpu_seconds_total") == 0.0  # rank 0 alone counts the job's
+    other_rank.close(finished=False)
 
 
 def test_cost_and_timeline_carry_over_a_restart_through_the_checkpoint_meta():

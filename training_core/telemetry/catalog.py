@@ -203,6 +203,17 @@ METRICS: tuple[MetricSpec, ...] = (
         "CPU-seconds the job's workers held (CPUs x wall time), all attempts.",
     ),
     MetricSpec(
+        "training_job_preemption_gpu_seconds_total",
+        "counter",
+        "Of the job's GPU-seconds, those lost to preemptions: held from each resumed attempt's start to its first "
+        "step after a preemption checkpoint.",
+    ),
+    MetricSpec(
+        "training_job_preemption_cpu_seconds_total",
+        "counter",
+        "Of the job's CPU-seconds, those lost to preemptions (as the GPU-seconds).",
+    ),
+    MetricSpec(
         "training_job_cost_usd", "gauge", "Cost of the job so far: GPU-hours and CPU-hours times the configured prices."
     ),
 )

@@ -79,6 +79,8 @@ class Telemetry(Protocol):
         num_preemptions: int = 0,
     ) -> None: ...
 
+    def preemption_recovered(self, *, first_step_unix: float) -> float: ...
+
     def gpu_oom(self) -> None: ...
 
     def oom_retried(self) -> None: ...
@@ -120,6 +122,9 @@ class NullTelemetry:
         num_preemptions: int = 0,
     ) -> None:
         pass
+
+    def preemption_recovered(self, *, first_step_unix: float) -> float:
+        return 0.0
 
     def gpu_oom(self) -> None:
         pass
@@ -207,6 +212,9 @@ class PrometheusTelemetry:
 
         self._lock = threading.Lock()
         self._started = time.monotonic()
+        self.started_unix = time.time()
+        """When this attempt's telemetry started, the start of its cost clock."""
+        self._lost_wall_s = 0.0
         self._elapsed_offset_s = 0.0
         self._prior_cost: Mapping[str, float] = {}
         self._cost_reported = JobCost(0.0, 0.0, cfg.gpu_hour_usd, cfg.cpu_hour_usd)
@@ -288,6 +296,16 @@ class PrometheusTelemetry:
                 cost = job_cost(self.scaling, self.cfg, wall_s=0.0, prior=self._prior_cost, num_workers=self.world_size)
                 self._report_cost(cost)
 
+    def preemption_recovered(self, *, first_step_unix: float) -> float:
+        """The first step after a resume from a preemption checkpoint is done: this attempt's seconds until then
+        (start-up, restore) count as lost to the preemption in the cost (rank 0). Returns them."""
+        lost_s = max(0.0, first_step_unix - self.started_unix)
+        if self.is_rank0:
+            with self._lock:
+                self._lost_wall_s += lost_s
+                self._report_cost(self._cost())
+        return lost_s
+
     def gpu_oom(self) -> None:
         self._m["training_gpu_oom_total"].inc()
 
@@ -326,12 +344,26 @@ class PrometheusTelemetry:
 
     def _cost(self) -> JobCost:
         wall_s = time.monotonic() - self._started
-        return job_cost(self.scaling, self.cfg, wall_s=wall_s, prior=self._prior_cost, num_workers=self.world_size)
+        return job_cost(
+            self.scaling,
+            self.cfg,
+            wall_s=wall_s,
+            prior=self._prior_cost,
+            num_workers=self.world_size,
+            lost_wall_s=self._lost_wall_s,
+        )
 
     def _report_cost(self, cost: JobCost) -> None:
         """Counters only go up: add what accrued since the last report."""
         self._m["training_job_gpu_seconds_total"].inc(max(0.0, cost.gpu_seconds - self._cost_reported.gpu_seconds))
         self._m["training_job_cpu_seconds_total"].inc(max(0.0, cost.cpu_seconds - self._cost_reported.cpu_seconds))
+        reported = self._cost_reported
+        self._m["training_job_preemption_gpu_seconds_total"].inc(
+            max(0.0, cost.preemption_gpu_seconds - reported.preemption_gpu_seconds)
+        )
+        self._m["training_job_preemption_cpu_seconds_total"].inc(
+            max(0.0, cost.preemption_cpu_seconds - reported.preemption_cpu_seconds)
+        )
         self._m["training_job_cost_usd"].set(cost.cost_usd)
         self._cost_reported = cost
 
@@ -486,6 +518,9 @@ class PrometheusTelemetry:
                         "cost_usd": summary["cost_usd"],
                         "gpu_hours": summary["gpu_hours"],
                         "cpu_hours": summary["cpu_hours"],
+                        "preemption_gpu_hours": summary["preemption_gpu_hours"],
+                        "preemption_cpu_hours": summary["preemption_cpu_hours"],
+                        "preemption_cost_usd": summary["preemption_cost_usd"],
                     },
                     step=self._global_step,
                 )
