@@ -66,7 +66,8 @@ ENV RAY_worker_niceness=0 \
     MALLOC_ARENA_MAX=1 \
     MALLOC_MMAP_THRESHOLD_=134217728 \
     MALLOC_TRIM_THRESHOLD_=536870912 \
-    TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S=5
+    TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S=5 \
+    RAY_kill_worker_timeout_milliseconds=1000
 WORKDIR /root
 USER 10001
 # Fails the build if the code does not import or the entry points are missing: the imports below are the ones

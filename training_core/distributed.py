@@ -3,6 +3,7 @@ broadcasts, and the timing of DDP's gradient all-reduces."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -12,6 +13,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 def broadcast_buffers_from_rank0(model: nn.Module) -> None:
@@ -92,13 +95,51 @@ class WorkerRuntime(Protocol):
 class RayTrainRuntime:
     """The runtime inside a Ray Train worker (``TorchTrainer`` set up the process group)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, nccl_debug_dir: str | None = None) -> None:
+        import psutil
         import ray.train
         import ray.train.torch
 
         context = ray.train.get_context()
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
         self.device = ray.train.torch.get_device()
+        self.peers = self._peer_actors()
+        # A restarted worker group is new actors: their process's start bounds the attempt's (the loop also bounds
+        # it by the checkpoint's time, since Ray may place an actor in a process its pool started earlier).
+        self.started_unix = psutil.Process().create_time()
+        self.nccl_debug_dir = nccl_debug_dir
+        """Where NCCL writes this process's debug log (:func:`training_core.nccl_network.debug_env`), or None."""
+
+    def _peer_actors(self) -> list[Any]:
+        """The other ranks' worker actors, exchanged while the group is healthy (one collective at start), so a
+        rank whose collective times out can still reach them (:meth:`abandon_group`)."""
+        import ray
+
+        if self.world_size == 1:
+            return []
+        handles: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(handles, ray.get_runtime_context().current_actor)
+        return [handle for rank, handle in enumerate(handles) if rank != self.rank]
+
+    def abandon_group(self, reason: str) -> None:
+        """A collective timed out: the group is lost, and Ray Train restarts all of it from the latest checkpoint.
+        Kill the peers' worker actors now (the raylet SIGKILLs one that does not exit within
+        ``RAY_kill_worker_timeout_milliseconds``), so a hung rank does not hold the restart up: Ray Train waits up to
+        5 s for every worker's answer to its shutdown call, and ``TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S`` for its
+        process group, and a stopped process never answers. Only called on the way out of a failed run."""
+        import ray
+
+        log.warning(
+            "rank %d: a collective timed out (%s): killing the %d other worker(s) so the group restarts now",
+            self.rank,
+            reason[:300],
+            len(self.peers),
+        )
+        for peer in self.peers:
+            try:
+                ray.kill(peer, no_restart=True)
+            except Exception as exc:  # noqa: BLE001 - a peer already gone is what we want
+                log.info("killing a peer worker: %s", exc)
 
     def prepare_model(self, model: nn.Module, ddp_kwargs: dict[str, Any] | None = None) -> nn.Module:
         import ray.train.torch

@@ -54,6 +54,9 @@ _COLLECTIVE_FAILURE_MARKERS = (
     "Socket Timeout",
     "NCCL watchdog",
 )
+# What a rank sees when a peer stopped answering inside a collective (gloo, NCCL's watchdog), and Ray Train's own.
+_COLLECTIVE_TIMEOUT_CLASSES = {"CollectiveTimeoutError", "NCCLHangError"}
+_COLLECTIVE_TIMEOUT_MARKERS = ("Timed out waiting", "Socket Timeout", "Watchdog caught collective operation timeout")
 _INFRASTRUCTURE_ERRNOS = {
     errno.ENOSPC,
     errno.EIO,
@@ -128,3 +131,18 @@ def classify(exc: BaseException) -> FailureClass:
         if inner.retryable:
             return inner
     return FailureClass(USER, _describe(exc))
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it was raised from, is a collective that timed out: a peer hung or is
+    unreachable, so the whole group is lost (``scaling.collective_timeout_s``)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if _names(current) & _COLLECTIVE_TIMEOUT_CLASSES:
+            return True
+        if isinstance(current, RuntimeError) and any(m in str(current) for m in _COLLECTIVE_TIMEOUT_MARKERS):
+            return True
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+    return False

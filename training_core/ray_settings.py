@@ -28,6 +28,12 @@ Why each one (figures from ``benchmarks/scaling.py`` and ``benchmarks/loop_overh
   group is destroyed in milliseconds, and a group cut short is discarded anyway: its workers are killed next.
   Measured (tests/distributed/test_recovery.py, SIGSTOP with a 15 s collective timeout): stall to resume 59 s at
   Ray's default, 30-35 s with it.
+- ``RAY_kill_worker_timeout_milliseconds=1000``. When a worker actor is killed (``ray.kill``, a worker group torn
+  down), the raylet asks the process to exit and SIGKILLs it after this long (Ray's default: 5 s). A rank whose
+  collective timed out kills its peers' workers so the group restarts at once
+  (:meth:`~training_core.distributed.RayTrainRuntime.abandon_group`); a hung peer never exits by itself, so it held
+  the restart up for the whole 5 s. A worker that is killed is being discarded: its checkpoints are written or
+  abandoned by then (a checkpoint's manifest comes last).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ PROCESS_ENV: dict[str, str] = {
     "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
     "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES),
     "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "5",
+    "RAY_kill_worker_timeout_milliseconds": "1000",
 }
 """Environment of every process of a Ray cluster the platform starts (daemons, workers, loader processes).
 All are read when a process starts (glibc at ``exec``, the raylet at ``ray start``), so they must be in the

@@ -12,7 +12,7 @@ from ray.train.v2._internal.exceptions import (
 )
 
 from training_core.checkpoint import CheckpointError
-from training_core.failures import INFRASTRUCTURE, USER, classify
+from training_core.failures import INFRASTRUCTURE, USER, classify, is_collective_timeout
 
 
 def _user(exc: BaseException) -> UserExceptionWithTraceback:
@@ -83,3 +83,24 @@ def test_a_wrapped_infrastructure_cause_is_found():
             raise RuntimeError("saving failed") from inner
     except RuntimeError as outer:
         assert classify(outer).kind == INFRASTRUCTURE
+
+
+def test_only_a_collective_that_timed_out_abandons_the_group():
+    # What a rank's gloo all-reduce raises when its peer is stopped (the DDP hook wraps it twice), as seen here.
+    gloo = RuntimeError(
+        "Got the following error when running the callback: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/"
+        "tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv operation to complete"
+    )
+    assert is_collective_timeout(gloo)
+    assert is_collective_timeout(CollectiveTimeoutError("barrier timed out"))
+    try:
+        try:
+            raise gloo
+        except RuntimeError as inner:
+            raise ValueError("validation failed") from inner
+    except ValueError as outer:
+        assert is_collective_timeout(outer)  # found along the chain
+    # A peer that died is already gone, and a user's error is not the group's: neither kills anyone.
+    assert not is_collective_timeout(RuntimeError("[gloo/pair.cc:561] Connection closed by peer [127.0.0.1]:40846"))
+    assert not is_collective_timeout(ValueError("model.name='resnet9000' is invalid"))
+    assert not is_collective_timeout(TimeoutError("reading s3://b/x timed out"))
