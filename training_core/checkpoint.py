@@ -99,7 +99,10 @@ class CheckpointMeta:
     resumed_from_steps: list[int] = field(default_factory=list)
     """Global step each resume of this run started from (worker restarts, task retries)."""
     resume_timings: list[dict[str, float]] = field(default_factory=list)
-    """Per resume: ``from_step``, ``restored_unix`` (state loaded) and ``first_step_unix`` (first step done)."""
+    """Per resume: ``from_step``, ``restored_unix`` (state loaded), ``first_step_unix`` (first step done),
+    ``num_workers`` (the world size it resumed on), ``preempted`` (1: resumed from a preemption checkpoint) and then
+    ``lost_s``, the attempt's seconds from its start to that first step (counted in the cost as lost to the
+    preemption; 0 with observability off)."""
     epoch_partial: dict[str, float] = field(default_factory=dict)
     """Loss, correct and sample sums of ``epoch`` so far, so a resumed epoch reports the same record."""
     mlflow_model_uri: str = ""
@@ -109,6 +112,8 @@ class CheckpointMeta:
     num_parameters: int = 0
     """The model's parameter count (0 in checkpoints written before it): where it can be evaluated, without loading
     it (:func:`~training_core.evaluation.evaluation_placement`)."""
+    saved_unix: float = 0.0
+    """Unix time this metadata was written (0 in checkpoints written before it)."""
     preempted: bool = False
     """Written just in time because a worker was told to stop (SIGTERM): the run stopped at this very step, so
     a resume from it recomputes nothing."""
@@ -252,6 +257,7 @@ _META_FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data": (_is_mapping, "a JSON object (the prepared data's description)"),
     "preempted": (lambda v: isinstance(v, bool), "true or false"),
     "num_parameters": (_is_count, "an integer >= 0"),
+    "saved_unix": (_is_number, "a number (Unix time)"),
 }
 """How each field of :class:`CheckpointMeta` is checked when read from JSON, and what the message says it expects."""
 

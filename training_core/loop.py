@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from training_core import batch_size, preemption, sharding
+from training_core import batch_size, nccl_network, preemption, sharding
 from training_core import checkpoint as ckpt
 from training_core.config import AUTO, METRIC_DIRECTIONS, TrainingConfig, is_better
 from training_core.data import Manifest, ShardStream
@@ -35,7 +36,7 @@ from training_core.distributed import (
     probe_allreduce,
 )
 from training_core.evaluation import evaluate
-from training_core.failures import DIVERGED_METRIC, TrainingDiverged, WorkerPreempted
+from training_core.failures import DIVERGED_METRIC, TrainingDiverged, WorkerPreempted, is_collective_timeout
 from training_core.loader import check_intervals, remaining_after, steps_left
 from training_core.metrics import MetricSink, MlflowSink, build_sink, flatten
 from training_core.optim import apply_hyperparameters, build_optimizer, build_scheduler
@@ -561,6 +562,7 @@ class Trainer:
             metrics=self.workload.metrics,
         )
         self.allreduce_probe = probe_allreduce(device, self.world_size)
+        self.nccl_network = self.check_nccl_network()
         mlflow = self.args.mlflow
         self.telemetry = build_telemetry(
             cfg.observability,
@@ -717,6 +719,7 @@ class Trainer:
             self.restore_replica(loaded)
             apply_hyperparameters(cfg, self.optimizer, self.scheduler)
             self.state = state = RunState.resumed(loaded.meta, same_run=same_run)
+            state.resume_timings[-1]["num_workers"] = float(self.world_size)  # an elastic run's shrink or growth
             self.meter.restore_epoch_sums(loaded.meta.epoch_partial)
             if same_run:  # a fine-tune from another run starts its own clock, cost and restart count
                 self.telemetry.resumed(
@@ -725,6 +728,7 @@ class Trainer:
                     elapsed_s=loaded.meta.elapsed_s,
                     num_restarts=len(state.resumed_from_steps),
                     num_preemptions=sum(int(t.get("preempted", 0.0)) for t in state.resume_timings),
+                    attempt_start_unix=self.attempt_start_unix(loaded.meta),
                 )
             restore_rng(self.rank, loaded.meta.rng, loaded.trainer.get("rng", {}))
             if self.rank == 0:
@@ -746,6 +750,13 @@ class Trainer:
             self.sink.log_params(flatten(cfg.to_dict()) | extra)
             self.sink.log_dict(cfg.to_dict(), "config.json")
 
+    def attempt_start_unix(self, meta: ckpt.CheckpointMeta) -> float | None:
+        """When this attempt began: its worker process's start (a Ray Train restart starts new actors), but not
+        before the checkpoint it resumes was written (the actor may run in a process Ray started earlier, idle in
+        its pool). None when the runtime does not know its start."""
+        process_start = getattr(self.runtime, "started_unix", None)
+        return None if process_start is None else max(process_start, meta.saved_unix)
+
     def require_same_checkpoint(self, loaded: ckpt.LoadedCheckpoint | None) -> None:
         """Every rank chose its checkpoint on its own: all must have chosen the same step (a collective), or a
         shard read while another rank wrote it, or a flaky read, would resume ranks from different states."""
@@ -760,6 +771,23 @@ class Trainer:
                 "restart reads it again"
             )
 
+    def check_nccl_network(self) -> nccl_network.NcclNetwork | None:
+        """After the job-start all-reduce (NCCL's communicator is up): the network NCCL chose on this rank, from its
+        log, with a warning naming the variable when it is not the one the environment asked for (a silent
+        fallback to TCP sockets). None off GPUs, or with NCCL's log off (a user's own ``NCCL_DEBUG``)."""
+        directory = getattr(self.runtime, "nccl_debug_dir", None)
+        if directory is None or self.device.type != "cuda":
+            return None
+        found = nccl_network.read(directory)
+        if found is None:
+            return None
+        reason = nccl_network.mismatch(found, os.environ)
+        if reason is not None:
+            log.warning("rank %d: NCCL is not on the network it was told to use: %s", self.rank, reason)
+        elif self.rank == 0:
+            log.info("NCCL network: %s", found.describe())
+        return found
+
     def report_allreduce_probe(self) -> None:
         """The job-start all-reduce check to MLflow (at the step training starts from), and a warning when its bus
         bandwidth is below ``scaling.min_allreduce_gbps``."""
@@ -767,6 +795,17 @@ class Trainer:
         if probe is None or self.rank != 0:
             return
         gbps = probe.bus_bandwidth_bytes_per_s * 8 / 1e9
+        if self.nccl_network is not None:
+            found = self.nccl_network
+            self.sink.log_dict(
+                {
+                    "network": found.network,
+                    "devices": found.devices,
+                    "inter_node": found.inter_node,
+                    "mismatch": nccl_network.mismatch(found, os.environ) or "",
+                },
+                f"nccl_network/step-{self.state.global_step}.json",
+            )
         self.sink.log_metrics(
             {"allreduce_bus_bandwidth_gbps": gbps, "allreduce_latency_s": probe.latency_s}, step=self.state.global_step
         )
@@ -939,7 +978,10 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         if self.awaiting_first_step:
-            self.state.resume_timings[-1]["first_step_unix"] = time.time()
+            timing = self.state.resume_timings[-1]
+            timing["first_step_unix"] = time.time()
+            if timing.get("preempted"):  # this attempt's start-up is what the preemption cost
+                timing["lost_s"] = self.telemetry.preemption_recovered(first_step_unix=timing["first_step_unix"])
             self.awaiting_first_step = False
         past_warmup = self.state.global_step - self.cfg.sync.local_sgd_warmup_steps  # of this update, 0-based
         if self.local_sgd and past_warmup >= 0 and past_warmup % self.cfg.sync.local_sgd_period_steps == 0:
@@ -1205,6 +1247,7 @@ class Trainer:
             data_remaining=[list(pair) for pair in self.data_left()],
             preempted=preempted,
             num_parameters=self.num_parameters,
+            saved_unix=time.time(),
         )
 
     def data_left(self) -> list[tuple[int, int]]:
@@ -1250,7 +1293,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     A divergence is reported, not raised: Ray Train restarts the worker group on any worker error, and a diverged
     run resumed from its last checkpoint diverges again, so each restart would only burn time. Every rank stops
-    at the same point (the figures it rests on are reduced), so every rank reports; ``fit`` raises it."""
+    at the same point (the figures it rests on are reduced), so every rank reports; ``fit`` raises it.
+
+    A collective that timed out (a hung or unreachable peer) kills the other ranks' workers before it is raised
+    (:meth:`~training_core.distributed.RayTrainRuntime.abandon_group`): the group restarts without waiting on
+    the hung one."""
     from training_core.redact import install_log_redaction
 
     install_log_redaction()
@@ -1258,9 +1305,19 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # Ray Train has started the process group; torch creates NCCL's communicators at the first collective, which
     # reads these. On a cluster the RayJob pods also have them from the start (tasks/ray_config.py).
     os.environ.update(args.config.scaling.nccl_env)
-    runtime = RayTrainRuntime()
+    # NCCL logs the network it chooses only at INFO: to a file of this process, read after the job-start
+    # all-reduce (Trainer.check_nccl_network). A user's own NCCL_DEBUG wins, and the check is off.
+    nccl_debug_dir = None
+    if args.config.scaling.use_gpu and "NCCL_DEBUG" not in os.environ:
+        nccl_debug_dir = tempfile.mkdtemp(prefix="nccl-")
+        os.environ.update(nccl_network.debug_env(nccl_debug_dir))
+    runtime = RayTrainRuntime(nccl_debug_dir=nccl_debug_dir)
     add_code_paths(args.code_paths)
     try:
         run_worker(args, runtime)
     except TrainingDiverged as exc:
         runtime.report_result({DIVERGED_METRIC: str(exc)})
+    except Exception as exc:
+        if is_collective_timeout(exc):
+            runtime.abandon_group(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        raise

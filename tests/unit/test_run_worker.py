@@ -345,10 +345,19 @@ def test_the_all_reduce_check_goes_to_mlflow_and_warns_below_the_configured_floo
         def log_metrics(self, metrics, *, step):
             self.logged.append((dict(metrics), step))
 
+        def log_dict(self, payload, name):
+            self.logged.append((dict(payload), name))
+
     probe = AllReduceProbe(bus_bandwidth_bytes_per_s=1.25e8, latency_s=2e-4, size_bytes=4 * 2**20)  # 1 Gbit/s
     cfg = TrainingConfig.from_dict({"scaling": {"min_allreduce_gbps": 10}})
     trainer = SimpleNamespace(
-        allreduce_probe=probe, cfg=cfg, rank=0, world_size=2, sink=Sink(), state=SimpleNamespace(global_step=3)
+        allreduce_probe=probe,
+        cfg=cfg,
+        rank=0,
+        world_size=2,
+        sink=Sink(),
+        state=SimpleNamespace(global_step=3),
+        nccl_network=None,
     )
     Trainer.report_allreduce_probe(trainer)
     assert trainer.sink.logged == [({"allreduce_bus_bandwidth_gbps": 1.0, "allreduce_latency_s": 2e-4}, 3)]
@@ -356,6 +365,47 @@ def test_the_all_reduce_check_goes_to_mlflow_and_warns_below_the_configured_floo
     caplog.clear()
     Trainer.report_allreduce_probe(SimpleNamespace(**{**vars(trainer), "cfg": TrainingConfig(), "sink": Sink()}))
     assert "below" not in caplog.text  # 0 (the default) never warns
+
+
+def test_a_gpu_worker_reads_nccls_network_choice_and_names_the_variable_it_ignored(tmp_path, monkeypatch, caplog):
+    """The Trainer's side of the NCCL network check, on this process's own debug file as NCCL writes it (the file
+    after a real NCCL collective is tests/gpu/test_nccl_network.py): the warning on the rank, the MLflow record."""
+    import os
+    from types import SimpleNamespace
+
+    from tests.unit.test_nccl_network import FALLBACK_LOG
+    from training_core.distributed import AllReduceProbe
+    from training_core.loop import Trainer
+
+    (tmp_path / f"nccl-debug.gpu01.{os.getpid()}.log").write_text(FALLBACK_LOG)
+    monkeypatch.setenv("NCCL_IB_HCA", "mlx5_0")
+    runtime = SimpleNamespace(nccl_debug_dir=str(tmp_path))
+    on_gpu = SimpleNamespace(runtime=runtime, device=torch.device("cuda"), rank=1)
+    found = Trainer.check_nccl_network(on_gpu)
+    assert found.network == "Socket" and found.devices == ["eth0"] and found.inter_node
+    assert "rank 1: NCCL is not on the network it was told to use: NCCL_IB_HCA='mlx5_0'" in caplog.text
+    # On CPU (gloo), or with the user's own NCCL_DEBUG (no directory): no verdict, no warning.
+    caplog.clear()
+    assert Trainer.check_nccl_network(SimpleNamespace(**{**vars(on_gpu), "device": torch.device("cpu")})) is None
+    assert Trainer.check_nccl_network(SimpleNamespace(**{**vars(on_gpu), "runtime": SimpleNamespace()})) is None
+    assert caplog.text == ""
+
+    logged = []
+    sink = SimpleNamespace(log_dict=lambda payload, name: logged.append((name, payload)), log_metrics=lambda m, step: 0)
+    probe = AllReduceProbe(bus_bandwidth_bytes_per_s=1e9, latency_s=1e-4, size_bytes=64 * 2**20)
+    trainer = SimpleNamespace(
+        allreduce_probe=probe,
+        cfg=TrainingConfig(),
+        rank=0,
+        world_size=2,
+        sink=sink,
+        state=SimpleNamespace(global_step=7),
+        nccl_network=found,
+    )
+    Trainer.report_allreduce_probe(trainer)
+    ((name, payload),) = logged
+    assert name == "nccl_network/step-7.json"
+    assert payload["network"] == "Socket" and payload["mismatch"].startswith("NCCL_IB_HCA='mlx5_0'")
 
 
 def _same_final_weights(a: Path, b: Path) -> None:

@@ -7,10 +7,10 @@ retries. It measures nothing; the exporter reports it (counters of GPU- and CPU-
 logs the final one to MLflow.
 
 The part lost to preemptions is split out of that total: after each resume from a just-in-time (preemption)
-checkpoint, the wall seconds from the resumed attempt's start to its first optimizer step (``lost_wall_s``) times
-what the workers hold. Those seconds are paid for and train nothing (Ray and torch.distributed start-up, the
-model built, the checkpoint read); the preempted attempt's steps up to its checkpoint are kept, so no training is
-lost with them. Time between attempts, when no worker runs, is in neither figure.
+checkpoint, the wall seconds from the resumed attempt's start (its worker process's, under Ray Train) to its first
+optimizer step (``lost_wall_s``) times what the workers hold. Those seconds are paid for and train nothing (imports,
+joining the process group, the model built, the checkpoint read); the preempted attempt's steps up to its checkpoint
+are kept, so no training is lost with them. Time between attempts, when no worker runs, is in neither figure.
 """
 
 from __future__ import annotations

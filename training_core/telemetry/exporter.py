@@ -77,6 +77,7 @@ class Telemetry(Protocol):
         elapsed_s: float,
         num_restarts: int,
         num_preemptions: int = 0,
+        attempt_start_unix: float | None = None,
     ) -> None: ...
 
     def preemption_recovered(self, *, first_step_unix: float) -> float: ...
@@ -120,6 +121,7 @@ class NullTelemetry:
         elapsed_s: float,
         num_restarts: int,
         num_preemptions: int = 0,
+        attempt_start_unix: float | None = None,
     ) -> None:
         pass
 
@@ -279,16 +281,22 @@ class PrometheusTelemetry:
         elapsed_s: float,
         num_restarts: int,
         num_preemptions: int = 0,
+        attempt_start_unix: float | None = None,
     ) -> None:
         """Continue from a checkpoint: its ``meta.telemetry`` (``saved``), the steps taken before it, the
         run's seconds so far, how many times the run has resumed (restarts and retries), and how many of those
-        resumes followed a preemption (a just-in-time checkpoint)."""
+        resumes followed a preemption (a just-in-time checkpoint). ``attempt_start_unix``, when this attempt began
+        (its worker process started, not before the checkpoint was written), moves the attempt's clock back to
+        it: a restarted attempt's start-up (imports, joining the group, building the model) holds the GPUs too."""
         self._m["training_steps_total"].inc(global_step)
         self._m["training_global_step"].set(global_step)
         self._global_step = global_step
         self._m["training_worker_restarts_total"].inc(num_restarts)
         self._m["training_preemptions_total"].inc(num_preemptions)
         with self._lock:
+            if attempt_start_unix is not None and attempt_start_unix < self.started_unix:
+                self._started -= self.started_unix - attempt_start_unix
+                self.started_unix = attempt_start_unix
             self._elapsed_offset_s = elapsed_s - (time.monotonic() - self._started)
             if self.is_rank0:
                 self._prior_cost = dict(saved.get("cost") or {})
