@@ -97,7 +97,6 @@ class TwoNodeCluster:
         return node
 
     def __enter__(self) -> TwoNodeCluster:
-        import subprocess
         import time
 
         temp_dir = self.workdir / "ray"
@@ -111,17 +110,62 @@ class TwoNodeCluster:
                 time.sleep(0.5)
             self.address = address_file.read_text().strip()
             self._start("second", [f"--address={self.address}"])
-            check = f"import ray; ray.init(address={self.address!r}); print(sum(n['Alive'] for n in ray.nodes()))"
-            while True:
-                done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=self.env)
-                if done.returncode == 0 and done.stdout.strip().splitlines()[-1:] == ["2"]:
-                    return self
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the second node did not join:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-                time.sleep(1)
+            self._wait_for_nodes(2, deadline)
+            return self
         except BaseException:
             self.__exit__(None, None, None)
             raise
+
+    def _wait_for_nodes(self, count: int, deadline: float) -> None:
+        """Until the cluster counts ``count`` nodes alive (a lost one is declared dead within seconds here:
+        :data:`FAST_NODE_DEATH`)."""
+        import subprocess
+        import time
+
+        check = f"import ray; ray.init(address={self.address!r}); print(sum(n['Alive'] for n in ray.nodes()))"
+        while True:
+            done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=self.env)
+            if done.returncode == 0 and done.stdout.strip().splitlines()[-1:] == [str(count)]:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not {count} nodes alive:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+            time.sleep(1)
+
+    def drain_second_node(self, *, deadline_s: int, reason: str = "DRAIN_NODE_REASON_PREEMPTION") -> float:
+        """Tell the cluster the second node is going away (``ray drain-node``: what KubeRay's autoscaler and a spot
+        termination handler do), ``deadline_s`` from now; the node keeps running. Returns the Unix time."""
+        import subprocess
+        import time
+
+        find = (
+            f"import json, ray; ray.init(address={self.address!r}); print(json.dumps([n['NodeID'] for n in "
+            "ray.nodes() if n['Alive'] and 'node:__internal_head__' not in n['Resources']]))"
+        )
+        found = subprocess.run([sys.executable, "-c", find], capture_output=True, text=True, env=self.env, check=True)
+        (node_id,) = json.loads(found.stdout.strip().splitlines()[-1])
+        drained_unix = time.time()
+        ray = Path(sys.executable).parent / "ray"
+        subprocess.run(
+            [str(ray), "drain-node", f"--address={self.address}", f"--node-id={node_id}", f"--reason={reason}",
+             "--reason-message=spot instance reclaimed", f"--deadline-remaining-seconds={deadline_s}"],
+            capture_output=True, text=True, env=self.env, check=True,
+        )  # fmt: skip
+        return drained_unix
+
+    def restore_second_node(self) -> float:
+        """Capacity returns: a new second node joins (``ray start --address``), as a replacement machine would; a
+        second node still running (drained, say) is lost first. Returns the Unix time the new one was started;
+        returns once the cluster counts it alive."""
+        import time
+
+        if self.nodes[1].poll() is None:
+            self._kill(self.nodes[1])
+            self._wait_for_nodes(1, time.monotonic() + 60)
+        started_unix = time.time()
+        self._start("second-again", [f"--address={self.address}"])
+        self.nodes[1] = self.nodes.pop()  # in the lost node's place
+        self._wait_for_nodes(2, time.monotonic() + 120)
+        return started_unix
 
     @staticmethod
     def _kill(node) -> float:

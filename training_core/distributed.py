@@ -121,6 +121,22 @@ class RayTrainRuntime:
         torch.distributed.all_gather_object(handles, ray.get_runtime_context().current_actor)
         return [handle for rank, handle in enumerate(handles) if rank != self.rank]
 
+    def preemption_notice(self) -> bool:
+        """Whether Ray Train's preemption watcher has told this worker that a node of its group is being preempted
+        (the node is drained with reason preemption: KubeRay's autoscaler, a spot termination handler). The watcher
+        marks every worker's context; it is read here where it lands, without a collective: the public
+        ``ray.train.get_preemption_info`` is a barrier through an actor on every call, and the loop already agrees
+        on a stop in its own all-reduce. False where this Ray has no such context."""
+        try:
+            from ray.train.v2._internal.execution.context import get_train_context
+
+            return get_train_context().preemption_context.preemption_info is not None
+        except (ImportError, AttributeError) as exc:
+            if not getattr(self, "_notice_unreadable", False):
+                self._notice_unreadable = True
+                log.warning("Ray Train's preemption notices cannot be read in this Ray version (%s): SIGTERM only", exc)
+            return False
+
     def abandon_group(self, reason: str) -> None:
         """A collective timed out: the group is lost, and Ray Train restarts all of it from the latest checkpoint.
         Kill the peers' worker actors now (the raylet SIGKILLs one that does not exit within

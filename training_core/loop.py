@@ -932,11 +932,15 @@ class Trainer:
         self.optimizer.load_state_dict(mine["optimizer"])
 
     def preemption_requested(self) -> bool:
-        """Whether any rank was told to stop (SIGTERM). A collective at log steps, when armed: all ranks agree,
-        so all save the just-in-time checkpoint together."""
+        """Whether any rank was told to stop: SIGTERM, or Ray Train's notice that a node of the group is being
+        preempted. A collective at log steps, when armed: all ranks agree, so all save the just-in-time checkpoint
+        together."""
         if not self.preemption_armed:
             return False
         told = preemption.requested_unix() is not None
+        if not told and getattr(self.runtime, "preemption_notice", lambda: False)():
+            preemption.record("Ray Train's notice that its node is being preempted")
+            told = True
         if self.world_size > 1:
             told = all_reduce_sum([float(told)], self.device)[0] > 0
         return told
@@ -960,8 +964,8 @@ class Trainer:
         if self.rank == 0:
             log.warning("preempted: checkpoint of step %d saved; stopping so the retry resumes from it", step)
         raise WorkerPreempted(
-            f"rank {self.rank}: a worker was told to stop (SIGTERM); the checkpoint of step {step} is saved and a "
-            "retry resumes from it"
+            f"rank {self.rank}: a worker was told to stop ({preemption.reason() or 'by another rank'}); the "
+            f"checkpoint of step {step} is saved and a retry resumes from it"
         )
 
     def optimizer_step(self, batches: Sequence[Any]) -> tuple[StepResult, float]:

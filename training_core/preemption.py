@@ -1,5 +1,6 @@
-"""A worker told to stop (SIGTERM: a Kubernetes eviction, a spot reclaim, a drained node) writes a just-in-time
-checkpoint at its current step instead of losing the steps since the last interval checkpoint.
+"""A worker told to stop (SIGTERM: a Kubernetes eviction, a spot reclaim, a drained node; or Ray Train's notice that
+a node of its group is being preempted, :meth:`~training_core.distributed.RayTrainRuntime.preemption_notice`) writes
+a just-in-time checkpoint at its current step instead of losing the steps since the last interval checkpoint.
 
 Python runs signal handlers on a process's main thread only, and a Ray Train worker runs the training loop in
 another thread: the handler is installed on the worker actor's main thread (:func:`arm`), where it only records
@@ -25,10 +26,19 @@ _previous_handler: Any = None
 """The SIGTERM handler :func:`arm` replaced on the calling (main) thread, for :func:`disarm`."""
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    global _requested_unix
+_reason = ""
+"""What told this process to stop: SIGTERM, or Ray Train's preemption notice."""
+
+
+def record(reason: str) -> None:
+    """Note that this process was told to stop, and by what (the first telling counts)."""
+    global _requested_unix, _reason
     if _requested_unix is None:
-        _requested_unix = time.time()
+        _requested_unix, _reason = time.time(), reason
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    record("SIGTERM")
 
 
 def install_handler() -> None:
@@ -69,7 +79,12 @@ def requested_unix() -> float | None:
     return _requested_unix
 
 
+def reason() -> str:
+    """What told this process to stop ("" when nothing did)."""
+    return _reason
+
+
 def clear() -> None:
     """Forget a recorded request (a process that goes on training, as the tests' in-process runs do)."""
-    global _requested_unix
-    _requested_unix = None
+    global _requested_unix, _reason
+    _requested_unix, _reason = None, ""

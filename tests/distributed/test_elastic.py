@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -50,8 +51,10 @@ print("RESULT " + json.dumps({
 """
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_nodes():
+    """One cluster for the module's tests: each leaves its second node lost or drained, and the next test that needs
+    one starts a new one (``restore_second_node``), seconds instead of a new cluster."""
     workdir = tempfile.mkdtemp(prefix="nodes-")  # in the session's short TMPDIR: Ray's socket paths are bounded
     with TwoNodeCluster(Path(workdir)) as cluster:
         yield cluster
@@ -158,3 +161,42 @@ def test_a_lost_node_shrinks_the_run_to_the_remaining_worker_which_finishes_the_
     (got,), (want,) = result["history"], whole.history
     assert got["val_accuracy"] == pytest.approx(want.val_accuracy, abs=0.1)
     assert got["train_loss"] == pytest.approx(want.train_loss, rel=0.25)
+
+
+def test_a_preemption_notice_from_ray_saves_the_step_and_the_run_goes_on_without_the_drained_node(two_nodes, tmp_path):
+    """A spot reclaim announced through Ray: the second node is drained with reason preemption and a deadline (what
+    KubeRay's autoscaler or a termination handler does; the node keeps running). Ray Train's preemption watcher
+    tells every worker, the loop writes a just-in-time checkpoint of the step it is at and stops as preempted, and
+    the run goes on with the worker the cluster still has room for: nothing is recomputed."""
+    two_nodes.restore_second_node()  # the previous test lost it
+    tree = write_jpegs(tmp_path / "images", per_class=120, side=16)
+    config = _config(tree)
+    config["loop"].update(epochs=2, log_interval_steps=1)  # the notice is read at log steps
+    # No interval checkpoint: a resume can only come from the just-in-time one.
+    config["checkpoint"]["interval_steps"] = 10_000
+    data_dir = str(tmp_path / "prepared")
+    prepare(DataConfig(dataset="image_folder", path=str(tree), image_size=16, num_shards=4), data_dir)
+    steps_per_epoch = Manifest.load(data_dir).steps_per_epoch(world_size=2, batch_size=BATCH_SIZE, grad_accum_steps=1)
+    names = {"address": two_nodes.address, "data_dir": data_dir, "checkpoint_dir": str(tmp_path / "final"),
+             "run_name": "noticed", "storage_path": str(tmp_path / "runs")}  # fmt: skip
+    # Ray Train's watcher polls the drains every second here (5 s by default).
+    driver = _driver(config, names, {**two_nodes.env, "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1"})
+    shutil.rmtree(records_dir(), ignore_errors=True)
+    deadline = time.monotonic() + 300
+    while sum(len(p.read_text().splitlines()) for p in records_dir().glob("*.jsonl")) < steps_per_epoch:  # mid-epoch
+        assert driver.poll() is None and time.monotonic() < deadline, "the run ended or stalled before the notice"
+        time.sleep(0.05)
+    drained_unix = two_nodes.drain_second_node(deadline_s=120)
+    result, output = _result(driver, timeout_s=600)
+
+    (resumed_from,) = result["resumed_from_steps"]
+    (timing,) = result["resume_timings"]
+    assert timing["preempted"] == 1 and timing["num_workers"] == 1, timing
+    # The last step the 2-worker group logged is the step the run resumed from: nothing computed twice.
+    before_restart = output.split("resumed from", 1)[0]
+    last_logged = max(int(step) for step in re.findall(r"\[rank 0\] step=(\d+) epoch=", before_restart))
+    assert resumed_from == last_logged and 0 < resumed_from < 2 * steps_per_epoch
+    assert "Ray Train's notice that its node is being preempted" in output
+    assert f"preempted: checkpoint of step {resumed_from} saved" in output
+    assert result["global_step"] == 2 * steps_per_epoch
+    print(f"notice to the first step on the remaining worker: {timing['first_step_unix'] - drained_unix:.1f} s")
