@@ -17,7 +17,11 @@ the newest valid checkpoint.
 - A lost node (elastic training, ``scaling.min_workers: 1``): the run is placed across a two-node Ray cluster on this
   machine (``common.TwoNodeCluster``: a head and a node started with ``ray start --address``, 1 CPU each), and the
   second node's raylet and every process it started are killed: ``node_loss_resume_seconds``, from the loss to the
-  first step on the remaining worker, goal < 30 s.
+  first step on the remaining worker, goal < 30 s. Once the run goes on with one worker, a new second node joins
+  (capacity returns): ``node_regrow_seconds``, from its ``ray start`` to the first step of the 2-worker group Ray
+  Train resizes to (at ``scaling.elastic_resize_interval_s`` = :data:`RESIZE_INTERVAL_S` here).
+- Preemption's cost: ``preemption_lost_seconds``, the resumed attempt's seconds from its start to its first step,
+  which the job's cost reports as lost to the preemption (times the workers' GPUs and CPUs).
 
 Prints one JSON object as the last line and writes ``benchmarks/results/recovery.json``.
 """
@@ -40,9 +44,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import TwoNodeCluster, emit, ray_train_worker_pids, start_ray  # noqa: E402
 
 STEP_LINE = re.compile(r"\[rank 0\] step=(\d+) .*train_loss=")
+SHRUNK = "elastic: 1 of scaling.num_workers=2 workers"
+"""What rank 0 logs when an elastic run goes on with one worker of two."""
+RESIZE_INTERVAL_S = 10
+"""``scaling.elastic_resize_interval_s`` of the runs (the product's default is 60 s): how often Ray Train looks for
+room to grow back, so the node-loss run's regrowth comes within its length."""
+NODE_LOSS_EPOCHS = 25
+"""The node-loss run's length: long enough on one worker for the node's return and a resize to land in it."""
 
 
-def child(workdir: str, interval: int, collective_timeout_s: int, min_workers: int) -> None:
+def child(workdir: str, interval: int, collective_timeout_s: int, min_workers: int, epochs: int, resize_s: int) -> None:
     """Train in this process (the Ray driver); worker log lines arrive on our stderr."""
 
     from training_core.config import DataConfig, TrainingConfig
@@ -54,9 +65,13 @@ def child(workdir: str, interval: int, collective_timeout_s: int, min_workers: i
     cfg = TrainingConfig.from_dict(
         {
             "model": {"name": "small_cnn"},
-            "loop": {"epochs": 4, "batch_size": 16, "log_interval_steps": 1},
+            "loop": {"epochs": epochs, "batch_size": 16, "log_interval_steps": 1},
             "checkpoint": {"interval_steps": interval, "keep_last": 3, "max_worker_restarts": 2},
-            "scaling": {"collective_timeout_s": collective_timeout_s, "min_workers": min_workers},
+            "scaling": {
+                "collective_timeout_s": collective_timeout_s,
+                "min_workers": min_workers,
+                "elastic_resize_interval_s": resize_s,
+            },
         }
     )
     result = fit(
@@ -96,9 +111,12 @@ def run_scenario(
     collective_timeout_s: int,
     min_workers: int = 0,
     ray_address: str = "",
+    epochs: int = 4,
+    restore=None,
 ) -> dict:
     """One training run that ``stop()`` interrupts once a checkpoint past ``kill_after_step`` exists, on a local
-    cluster of its own or on the cluster at ``ray_address``."""
+    cluster of its own or on the cluster at ``ray_address``. With ``restore``, once the run goes on with fewer
+    workers, ``restore()`` brings the capacity back (returning the Unix time it did) and the run grows back."""
     env = dict(
         os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"), PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0"
     )
@@ -118,6 +136,10 @@ def run_scenario(
                 str(collective_timeout_s),
                 "--min-workers",
                 str(min_workers),
+                "--epochs",
+                str(epochs),
+                "--elastic-resize-interval-s",
+                str(RESIZE_INTERVAL_S),
             ],
             stdout=open(log_path, "w"),
             stderr=subprocess.STDOUT,
@@ -141,6 +163,13 @@ def run_scenario(
                     raise RuntimeError(f"training ended or stalled before the kill:\n{log_path.read_text()[-3000:]}")
                 time.sleep(0.02)
             kill_unix = stop()
+            restored_unix = None
+            if restore is not None:
+                while SHRUNK not in log_path.read_text():
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"the run did not go on with fewer workers:\n{log_path.read_text()[-3000:]}")
+                    time.sleep(0.1)
+                restored_unix = restore()
             if process.wait(timeout=900) != 0:
                 raise RuntimeError(f"training failed after the kill:\n{log_path.read_text()[-3000:]}")
         finally:
@@ -151,19 +180,28 @@ def run_scenario(
             Path(os.environ["RECOVERY_KEEP_LOG"] + f".{name}").write_text(log)
 
     outcome = json.loads(log.split("RESULT ", 1)[1].splitlines()[0])
-    (timing,) = outcome["resume_timings"]
+    timing, *grown = outcome["resume_timings"]
     resumed_from = int(timing["from_step"])
     # The restarted rank 0 logs "resumed from ..." before its first step: every step line before that marker
     # came from the stopped group, so the highest of them is where the signal landed.
     before_restart = log.split("resumed from", 1)[0]
     last_before_kill = max(int(m.group(1)) for m in STEP_LINE.finditer(before_restart))
-    return {
+    regrow = {}
+    if restore is not None:
+        (back,) = grown  # the resize to the full group, from the newest checkpoint
+        regrow = {
+            "regrow_seconds": back["first_step_unix"] - restored_unix,
+            "num_workers_shrunk": int(timing["num_workers"]),
+            "num_workers_grown": int(back["num_workers"]),
+        }
+    return regrow | {
         "resume_seconds": timing["first_step_unix"] - kill_unix,
         "restore_seconds": timing["restored_unix"] - kill_unix,
         "steps_lost": last_before_kill - resumed_from,
         "resumed_from_step": resumed_from,
         "last_step_before_kill": last_before_kill,
         "preempted_checkpoint": bool(timing.get("preempted", 0.0)),
+        "lost_seconds": timing.get("lost_s", 0.0),
     }
 
 
@@ -176,9 +214,18 @@ def main() -> None:
     parser.add_argument("--collective-timeout-s", type=int, default=30, help="the hung-rank scenario's timeout")
     parser.add_argument("--child", metavar="WORKDIR", help=argparse.SUPPRESS)
     parser.add_argument("--min-workers", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--epochs", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--elastic-resize-interval-s", type=int, default=RESIZE_INTERVAL_S, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.checkpoint_interval_steps, args.collective_timeout_s, args.min_workers)
+        child(
+            args.child,
+            args.checkpoint_interval_steps,
+            args.collective_timeout_s,
+            args.min_workers,
+            args.epochs,
+            args.elastic_resize_interval_s,
+        )
         return
 
     common = {"interval": args.checkpoint_interval_steps, "kill_after_step": args.kill_after_step}
@@ -198,6 +245,8 @@ def main() -> None:
                 collective_timeout_s=1800,
                 min_workers=1,
                 ray_address=cluster.address,
+                epochs=NODE_LOSS_EPOCHS,
+                restore=cluster.restore_second_node,
             )
     finally:
         shutil.rmtree(nodes_dir, ignore_errors=True)
@@ -211,6 +260,9 @@ def main() -> None:
         "hang_detect_seconds": hung["restore_seconds"],
         "node_loss_resume_seconds": node_loss["resume_seconds"],
         "node_loss_steps_lost": node_loss["steps_lost"],
+        "node_regrow_seconds": node_loss["regrow_seconds"],
+        "preemption_lost_seconds": preempted["lost_seconds"],
+        "elastic_resize_interval_s": RESIZE_INTERVAL_S,
         "collective_timeout_s": args.collective_timeout_s,
         "checkpoint_interval_steps": args.checkpoint_interval_steps,
         "scenarios": {"sigkill": killed, "sigterm": preempted, "sigstop": hung, "node_loss": node_loss},
