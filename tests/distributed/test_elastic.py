@@ -56,7 +56,11 @@ def two_nodes():
     """One cluster for the module's tests: each leaves its second node lost or drained, and the next test that needs
     one starts a new one (``restore_second_node``), seconds instead of a new cluster."""
     workdir = tempfile.mkdtemp(prefix="nodes-")  # in the session's short TMPDIR: Ray's socket paths are bounded
-    with TwoNodeCluster(Path(workdir)) as cluster:
+    cluster = TwoNodeCluster(Path(workdir))
+    # Ray Train's preemption watcher polls the drains every second (5 s by default). Its callback reads this in the
+    # Train controller, a process of the cluster: it must be in the nodes' environment, not only the driver's.
+    cluster.env["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "1"
+    with cluster:
         yield cluster
     shutil.rmtree(workdir, ignore_errors=True)
 
@@ -96,6 +100,19 @@ def _result(driver: subprocess.Popen, timeout_s: float) -> tuple[dict, str]:
     assert driver.returncode == 0, output[-6000:]
     (line,) = [line for line in output.splitlines() if line.startswith("RESULT ")]
     return json.loads(line.removeprefix("RESULT ")), output
+
+
+def _refresh_capacity_view(cluster: TwoNodeCluster) -> None:
+    """An elastic run sizes its group from the capacity view of Ray's AutoscalingCoordinator, a detached actor of the
+    cluster that refreshes it every 20 s: after the previous test, it may not count the node just restored yet, and
+    the run would start on one worker. Ask it to recompute now (absent on a fresh cluster: nothing to refresh)."""
+    refresh = (
+        f"import ray; ray.init(address={cluster.address!r})\n"
+        "try:\n    actor = ray.get_actor('AutoscalingCoordinator', namespace='AutoscalingCoordinator')\n"
+        "except ValueError:\n    actor = None\n"
+        "if actor is not None:\n    ray.get(actor.get_reserved_resources.remote('refresh', recompute=True))"
+    )
+    subprocess.run([sys.executable, "-c", refresh], capture_output=True, text=True, env=cluster.env, check=True)
 
 
 def test_a_lost_node_shrinks_the_run_to_the_remaining_worker_which_finishes_the_epoch_once(two_nodes, tmp_path):
@@ -169,9 +186,11 @@ def test_a_preemption_notice_from_ray_saves_the_step_and_the_run_goes_on_without
     tells every worker, the loop writes a just-in-time checkpoint of the step it is at and stops as preempted, and
     the run goes on with the worker the cluster still has room for: nothing is recomputed."""
     two_nodes.restore_second_node()  # the previous test lost it
+    _refresh_capacity_view(two_nodes)
     tree = write_jpegs(tmp_path / "images", per_class=120, side=16)
     config = _config(tree)
-    config["loop"].update(epochs=2, log_interval_steps=1)  # the notice is read at log steps
+    # The notice is read at log steps; three epochs leave the watcher seconds to see the drain before the run ends.
+    config["loop"].update(epochs=3, log_interval_steps=1)
     # No interval checkpoint: a resume can only come from the just-in-time one.
     config["checkpoint"]["interval_steps"] = 10_000
     data_dir = str(tmp_path / "prepared")
@@ -179,24 +198,26 @@ def test_a_preemption_notice_from_ray_saves_the_step_and_the_run_goes_on_without
     steps_per_epoch = Manifest.load(data_dir).steps_per_epoch(world_size=2, batch_size=BATCH_SIZE, grad_accum_steps=1)
     names = {"address": two_nodes.address, "data_dir": data_dir, "checkpoint_dir": str(tmp_path / "final"),
              "run_name": "noticed", "storage_path": str(tmp_path / "runs")}  # fmt: skip
-    # Ray Train's watcher polls the drains every second here (5 s by default).
-    driver = _driver(config, names, {**two_nodes.env, "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1"})
+    driver = _driver(config, names, two_nodes.env)
     shutil.rmtree(records_dir(), ignore_errors=True)
     deadline = time.monotonic() + 300
     while sum(len(p.read_text().splitlines()) for p in records_dir().glob("*.jsonl")) < steps_per_epoch:  # mid-epoch
         assert driver.poll() is None and time.monotonic() < deadline, "the run ended or stalled before the notice"
         time.sleep(0.05)
+    assert len(list(records_dir().glob("*.jsonl"))) == 2, "the run must start on both nodes"
     drained_unix = two_nodes.drain_second_node(deadline_s=120)
     result, output = _result(driver, timeout_s=600)
 
+    notices = [line for line in output.splitlines() if re.search("preempt|drain|restart|resum", line, re.I)][:20]
+    assert len(result["resumed_from_steps"]) == 1, f"one resume after the notice: {result}; {notices}"
     (resumed_from,) = result["resumed_from_steps"]
     (timing,) = result["resume_timings"]
     assert timing["preempted"] == 1 and timing["num_workers"] == 1, timing
     # The last step the 2-worker group logged is the step the run resumed from: nothing computed twice.
     before_restart = output.split("resumed from", 1)[0]
     last_logged = max(int(step) for step in re.findall(r"\[rank 0\] step=(\d+) epoch=", before_restart))
-    assert resumed_from == last_logged and 0 < resumed_from < 2 * steps_per_epoch
+    assert resumed_from == last_logged and 0 < resumed_from < 3 * steps_per_epoch
     assert "Ray Train's notice that its node is being preempted" in output
     assert f"preempted: checkpoint of step {resumed_from} saved" in output
-    assert result["global_step"] == 2 * steps_per_epoch
+    assert result["global_step"] == 3 * steps_per_epoch
     print(f"notice to the first step on the remaining worker: {timing['first_step_unix'] - drained_unix:.1f} s")

@@ -479,6 +479,7 @@ def _assert_well_typed(meta: ckpt.CheckpointMeta) -> None:
         "mlflow_model_uri": isinstance(meta.mlflow_model_uri, str),
         "mlflow_run_id": isinstance(meta.mlflow_run_id, str),
         "elapsed_s": is_number(meta.elapsed_s),
+        "saved_unix": is_number(meta.saved_unix),
         "telemetry": isinstance(meta.telemetry, dict),
         "data": isinstance(meta.data, dict),
         "preempted": isinstance(meta.preempted, bool),
