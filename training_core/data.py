@@ -25,7 +25,7 @@ import math
 import re
 import zipfile
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Mapping, NoReturn
+from typing import Any, Iterable, Iterator, Mapping, NoReturn
 
 import numpy as np
 
@@ -467,40 +467,84 @@ def write_prepared(
     num_shards: int,
 ) -> Manifest:
     """Write each split's arrays (name -> array, first axis the samples) as up to ``num_shards`` ``.npz`` shards
-    under ``out_dir``, then the manifest: ``template``'s description with the shards, their sha256 and the bounds
-    of every bounded array. Arrays are checked against ``template.arrays`` first (names, dtypes, sample shapes,
-    bounds), so a workload cannot write data the readers would refuse."""
-    import fsspec
-
+    of consecutive samples (see :func:`write_shards`)."""
     for name, arrays in splits.items():
         _check_split(template, name, arrays)
-    fs, root = fsspec.core.url_to_fs(out_dir)
-    fs.makedirs(root, exist_ok=True)
-    split_infos = {}
+
+    def shards_of(arrays: Mapping[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        count = len(next(iter(arrays.values())))
+        for part in np.array_split(np.arange(count), min(num_shards, count)):
+            yield {key: value[part] for key, value in arrays.items()}
+
+    planned = {}
     for name, arrays in splits.items():
         count = len(next(iter(arrays.values())))
-        shards = []
-        parts = np.array_split(np.arange(count), min(num_shards, count))
-        for index, part in enumerate(parts):
+        planned[name] = (min(num_shards, count), shards_of(arrays))
+    return write_shards(out_dir, planned, template=template)
+
+
+def write_shards(
+    out_dir: str,
+    splits: Mapping[str, tuple[int, Iterable[Mapping[str, np.ndarray]]]],
+    *,
+    template: Manifest,
+) -> Manifest:
+    """Write each split's shards (``(number of shards, shards)``, each shard name -> array, first axis the
+    samples) as ``.npz`` files under ``out_dir`` as they come, then the manifest: ``template``'s description with
+    the shards, their sha256 and the bounds of every bounded array. Only one shard is in memory at a time. Each
+    shard is checked against ``template.arrays`` first (names, dtypes, sample shapes, bounds), so a workload cannot
+    write data the readers would refuse. A shard file that already holds the same bytes (a prep that stopped half
+    way, run again) is left as it is."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(out_dir)
+    fs.makedirs(root, exist_ok=True)
+    split_infos, written, total = {}, 0, 0
+    for name, (num_shards, shards) in splits.items():
+        infos = []
+        for index, arrays in enumerate(shards):
+            _check_split(template, name, arrays)
             buffer = io.BytesIO()
-            np.savez(buffer, **{key: value[part] for key, value in arrays.items()})
+            np.savez(buffer, **arrays)
             payload = buffer.getvalue()
-            file = f"{name}-{index:05d}-of-{len(parts):05d}.npz"
-            with fs.open(_join(root, file), "wb") as f:
-                f.write(payload)
+            digest = hashlib.sha256(payload).hexdigest()
+            file = f"{name}-{index:05d}-of-{num_shards:05d}.npz"
+            total += 1
+            if not _holds(fs, _join(root, file), payload, digest):
+                with fs.open(_join(root, file), "wb") as f:
+                    f.write(payload)
+                written += 1
             bounds = {
-                key: [int(arrays[key][part].min()), int(arrays[key][part].max())]
+                key: [int(arrays[key].min()), int(arrays[key].max())]
                 for key, spec in template.arrays.items()
                 if spec.max_value is not None
             }
-            shards.append(
-                ShardInfo(file=file, num_samples=len(part), sha256=hashlib.sha256(payload).hexdigest(), bounds=bounds)
+            infos.append(
+                ShardInfo(file=file, num_samples=len(next(iter(arrays.values()))), sha256=digest, bounds=bounds)
             )
-        split_infos[name] = SplitInfo(num_samples=count, shards=shards)
+        assert len(infos) == num_shards, (name, len(infos), num_shards)
+        split_infos[name] = SplitInfo(num_samples=sum(shard.num_samples for shard in infos), shards=infos)
     manifest = dataclasses.replace(template, splits=split_infos, version=MANIFEST_VERSION, directory=out_dir)
     write_manifest(manifest)
-    log.info("prepared %s (%s): %s", manifest.dataset, manifest.workload, manifest.split_counts())
+    log.info(
+        "prepared %s (%s): %s; wrote %d of %d shards (the others held the same bytes already)",
+        manifest.dataset,
+        manifest.workload,
+        manifest.split_counts(),
+        written,
+        total,
+    )
     return manifest
+
+
+def _holds(fs: Any, path: str, payload: bytes, digest: str) -> bool:
+    """Whether ``path`` exists and holds ``payload`` (same size, same sha256)."""
+    try:
+        if fs.size(path) != len(payload):
+            return False
+        return hashlib.sha256(fs.cat_file(path)).hexdigest() == digest
+    except (FileNotFoundError, OSError):
+        return False
 
 
 def write_manifest(manifest: Manifest) -> None:

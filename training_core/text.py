@@ -469,48 +469,100 @@ def split_documents(sizes: Sequence[int], data: DataConfig, *, source: str) -> d
     return {name: np.flatnonzero(assigned == split) for name, split in SPLIT_IDS.items()}
 
 
-def pack_sequences(documents: Sequence[np.ndarray], *, eot_id: int | None, seq_len: int) -> np.ndarray:
-    """``documents``' ids (each followed by ``eot_id``, when there is one) as one stream cut into windows of
-    ``seq_len + 1`` tokens (int32, samples x (seq_len + 1)): a model reads ``[:-1]`` and predicts ``[1:]``.
-    Consecutive windows overlap by one token, so every token but the first is a target exactly once; the tail
-    shorter than a window is dropped."""
-    parts: list[np.ndarray] = []
-    separator = np.array([eot_id], dtype=np.int32) if eot_id is not None else None
-    for ids in documents:
-        parts.append(ids)
-        if separator is not None:
-            parts.append(separator)
-    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-    count = max(len(stream) - 1, 0) // seq_len
-    if not count:
-        return np.zeros((0, seq_len + 1), dtype=np.int32)
-    windows = np.lib.stride_tricks.sliding_window_view(stream, seq_len + 1)[::seq_len][:count]
-    return np.ascontiguousarray(windows, dtype=np.int32)
+@dataclass
+class TokenSpill:
+    """Every document's token ids (int32), appended in source order to a local file; only each document's offset,
+    length and UTF-8 size stay in memory (24 bytes a document), so tokenising a source holds one batch of text."""
+
+    path: str
+    offsets: np.ndarray
+    """Where each document's ids start in the file, in tokens (int64)."""
+    lengths: np.ndarray
+    """Each document's number of ids (int64)."""
+    sizes: np.ndarray
+    """Each document's UTF-8 bytes (int64): what :func:`split_documents` balances."""
 
 
-def tokenize_documents(
-    documents: Iterable[Document], tokenizer: TextTokenizer
-) -> tuple[list[str], list[int], list[np.ndarray]]:
-    """Names, UTF-8 sizes and ids (int32) of ``documents``, tokenised in batches (the texts are dropped once
-    tokenised: only the ids stay in memory)."""
-    names: list[str] = []
-    sizes: list[int] = []
-    ids: list[np.ndarray] = []
-    batch: list[Document] = []
+def spill_tokens(documents: Iterable[Document], tokenizer: TextTokenizer, path: str) -> TokenSpill:
+    """Tokenise ``documents`` in batches of about ``_TOKENIZE_BATCH_CHARS`` characters and append each one's ids
+    to the file ``path`` (created or truncated); texts and ids are dropped once written."""
+    from array import array
+
+    lengths, sizes = array("q"), array("q")
+    batch: list[str] = []
     batch_chars = 0
+    with open(path, "wb") as out:
 
-    def flush() -> None:
-        nonlocal batch, batch_chars
-        ids.extend(tokenizer.encode_batch([d.text for d in batch]))
-        batch, batch_chars = [], 0
+        def flush() -> None:
+            nonlocal batch, batch_chars
+            for ids in tokenizer.encode_batch(batch):
+                out.write(np.ascontiguousarray(ids, dtype=np.int32).tobytes())
+                lengths.append(len(ids))
+            batch, batch_chars = [], 0
 
-    for document in documents:
-        names.append(document.name)
-        sizes.append(len(document.text.encode("utf-8")))
-        batch.append(document)
-        batch_chars += len(document.text)
-        if batch_chars >= _TOKENIZE_BATCH_CHARS:
+        for document in documents:
+            sizes.append(len(document.text.encode("utf-8")))
+            batch.append(document.text)
+            batch_chars += len(document.text)
+            if batch_chars >= _TOKENIZE_BATCH_CHARS:
+                flush()
+        if batch:
             flush()
-    if batch:
-        flush()
-    return names, sizes, ids
+    lengths_array = np.frombuffer(lengths, dtype=np.int64).copy()
+    offsets = np.zeros(len(lengths_array), dtype=np.int64)
+    np.cumsum(lengths_array[:-1], out=offsets[1:])
+    return TokenSpill(path, offsets, lengths_array, np.frombuffer(sizes, dtype=np.int64).copy())
+
+
+class SplitStream:
+    """The token stream of one split: the ids of ``spill``'s documents ``index`` (in that order), each followed by
+    ``eot_id`` when there is one, read from the spill file as it is consumed (:meth:`read`)."""
+
+    def __init__(self, spill: TokenSpill, index: np.ndarray, *, eot_id: int | None) -> None:
+        self.spill, self.index, self.eot_id = spill, np.asarray(index, dtype=np.int64), eot_id
+        self.num_tokens = int(spill.lengths[self.index].sum()) + (len(self.index) if eot_id is not None else 0)
+        self._document, self._position = 0, 0  # the next token: document number in index, position in it
+
+    def read(self, count: int) -> np.ndarray:
+        """The next ``count`` tokens of the stream (fewer at its end), int32."""
+        parts, wanted = [], count
+        with open(self.spill.path, "rb") as f:
+            while wanted and self._document < len(self.index):
+                doc = int(self.index[self._document])
+                length = int(self.spill.lengths[doc])
+                if self._position < length:
+                    take = min(wanted, length - self._position)
+                    f.seek((int(self.spill.offsets[doc]) + self._position) * 4)
+                    parts.append(np.fromfile(f, dtype=np.int32, count=take))
+                    self._position += take
+                    wanted -= take
+                    continue
+                if self.eot_id is not None:
+                    parts.append(np.array([self.eot_id], dtype=np.int32))
+                    wanted -= 1
+                self._document, self._position = self._document + 1, 0
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+def num_sequences(num_tokens: int, seq_len: int) -> int:
+    """How many ``seq_len + 1``-token windows :func:`packed_shards` cuts from a stream of ``num_tokens``."""
+    return max(num_tokens - 1, 0) // seq_len
+
+
+def packed_shards(stream: SplitStream, *, seq_len: int, num_shards: int) -> Iterator[np.ndarray]:
+    """``stream`` cut into windows of ``seq_len + 1`` tokens (int32, samples x (seq_len + 1); a model reads
+    ``[:-1]`` and predicts ``[1:]``), yielded as up to ``num_shards`` shards of consecutive windows (sizes as
+    ``np.array_split``'s). Consecutive windows overlap by one token, so every token but the first is a target
+    exactly once; the tail shorter than a window is dropped. One shard's tokens are in memory at a time."""
+    count = num_sequences(stream.num_tokens, seq_len)
+    if not count:
+        return
+    parts = min(num_shards, count)
+    carry = stream.read(1)  # the window's first token is the previous window's last
+    for index in range(parts):
+        windows = count // parts + (1 if index < count % parts else 0)
+        tokens = np.concatenate([carry, stream.read(windows * seq_len)])
+        yield np.ascontiguousarray(
+            np.lib.stride_tricks.sliding_window_view(tokens, seq_len + 1)[::seq_len][:windows], dtype=np.int32
+        )
+        carry = tokens[-1:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pickle
 import re
 import subprocess
@@ -123,6 +124,97 @@ def test_prep_is_deterministic_and_the_split_is_by_document(tmp_path):
     first = CausalLM().prepare_data(config.data, str(tmp_path / "a"))
     second = CausalLM().prepare_data(config.data, str(tmp_path / "b"))
     assert first.to_json() == second.to_json()
+
+
+def test_packed_shards_cut_the_split_stream_like_windows_of_the_whole_split(tmp_path):
+    """The streamed packing (one shard's tokens read from the spill at a time) against the windows of the whole
+    split's stream, cut once and split like ``np.array_split``: for any documents, split, seq_len and shard count."""
+    hypothesis = pytest.importorskip("hypothesis", reason="the property tier needs hypothesis (not installed)")
+    st = hypothesis.strategies
+    byte = text.byte_tokenizer()
+
+    @hypothesis.settings(max_examples=150, deadline=None, database=None, derandomize=True)
+    @hypothesis.given(
+        lengths=st.lists(st.integers(0, 40), min_size=1, max_size=12),
+        pick=st.data(),
+        seq_len=st.integers(1, 17),
+        num_shards=st.integers(1, 6),
+        eot=st.booleans(),
+    )
+    def check(lengths, pick, seq_len, num_shards, eot):
+        documents = [
+            text.Document(f"d{i}", "".join(chr(97 + (i + j) % 26) for j in range(n))) for i, n in enumerate(lengths)
+        ]
+        spill = text.spill_tokens(iter(documents), byte, str(tmp_path / "ids.bin"))
+        index = np.array(sorted(pick.draw(st.sets(st.integers(0, len(lengths) - 1), min_size=1))))
+        eot_id = text.BYTE_EOT_ID if eot else None
+        parts = []
+        for i in index.tolist():
+            parts.append(np.frombuffer(documents[i].text.encode(), dtype=np.uint8).astype(np.int32))
+            parts.extend([np.array([eot_id], dtype=np.int32)] if eot else [])
+        stream = np.concatenate(parts)
+        count = max(len(stream) - 1, 0) // seq_len
+        windows = np.stack([stream[k * seq_len : k * seq_len + seq_len + 1] for k in range(count)]) if count else None
+        got = list(
+            text.packed_shards(text.SplitStream(spill, index, eot_id=eot_id), seq_len=seq_len, num_shards=num_shards)
+        )
+        assert text.SplitStream(spill, index, eot_id=eot_id).num_tokens == len(stream)
+        if not count:
+            assert got == []
+            return
+        want = np.array_split(windows, min(num_shards, count))
+        assert [g.shape for g in got] == [w.shape for w in want]
+        assert all(np.array_equal(g, w) and g.dtype == np.int32 for g, w in zip(got, want))
+
+    check()
+
+
+def test_prep_run_again_into_its_directory_rewrites_only_the_missing_or_changed_shards(tmp_path):
+    data = lm_config(data={"max_text_bytes": 200_000, "num_shards": 3}).data
+    out = tmp_path / "prepared"
+    first = CausalLM().prepare_data(data, str(out))
+    files = sorted(out.glob("*.npz"))
+    assert len(files) == 9
+    for file in files:
+        os.utime(file, (1_000_000, 1_000_000))
+    files[0].unlink()  # a prep killed before this shard
+    files[4].write_bytes(files[4].read_bytes()[:-10])  # one cut short
+    again = CausalLM().prepare_data(data, str(out))
+    assert again.to_json() == first.to_json()
+    assert {f.name for f in files if f.stat().st_mtime != 1_000_000} == {files[0].name, files[4].name}
+    for split in again.splits:
+        all_tokens(again, split)  # every shard verifies against the manifest
+
+
+def test_text_prep_memory_is_bounded_by_a_shard_not_by_the_source(tmp_path):
+    """Peak RSS of prep (its own process) for a source ten times larger, with ten times the shards: within 1.2x.
+    The source is large enough that holding it would show: 24 MB of text, 96 MB of token ids."""
+    script = (
+        "import sys\n"
+        "from training_core.config import DataConfig, WorkloadConfig\n"
+        "from training_core.data import prepare\n"
+        "prepare(DataConfig(dataset='text', path=sys.argv[1], seq_len=128, num_shards=int(sys.argv[2])), sys.argv[3],"
+        " workload=WorkloadConfig(name='causal_lm'))\n"
+        "print('PEAK', [line for line in open('/proc/self/status') if line.startswith('VmHWM')][0].split()[1])\n"
+    )
+    rng = np.random.default_rng(0)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz  \n", dtype=np.uint8)
+    peaks = []
+    for name, files, shards in (("small", 12, 2), ("large", 120, 20)):
+        source = tmp_path / name
+        source.mkdir()
+        for i in range(files):
+            (source / f"{i:04d}.txt").write_bytes(letters[rng.integers(0, len(letters), 200_000)].tobytes())
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(source), str(shards), str(tmp_path / f"out-{name}")],
+            capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        peaks.append(int(done.stdout.split("PEAK ")[-1].split()[0]) * 1024)  # VmHWM is in KiB
+        manifest = Manifest.load(str(tmp_path / f"out-{name}"))
+        assert len(manifest.splits["train"].shards) == shards
+    print(f"text prep peak RSS: {peaks[0] / 2**20:.0f} MiB for 2.4 MB, {peaks[1] / 2**20:.0f} MiB for 24 MB")
+    assert peaks[1] / peaks[0] <= 1.2, peaks
 
 
 def marked_documents(data: DataConfig) -> dict[str, str]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
@@ -32,21 +33,24 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import numpy as np
 
 from training_core.config import DataConfig, ModelConfig, TrainingConfig, WorkloadConfig, clip, quote
-from training_core.data import ArraySpec, Manifest, write_prepared
+from training_core.data import ArraySpec, Manifest, write_shards
 from training_core.redact import redact
 from training_core.text import (
     BYTE,
     TOKENIZER_FILE,
     SourceStats,
+    SplitStream,
     TextTokenizer,
+    TokenSpill,
     capped,
     load_tokenizer,
     mapping_documents,
     no_text_error,
-    pack_sequences,
+    num_sequences,
+    packed_shards,
     read_documents,
+    spill_tokens,
     split_documents,
-    tokenize_documents,
     tokenizer_from_description,
 )
 from training_core.workloads import LossOutput, call_user, load_attribute, mean_of, to_device_async
@@ -125,7 +129,12 @@ class CausalLM:
     def prepare_data(self, data: DataConfig, out_dir: str) -> Manifest:
         """Tokenise the text ``data`` names (or ``workload.dataset_source`` returns), split it by document into
         train/val/test, pack each split into ``data.seq_len + 1``-token sequences and write them with the manifest
-        (and a copy of a ``tokenizer.json``) to ``out_dir``."""
+        (and a copy of a ``tokenizer.json``) to ``out_dir``.
+
+        Memory is bounded by a shard, not by the source: the ids go to a spill file on local disk as they are
+        tokenised (4 bytes a token, removed at the end), and each shard's sequences are cut from it when written."""
+        import tempfile
+
         tokenizer = load_tokenizer(data.tokenizer)
         stats = SourceStats()
         if self.dataset_source is None:
@@ -135,8 +144,22 @@ class CausalLM:
             source = f"workload.dataset_source={quote(self.dataset_source_path)}"
             texts = call_user("workload.dataset_source", self.dataset_source_path, self.dataset_source, data)
             documents = capped(mapping_documents(texts, source=source), data.max_text_bytes, stats)
-        names, sizes, ids = tokenize_documents(documents, tokenizer)
-        if not names:
+        with tempfile.TemporaryDirectory(prefix="token-spill-") as spill_dir:
+            spill = spill_tokens(documents, tokenizer, os.path.join(spill_dir, "ids.bin"))
+            return self._write_splits(data, out_dir, spill, tokenizer, stats, source)
+
+    def _write_splits(
+        self,
+        data: DataConfig,
+        out_dir: str,
+        spill: TokenSpill,
+        tokenizer: TextTokenizer,
+        stats: SourceStats,
+        source: str,
+    ) -> Manifest:
+        """The spilled documents split, packed into sequences and written shard by shard, then the manifest. Every
+        split is checked to hold a sequence before any shard is written."""
+        if not len(spill.sizes):
             raise no_text_error(data, stats, source=source, from_user=self.dataset_source is not None)
         if stats.missing_field:
             log.warning(
@@ -146,29 +169,24 @@ class CausalLM:
                 stats.records,
                 quote(data.text_field),
             )
-        parts = split_documents(sizes, data, source=source)
-        splits, documents_per_split, tokens_per_split = {}, {}, {}
-        for split, index in parts.items():
-            split_ids = [ids[i] for i in index]
-            for i in index:
-                ids[i] = None  # the packed copy replaces them: at most one split's text is held twice
-            sequences = pack_sequences(split_ids, eot_id=tokenizer.eot_id, seq_len=data.seq_len)
-            num_tokens = sum(len(d) for d in split_ids) + (len(index) if tokenizer.eot_id is not None else 0)
-            del split_ids
-            if not len(sequences):
+        streams = {
+            split: SplitStream(spill, index, eot_id=tokenizer.eot_id)
+            for split, index in split_documents(spill.sizes, data, source=source).items()
+        }
+        for split, stream in streams.items():
+            if not num_sequences(stream.num_tokens, data.seq_len):
                 fraction = (
                     "lower data.val_fraction or data.test_fraction"
                     if split == "train"
                     else f"raise data.{split}_fraction"
                 )
                 raise ValueError(
-                    f"data.seq_len={data.seq_len} is invalid: the {split} split of {source} ({len(index)} documents, "
-                    f"{num_tokens} tokens) holds less than one sequence of seq_len + 1 tokens; lower data.seq_len, "
-                    f"{fraction}, or add text (data.max_text_bytes, more documents)"
+                    f"data.seq_len={data.seq_len} is invalid: the {split} split of {source} ({len(stream.index)} "
+                    f"documents, {stream.num_tokens} tokens) holds less than one sequence of seq_len + 1 tokens; "
+                    f"lower data.seq_len, {fraction}, or add text (data.max_text_bytes, more documents)"
                 )
-            splits[split] = {"tokens": sequences}
-            documents_per_split[split] = len(index)
-            tokens_per_split[split] = num_tokens
+        documents_per_split = {split: len(stream.index) for split, stream in streams.items()}
+        tokens_per_split = {split: stream.num_tokens for split, stream in streams.items()}
         if tokenizer.kind == TOKENIZER_FILE:
             _write_text(out_dir, TOKENIZER_FILE, tokenizer.json_text)
         spec = {
@@ -197,13 +215,18 @@ class CausalLM:
         log.info(
             "tokenised %s: %d documents, %d bytes, tokens per split %s (tokenizer %s, vocabulary %d)",
             source,
-            len(names),
+            len(spill.sizes),
             stats.text_bytes,
             tokens_per_split,
             tokenizer.kind,
             tokenizer.vocab_size,
         )
-        return write_prepared(out_dir, splits, template=template, num_shards=data.num_shards)
+        shards = {}
+        for split, stream in streams.items():
+            packed = packed_shards(stream, seq_len=data.seq_len, num_shards=data.num_shards)
+            count = min(data.num_shards, num_sequences(stream.num_tokens, data.seq_len))
+            shards[split] = (count, ({"tokens": tokens} for tokens in packed))
+        return write_shards(out_dir, shards, template=template)
 
     # ------------------------------------------------------------------------------------------------- models
 
