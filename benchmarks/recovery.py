@@ -179,7 +179,7 @@ def run_scenario(
         if os.environ.get("RECOVERY_KEEP_LOG"):
             Path(os.environ["RECOVERY_KEEP_LOG"] + f".{name}").write_text(log)
 
-    outcome = json.loads(log.split("RESULT ", 1)[1].splitlines()[0])
+    outcome = json.JSONDecoder().raw_decode(log.split("RESULT ", 1)[1])[0]  # a Ray log line may follow on its line
     timing, *grown = outcome["resume_timings"]
     resumed_from = int(timing["from_step"])
     # The restarted rank 0 logs "resumed from ..." before its first step: every step line before that marker

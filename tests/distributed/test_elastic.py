@@ -42,12 +42,14 @@ from training_core.trainer import fit
 config, names = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 ray.init(address=names.pop("address"))
 result = fit(TrainingConfig.from_dict(config), **names)
-print("RESULT " + json.dumps({
+# One write with its newline: Ray's threads print to the same stdout, and print() writes the line and its end apart.
+sys.stdout.write("RESULT " + json.dumps({
     "resumed_from_steps": result.meta.resumed_from_steps,
     "resume_timings": result.meta.resume_timings,
     "global_step": result.meta.global_step,
     "history": [r.__dict__ for r in result.meta.history],
-}))
+}) + "\\n")
+sys.stdout.flush()
 """
 
 
@@ -99,7 +101,8 @@ def _result(driver: subprocess.Popen, timeout_s: float) -> tuple[dict, str]:
     output, _ = driver.communicate(timeout=timeout_s)
     assert driver.returncode == 0, output[-6000:]
     (line,) = [line for line in output.splitlines() if line.startswith("RESULT ")]
-    return json.loads(line.removeprefix("RESULT ")), output
+    # raw_decode: a log line of Ray's that still lands after the object on the same line is not part of it.
+    return json.JSONDecoder().raw_decode(line.removeprefix("RESULT "))[0], output
 
 
 def _refresh_capacity_view(cluster: TwoNodeCluster) -> None:
