@@ -745,14 +745,12 @@ class ShardStream:
         if self.manifest.format == "npz":
             return self._eval_arrays(mine, batch_size)
 
-        def source(worker: int, num_workers: int) -> Iterator[dict[str, np.ndarray]]:
-            from training_core.loader import collate
-
+        def source(worker: int, num_workers: int) -> Iterator[list[dict[str, Any]]]:
             for index in mine[worker::num_workers]:
                 samples = self.read(index)
                 for start in range(0, len(samples), batch_size):
                     rows = range(start, min(start + batch_size, len(samples)))
-                    yield collate([samples.sample(row, epoch=0, train=False) for row in rows])
+                    yield [samples.sample(row, epoch=0, train=False) for row in rows]
 
         # Whole shards per process: evaluation order is not a contract, only that every sample is seen once.
         return loader_iter(

@@ -137,6 +137,23 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     return {name: np.stack([s[name] for s in samples]) for name in samples[0]}
 
 
+def shared_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`collate` into tensors whose memory is shared from the start: a tensor sent from a loader process
+    crosses through shared memory, and one built in private memory is copied there first (7-10% of a loader
+    process's time for 224 px images, ``benchmarks/data_loading.py``)."""
+    import torch
+
+    batch = {}
+    for name in samples[0]:
+        first = np.asarray(samples[0][name])
+        shape = (len(samples), *first.shape)
+        storage = torch.UntypedStorage._new_shared(int(np.prod(shape)) * first.dtype.itemsize)
+        out = torch.empty(0, dtype=torch.from_numpy(first.reshape(-1)[:0]).dtype).set_(storage).view(shape)
+        np.stack([s[name] for s in samples], out=out.numpy())
+        batch[name] = out
+    return batch
+
+
 @dataclass
 class TrainBatches:
     """Batches ``start_batch .. num_batches - 1`` of one rank's chunk; each loader process builds every
@@ -155,7 +172,8 @@ class TrainBatches:
             positions.extend(range(start, stop))
         return positions
 
-    def batches(self, worker: int = 0, num_processes: int = 1) -> Iterator[dict[str, np.ndarray]]:
+    def batches(self, worker: int = 0, num_processes: int = 1) -> Iterator[list[dict[str, Any]]]:
+        """The samples of batches ``worker, worker + num_processes, ...`` (a list per batch, to collate)."""
         current: tuple[int, ShardSamples] | None = None
         for batch in range(self.start_batch + worker, self.num_batches, num_processes):
             samples = []
@@ -164,7 +182,7 @@ class TrainBatches:
                 if current is None or current[0] != shard:
                     current = (shard, self.read(shard))  # one shard held at a time
                 samples.append(current[1].sample(row, epoch=self.order.epoch, train=True, seed=self.order.seed))
-            yield collate(samples)
+            yield samples
 
 
 def _iterable(source: Callable[[int, int], Iterator[Any]]):
@@ -173,17 +191,9 @@ def _iterable(source: Callable[[int, int], Iterator[Any]]):
     class _Batches(torch.utils.data.IterableDataset):
         def __iter__(self):
             info = torch.utils.data.get_worker_info()
-            return (_to_tensors(batch) for batch in source(info.id, info.num_workers))
+            return (shared_collate(samples) for samples in source(info.id, info.num_workers))
 
     return _Batches()
-
-
-def _to_tensors(batch: dict[str, np.ndarray]) -> dict[str, Any]:
-    # A tensor crosses to the training process through shared memory (written once, mapped there); a numpy array
-    # would be pickled through a pipe. This took 2-process loader scaling from 0.94 to 1.5 (benchmarks/data_loading).
-    import torch
-
-    return {name: torch.from_numpy(value) for name, value in batch.items()}
 
 
 def _as_built(batch: Any) -> Any:
@@ -199,11 +209,11 @@ def _to_arrays(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, np.ndarr
 def loader_iter(
     source: Callable[[int, int], Iterator[Any]], *, num_processes: int, prefetch_batches: int
 ) -> Iterator[Any]:
-    """``source(worker, num_workers)``'s batches, in ``num_processes`` loader processes (0: in this thread),
-    yielded in order: ``DataLoader`` takes one batch from each process in turn, and process ``w`` builds batches
-    ``w, w + n, ...``."""
+    """``source(worker, num_workers)``'s batches (each a list of samples), collated, in ``num_processes`` loader
+    processes (0: in this thread), yielded in order: ``DataLoader`` takes one batch from each process in turn, and
+    process ``w`` builds batches ``w, w + n, ...``."""
     if num_processes == 0:
-        return source(0, 1)
+        return (collate(samples) for samples in source(0, 1))
     import torch.utils.data
 
     loader = torch.utils.data.DataLoader(
