@@ -543,7 +543,7 @@ def _holds(fs: Any, path: str, payload: bytes, digest: str) -> bool:
         if fs.size(path) != len(payload):
             return False
         return hashlib.sha256(fs.cat_file(path)).hexdigest() == digest
-    except (FileNotFoundError, OSError):
+    except OSError:  # not there (FileNotFoundError), or unreadable: written again
         return False
 
 

@@ -78,7 +78,12 @@ def probe_allreduce(device: torch.device, world_size: int, *, iterations: int = 
 
 class WorkerRuntime(Protocol):
     """What the loop needs from the launcher that started its process group (Ray Train, or plain
-    ``torch.distributed`` for the parity baseline)."""
+    ``torch.distributed`` for the parity baseline).
+
+    The loop also uses these when a runtime has them (``RayTrainRuntime`` does; the others need not):
+    ``started_unix`` (the worker process's start, for the cost of a resume), ``nccl_debug_dir`` (where NCCL's INFO
+    log goes), ``preemption_notice()`` (Ray Train's notice that a node of the group is being preempted) and
+    ``run_on_main_thread`` (to install the SIGTERM handler from the loop's thread)."""
 
     rank: int
     world_size: int

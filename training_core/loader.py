@@ -147,8 +147,10 @@ def shared_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     for name in samples[0]:
         first = np.asarray(samples[0][name])
         shape = (len(samples), *first.shape)
+        dtype = torch.from_numpy(np.empty(0, dtype=first.dtype)).dtype
+        # What torch's own default_collate does in a loader process: a storage in shared memory, filled in place.
         storage = torch.UntypedStorage._new_shared(int(np.prod(shape)) * first.dtype.itemsize)
-        out = torch.empty(0, dtype=torch.from_numpy(first.reshape(-1)[:0]).dtype).set_(storage).view(shape)
+        out = torch.empty(0, dtype=dtype).set_(storage).view(shape)
         np.stack([s[name] for s in samples], out=out.numpy())
         batch[name] = out
     return batch
