@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,12 +58,6 @@ def _state(model_name: str):
         config=TrainingConfig().to_dict(),
     )
     return model, optimizer, meta
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_moto(port: int, log_path: str) -> subprocess.Popen:
@@ -227,7 +220,9 @@ def main() -> None:
                 stall_s.append(time.perf_counter() - start)
             async_checkpointer.wait()  # keep the write out of the next stall measurement
 
-        port = _free_port()
+        from training_core.launch import free_port
+
+        port = free_port()
         moto = _start_moto(port, os.path.join(workdir, "moto.log"))
         try:
             import boto3

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,17 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, start_ray  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_pushgateway(workdir: str) -> tuple[subprocess.Popen, str]:
     binary = shutil.which("prometheus-pushgateway")
     if binary is None:
         sys.exit("prometheus-pushgateway is not installed: run `make system-packages`")
-    port = _free_port()
+    from training_core.launch import free_port
+
+    port = free_port()
     process = subprocess.Popen(
         [binary, f"--web.listen-address=127.0.0.1:{port}", f"--persistence.file={workdir}/pushgateway.data"],
         stdout=subprocess.DEVNULL,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from training_core.launch import free_port
 from training_core.ray_settings import apply_process_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -43,18 +44,10 @@ tempfile.tempdir = None
 apply_process_env()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # The session's S3 endpoint (moto, started on demand by the ``s3_server`` fixture). Its address and test
 # credentials are in the environment before the Ray cluster starts, because Ray workers inherit the
 # environment of `ray start`, as pods on a cluster get theirs from the pod spec.
-S3_PORT = _free_port()
+S3_PORT = free_port()
 S3_ENDPOINT = f"http://127.0.0.1:{S3_PORT}"
 for _name, _value in {
     "AWS_ENDPOINT_URL": S3_ENDPOINT,

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import socket
 import tempfile
 from dataclasses import dataclass
@@ -136,11 +137,41 @@ def _worker_main(local_rank: int, spec: _Spec) -> None:
         runtime.close()
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (rank 0's store binds it moments later)."""
+def free_port(count: int = 1) -> int:
+    """The first of ``count`` consecutive TCP ports free on every interface now, for a server (rank 0's store, a
+    test's S3 or metrics server) that binds them moments later.
+
+    The ports are drawn below the kernel's ephemeral range. A port from ``bind(port=0)`` comes from that range, which
+    the kernel also draws outgoing connections' local ports from, so on a machine where Ray opens connections all
+    the time one can be taken between the pick and the bind (a CI run lost a metrics-endpoint test that way).
+    """
+    floor = _ephemeral_port_floor()
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(_LOWEST_PICKED_PORT, floor - count)
+        if all(_port_is_free(port) for port in range(first, first + count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free TCP ports in {_LOWEST_PICKED_PORT}-{floor}")
+
+
+_LOWEST_PICKED_PORT = 20000
+
+
+def _ephemeral_port_floor() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere, below IANA's 49152 too
+
+
+def _port_is_free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def _loopback_interface() -> str:

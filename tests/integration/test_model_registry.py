@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 import urllib.request
@@ -12,21 +11,16 @@ import pytest
 
 from tests.conftest import VENV_BIN
 from training_core.config import TrackingConfig
+from training_core.launch import free_port
 from training_core.tracking import register_and_promote
 
 MODEL = "gate-test-model"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow-server")
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     process = subprocess.Popen(
         [

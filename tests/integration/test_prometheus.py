@@ -10,7 +10,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -22,6 +21,7 @@ import yaml
 
 from training_core.config import DataConfig, TrainingConfig
 from training_core.data import Manifest, prepare
+from training_core.launch import free_port
 from training_core.telemetry.catalog import PUSHGATEWAY_JOB, STEP_DURATION_BUCKETS_S
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -38,12 +38,6 @@ def _prometheus_installed() -> None:
             "needs Debian's prometheus and prometheus-pushgateway: run `make system-packages` (make test does)",
             pytrace=False,
         )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_ready(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 30) -> None:
@@ -72,9 +66,9 @@ def _stop(process: subprocess.Popen) -> None:
 def prometheus_stack(session_root: Path, request):
     """A Pushgateway and a Prometheus that scrapes it every second (``honor_labels``: the pushed labels win) and
     evaluates the committed alert rules every second."""
-    root = session_root / f"prometheus-{_free_port()}"
+    root = session_root / f"prometheus-{free_port()}"
     root.mkdir()
-    gateway_port, prometheus_port = _free_port(), _free_port()
+    gateway_port, prometheus_port = free_port(), free_port()
     gateway_log = root / "pushgateway.log"
     gateway = subprocess.Popen(
         [
@@ -340,7 +334,7 @@ def test_a_cuda_oom_on_an_early_step_is_counted_pushed_unfinished_and_fires_the_
     import torch
 
     from training_core import loop
-    from training_core.launch import TorchDistributedRuntime, free_port
+    from training_core.launch import TorchDistributedRuntime
     from training_core.records import WorkerArgs
 
     data_dir = str(tmp_path / "data")

@@ -13,6 +13,7 @@ import pytest
 
 from training_core import checkpoint as ckpt
 from training_core.config import ObservabilityConfig, ScalingConfig, TrainingConfig
+from training_core.launch import free_port
 from training_core.telemetry import (
     GpuReading,
     HostReading,
@@ -40,12 +41,6 @@ RECORD = {
     "allreduce_fraction": 0.2,
     "epoch": 0.0,
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _telemetry(labels: JobLabels = LABELS, **cfg) -> PrometheusTelemetry:
@@ -288,7 +283,7 @@ def test_the_timeline_stays_bounded_and_spans_the_whole_run():
 
 
 def test_pushing_to_an_unreachable_gateway_warns_once_and_never_raises(caplog):
-    telemetry = _telemetry(pushgateway_url=f"http://127.0.0.1:{_free_port()}", push_timeout_s=1.0)
+    telemetry = _telemetry(pushgateway_url=f"http://127.0.0.1:{free_port()}", push_timeout_s=1.0)
     with caplog.at_level(logging.WARNING, logger="training_core"):
         assert telemetry.push() is False
         assert telemetry.push() is False
@@ -307,7 +302,7 @@ def test_nothing_is_pushed_without_a_url_and_disabled_observability_is_a_no_op()
 def test_the_http_endpoint_serves_this_ranks_metrics_on_port_plus_rank():
     import urllib.request
 
-    port = _free_port() - 1  # rank 1 serves port + 1
+    port = free_port(count=2)  # rank 1 serves port + 1
     telemetry = _telemetry(dataclasses.replace(LABELS, rank="1"), http_port=port)
     try:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/metrics", timeout=5).read().decode()
@@ -394,3 +389,15 @@ def test_checkpoint_meta_written_before_telemetry_existed_still_loads():
     }
     meta = ckpt.CheckpointMeta(**old)
     assert (meta.telemetry, meta.elapsed_s) == ({}, 0.0)
+
+
+def test_ports_picked_for_servers_are_free_consecutive_and_below_the_ephemeral_range():
+    from training_core.launch import _ephemeral_port_floor
+
+    floor = _ephemeral_port_floor()
+    for _ in range(20):
+        first = free_port(count=3)
+        assert 20000 <= first and first + 3 <= floor
+        with socket.socket() as a, socket.socket() as b, socket.socket() as c:
+            for s, port in zip((a, b, c), range(first, first + 3)):
+                s.bind(("0.0.0.0", port))
