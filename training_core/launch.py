@@ -15,10 +15,11 @@ import logging
 import os
 import random
 import socket
+import sys
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, NoReturn
 
 from training_core.config import TrainingConfig
 from training_core.records import EpochRecord, WorkerArgs
@@ -135,6 +136,23 @@ def _worker_main(local_rank: int, spec: _Spec) -> None:
         run_worker(spec.args, runtime)
     finally:
         runtime.close()
+    _exit_finished_rank()
+
+
+def _exit_finished_rank() -> NoReturn:
+    """End a rank whose work is done (records written, process group destroyed) without the interpreter's
+    finalization: torch's C++ threads can abort a finished rank there (a CI run saw rank 1 end with SIGABRT,
+    "terminate called without an active exception", after its last collective, failing a run that had succeeded).
+    What finalization would still do is done here: loader processes left are stopped, logs and streams flushed."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=5)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port(count: int = 1) -> int:
