@@ -7,13 +7,13 @@ in the task's own process). Both are cached by the same version.
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
-from flytekit import Cache, FlyteContextManager, Resources, current_context, dynamic, task
+from flytekit import Cache, FlyteContextManager, Resources, dynamic, task
 from flytekit.types.directory import FlyteDirectory
 
-from tasks.artifacts import read_attempt_record, tracked_directory, write_attempt_record
+from tasks.artifacts import read_attempt_record, write_attempt_record
+from tasks.logs import show_task_logs
 from tasks.ray_config import prep_ray_job_config
 from tasks.types import PreparedData
 from training_core.config import DataConfig, WorkloadConfig
@@ -26,7 +26,7 @@ PREPARE_DATA_CACHE_VERSION = "4"
 PREP_TASK_ARGS = {
     "cache": Cache(version=PREPARE_DATA_CACHE_VERSION),
     "retries": 2,
-    "interruptible": True,  # idempotent and cached: a preempted attempt is redone (on Ray: only its missing shards)
+    "interruptible": True,  # idempotent and cached: a preempted attempt is redone (only its missing shards)
     "requests": Resources(cpu="1", mem="2Gi"),
     "limits": Resources(cpu="2", mem="8Gi"),
 }
@@ -35,15 +35,16 @@ PREP_TASK_ARGS = {
 @task(timeout=timedelta(hours=2), **PREP_TASK_ARGS)
 def prepare_data(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()) -> PreparedData:
     """Read the dataset, split it into train/val/test and write each split as shards plus a manifest, in this
-    task's process (digits, synthetic, text and user datasets).
+    task's process (digits, synthetic, text and user datasets), straight to the run's raw-output location (s3://
+    on a cluster). A retry writes into its predecessor's directory and rewrites only the shard files that are
+    missing or hold other bytes.
 
     :param config: Which dataset, where its raw files are, split fractions, shard count, image size or text
         tokenizer and sequence length. Outputs are cached per distinct config and workload.
     :param workload: Which workload prepares the data: a built-in (image_classification, causal_lm) or user code.
     :return: The shard directory and the manifest's split counts, classes and input shape.
     """
-    out_dir = os.path.join(current_context().working_directory, "prepared")
-    return _prepared(config, workload, out_dir, tracked_directory(out_dir))
+    return _prepared(config, workload, _attempt_directory())
 
 
 # The default config's RayJob; ``prepare`` overrides it with the launched config's.
@@ -58,22 +59,28 @@ def prepare_images_on_ray(config: DataConfig, workload: WorkloadConfig = Workloa
     :param workload: The built-in image workload (user datasets go to ``prepare_data``).
     :return: The shard directory and the manifest's split counts, classes and input shape.
     """
+    return _prepared(config, workload, _attempt_directory())
+
+
+def _attempt_directory() -> str:
+    """Where this attempt writes its shards: its predecessor's directory on a retry (Flyte hands it the previous
+    attempt's record), else a fresh one under the run's raw-output location, recorded for the next attempt."""
     previous = read_attempt_record()
     if previous:
-        out_dir = previous["out_dir"]
-    else:
-        out_dir = FlyteContextManager.current_context().file_access.get_random_remote_directory()
-        write_attempt_record({"out_dir": out_dir})
-    # Already where Flyte keeps outputs (the raw-output location): passed on as it is, never copied.
-    return _prepared(config, workload, out_dir, FlyteDirectory(out_dir, remote_directory=False))
+        return previous["out_dir"]
+    out_dir = FlyteContextManager.current_context().file_access.get_random_remote_directory()
+    write_attempt_record({"out_dir": out_dir})
+    return out_dir
 
 
-def _prepared(config: DataConfig, workload: WorkloadConfig, out_dir: str, directory: FlyteDirectory) -> PreparedData:
+def _prepared(config: DataConfig, workload: WorkloadConfig, out_dir: str) -> PreparedData:
     from training_core.workloads import resolve_workload
 
+    show_task_logs()
     manifest = resolve_workload(workload).prepare_data(config, out_dir)
     return PreparedData(
-        directory=directory,
+        # Already where Flyte keeps outputs (the raw-output location): passed on as it is, never copied.
+        directory=FlyteDirectory(out_dir, remote_directory=False),
         workload=manifest.workload,
         dataset=manifest.dataset,
         num_classes=manifest.num_classes,

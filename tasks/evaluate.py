@@ -9,6 +9,7 @@ from datetime import timedelta
 from flytekit import Resources, current_context, task
 
 from tasks.artifacts import artifact_location, checkpoint_storage_path, publish_report
+from tasks.logs import show_task_logs
 from tasks.ray_config import ray_job_config
 from tasks.train import RAY_DRIVER_TASK_ARGS
 from tasks.types import Evaluation, PreparedData, TrainedModel
@@ -34,6 +35,7 @@ def evaluate(data: PreparedData, model: TrainedModel) -> Evaluation:
     """
     from training_core.evaluation import evaluate_checkpoint
 
+    show_task_logs()
     # The test split's shards are read where prep stored them (s3:// on a cluster, through the bounded shard cache),
     # not downloaded with every other split.
     result = evaluate_checkpoint(model.checkpoint.download(), artifact_location(data.directory), split="test")
@@ -53,6 +55,7 @@ def evaluate_on_ray(config: TrainingConfig, data: PreparedData, model: TrainedMo
     """
     from training_core.evaluation import evaluate_on_cluster
 
+    show_task_logs()
     ctx = current_context()
     result = evaluate_on_cluster(
         artifact_location(model.checkpoint),

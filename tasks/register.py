@@ -7,6 +7,7 @@ from datetime import timedelta
 from flytekit import Resources, task
 
 from tasks.artifacts import artifact_location, local_deck_path
+from tasks.logs import show_task_logs
 from tasks.types import Evaluation, Registration, TrainedModel
 from training_core.config import TrackingConfig
 from training_core.redact import redact
@@ -34,6 +35,7 @@ def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Ev
     from training_core.evaluation import require_finite
     from training_core.tracking import register_and_promote, ui_command
 
+    show_task_logs()
     test, train = evaluation.metrics, model.metrics
     require_finite(
         {

@@ -21,10 +21,11 @@ from tasks.artifacts import (
     tracked_directory,
     write_attempt_record,
 )
+from tasks.logs import show_task_logs
 from tasks.ray_config import ray_job_config
 from tasks.types import PreparedData, TrainedModel, TrainMetrics
 from training_core.config import ScalingConfig, TrainingConfig
-from training_core.redact import install_log_redaction, redact
+from training_core.redact import redact
 
 # The RayJob's shape is fixed when the task is declared; it follows the default ScalingConfig. A run
 # with other worker counts or sizes gets a matching RayJob via ``train.with_overrides(task_config=
@@ -76,7 +77,7 @@ def run_training(config: TrainingConfig, data: PreparedData, resume_from: Option
     from training_core.records import MlflowRun
     from training_core.trainer import fit
 
-    install_log_redaction()
+    show_task_logs()
     ctx = current_context()
     # Workers read shards from where Flyte stored them (a local path here, s3:// on a cluster).
     data_dir = artifact_location(data.directory)

@@ -3,7 +3,8 @@
 Attempt 1 runs the train task with ``--checkpoint-path A1``; a Ray Train worker is SIGKILLed after some
 checkpoints, with no in-job restarts left, so the task fails. Attempt 2 runs with ``--checkpoint-path A2
 --prev-checkpoint A1``, as propeller would, and must resume from attempt 1's latest step. The same for image prep on
-Ray: attempt 1's pod is killed half way, and attempt 2 writes only the shards attempt 1 did not finish.
+Ray: attempt 1's pod is killed half way, and attempt 2 writes only the shards attempt 1 did not finish; and for text
+prep in its own pod, whose retry rewrites only the shard files it lacks (its pod log says how many).
 """
 
 from __future__ import annotations
@@ -211,3 +212,46 @@ def test_a_prep_attempt_killed_half_way_is_retried_into_its_directory_and_writes
     shards = [directory / s.file for split in manifest.splits.values() for s in split.shards]
     assert set(shards) >= finished and sum(manifest.split_counts().values()) == 240
     assert all(path.stat().st_mtime_ns == stamp for path, stamp in stamps.items()), "a finished shard was rewritten"
+
+
+def test_a_text_prep_retry_writes_into_its_predecessors_directory_and_only_the_shards_it_lacks(
+    tmp_path, subprocess_env
+):
+    """``prepare_data`` (text, digits, user datasets) retried: attempt 1 ends, and its directory is left as a kill
+    half way leaves it (no manifest, a shard missing, one cut short); attempt 2, given attempt 1's intra-task
+    checkpoint, writes there and rewrites those two files alone."""
+    import hashlib
+
+    from tasks.types import PreparedData
+    from training_core.config import DataConfig, WorkloadConfig
+    from training_core.data import MANIFEST_NAME, Manifest
+
+    config = DataConfig(dataset="stdlib", max_text_bytes=200_000, seq_len=32, num_shards=6)
+    _write_literals(
+        tmp_path / "inputs.pb",
+        {"config": config, "workload": WorkloadConfig(name="causal_lm")},
+        {"config": DataConfig, "workload": WorkloadConfig},
+    )
+    env = dict(subprocess_env, PYTHONPATH=str(REPO_ROOT))
+    task = ("tasks.data", "prepare_data")
+
+    first = _execute(tmp_path, 1, env, prev='""', task=task)
+    assert first.wait(timeout=300) == 0, (tmp_path / "attempt1.log").read_text()[-4000:]
+    directory = Path(_output(tmp_path / "out1", PreparedData).directory.path)
+    assert directory.is_relative_to(tmp_path / "raw"), "prep writes straight to the raw-output location"
+    shards = {
+        directory / s.file: s.sha256 for split in Manifest.load(str(directory)).splits.values() for s in split.shards
+    }
+    files = sorted(shards)
+    missing, cut = files[1], files[-1]
+    (directory / MANIFEST_NAME).unlink()
+    missing.unlink()
+    cut.write_bytes(cut.read_bytes()[:100])
+    stamps = {path: path.stat().st_mtime_ns for path in files if path not in (missing, cut)}
+
+    second = _execute(tmp_path, 2, env, prev=str(tmp_path / "A1"), task=task)
+    assert second.wait(timeout=300) == 0, (tmp_path / "attempt2.log").read_text()[-4000:]
+    assert Path(_output(tmp_path / "out2", PreparedData).directory.path) == directory
+    assert all(path.stat().st_mtime_ns == stamp for path, stamp in stamps.items()), "a whole shard was rewritten"
+    assert {path: hashlib.sha256(path.read_bytes()).hexdigest() for path in files} == shards
+    assert "wrote 2 of %d shards" % len(files) in (tmp_path / "attempt2.log").read_text()
