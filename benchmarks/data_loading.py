@@ -1,6 +1,7 @@
 """Data at scale, measured side by side in one run: prep on Ray Data with 1 and 2 workers, prep memory for ten
-times the images, and the loader's throughput with 1 and 2 processes (224 px JPEGs, the training augmentation)
-against what a ResNet-50 training step consumes on the same machine.
+times the images, text prep (a BPE tokenizer) on 1 and 2 CPUs, and the loader's throughput with 1 and 2
+processes (224 px JPEGs, the training augmentation) against what a ResNet-50 training step consumes on the same
+machine.
 
     RAY_AUTH_MODE=disabled .venv/bin/python benchmarks/data_loading.py
 
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import emit, start_ray  # noqa: E402
 
 LOADER_ROUNDS = 5
+TEXT_ROUNDS = 3
 
 
 def make_tree(root: Path, *, images: int, side: int, classes: int = 4, seed: int = 0) -> Path:
@@ -55,6 +57,58 @@ def prep_seconds(tree: Path, out: Path, *, image_size: int, num_shards: int, num
     start = time.perf_counter()
     prep = prepare_images(cfg, str(out))
     return time.perf_counter() - start, prep
+
+
+TEXT_PREP = """
+import sys, time
+from training_core.config import DataConfig
+from training_core.workloads.causal_lm import CausalLM
+
+text_bytes, tokenizer, threads, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+cfg = DataConfig(
+    dataset="stdlib", max_text_bytes=text_bytes, tokenizer=tokenizer, seq_len=256, num_shards=16,
+    prep_num_workers=threads,
+)
+start = time.perf_counter()
+CausalLM().prepare_data(cfg, out)
+print(time.perf_counter() - start)
+"""
+
+
+def bpe_tokenizer(path: Path, *, vocab_size: int) -> Path:
+    """A byte-level BPE ``tokenizer.json`` trained on 1 MB of the standard library (GPT-2's kind of tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from training_core import text
+
+    root = Path(text.stdlib_root())
+    sample, files = [], iter(text.stdlib_files())
+    while sum(map(len, sample)) < 1_000_000:
+        sample.append((root / next(files)).read_text(errors="replace"))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(sample, trainer)
+    path.write_text(tokenizer.to_str())
+    return path
+
+
+def text_prep_seconds(work: Path, *, tokenizer: Path, text_bytes: int, threads: int) -> float:
+    """Wall seconds of a whole text prep (read, tokenise, split, pack, write) of ``text_bytes`` of the standard
+    library with ``data.prep_num_workers=threads``, in a fresh process (the tokenizer's thread pool is sized once
+    per process)."""
+    import os
+    import subprocess
+
+    out = work / f"text-{threads}"
+    shutil.rmtree(out, ignore_errors=True)
+    env = {k: v for k, v in os.environ.items() if k != "RAYON_NUM_THREADS"}
+    args = [sys.executable, "-c", TEXT_PREP, str(text_bytes), str(tokenizer), str(threads), str(out)]
+    result = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
+    return float(result.stdout.strip().splitlines()[-1])
 
 
 def loader_samples_per_s(manifest, *, processes: int, batch_size: int, num_batches: int) -> float:
@@ -137,14 +191,25 @@ def main() -> None:
         default=4000,
         help="224 px JPEGs for the loader timings (an epoch of several seconds: a window of a few batches is noise)",
     )
+    parser.add_argument("--text-bytes", type=int, default=8_000_000, help="text of the standard library to prepare")
     parser.add_argument("--cpus", type=int, default=2)
     args = parser.parse_args()
-    start_ray(num_cpus=args.cpus)
-    from training_core.data import Manifest
-    from training_core.workloads.image import ImageClassification
-
     work = Path(tempfile.mkdtemp(prefix="data-loading-"))
     try:
+        # Text prep first, with no Ray cluster on the machine, as in its own pod (prepare_data).
+        tokenizer = bpe_tokenizer(work / "tokenizer.json", vocab_size=8192)
+        text_s: dict[int, list[float]] = {1: [], 2: []}
+        for round_index in range(TEXT_ROUNDS):
+            for threads in (1, 2) if round_index % 2 == 0 else (2, 1):
+                text_s[threads].append(
+                    text_prep_seconds(work, tokenizer=tokenizer, text_bytes=args.text_bytes, threads=threads)
+                )
+        text_prep = {threads: float(np.median(values)) for threads, values in text_s.items()}
+
+        start_ray(num_cpus=args.cpus)
+        from training_core.data import Manifest
+        from training_core.workloads.image import ImageClassification
+
         tree = make_tree(work / "jpegs", images=args.images, side=256)
         prep_s = {}
         for workers in (1, 2):
@@ -194,6 +259,10 @@ def main() -> None:
             "prep_rss_bytes_1x": rss[0],
             "prep_rss_bytes_10x": rss[1],
             "prep_rss_ratio_10x": round(rss[1] / rss[0], 3),
+            "text_bytes": args.text_bytes,
+            "text_prep_mb_per_s_1": round(args.text_bytes / 1e6 / text_prep[1], 2),
+            "text_prep_mb_per_s_2": round(args.text_bytes / 1e6 / text_prep[2], 2),
+            "text_prep_efficiency_2": round(text_prep[1] / text_prep[2] / 2, 3),
             "cpus": args.cpus,
         }
     finally:

@@ -14,7 +14,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from tasks.artifacts import read_attempt_record, write_attempt_record
 from tasks.logs import show_task_logs
-from tasks.ray_config import prep_ray_job_config
+from tasks.ray_config import prep_ray_job_config, text_prep_resources
 from tasks.types import PreparedData
 from training_core.config import DataConfig, WorkloadConfig
 
@@ -108,4 +108,10 @@ def prepare(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()) -> 
         return prepare_images_on_ray(config=config, workload=workload).with_overrides(
             task_config=prep_ray_job_config(config)
         )
+    from training_core.workloads.causal_lm import CausalLM
+
+    if workload.name == CausalLM.name:
+        # Tokenising runs in the tokenizer's threads, one per CPU of this pod (training_core.text.tokenizer_threads).
+        resources = text_prep_resources(config)
+        return prepare_data(config=config, workload=workload).with_overrides(requests=resources, limits=resources)
     return prepare_data(config=config, workload=workload)

@@ -132,6 +132,12 @@ def ray_job_config(scaling: ScalingConfig) -> TrainingRayJobConfig:
     )
 
 
+def text_prep_resources(data: DataConfig) -> Resources:
+    """The pod of a text prep (``prepare_data`` for ``causal_lm``): ``data.prep_num_workers`` CPUs, on which the
+    tokenizer encodes in parallel threads, and ``data.prep_memory_per_worker_gib``; requests equal limits."""
+    return Resources(cpu=str(data.prep_num_workers), mem=_gib(data.prep_memory_per_worker_gib))
+
+
 def prep_ray_job_config(data: DataConfig) -> TrainingRayJobConfig:
     """The prep task's RayJob: one 1-CPU pod of ``data.prep_memory_per_worker_gib`` per ``data.prep_num_workers``
     (each runs one shard task at a time), and a head that runs the driver (listing the source, small results)."""

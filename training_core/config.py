@@ -246,12 +246,14 @@ class DataConfig:
 
     prep_num_workers: int = 2
     """Image sources (``cifar10``, ``image_folder``): shard tasks prep runs at once on the Ray cluster (Ray Data),
-    one CPU each; the prep task's RayJob is sized from it."""
+    one CPU each; the prep task's RayJob is sized from it. Text (``causal_lm``): the prep pod's CPUs, and the
+    tokenizer's threads on them."""
 
     prep_memory_per_worker_gib: float = 4.0
     """Image sources on a cluster: memory of each prep worker pod of the prep task's RayJob (one per
     ``prep_num_workers``, 1 CPU each), GiB. A shard task holds one shard's encoded images twice (read, then written),
-    so it needs at least twice the largest shard; raise ``data.num_shards`` or this when a prep worker runs out."""
+    so it needs at least twice the largest shard; raise ``data.num_shards`` or this when a prep worker runs out.
+    Text (``causal_lm``): the prep pod's memory, GiB."""
 
     loader_num_workers: int = 2
     """Loader processes per training worker that read, decode and augment encoded images (Parquet shards) ahead of

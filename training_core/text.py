@@ -111,6 +111,15 @@ class TextTokenizer:
         return self.backend().decode(ids, skip_special_tokens=False)
 
 
+def tokenizer_threads(count: int) -> None:
+    """Encode with ``count`` threads in this process (``data.prep_num_workers``: the prep pod's CPUs).
+
+    ``tokenizers`` encodes a batch in the thread pool of Rust's rayon, sized once per process at its first use from
+    ``RAYON_NUM_THREADS``, else from the machine's cores: in a pod, those of the node, not the CPUs the pod may
+    use (a 4-CPU pod on a 96-core node would run 96 threads). A value already in the environment wins."""
+    os.environ.setdefault("RAYON_NUM_THREADS", str(count))
+
+
 def byte_tokenizer() -> TextTokenizer:
     return TextTokenizer(kind=BYTE, vocab_size=BYTE_VOCAB_SIZE, eot_id=BYTE_EOT_ID)
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 from flytekit import FlyteFile
+from flytekit.models.task import Resources as _Resources
 from flytekit.types.directory import FlyteDirectory
 
 from tasks.data import prepare, prepare_data, prepare_images_on_ray
@@ -298,6 +300,27 @@ def test_other_sources_prepare_in_their_own_pod_without_a_ray_cluster(data, work
     (node,) = spec.nodes
     assert node.task_node.reference_id.name == prepare_data.name
     assert not [t for t in spec.tasks if t.type == "ray"]
+
+
+def test_a_text_prep_pod_gets_the_configured_cpus_and_memory_and_tokenises_on_that_many_threads():
+    from training_core.text import tokenizer_threads
+
+    data = DataConfig(dataset="text", path="s3://b/corpus", prep_num_workers=6, prep_memory_per_worker_gib=12.0)
+    spec = compile_dynamic(prepare, {"config": data, "workload": WorkloadConfig(name="causal_lm")})
+    (node,) = spec.nodes
+    assert node.task_node.reference_id.name == prepare_data.name
+    resources = node.task_node.overrides.resources
+    assert {r.name: r.value for r in resources.requests} == {r.name: r.value for r in resources.limits}
+    assert {r.name: r.value for r in resources.requests} == {
+        _Resources.ResourceName.CPU: "6",
+        _Resources.ResourceName.MEMORY: "12288Mi",
+    }
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("RAYON_NUM_THREADS", raising=False)
+        tokenizer_threads(data.prep_num_workers)
+        assert os.environ["RAYON_NUM_THREADS"] == "6"
+        tokenizer_threads(3)  # a value already set wins
+        assert os.environ["RAYON_NUM_THREADS"] == "6"
 
 
 def test_a_missing_image_source_fails_the_compile_before_any_rayjob(tmp_path):

@@ -52,6 +52,7 @@ from training_core.text import (
     spill_tokens,
     split_documents,
     tokenizer_from_description,
+    tokenizer_threads,
 )
 from training_core.workloads import LossOutput, call_user, load_attribute, mean_of, to_device_async
 from training_core.workloads.image import user_model
@@ -135,6 +136,7 @@ class CausalLM:
         tokenised (4 bytes a token, removed at the end), and each shard's sequences are cut from it when written."""
         import tempfile
 
+        tokenizer_threads(data.prep_num_workers)
         tokenizer = load_tokenizer(data.tokenizer)
         stats = SourceStats()
         if self.dataset_source is None:
