@@ -198,3 +198,19 @@ class TwoNodeCluster:
         for node in reversed(self.nodes):
             if node.poll() is None:
                 self._kill(node)
+
+
+def train_bpe_tokenizer(path: Path, texts: list[str], *, vocab_size: int) -> Path:
+    """A byte-level BPE ``tokenizer.json`` (GPT-2's kind, ``<|endoftext|>`` as id 0) trained on ``texts``, written
+    to ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    path.write_text(tokenizer.to_str())
+    return path

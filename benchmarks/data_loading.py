@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import emit, start_ray  # noqa: E402
+from benchmarks.common import emit, start_ray, train_bpe_tokenizer  # noqa: E402
 
 LOADER_ROUNDS = 5
 TEXT_ROUNDS = 3
@@ -77,23 +77,13 @@ print(time.perf_counter() - start)
 
 def bpe_tokenizer(path: Path, *, vocab_size: int) -> Path:
     """A byte-level BPE ``tokenizer.json`` trained on 1 MB of the standard library (GPT-2's kind of tokenizer)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from training_core import text
 
     root = Path(text.stdlib_root())
     sample, files = [], iter(text.stdlib_files())
     while sum(map(len, sample)) < 1_000_000:
         sample.append((root / next(files)).read_text(errors="replace"))
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator(sample, trainer)
-    path.write_text(tokenizer.to_str())
-    return path
+    return train_bpe_tokenizer(path, sample, vocab_size=vocab_size)
 
 
 def text_prep_seconds(work: Path, *, tokenizer: Path, text_bytes: int, threads: int) -> float:

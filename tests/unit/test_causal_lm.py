@@ -64,19 +64,12 @@ def stdlib_manifest(tmp_path_factory) -> Manifest:
 @pytest.fixture(scope="module")
 def bpe_tokenizer_path(tmp_path_factory) -> Path:
     """A byte-level BPE tokenizer.json trained here on a few KB of the standard library."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from benchmarks.common import train_bpe_tokenizer
 
     sample = "".join((Path(text.stdlib_root()) / name).read_text() for name in ("abc.py", "bisect.py", "copy.py"))
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    return train_bpe_tokenizer(
+        tmp_path_factory.mktemp("tokenizer") / "tokenizer.json", [sample[:20_000]], vocab_size=400
     )
-    tokenizer.train_from_iterator([sample[:20_000]], trainer)
-    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
-    path.write_text(tokenizer.to_str())
-    return path
 
 
 # ------------------------------------------------------------------------------------------------ data prep
