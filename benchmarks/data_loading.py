@@ -1,7 +1,8 @@
 """Data at scale, measured side by side in one run: prep on Ray Data with 1 and 2 workers, prep memory for ten
 times the images, text prep (a BPE tokenizer) on 1 and 2 CPUs, and the loader's throughput with 1 and 2
 processes (224 px JPEGs, the training augmentation) against what a ResNet-50 training step consumes on the same
-machine.
+machine, and beside it the machine's ceiling for that scaling: 1 and 2 independent processes that only decode and
+augment (``loader_ceiling_2``).
 
     RAY_AUTH_MODE=disabled .venv/bin/python benchmarks/data_loading.py
 
@@ -111,6 +112,38 @@ def loader_samples_per_s(manifest, *, processes: int, batch_size: int, num_batch
     start = time.perf_counter()
     count = sum(len(b["labels"]) for b in batches)
     return count / (time.perf_counter() - start)
+
+
+def _decode_samples(shard_samples, count: int, rates) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # as in a DataLoader process: the parent's OpenMP pool does not survive the fork
+    start = time.perf_counter()
+    for i in range(count):
+        shard_samples.sample(i % len(shard_samples), epoch=0, train=True, seed=0)
+    rates.put(count / (time.perf_counter() - start))
+
+
+def decode_samples_per_s(manifest, *, processes: int, count: int) -> float:
+    """The machine's ceiling for the loader: ``processes`` independent processes that only decode and augment
+    samples of one shard (no batching, no transfer), forked with the decoders imported, their rates summed."""
+    import multiprocessing
+
+    from training_core.config import DataConfig
+    from training_core.image_shards import EncodedImages, import_decoders
+
+    import_decoders()
+    shard_samples = EncodedImages.read(manifest, manifest.splits["train"].shards[0], DataConfig())
+    shard_samples.sample(0, epoch=0, train=True)  # builds the transforms before the fork
+    context = multiprocessing.get_context("fork")
+    rates = context.Queue()
+    workers = [context.Process(target=_decode_samples, args=(shard_samples, count, rates)) for _ in range(processes)]
+    for worker in workers:
+        worker.start()
+    total = sum(rates.get() for _ in workers)
+    for worker in workers:
+        worker.join()
+    return total
 
 
 def resnet50_images_per_s(*, batch_size: int, steps: int, threads: int) -> float:
@@ -223,11 +256,14 @@ def main() -> None:
         # Rounds in alternating order; the medians of each count's rates and of the per-round ratios (this shared
         # machine's throughput drifts by tens of percent between seconds).
         rates: dict[int, list[float]] = {1: [], 2: []}
-        ratios = []
+        decode: dict[int, list[float]] = {1: [], 2: []}
+        ratios, ceilings = [], []
         for round_index in range(LOADER_ROUNDS):
             for p in (1, 2) if round_index % 2 == 0 else (2, 1):
                 rates[p].append(loader_samples_per_s(manifest, processes=p, batch_size=32, num_batches=num_batches))
+                decode[p].append(decode_samples_per_s(manifest, processes=p, count=1000))
             ratios.append(rates[2][-1] / rates[1][-1])
+            ceilings.append(decode[2][-1] / decode[1][-1])
         loader = {p: float(np.median(values)) for p, values in rates.items()}
         model = resnet50_images_per_s(batch_size=16, steps=3, threads=args.cpus)
         waits = fit_data_wait(tree, work, image_size=64, epochs=2)
@@ -238,6 +274,9 @@ def main() -> None:
             "loader_samples_per_s_2": round(loader[2], 1),
             "loader_scaling_2": round(float(np.median(ratios)), 3),
             "loader_scaling_2_rounds": [round(r, 3) for r in ratios],
+            "decode_samples_per_s_1": round(float(np.median(decode[1])), 1),
+            "loader_ceiling_2": round(float(np.median(ceilings)), 3),
+            "loader_ceiling_2_rounds": [round(r, 3) for r in ceilings],
             "resnet50_train_images_per_s": round(model, 2),
             "consumption_ratio": round(loader[2] / model, 2),
             "data_wait_fraction": round(waits["data_wait_fraction"], 4),

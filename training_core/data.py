@@ -732,9 +732,15 @@ class ShardStream:
         )
 
     def _loader_processes(self) -> int:
+        """Loader processes to fork, with what they import already imported here."""
         # An npz shard holds decoded arrays: a loader process would only copy them through shared memory, and
         # forking one per epoch costs more than the copy saves on small data.
-        return self.data.loader_num_workers if self.manifest.format == "parquet" else 0
+        if self.manifest.format != "parquet" or not self.data.loader_num_workers:
+            return 0
+        from training_core.image_shards import import_decoders
+
+        import_decoders()
+        return self.data.loader_num_workers
 
     def eval_batches(self, *, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
         """Every sample of this rank's shards once, in stored order; the last batch of each shard may be short."""

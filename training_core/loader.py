@@ -137,20 +137,28 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     return {name: np.stack([s[name] for s in samples]) for name in samples[0]}
 
 
+SHARED_MIN_BYTES = 64 * 1024
+"""A batch field at least this large crosses from a loader process through shared memory; a smaller one (labels,
+sample ids) is pickled with the batch, which costs less than passing one more file descriptor."""
+
+
 def shared_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """:func:`collate` into tensors whose memory is shared from the start: a tensor sent from a loader process
-    crosses through shared memory, and one built in private memory is copied there first (7-10% of a loader
-    process's time for 224 px images, ``benchmarks/data_loading.py``)."""
+    """:func:`collate` with each large field stacked straight into shared memory: a tensor sent from a loader
+    process crosses through shared memory, and one built in private memory is copied there first (7-10% of a
+    loader process's time for 224 px images, ``benchmarks/data_loading.py``). Small fields stay numpy arrays."""
     import torch
 
     batch = {}
     for name in samples[0]:
         first = np.asarray(samples[0][name])
         shape = (len(samples), *first.shape)
+        nbytes = int(np.prod(shape)) * first.dtype.itemsize
+        if nbytes < SHARED_MIN_BYTES:
+            batch[name] = np.stack([s[name] for s in samples])
+            continue
         dtype = torch.from_numpy(np.empty(0, dtype=first.dtype)).dtype
         # What torch's own default_collate does in a loader process: a storage in shared memory, filled in place.
-        storage = torch.UntypedStorage._new_shared(int(np.prod(shape)) * first.dtype.itemsize)
-        out = torch.empty(0, dtype=dtype).set_(storage).view(shape)
+        out = torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes)).view(shape)
         np.stack([s[name] for s in samples], out=out.numpy())
         batch[name] = out
     return batch
@@ -205,7 +213,7 @@ def _as_built(batch: Any) -> Any:
 def _to_arrays(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, np.ndarray]]:
     # Batches stay numpy for the step: a workload's ``to_device`` takes arrays. ``.numpy()`` shares the memory.
     for batch in batches:
-        yield {name: value.numpy() for name, value in batch.items()}
+        yield {name: value if isinstance(value, np.ndarray) else value.numpy() for name, value in batch.items()}
 
 
 def loader_iter(
