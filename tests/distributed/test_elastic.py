@@ -192,8 +192,10 @@ def test_a_preemption_notice_from_ray_saves_the_step_and_the_run_goes_on_without
     _refresh_capacity_view(two_nodes)
     tree = write_jpegs(tmp_path / "images", per_class=120, side=16)
     config = _config(tree)
-    # The notice is read at log steps; three epochs leave the watcher seconds to see the drain before the run ends.
-    config["loop"].update(epochs=3, log_interval_steps=1)
+    # The notice is read at log steps. The drain comes after the first epoch; five more leave the watcher (1 s polls)
+    # seconds to see it before the run ends, where an epoch of this tiny model takes well under a second.
+    epochs = 6
+    config["loop"].update(epochs=epochs, log_interval_steps=1)
     # No interval checkpoint: a resume can only come from the just-in-time one.
     config["checkpoint"]["interval_steps"] = 10_000
     data_dir = str(tmp_path / "prepared")
@@ -219,8 +221,8 @@ def test_a_preemption_notice_from_ray_saves_the_step_and_the_run_goes_on_without
     # The last step the 2-worker group logged is the step the run resumed from: nothing computed twice.
     before_restart = output.split("resumed from", 1)[0]
     last_logged = max(int(step) for step in re.findall(r"\[rank 0\] step=(\d+) epoch=", before_restart))
-    assert resumed_from == last_logged and 0 < resumed_from < 3 * steps_per_epoch
+    assert resumed_from == last_logged and 0 < resumed_from < epochs * steps_per_epoch
     assert "Ray Train's notice that its node is being preempted" in output
     assert f"preempted: checkpoint of step {resumed_from} saved" in output
-    assert result["global_step"] == 3 * steps_per_epoch
+    assert result["global_step"] == epochs * steps_per_epoch
     print(f"notice to the first step on the remaining worker: {timing['first_step_unix'] - drained_unix:.1f} s")
