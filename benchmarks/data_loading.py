@@ -1,5 +1,6 @@
-"""Data at scale, measured side by side in one run: prep on Ray Data with 1 and 2 workers, prep memory for ten
-times the images, text prep (a BPE tokenizer) on 1 and 2 CPUs, and the loader's throughput with 1 and 2
+"""Data at scale, measured side by side in one run: image prep in 1 and 2 Ray tasks at a time, prep memory for ten
+times the images, text prep (a BPE tokenizer) in 1 and 2 Ray tasks at a time (``text_prep_efficiency_2``) and in
+1 and 2 tokenizer threads without Ray (``text_prep_threads_efficiency_2``), and the loader's throughput with 1 and 2
 processes (224 px JPEGs, the training augmentation) against what a ResNet-50 training step consumes on the same
 machine, and beside it the machine's ceiling for that scaling: 1 and 2 independent processes that only decode and
 augment (``loader_ceiling_2``).
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -26,6 +28,17 @@ from benchmarks.common import emit, start_ray, train_bpe_tokenizer  # noqa: E402
 
 LOADER_ROUNDS = 5
 TEXT_ROUNDS = 3
+PREP_ROUNDS = 3
+
+
+def alternating_medians(seconds: Callable[[int], float], *, rounds: int) -> dict[int, float]:
+    """The median of ``seconds(1)`` and of ``seconds(2)`` over ``rounds`` rounds, run in alternating order (this
+    shared machine's throughput drifts by tens of percent between seconds)."""
+    values: dict[int, list[float]] = {1: [], 2: []}
+    for round_index in range(rounds):
+        for count in (1, 2) if round_index % 2 == 0 else (2, 1):
+            values[count].append(seconds(count))
+    return {count: float(np.median(times)) for count, times in values.items()}
 
 
 def make_tree(root: Path, *, images: int, side: int, classes: int = 4, seed: int = 0) -> Path:
@@ -100,6 +113,27 @@ def text_prep_seconds(work: Path, *, tokenizer: Path, text_bytes: int, threads: 
     args = [sys.executable, "-c", TEXT_PREP, str(text_bytes), str(tokenizer), str(threads), str(out)]
     result = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
     return float(result.stdout.strip().splitlines()[-1])
+
+
+def ray_text_prep_seconds(work: Path, *, tokenizer: Path, text_bytes: int, workers: int) -> float:
+    """Wall seconds of the same text prep connected to the Ray cluster, as ``prepare_on_ray`` runs it: the ids
+    encoded in Ray tasks, ``workers`` at a time, read, spilled and packed here."""
+    from training_core.config import DataConfig
+    from training_core.workloads.causal_lm import CausalLM
+
+    out = work / f"ray-text-{workers}"
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = DataConfig(
+        dataset="stdlib",
+        max_text_bytes=text_bytes,
+        tokenizer=str(tokenizer),
+        seq_len=256,
+        num_shards=16,
+        prep_num_workers=workers,
+    )
+    start = time.perf_counter()
+    CausalLM().prepare_data(cfg, str(out))
+    return time.perf_counter() - start
 
 
 def loader_samples_per_s(manifest, *, processes: int, batch_size: int, num_batches: int) -> float:
@@ -219,26 +253,30 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="data-loading-"))
     try:
-        # Text prep first, with no Ray cluster on the machine, as in its own pod (prepare_data).
+        # Text prep first, with no Ray cluster on the machine, as in a pod of its own (a user's text in prepare_data).
         tokenizer = bpe_tokenizer(work / "tokenizer.json", vocab_size=8192)
-        text_s: dict[int, list[float]] = {1: [], 2: []}
-        for round_index in range(TEXT_ROUNDS):
-            for threads in (1, 2) if round_index % 2 == 0 else (2, 1):
-                text_s[threads].append(
-                    text_prep_seconds(work, tokenizer=tokenizer, text_bytes=args.text_bytes, threads=threads)
-                )
-        text_prep = {threads: float(np.median(values)) for threads, values in text_s.items()}
-
+        text_prep = alternating_medians(
+            lambda threads: text_prep_seconds(work, tokenizer=tokenizer, text_bytes=args.text_bytes, threads=threads),
+            rounds=TEXT_ROUNDS,
+        )
         start_ray(num_cpus=args.cpus)
+        # Then as ``prepare`` runs it: connected to Ray, tokenising in Ray tasks, 1 or 2 at a time.
+        ray_text_prep = alternating_medians(
+            lambda workers: ray_text_prep_seconds(
+                work, tokenizer=tokenizer, text_bytes=args.text_bytes, workers=workers
+            ),
+            rounds=TEXT_ROUNDS,
+        )
         from training_core.data import Manifest
         from training_core.workloads.image import ImageClassification
 
         tree = make_tree(work / "jpegs", images=args.images, side=256)
-        prep_s = {}
-        for workers in (1, 2):
-            prep_s[workers], _ = prep_seconds(
+        prep_s = alternating_medians(
+            lambda workers: prep_seconds(
                 tree, work / f"prep-{workers}", image_size=224, num_shards=16, num_workers=workers
-            )
+            )[0],
+            rounds=PREP_ROUNDS,
+        )
         rss = []
         for images, shards in ((200, 4), (2000, 40)):
             small = make_tree(work / f"rss-{images}", images=images, side=64, seed=1)
@@ -289,9 +327,12 @@ def main() -> None:
             "prep_rss_bytes_10x": rss[1],
             "prep_rss_ratio_10x": round(rss[1] / rss[0], 3),
             "text_bytes": args.text_bytes,
-            "text_prep_mb_per_s_1": round(args.text_bytes / 1e6 / text_prep[1], 2),
-            "text_prep_mb_per_s_2": round(args.text_bytes / 1e6 / text_prep[2], 2),
-            "text_prep_efficiency_2": round(text_prep[1] / text_prep[2] / 2, 3),
+            "text_prep_mb_per_s_1": round(args.text_bytes / 1e6 / ray_text_prep[1], 2),
+            "text_prep_mb_per_s_2": round(args.text_bytes / 1e6 / ray_text_prep[2], 2),
+            "text_prep_efficiency_2": round(ray_text_prep[1] / ray_text_prep[2] / 2, 3),
+            "text_prep_threads_mb_per_s_1": round(args.text_bytes / 1e6 / text_prep[1], 2),
+            "text_prep_threads_mb_per_s_2": round(args.text_bytes / 1e6 / text_prep[2], 2),
+            "text_prep_threads_efficiency_2": round(text_prep[1] / text_prep[2] / 2, 3),
             "cpus": args.cpus,
         }
     finally:

@@ -1,8 +1,8 @@
 """Data prep: raw dataset -> sharded splits with a manifest, cached by config.
 
-``prepare`` is what workflows call. It compiles, at run time, to ``prepare_images_on_ray`` (the image sources:
-shard tasks on Ray Data, on a RayJob sized from ``data.prep_num_workers``) or ``prepare_data`` (everything else,
-in the task's own process). Both are cached by the same version.
+``prepare`` is what workflows call. It compiles, at run time, to ``prepare_on_ray`` (image sources: a Ray task per
+shard; text: tokenising in Ray tasks; on a RayJob sized from ``data.prep_num_workers``) or ``prepare_data``
+(digits, synthetic and user datasets, in the task's own process). Both are cached by the same version.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ PREP_TASK_ARGS = {
 @task(timeout=timedelta(hours=2), **PREP_TASK_ARGS)
 def prepare_data(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()) -> PreparedData:
     """Read the dataset, split it into train/val/test and write each split as shards plus a manifest, in this
-    task's process (digits, synthetic, text and user datasets), straight to the run's raw-output location (s3://
-    on a cluster). A retry writes into its predecessor's directory and rewrites only the shard files that are
-    missing or hold other bytes.
+    task's process (digits, synthetic and user datasets; text called here is tokenised on this pod's threads),
+    straight to the run's raw-output location (s3:// on a cluster). A retry writes into its predecessor's directory
+    and rewrites only the shard files that are missing or hold other bytes.
 
     :param config: Which dataset, where its raw files are, split fractions, shard count, image size or text
         tokenizer and sequence length. Outputs are cached per distinct config and workload.
@@ -49,14 +49,15 @@ def prepare_data(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()
 
 # The default config's RayJob; ``prepare`` overrides it with the launched config's.
 @task(task_config=prep_ray_job_config(DataConfig()), timeout=timedelta(hours=24), **PREP_TASK_ARGS)
-def prepare_images_on_ray(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()) -> PreparedData:
-    """Prepare an image source (``cifar10``, ``image_folder``) as Parquet shards of encoded images, one Ray Data
-    task per shard on this task's Ray cluster, written straight to the run's raw-output location (s3:// on a
-    cluster). A retry (Flyte's next attempt) writes into its predecessor's directory and rewrites only the shards
-    that are missing or do not match their records.
+def prepare_on_ray(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()) -> PreparedData:
+    """Prepare a source on this task's Ray cluster, written straight to the run's raw-output location (s3:// on a
+    cluster): an image source (``cifar10``, ``image_folder``) as Parquet shards of encoded images, one Ray task
+    per shard; text (``causal_lm``) tokenised in Ray tasks, ``data.prep_num_workers`` at a time, and packed here. A
+    retry (Flyte's next attempt) writes into its predecessor's directory and rewrites only the shards that are
+    missing or do not match their records.
 
-    :param config: The image source, split fractions, shard count, image size and ``prep_num_workers``.
-    :param workload: The built-in image workload (user datasets go to ``prepare_data``).
+    :param config: The source, split fractions, shard count, image size or tokenizer, and ``prep_num_workers``.
+    :param workload: The built-in workload (user datasets go to ``prepare_data``).
     :return: The shard directory and the manifest's split counts, classes and input shape.
     """
     return _prepared(config, workload, _attempt_directory())
@@ -91,27 +92,30 @@ def _prepared(config: DataConfig, workload: WorkloadConfig, out_dir: str) -> Pre
 
 @dynamic(interruptible=True)
 def prepare(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()) -> PreparedData:
-    """Data prep where it belongs: an image source on a RayJob of ``data.prep_num_workers`` prep workers (each
-    ``data.prep_memory_per_worker_gib``), compiled at run time so the RayJob follows the launched config; every
-    other source in ``prepare_data``'s own pod.
+    """Data prep where it belongs: an image or text source on a RayJob of ``data.prep_num_workers`` prep workers
+    (each ``data.prep_memory_per_worker_gib``), compiled at run time so the RayJob follows the launched config;
+    digits, synthetic and user datasets in ``prepare_data``'s own pod (a user's text: a pod of ``prep_num_workers``
+    CPUs).
 
     :param config: The data config.
     :param workload: The workload that prepares it.
     :return: The prepared shards.
     """
-    from training_core.workloads.image import prep_uses_ray
+    from training_core.workloads import prep_uses_ray
 
-    if prep_uses_ray(config, workload):
-        from training_core.image_shards import check_source
-
-        check_source(config)  # a wrong path fails here, before a RayJob is started for it
-        return prepare_images_on_ray(config=config, workload=workload).with_overrides(
-            task_config=prep_ray_job_config(config)
-        )
-    from training_core.workloads.causal_lm import CausalLM
-
-    if workload.name == CausalLM.name:
-        # Tokenising runs in the tokenizer's threads, one per CPU of this pod (training_core.text.tokenizer_threads).
+    if workload.name == "causal_lm" and workload.dataset_source:
+        # A user's text is tokenised in this pod's tokenizer threads (training_core.text.tokenizer_threads).
         resources = text_prep_resources(config)
         return prepare_data(config=config, workload=workload).with_overrides(requests=resources, limits=resources)
-    return prepare_data(config=config, workload=workload)
+    if not prep_uses_ray(config, workload):
+        return prepare_data(config=config, workload=workload)
+    # A wrong source fails here, before a RayJob is started for it.
+    if workload.name == "causal_lm":
+        from training_core.text import check_text_source
+
+        check_text_source(config)
+    else:
+        from training_core.image_shards import check_source
+
+        check_source(config)
+    return prepare_on_ray(config=config, workload=workload).with_overrides(task_config=prep_ray_job_config(config))

@@ -133,14 +133,16 @@ def ray_job_config(scaling: ScalingConfig) -> TrainingRayJobConfig:
 
 
 def text_prep_resources(data: DataConfig) -> Resources:
-    """The pod of a text prep (``prepare_data`` for ``causal_lm``): ``data.prep_num_workers`` CPUs, on which the
-    tokenizer encodes in parallel threads, and ``data.prep_memory_per_worker_gib``; requests equal limits."""
+    """The pod of a prep of a user's text (``prepare_data`` for ``causal_lm`` with ``workload.dataset_source``):
+    ``data.prep_num_workers`` CPUs, on which the tokenizer encodes in parallel threads, and
+    ``data.prep_memory_per_worker_gib``; requests equal limits."""
     return Resources(cpu=str(data.prep_num_workers), mem=_gib(data.prep_memory_per_worker_gib))
 
 
 def prep_ray_job_config(data: DataConfig) -> TrainingRayJobConfig:
     """The prep task's RayJob: one 1-CPU pod of ``data.prep_memory_per_worker_gib`` per ``data.prep_num_workers``
-    (each runs one shard task at a time), and a head that runs the driver (listing the source, small results)."""
+    (each runs one shard or tokenising task at a time), and a head that runs the driver (images: listing the source,
+    small results; text: reading it, spilling the ids to its local disk and writing the packed shards)."""
     worker = Resources(cpu="1", mem=_gib(data.prep_memory_per_worker_gib))
     spec = _pod_spec(WORKER_CONTAINER, worker, SHM_SHARE * data.prep_memory_per_worker_gib)
     head_spec = _pod_spec(HEAD_CONTAINER, PREP_HEAD, SHM_SHARE * PREP_HEAD_MEMORY_GIB)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class PreparedData:
-    """Output of data prep (``prepare_data`` or ``prepare_images_on_ray``): sharded splits plus their manifest."""
+    """Output of data prep (``prepare_data`` or ``prepare_on_ray``): sharded splits plus their manifest."""
 
     directory: FlyteDirectory
     """Shards (``<split>-NNNNN-of-NNNNN.npz``, or ``.parquet`` of encoded images) and ``manifest.json``; for image

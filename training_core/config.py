@@ -245,15 +245,15 @@ class DataConfig:
     manifest and the prep log); prep fails when more than this many are bad. 0 fails on the first."""
 
     prep_num_workers: int = 2
-    """Image sources (``cifar10``, ``image_folder``): shard tasks prep runs at once on the Ray cluster (Ray Data),
-    one CPU each; the prep task's RayJob is sized from it. Text (``causal_lm``): the prep pod's CPUs, and the
-    tokenizer's threads on them."""
+    """Tasks prep runs at once on its Ray cluster, one CPU each, and the prep task's RayJob's worker pods: image
+    sources (``cifar10``, ``image_folder``) write a shard per Ray task, text (``causal_lm``) tokenises about a MB
+    per Ray task. Text prepared outside Ray (a user's ``dataset_source``) uses this many tokenizer threads."""
 
     prep_memory_per_worker_gib: float = 4.0
     """Image sources on a cluster: memory of each prep worker pod of the prep task's RayJob (one per
     ``prep_num_workers``, 1 CPU each), GiB. A shard task holds one shard's encoded images twice (read, then written),
-    so it needs at least twice the largest shard; raise ``data.num_shards`` or this when a prep worker runs out.
-    Text (``causal_lm``): the prep pod's memory, GiB."""
+    so it needs at least twice the largest shard; raise ``data.num_shards`` or this when a prep worker runs out. A
+    text task holds about a MB of text and its ids."""
 
     loader_num_workers: int = 2
     """Loader processes per training worker that read, decode and augment encoded images (Parquet shards) ahead of

@@ -1,4 +1,4 @@
-"""Image datasets prepared at scale: encoded images in Parquet shards, written by Ray Data tasks.
+"""Image datasets prepared at scale: encoded images in Parquet shards, written by Ray tasks.
 
 Prep of an ``image_folder`` tree (``<split>/<class>/<image>`` or ``<class>/<image>``) or the CIFAR-10 tarball, local
 or ``s3://``, never holds a split in memory:
@@ -6,7 +6,7 @@ or ``s3://``, never holds a split in memory:
 - The driver lists the source (paths and labels only; the CIFAR tarball's batches are read one member at a time),
   assigns each sample to a split by a hash of its name and ``data.split_seed`` (so adding images moves no other
   image between splits), and groups each split into ``data.num_shards`` shards in a hashed order (classes mixed).
-- Each shard is one Ray Data task (``data.prep_num_workers`` at a time on the job's Ray cluster). It reads its
+- Each shard is one Ray task (``data.prep_num_workers`` at a time on the job's Ray cluster). It reads its
   images, decodes each one to check it (a corrupt or undecodable file is skipped and reported), adds its pixels to
   per-channel sums at ``data.image_size`` (the normalisation statistics, exact and streaming), and writes the
   images' bytes as they came (JPEG, PNG...; CIFAR's arrays as PNG) into a Parquet file with the columns
@@ -237,28 +237,19 @@ def list_cifar10(cfg: DataConfig) -> tuple[dict[str, list[ImageItem]], list[str]
 
 
 def run_tasks(tasks: list[ShardTask], *, num_workers: int) -> list[ShardResult]:
-    """Every shard task on Ray Data, ``num_workers`` at a time, on the running Ray cluster (or a local one started
-    as the platform starts it). Only the small results come back to the driver."""
+    """Every shard task as a Ray task of one CPU, ``num_workers`` at a time (:func:`training_core.ray_tasks.map_tasks`),
+    on the running Ray cluster (or a local one started as the platform starts it). Only the small results come back
+    to the driver."""
     import ray
+
+    from training_core.ray_tasks import map_tasks
 
     if not ray.is_initialized():
         from training_core.ray_settings import start_local_cluster
 
         start_local_cluster()
-    import ray.data
-
-    rows = [{"task": json.dumps(asdict(task))} for task in tasks]
-    dataset = ray.data.from_items(rows, override_num_blocks=len(rows)).map(
-        _run_row, concurrency=num_workers, num_cpus=1
-    )
-    results = [ShardResult(**json.loads(row["result"])) for row in dataset.take_all()]
+    results = map_tasks(write_shard, ((task,) for task in tasks), num_workers=num_workers, ordered=False)
     return sorted(results, key=lambda r: (r.split, r.file))
-
-
-def _run_row(row: dict[str, Any]) -> dict[str, Any]:
-    raw = json.loads(row["task"])
-    raw["items"] = [ImageItem(**item) for item in raw["items"]]
-    return {"result": json.dumps(asdict(write_shard(ShardTask(**raw))))}
 
 
 # ---------------------------------------------------------------------------------------------- one shard's task

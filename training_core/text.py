@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -49,8 +50,11 @@ SKIPPED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "test
 """Directories of the standard library not read: installed packages are not the standard library, and the test
 suites hold deliberately malformed and generated files."""
 _TOKENIZE_BATCH_CHARS = 4_000_000
-"""Text handed to ``tokenizers`` per ``encode_batch`` call: large enough for its threads, small enough that the
-Python lists of ids it returns stay a few tens of MB."""
+"""Text handed to ``tokenizers`` per ``encode_batch`` call in this process: large enough for its threads, small
+enough that the Python lists of ids it returns stay a few tens of MB."""
+_RAY_BATCH_CHARS = 1_000_000
+"""Text per Ray task (:func:`encode_batches`): a few tenths of a second of one CPU with a BPE tokenizer, so a
+source of a few MB already spreads over several workers, and a task's scheduling (milliseconds) stays negligible."""
 TOKENIZER_FIX = "set data.tokenizer to 'byte' or to the local path or s3:// URI of a Hugging Face tokenizer.json"
 
 
@@ -229,11 +233,24 @@ def read_documents(data: DataConfig, stats: SourceStats) -> Iterator[Document]:
     elif data.dataset == "text":
         documents = path_documents(data.path, data.text_field, stats)
     else:
-        raise ValueError(
-            f"data.dataset={quote(data.dataset)} is invalid: workload.name='causal_lm' reads 'stdlib' or 'text'; "
-            "choose one of them, or set workload.dataset_source to your own"
-        )
+        raise _text_dataset_error(data)
     return capped(documents, data.max_text_bytes, stats)
+
+
+def check_text_source(data: DataConfig) -> None:
+    """Raise the ``ValueError`` a prep of ``data`` would raise on reading for a dataset that is not text or a
+    ``data.path`` that cannot be listed or holds no text file: what can fail before a cluster starts for the prep."""
+    if data.dataset not in ("stdlib", "text"):
+        raise _text_dataset_error(data)
+    if data.dataset == "text" and not text_files(data.path)[2]:
+        raise no_text_error(data, SourceStats(), source=f"data.path={quote(data.path)}")
+
+
+def _text_dataset_error(data: DataConfig) -> ValueError:
+    return ValueError(
+        f"data.dataset={quote(data.dataset)} is invalid: workload.name='causal_lm' reads 'stdlib' or 'text'; "
+        "choose one of them, or set workload.dataset_source to your own"
+    )
 
 
 def mapping_documents(texts: Mapping[Any, Any], *, source: str) -> Iterator[Document]:
@@ -492,35 +509,96 @@ class TokenSpill:
     """Each document's UTF-8 bytes (int64): what :func:`split_documents` balances."""
 
 
-def spill_tokens(documents: Iterable[Document], tokenizer: TextTokenizer, path: str) -> TokenSpill:
-    """Tokenise ``documents`` in batches of about ``_TOKENIZE_BATCH_CHARS`` characters and append each one's ids
-    to the file ``path`` (created or truncated); texts and ids are dropped once written."""
+def spill_tokens(
+    documents: Iterable[Document], tokenizer: TextTokenizer, path: str, *, ray_workers: int = 0
+) -> TokenSpill:
+    """Tokenise ``documents`` in batches and append each one's ids to the file ``path`` (created or truncated), in
+    document order; texts and ids are dropped once written. With ``ray_workers``, that many Ray tasks tokenise at
+    once on the connected cluster (:func:`encode_batches`); else this process's tokenizer threads do."""
     from array import array
 
-    lengths, sizes = array("q"), array("q")
-    batch: list[str] = []
-    batch_chars = 0
-    with open(path, "wb") as out:
+    lengths: list[np.ndarray] = []
+    sizes = array("q")
+    batch_chars = _RAY_BATCH_CHARS if ray_workers else _TOKENIZE_BATCH_CHARS
 
-        def flush() -> None:
-            nonlocal batch, batch_chars
-            for ids in tokenizer.encode_batch(batch):
-                out.write(np.ascontiguousarray(ids, dtype=np.int32).tobytes())
-                lengths.append(len(ids))
-            batch, batch_chars = [], 0
-
+    def batches() -> Iterator[list[str]]:
+        batch: list[str] = []
+        chars = 0
         for document in documents:
             sizes.append(len(document.text.encode("utf-8")))
             batch.append(document.text)
-            batch_chars += len(document.text)
-            if batch_chars >= _TOKENIZE_BATCH_CHARS:
-                flush()
+            chars += len(document.text)
+            if chars >= batch_chars:
+                yield batch
+                batch, chars = [], 0
         if batch:
-            flush()
-    lengths_array = np.frombuffer(lengths, dtype=np.int64).copy()
+            yield batch
+
+    with open(path, "wb") as out:
+        for parts, batch_lengths in encode_batches(batches(), tokenizer, ray_workers=ray_workers):
+            out.writelines(memoryview(np.ascontiguousarray(ids, dtype=np.int32)).cast("B") for ids in parts)
+            lengths.append(batch_lengths)
+            del parts  # before the next batch is read: one batch's ids in memory at a time
+    lengths_array = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, dtype=np.int64)
     offsets = np.zeros(len(lengths_array), dtype=np.int64)
     np.cumsum(lengths_array[:-1], out=offsets[1:])
     return TokenSpill(path, offsets, lengths_array, np.frombuffer(sizes, dtype=np.int64).copy())
+
+
+def encode_batches(
+    batches: Iterable[list[str]], tokenizer: TextTokenizer, *, ray_workers: int = 0
+) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+    """Each batch of texts as its ids (int32 arrays whose concatenation is the texts' ids in order: one per text
+    in this process, one per batch from Ray) and each text's number of ids (int64), in batch order.
+
+    Without ``ray_workers``, in this process (the tokenizer's threads). With it, each batch is one Ray task of one
+    CPU on the connected cluster, ``ray_workers`` of them at a time, and at most as many finished batches wait
+    behind a slower one (:func:`training_core.ray_tasks.map_tasks`): the driver holds a bounded number of batches
+    however long the source."""
+    # Each batch's texts and ids are let go before the next batch is read (``del``): one batch in memory at a time.
+    if not ray_workers:
+        for texts in batches:
+            encoded = _encoded(tokenizer, texts)
+            del texts
+            yield encoded
+            del encoded
+        return
+    import ray
+
+    from training_core.ray_tasks import map_tasks
+
+    description = ray.put(tokenizer.description)
+    arguments = ((description, texts) for texts in batches)
+    for ids, lengths in map_tasks(_encode_in_ray_task, arguments, num_workers=ray_workers, ordered=True):
+        yield [ids], lengths
+        del ids, lengths
+
+
+def _encoded(tokenizer: TextTokenizer, texts: list[str]) -> tuple[list[np.ndarray], np.ndarray]:
+    ids = tokenizer.encode_batch(texts)
+    return ids, np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))
+
+
+_task_tokenizer: TextTokenizer | None = None
+"""The tokenizer a Ray worker process last built (:func:`_encode_in_ray_task`), reused by its next tasks."""
+
+
+def _encode_in_ray_task(description: str, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """One batch's ids in a Ray task of one CPU: one tokenizer thread (set before the first encode of the worker
+    process sizes the Rust thread pool for good)."""
+    global _task_tokenizer
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    if _task_tokenizer is None or _task_tokenizer.description != description:
+        _task_tokenizer = tokenizer_from_description(description, where="the prep's tokenizer")
+    ids, lengths = _encoded(_task_tokenizer, texts)
+    return (np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32)), lengths
+
+
+def ray_connected() -> bool:
+    """Whether this process is connected to a Ray cluster (a prep running in a Ray task is), without importing
+    Ray."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
 
 
 class SplitStream:

@@ -22,7 +22,7 @@ ALERT_EMAILS = "oncall@corp.example, ml-team@corp.example"
 MLFLOW_URI = "http://mlflow.mlflow.svc:5000"
 TRAINING_TASKS = (
     "tasks.data.prepare_data",
-    "tasks.data.prepare_images_on_ray",
+    "tasks.data.prepare_on_ray",
     "tasks.train.train",
     "tasks.evaluate.evaluate",
     "tasks.evaluate.evaluate_on_ray",
@@ -168,7 +168,7 @@ def test_train_is_a_ray_job_whose_groups_and_resources_come_from_the_default_sca
 
 @pytest.mark.parametrize(
     "task_name",
-    ["tasks.train.train", "tasks.tuning.train_trial", "tasks.tuning.tune_with_ray", "tasks.data.prepare_images_on_ray"],
+    ["tasks.train.train", "tasks.tuning.train_trial", "tasks.tuning.tune_with_ray", "tasks.data.prepare_on_ray"],
 )
 def test_every_pod_of_a_packaged_rayjob_carries_the_platforms_ray_settings(package, task_name):
     """``ray start`` in the head and worker containers, and every process it starts, inherit them: workers at nice 0
@@ -193,7 +193,7 @@ def test_no_static_workflow_node_runs_a_ray_task_so_every_rayjob_is_sized_at_run
         "tasks.train.train",
         "tasks.tuning.train_trial",
         "tasks.tuning.tune_with_ray",
-        "tasks.data.prepare_images_on_ray",
+        "tasks.data.prepare_on_ray",
     } <= ray_tasks
 
     def task_refs(nodes):
@@ -218,12 +218,12 @@ def test_no_static_workflow_node_runs_a_ray_task_so_every_rayjob_is_sized_at_run
 
 
 def test_task_retries_in_the_package_match_the_declarations(package):
-    from tasks.data import prepare_data, prepare_images_on_ray
+    from tasks.data import prepare_data, prepare_on_ray
     from tasks.evaluate import evaluate, evaluate_on_ray
     from tasks.register import register_model
     from tasks.train import train
 
-    for task in (prepare_data, prepare_images_on_ray, train, evaluate, evaluate_on_ray, register_model):
+    for task in (prepare_data, prepare_on_ray, train, evaluate, evaluate_on_ray, register_model):
         metadata = package.tasks[task.name].template.metadata
         assert metadata.retries.retries == task.metadata.retries >= 1, task.name
     # The workflow nodes carry the same retry budget FlyteAdmin will apply (prep's, train's and evaluate's nodes are
@@ -258,7 +258,7 @@ def test_only_data_prep_and_trials_are_cached_with_their_declared_versions(packa
     from tasks.data import PREPARE_DATA_CACHE_VERSION
     from tasks.tuning import TRIAL_CACHE_VERSION
 
-    for name in ("tasks.data.prepare_data", "tasks.data.prepare_images_on_ray"):
+    for name in ("tasks.data.prepare_data", "tasks.data.prepare_on_ray"):
         prepare = package.tasks[name].template.metadata
         assert prepare.discoverable and prepare.discovery_version == PREPARE_DATA_CACHE_VERSION == "4", name
     trial = package.tasks["tasks.tuning.train_trial"].template.metadata

@@ -16,7 +16,7 @@ from flytekit import FlyteFile
 from flytekit.models.task import Resources as _Resources
 from flytekit.types.directory import FlyteDirectory
 
-from tasks.data import prepare, prepare_data, prepare_images_on_ray
+from tasks.data import prepare, prepare_data, prepare_on_ray
 from tasks.evaluate import evaluate, evaluate_on_ray
 from tasks.ray_config import PREP_GROUP, PREP_HEAD, WORKER_GROUP
 from tasks.train import train
@@ -60,7 +60,7 @@ DATA = PreparedData(
 def fresh_compiles():
     """Each test compiles from scratch and leaves the Ray tasks as it found them: a ``task_config`` override stays
     on the task object, and flytekit reuses a dynamic task's first compile within one process."""
-    ray_tasks = (train, train_trial, tune_with_ray, prepare_images_on_ray, evaluate_on_ray)
+    ray_tasks = (train, train_trial, tune_with_ray, prepare_on_ray, evaluate_on_ray)
     saved = [t._task_config for t in ray_tasks]
     dynamics = (train_on_ray, ray_point, search_round, prepare, evaluate_where_it_fits)
     for d in dynamics:
@@ -260,21 +260,25 @@ def test_each_scaling_point_runs_on_the_rayjob_of_its_worker_count_with_the_gpu_
         ray_point._wf = None
 
 
-def test_image_prep_runs_on_a_rayjob_of_prep_num_workers_sized_from_the_data_config(tmp_path):
+@pytest.mark.parametrize("source", ["image_folder", "text"])
+def test_image_and_text_prep_run_on_a_rayjob_of_prep_num_workers_sized_from_the_data_config(tmp_path, source):
     """Every entry point prepares through ``prepare`` (the packaging tests check no static node runs a Ray task).
     Its compile checks that the source exists (a wrong path fails before a RayJob starts), so it is a real one."""
+    if source == "text":
+        (tmp_path / "a.txt").write_text("some text")
     data = DataConfig(
-        dataset="image_folder",
+        dataset=source,
         path=str(tmp_path),
         image_size=224,
         prep_num_workers=6,
         prep_memory_per_worker_gib=12.0,
     )
-    spec = compile_dynamic(prepare, {"config": data, "workload": WorkloadConfig()})
+    workload = WorkloadConfig(name="causal_lm" if source == "text" else "image_classification")
+    spec = compile_dynamic(prepare, {"config": data, "workload": workload})
     (node,) = spec.nodes
     template = _only_ray_task(spec)
-    assert node.task_node.reference_id.name == template.id.name == prepare_images_on_ray.name
-    assert node.metadata.retries.retries == prepare_images_on_ray.metadata.retries >= 1
+    assert node.task_node.reference_id.name == template.id.name == prepare_on_ray.name
+    assert node.metadata.retries.retries == prepare_on_ray.metadata.retries >= 1
     assert template.metadata.discoverable  # cached as the in-process prep is
     shape = rayjob_shape(template.custom)
     assert shape.group_name == PREP_GROUP and shape.replicas == (6, 6, 6)
@@ -291,9 +295,8 @@ def test_image_prep_runs_on_a_rayjob_of_prep_num_workers_sized_from_the_data_con
     [
         (DataConfig(), WorkloadConfig()),
         (DataConfig(dataset="cifar10", path="s3://b/c.tar.gz"), WorkloadConfig(dataset_source="my_pkg.data:load")),
-        (DataConfig(dataset="text", path="s3://b/corpus"), WorkloadConfig(name="causal_lm")),
     ],
-    ids=["digits", "user-dataset", "text"],
+    ids=["digits", "user-dataset"],
 )
 def test_other_sources_prepare_in_their_own_pod_without_a_ray_cluster(data, workload):
     spec = compile_dynamic(prepare, {"config": data, "workload": workload})
@@ -302,13 +305,15 @@ def test_other_sources_prepare_in_their_own_pod_without_a_ray_cluster(data, work
     assert not [t for t in spec.tasks if t.type == "ray"]
 
 
-def test_a_text_prep_pod_gets_the_configured_cpus_and_memory_and_tokenises_on_that_many_threads():
+def test_a_users_text_prep_pod_gets_the_configured_cpus_and_memory_and_tokenises_on_that_many_threads():
     from training_core.text import tokenizer_threads
 
     data = DataConfig(dataset="text", path="s3://b/corpus", prep_num_workers=6, prep_memory_per_worker_gib=12.0)
-    spec = compile_dynamic(prepare, {"config": data, "workload": WorkloadConfig(name="causal_lm")})
+    workload = WorkloadConfig(name="causal_lm", dataset_source="my_pkg.data:texts")
+    spec = compile_dynamic(prepare, {"config": data, "workload": workload})
     (node,) = spec.nodes
     assert node.task_node.reference_id.name == prepare_data.name
+    assert not [t for t in spec.tasks if t.type == "ray"]
     resources = node.task_node.overrides.resources
     assert {r.name: r.value for r in resources.requests} == {r.name: r.value for r in resources.limits}
     assert {r.name: r.value for r in resources.requests} == {
@@ -321,6 +326,19 @@ def test_a_text_prep_pod_gets_the_configured_cpus_and_memory_and_tokenises_on_th
         assert os.environ["RAYON_NUM_THREADS"] == "6"
         tokenizer_threads(3)  # a value already set wins
         assert os.environ["RAYON_NUM_THREADS"] == "6"
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (DataConfig(dataset="digits"), r"data.dataset='digits' is invalid: workload.name='causal_lm' reads"),
+        (DataConfig(dataset="text", path="/nowhere/corpus"), r"data.path='/nowhere/corpus' is invalid: it holds no"),
+    ],
+    ids=["not-text", "no-text-files"],
+)
+def test_a_wrong_text_source_fails_the_compile_before_any_rayjob(data, message):
+    with pytest.raises(Exception, match=message):
+        compile_dynamic(prepare, {"config": data, "workload": WorkloadConfig(name="causal_lm")})
 
 
 def test_a_missing_image_source_fails_the_compile_before_any_rayjob(tmp_path):

@@ -4,7 +4,7 @@ Attempt 1 runs the train task with ``--checkpoint-path A1``; a Ray Train worker 
 checkpoints, with no in-job restarts left, so the task fails. Attempt 2 runs with ``--checkpoint-path A2
 --prev-checkpoint A1``, as propeller would, and must resume from attempt 1's latest step. The same for image prep on
 Ray: attempt 1's pod is killed half way, and attempt 2 writes only the shards attempt 1 did not finish; and for text
-prep in its own pod, whose retry rewrites only the shard files it lacks (its pod log says how many).
+prep on Ray, whose retry rewrites only the shard files it lacks (its pod log says how many).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def test_a_prep_attempt_killed_half_way_is_retried_into_its_directory_and_writes
         {"config": DataConfig, "workload": WorkloadConfig},
     )
     env = dict(subprocess_env, RAY_ADDRESS=ray_address, PYTHONPATH=str(REPO_ROOT))
-    task = ("tasks.data", "prepare_images_on_ray")
+    task = ("tasks.data", "prepare_on_ray")
 
     def done() -> set[Path]:
         return {p.with_name(p.name[: -len(DONE_SUFFIX)]) for p in (tmp_path / "raw").rglob(f"*{DONE_SUFFIX}")}
@@ -215,11 +215,11 @@ def test_a_prep_attempt_killed_half_way_is_retried_into_its_directory_and_writes
 
 
 def test_a_text_prep_retry_writes_into_its_predecessors_directory_and_only_the_shards_it_lacks(
-    tmp_path, subprocess_env
+    ray_address, tmp_path, subprocess_env
 ):
-    """``prepare_data`` (text, digits, user datasets) retried: attempt 1 ends, and its directory is left as a kill
-    half way leaves it (no manifest, a shard missing, one cut short); attempt 2, given attempt 1's intra-task
-    checkpoint, writes there and rewrites those two files alone."""
+    """Text prep (``prepare_on_ray``, tokenising in Ray tasks on the shared cluster) retried: attempt 1 ends, and
+    its directory is left as a kill half way leaves it (no manifest, a shard missing, one cut short); attempt 2,
+    given attempt 1's intra-task checkpoint, writes there and rewrites those two files alone."""
     import hashlib
 
     from tasks.types import PreparedData
@@ -232,8 +232,8 @@ def test_a_text_prep_retry_writes_into_its_predecessors_directory_and_only_the_s
         {"config": config, "workload": WorkloadConfig(name="causal_lm")},
         {"config": DataConfig, "workload": WorkloadConfig},
     )
-    env = dict(subprocess_env, PYTHONPATH=str(REPO_ROOT))
-    task = ("tasks.data", "prepare_data")
+    env = dict(subprocess_env, RAY_ADDRESS=ray_address, PYTHONPATH=str(REPO_ROOT))
+    task = ("tasks.data", "prepare_on_ray")
 
     first = _execute(tmp_path, 1, env, prev='""', task=task)
     assert first.wait(timeout=300) == 0, (tmp_path / "attempt1.log").read_text()[-4000:]
@@ -254,4 +254,5 @@ def test_a_text_prep_retry_writes_into_its_predecessors_directory_and_only_the_s
     assert Path(_output(tmp_path / "out2", PreparedData).directory.path) == directory
     assert all(path.stat().st_mtime_ns == stamp for path, stamp in stamps.items()), "a whole shard was rewritten"
     assert {path: hashlib.sha256(path.read_bytes()).hexdigest() for path in files} == shards
-    assert "wrote 2 of %d shards" % len(files) in (tmp_path / "attempt2.log").read_text()
+    log = (tmp_path / "attempt2.log").read_text()
+    assert "wrote 2 of %d shards" % len(files) in log and "in Ray tasks, 2 at a time" in log

@@ -1,4 +1,4 @@
-"""Image data at scale on real parts: prep on Ray Data into Parquet shards (bounded memory, idempotent, bad images
+"""Image data at scale on real parts: prep on Ray into Parquet shards (bounded memory, idempotent, bad images
 counted), loader processes, and a resume on another number of workers that sees each sample once."""
 
 from __future__ import annotations
@@ -248,3 +248,59 @@ def test_a_run_killed_on_two_workers_resumes_on_one_and_trains_each_sample_of_th
     seen = collections.Counter(trained_first + trained_second)
     assert max(seen.values()) == 1, "a sample was trained twice in the epoch"
     assert set(seen) <= everything and len(seen) >= len(everything) - 2 * 8
+
+
+def test_text_tokenised_in_ray_tasks_prepares_the_same_shards_as_the_tokenizers_threads(
+    ray_session, tmp_path, monkeypatch, caplog
+):
+    """A text prep connected to Ray tokenises in Ray tasks, ``data.prep_num_workers`` at a time: batches finish out
+    of order on the workers and are spilled in order, so the shards are byte for byte those of the in-process prep.
+    600 JSON lines of the standard library's text (a BPE tokenizer) in batches of 4,000 characters: ~80 tasks."""
+    import json
+
+    from benchmarks.common import train_bpe_tokenizer
+    from training_core import text
+    from training_core.workloads import causal_lm
+
+    stdlib = "".join((Path(text.stdlib_root()) / name).read_text() for name in ("abc.py", "bisect.py", "copy.py"))
+    stdlib += "".join((Path(text.stdlib_root()) / name).read_text() for name in ("argparse.py", "ast.py"))
+    tokenizer = train_bpe_tokenizer(tmp_path / "tokenizer.json", [stdlib[:20_000]], vocab_size=400)
+    rng = np.random.default_rng(0)
+    starts = rng.integers(0, len(stdlib) - 2_000, 600)
+    lines = [json.dumps({"text": stdlib[a : a + int(n)]}) for a, n in zip(starts, rng.integers(50, 1_000, 600))]
+    (tmp_path / "corpus.jsonl").write_text("\n".join(lines))
+    data = DataConfig(
+        dataset="text",
+        path=str(tmp_path / "corpus.jsonl"),
+        seq_len=32,
+        num_shards=3,
+        tokenizer=str(tokenizer),
+        prep_num_workers=2,
+    )
+    monkeypatch.setattr(text, "_RAY_BATCH_CHARS", 4_000)
+    caplog.set_level("INFO", logger="training_core")
+    manifests = {}
+    for where, connected in (("threads", False), ("ray", True)):
+        monkeypatch.setattr(causal_lm, "ray_connected", lambda connected=connected: connected)
+        manifests[where] = causal_lm.CausalLM().prepare_data(data, str(tmp_path / where))
+    assert "corpus.jsonl' in Ray tasks, 2 at a time" in caplog.text
+    assert "corpus.jsonl' in this process's tokenizer threads" in caplog.text
+    assert text._task_tokenizer is None, "the driver must not tokenise on the Ray path"
+    threads, ray = manifests["threads"], manifests["ray"]
+    assert ray.spec == threads.spec and ray.spec["documents"]["train"] > 400
+    shards = {
+        where: [(s.file, s.sha256) for split in m.splits.values() for s in split.shards]
+        for where, m in manifests.items()
+    }
+    assert shards["ray"] == shards["threads"] and len(shards["ray"]) == 9
+
+
+def test_tokenising_in_ray_tasks_stops_cleanly_when_the_reader_stops(ray_session):
+    from training_core import text
+
+    batches = ([f"document {i} " * 50] for i in range(1_000))
+    encoded = text.encode_batches(batches, text.byte_tokenizer(), ray_workers=2)
+    first = [next(encoded) for _ in range(3)]
+    encoded.close()  # cancels the tasks still running
+    assert [lengths.tolist() for _, lengths in first] == [[len(f"document {i} " * 50)] for i in range(3)]
+    assert bytes(np.concatenate(first[2][0]).astype(np.uint8)) == (b"document 2 " * 50)

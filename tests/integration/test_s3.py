@@ -196,7 +196,7 @@ def test_a_save_during_a_long_outage_fails_clearly_and_keeps_the_last_valid_chec
 def test_an_image_folder_on_s3_goes_through_pyflyte_run_with_its_shards_and_checkpoints_on_s3(
     ray_address, s3_server, tmp_path, subprocess_env
 ):
-    """A few thousand JPEGs under ``s3://`` are prepared on the session's Ray cluster (Ray Data shard tasks) into
+    """A few thousand JPEGs under ``s3://`` are prepared on the session's Ray cluster (Ray shard tasks) into
     Parquet shards written straight to the run's S3 raw-output location, trained on 2 workers reading those shards,
     evaluated on the test split read from S3, and registered; the shards are listed and verified on S3."""
     import hashlib

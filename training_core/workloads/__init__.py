@@ -42,6 +42,19 @@ if TYPE_CHECKING:
     from training_core.data import Manifest
 
 BUILT_IN = ("image_classification", "causal_lm")
+ENCODED_SOURCES = ("cifar10", "image_folder")
+"""Sources prepared as encoded images in Parquet shards by Ray tasks (:mod:`training_core.image_shards`)."""
+
+
+def prep_uses_ray(data: DataConfig, workload: WorkloadConfig) -> bool:
+    """Whether prep of ``data`` runs on a Ray cluster: the built-in image workload on an encoded source (a Ray
+    task per shard) and the built-in ``causal_lm`` on its text sources (tokenised in Ray tasks). A user's
+    ``workload.dataset_source``, ``digits`` and ``synthetic`` prepare in their own process."""
+    if workload.dataset_source:
+        return False
+    if workload.name == "image_classification":
+        return data.dataset in ENCODED_SOURCES
+    return workload.name == "causal_lm"
 
 
 @dataclass

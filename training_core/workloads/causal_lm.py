@@ -48,6 +48,7 @@ from training_core.text import (
     no_text_error,
     num_sequences,
     packed_shards,
+    ray_connected,
     read_documents,
     spill_tokens,
     split_documents,
@@ -136,7 +137,11 @@ class CausalLM:
         tokenised (4 bytes a token, removed at the end), and each shard's sequences are cut from it when written."""
         import tempfile
 
-        tokenizer_threads(data.prep_num_workers)
+        # A built-in source read in a Ray task (the prep's RayJob, or a local cluster) is tokenised by
+        # data.prep_num_workers Ray tasks at a time; a user's mapping, or a prep outside Ray, by this process's threads.
+        ray_workers = data.prep_num_workers if self.dataset_source is None and ray_connected() else 0
+        if not ray_workers:
+            tokenizer_threads(data.prep_num_workers)
         tokenizer = load_tokenizer(data.tokenizer)
         stats = SourceStats()
         if self.dataset_source is None:
@@ -146,8 +151,13 @@ class CausalLM:
             source = f"workload.dataset_source={quote(self.dataset_source_path)}"
             texts = call_user("workload.dataset_source", self.dataset_source_path, self.dataset_source, data)
             documents = capped(mapping_documents(texts, source=source), data.max_text_bytes, stats)
+        log.info(
+            "tokenising %s %s",
+            source,
+            f"in Ray tasks, {ray_workers} at a time" if ray_workers else "in this process's tokenizer threads",
+        )
         with tempfile.TemporaryDirectory(prefix="token-spill-") as spill_dir:
-            spill = spill_tokens(documents, tokenizer, os.path.join(spill_dir, "ids.bin"))
+            spill = spill_tokens(documents, tokenizer, os.path.join(spill_dir, "ids.bin"), ray_workers=ray_workers)
             return self._write_splits(data, out_dir, spill, tokenizer, stats, source)
 
     def _write_splits(

@@ -9,21 +9,11 @@ import numpy as np
 
 from training_core.config import DataConfig, TrainingConfig, WorkloadConfig, clip, invalid, quote
 from training_core.data import ArraySpec, Manifest, split_samples, write_prepared
-from training_core.workloads import LossOutput, call_user, load_optional, mean_of, to_device_async
+from training_core.workloads import LossOutput, call_user, load_optional, mean_of, prep_uses_ray, to_device_async
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-
-ENCODED_SOURCES = ("cifar10", "image_folder")
-"""Sources prepared as encoded images in Parquet shards on Ray Data (:mod:`training_core.image_shards`)."""
-
-
-def prep_uses_ray(data: DataConfig, workload: WorkloadConfig) -> bool:
-    """Whether prep of ``data`` runs shard tasks on a Ray cluster (the built-in image workload on an encoded source);
-    every other prep runs in its own process."""
-    return workload.name == ImageClassification.name and not workload.dataset_source and data.dataset in ENCODED_SOURCES
 
 
 class ImageClassification:
@@ -81,7 +71,7 @@ class ImageClassification:
         return write_prepared(out_dir, splits, template=template, num_shards=cfg.num_shards)
 
     def prepare_encoded(self, cfg: DataConfig, out_dir: str) -> Manifest:
-        """An image folder or the CIFAR-10 tarball as Parquet shards of encoded images (Ray Data tasks)."""
+        """An image folder or the CIFAR-10 tarball as Parquet shards of encoded images (Ray tasks)."""
         from training_core.data import ShardInfo, SplitInfo, write_manifest
         from training_core.image_shards import prepare_images
 
