@@ -176,6 +176,10 @@ class TrainBatches:
     num_batches: int
     start_batch: int = 0
 
+    def __post_init__(self) -> None:
+        # The loop asks for what the chunk holds (``steps_left``); more would yield empty batches.
+        assert self.num_batches * self.batch_size <= total(self.chunk), (self.num_batches, total(self.chunk))
+
     def batch_positions(self, batch: int) -> list[int]:
         positions: list[int] = []
         for start, stop in _slice(self.chunk, batch * self.batch_size, (batch + 1) * self.batch_size):
