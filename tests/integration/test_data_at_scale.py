@@ -61,6 +61,33 @@ def test_prep_writes_parquet_shards_other_tools_read_and_a_rerun_writes_only_mis
     assert Manifest.load(str(prepare(cfg, str(out)).directory)).splits == manifest.splits
 
 
+def test_a_shard_task_whose_worker_process_dies_is_retried_and_the_prep_completes(ray_session, tmp_path):
+    """A Ray worker process SIGKILLed while it writes a shard (what a lost node does to its tasks): Ray runs the
+    task again and the prep completes with every shard, as a prep that never lost one."""
+    import threading
+
+    tree = write_jpegs(tmp_path / "images", per_class=80, side=96)
+    cfg = DataConfig(dataset="image_folder", path=str(tree), image_size=64, num_shards=6, prep_num_workers=1)
+    outcome: dict[str, object] = {}
+    prep = threading.Thread(target=lambda: outcome.update(manifest=prepare(cfg, str(tmp_path / "out"))))
+    prep.start()
+    killed = 0
+    while prep.is_alive() and not killed:
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"ray::write_shard"):
+                    os.kill(int(proc.name), signal.SIGKILL)
+                    killed += 1
+            except (OSError, ProcessLookupError):
+                continue
+        time.sleep(0.005)
+    prep.join(timeout=300)
+    assert killed == 1, "no shard task was caught running"
+    manifest = outcome["manifest"]
+    assert sum(manifest.split_counts().values()) == 240
+    assert prepare(cfg, str(tmp_path / "undisturbed")).splits == manifest.splits  # the same shards, byte for byte
+
+
 def test_bad_images_are_counted_and_skipped_or_fail_the_prep_past_the_threshold(ray_session, tmp_path):
     tree = write_jpegs(tmp_path / "images", per_class=20)
     (tree / "class_0" / "zz-truncated.jpg").write_bytes((tree / "class_0" / "00000.jpg").read_bytes()[:200])
