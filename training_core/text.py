@@ -539,7 +539,7 @@ def spill_tokens(
             out.writelines(memoryview(np.ascontiguousarray(ids, dtype=np.int32)).cast("B") for ids in parts)
             lengths.append(batch_lengths)
             del parts  # before the next batch is read: one batch's ids in memory at a time
-    lengths_array = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, dtype=np.int64)
+    lengths_array = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
     offsets = np.zeros(len(lengths_array), dtype=np.int64)
     np.cumsum(lengths_array[:-1], out=offsets[1:])
     return TokenSpill(path, offsets, lengths_array, np.frombuffer(sizes, dtype=np.int64).copy())
