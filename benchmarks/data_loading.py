@@ -3,7 +3,9 @@ times the images, text prep (a BPE tokenizer) in 1 and 2 Ray tasks at a time (``
 1 and 2 tokenizer threads without Ray (``text_prep_threads_efficiency_2``), and the loader's throughput with 1 and 2
 processes (224 px JPEGs, the training augmentation) against what a ResNet-50 training step consumes on the same
 machine, and beside it the machine's ceiling for that scaling: 1 and 2 independent processes that only decode and
-augment (``loader_ceiling_2``).
+augment (``loader_ceiling_2``), with the machine to the loader and beside an idle Ray cluster (``..._beside_idle_ray``).
+ResNet-50 fed by the loader against the same model on synthetic tensors already on the device
+(``resnet50_loader_ratio``; on a GPU with its utilisation, ``gpu_utilisation_with_loader``).
 
     RAY_AUTH_MODE=disabled .venv/bin/python benchmarks/data_loading.py
 
@@ -13,12 +15,13 @@ The last line is one JSON object (also written to ``benchmarks/results/data_load
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -180,6 +183,31 @@ def decode_samples_per_s(manifest, *, processes: int, count: int) -> float:
     return total
 
 
+def loader_rounds(manifest) -> dict[str, Any]:
+    """The loader's epoch with 1 and 2 processes (batches of 32) and beside it the machine's ceiling
+    (:func:`decode_samples_per_s`), in :data:`LOADER_ROUNDS` rounds of alternating order: the medians of each count's
+    rates and of the per-round ratios (this shared machine's throughput drifts by tens of percent between seconds)."""
+    num_batches = manifest.splits["train"].num_samples // 32 - 1  # one more is read first, untimed
+    rates: dict[int, list[float]] = {1: [], 2: []}
+    decode: dict[int, list[float]] = {1: [], 2: []}
+    ratios, ceilings = [], []
+    for round_index in range(LOADER_ROUNDS):
+        for p in (1, 2) if round_index % 2 == 0 else (2, 1):
+            rates[p].append(loader_samples_per_s(manifest, processes=p, batch_size=32, num_batches=num_batches))
+            decode[p].append(decode_samples_per_s(manifest, processes=p, count=1000))
+        ratios.append(rates[2][-1] / rates[1][-1])
+        ceilings.append(decode[2][-1] / decode[1][-1])
+    return {
+        "samples_per_s_1": round(float(np.median(rates[1])), 1),
+        "samples_per_s_2": round(float(np.median(rates[2])), 1),
+        "scaling_2": round(float(np.median(ratios)), 3),
+        "scaling_2_rounds": [round(r, 3) for r in ratios],
+        "decode_samples_per_s_1": round(float(np.median(decode[1])), 1),
+        "ceiling_2": round(float(np.median(ceilings)), 3),
+        "ceiling_2_rounds": [round(r, 3) for r in ceilings],
+    }
+
+
 def resnet50_images_per_s(*, batch_size: int, steps: int, threads: int) -> float:
     import torch
     import torchvision
@@ -199,6 +227,93 @@ def resnet50_images_per_s(*, batch_size: int, steps: int, threads: int) -> float
     for _ in range(steps):
         step()
     return batch_size * steps / (time.perf_counter() - start)
+
+
+def _sample_utilisation(gpus, done, out: list[float]) -> None:
+    """NVML's utilisation of every GPU every 0.2 s into ``out`` until ``done`` is set."""
+    while not done.wait(0.2):
+        out.extend(r.utilization_ratio for r in gpus.read() if r.utilization_ratio is not None)
+
+
+def resnet50_fed_by_loader(
+    manifest, *, device_name: str, batch_size: int, steps: int, loader_processes: int, rounds: int
+) -> dict[str, float | None]:
+    """ResNet-50 training images/s on ``device_name`` fed by the product's loader (``ShardStream`` with
+    ``loader_processes``, then the workload's copy to the device: pinned memory, non-blocking) against the same model
+    on synthetic tensors already on the device, in ``rounds`` of alternating order; each timed run is ``steps`` steps
+    of one epoch after an untimed first. On a GPU: channels-last, bf16 autocast, and the GPU's mean utilisation (NVML,
+    sampled every 0.2 s) while the loader fed it."""
+    import threading
+
+    import torch
+    import torchvision
+
+    from training_core.config import DataConfig
+    from training_core.data import ShardStream
+    from training_core.telemetry.gpu import NvmlGpus
+    from training_core.workloads.image import ImageClassification
+
+    device = torch.device(device_name)
+    cuda = device.type == "cuda"
+    model = torchvision.models.resnet50(num_classes=manifest.num_classes).to(device, memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    to_device = ImageClassification().to_device(manifest, device)
+
+    def step(inputs, targets) -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = torch.nn.functional.cross_entropy(
+                model(inputs.contiguous(memory_format=torch.channels_last)), targets
+            )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    def timed(batches) -> float:
+        step(*next(batches))  # the loader's start and first shards, or the first step's allocations: not timed
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(*next(batches))
+        if cuda:
+            torch.cuda.synchronize()
+        return batch_size * steps / (time.perf_counter() - start)
+
+    def synthetic():
+        inputs = torch.randn(batch_size, 3, 224, 224, device=device)
+        targets = torch.randint(0, manifest.num_classes, (batch_size,), device=device)
+        while True:
+            yield inputs, targets
+
+    def loader():
+        stream = ShardStream(
+            manifest, "train", rank=0, world_size=1, data=DataConfig(loader_num_workers=loader_processes)
+        )
+        batches = stream.train_batches(epoch=0, seed=0, batch_size=batch_size, num_batches=steps + 1)
+        return (to_device(batch) for batch in batches)
+
+    gpus = NvmlGpus.open() if cuda else None
+    utilisation: list[float] = []
+    rates: dict[str, list[float]] = {"synthetic": [], "loader": []}
+    for round_index in range(rounds):
+        for source in ("synthetic", "loader") if round_index % 2 == 0 else ("loader", "synthetic"):
+            done = threading.Event()
+            sampler = threading.Thread(target=_sample_utilisation, args=(gpus, done, utilisation), daemon=True)
+            if source == "loader" and gpus is not None:
+                sampler.start()
+            rates[source].append(timed(synthetic() if source == "synthetic" else loader()))
+            done.set()
+            if sampler.is_alive():
+                sampler.join()
+    if gpus is not None:
+        gpus.close()
+    ratios = [loaded / synthetic for loaded, synthetic in zip(rates["loader"], rates["synthetic"])]
+    return {
+        "resnet50_synthetic_images_per_s": float(np.median(rates["synthetic"])),
+        "resnet50_loader_images_per_s": float(np.median(rates["loader"])),
+        "resnet50_loader_ratio": float(np.median(ratios)),
+        "gpu_utilisation_with_loader": float(np.mean(utilisation)) if utilisation else None,
+    }
 
 
 def fit_data_wait(tree: Path, work: Path, *, image_size: int, epochs: int) -> dict[str, float]:
@@ -250,6 +365,18 @@ def main() -> None:
     )
     parser.add_argument("--text-bytes", type=int, default=8_000_000, help="text of the standard library to prepare")
     parser.add_argument("--cpus", type=int, default=2)
+    parser.add_argument(
+        "--gpu-images",
+        type=int,
+        default=16_000,
+        help="224 px JPEGs for ResNet-50 on a GPU fed by the loader (an epoch of several seconds at GPU speed)",
+    )
+    parser.add_argument(
+        "--gpu-loader-processes",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) - 2),
+        help="loader processes feeding the GPU (data.loader_num_workers; the default leaves the step's process a core)",
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="data-loading-"))
     try:
@@ -290,33 +417,39 @@ def main() -> None:
             str(work / "shards"),
         )
         manifest = Manifest.load(str(work / "shards"))
-        num_batches = manifest.splits["train"].num_samples // 32 - 1  # one more is read first, untimed
-        # Rounds in alternating order; the medians of each count's rates and of the per-round ratios (this shared
-        # machine's throughput drifts by tens of percent between seconds).
-        rates: dict[int, list[float]] = {1: [], 2: []}
-        decode: dict[int, list[float]] = {1: [], 2: []}
-        ratios, ceilings = [], []
-        for round_index in range(LOADER_ROUNDS):
-            for p in (1, 2) if round_index % 2 == 0 else (2, 1):
-                rates[p].append(loader_samples_per_s(manifest, processes=p, batch_size=32, num_batches=num_batches))
-                decode[p].append(decode_samples_per_s(manifest, processes=p, count=1000))
-            ratios.append(rates[2][-1] / rates[1][-1])
-            ceilings.append(decode[2][-1] / decode[1][-1])
-        loader = {p: float(np.median(values)) for p, values in rates.items()}
+        import torch
+
+        if torch.cuda.is_available():  # prepared while the Ray cluster is up, as every prep here
+            gpu_tree = make_tree(work / "gpu-jpegs", images=args.gpu_images, side=256, seed=3)
+            ImageClassification().prepare_data(
+                DataConfig(dataset="image_folder", path=str(gpu_tree), image_size=224, num_shards=64),
+                str(work / "gpu-shards"),
+            )
+            fed_manifest = Manifest.load(str(work / "gpu-shards"))
+            fed = {"device_name": "cuda", "batch_size": 128, "loader_processes": args.gpu_loader_processes}
+            fed.update(rounds=3, steps=min(50, fed_manifest.splits["train"].num_samples // 128 - 1))
+        else:  # the same comparison on the CPU, where the loader's processes share the cores with the step
+            fed_manifest = manifest
+            fed = {"device_name": "cpu", "batch_size": 16, "loader_processes": 2, "rounds": 2, "steps": 3}
+        beside_ray = loader_rounds(manifest)
+        import ray
+
+        ray.shutdown()  # the machine to the loader alone; ``fit`` below starts a local cluster again
+        alone = loader_rounds(manifest)
         model = resnet50_images_per_s(batch_size=16, steps=3, threads=args.cpus)
+        fed_result = resnet50_fed_by_loader(fed_manifest, **fed)
         waits = fit_data_wait(tree, work, image_size=64, epochs=2)
         result = {
             "images": args.images,
             "loader_images": args.loader_images,
-            "loader_samples_per_s_1": round(loader[1], 1),
-            "loader_samples_per_s_2": round(loader[2], 1),
-            "loader_scaling_2": round(float(np.median(ratios)), 3),
-            "loader_scaling_2_rounds": [round(r, 3) for r in ratios],
-            "decode_samples_per_s_1": round(float(np.median(decode[1])), 1),
-            "loader_ceiling_2": round(float(np.median(ceilings)), 3),
-            "loader_ceiling_2_rounds": [round(r, 3) for r in ceilings],
+            # The loader with the machine to itself, then beside the benchmark's idle Ray cluster (its daemons and
+            # idle workers wake up on their own: they take from the 2 processes more than from 1).
+            **{f"loader_{key}": value for key, value in alone.items()},
+            **{f"loader_{key}_beside_idle_ray": value for key, value in beside_ray.items()},
             "resnet50_train_images_per_s": round(model, 2),
-            "consumption_ratio": round(loader[2] / model, 2),
+            "consumption_ratio": round(alone["samples_per_s_2"] / model, 2),
+            **{key: value if value is None else round(value, 3) for key, value in fed_result.items()},
+            "resnet50_fed": fed,
             "data_wait_fraction": round(waits["data_wait_fraction"], 4),
             "data_wait_fraction_steady": round(waits["data_wait_fraction_steady"], 4),
             "fit_step_time_s": round(waits["fit_step_time_s"], 3),
