@@ -251,15 +251,16 @@ class DataConfig:
 
     prep_memory_per_worker_gib: float = 4.0
     """Image sources on a cluster: memory of each prep worker pod of the prep task's RayJob (one per
-    ``prep_num_workers``, 1 CPU each), GiB. A shard task holds one shard's encoded images twice (read, then written),
-    so it needs at least twice the largest shard; raise ``data.num_shards`` or this when a prep worker runs out. A
-    text task holds about a MB of text and its ids."""
+    ``prep_num_workers``, 1 CPU each), GiB. A shard task holds one Parquet row group of images at a time (256), not
+    its shard: ~140 MB over the process's imports for 256 px JPEGs, whatever the shard's size. A text task holds
+    about a MB of text and its ids."""
 
     loader_num_workers: int = 2
     """Loader processes per training worker that read, decode and augment encoded images (Parquet shards) ahead of
     the step (torch ``DataLoader`` workers); 0 reads in the training thread. Arrays (``.npz`` shards of digits,
     synthetic and text data) are already decoded and are always read in the training thread. What a step sees does
-    not depend on it."""
+    not depend on it. Each holds the encoded images of the shard it is reading: about this many times the largest
+    shard of host memory per training worker (``data.num_shards`` sets their size)."""
 
     loader_prefetch_batches: int = 4
     """Batches the loader processes of one training worker keep ready, in all."""

@@ -169,6 +169,50 @@ def test_prep_memory_is_bounded_by_a_shard_not_by_the_dataset(ray_session, tmp_p
     assert peaks[0] > 0 and peaks[1] / peaks[0] <= 1.2, peaks
 
 
+_SHARD_TASK_MEMORY = """
+import json, os, sys
+import fsspec, numpy, PIL.Image, pyarrow.parquet  # what the task imports, before the baseline
+from training_core.config import DataConfig
+from training_core import image_shards as im
+
+tree, out, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+splits, _, _ = im.list_image_folder(DataConfig(dataset="image_folder", path=tree, image_size=32))
+items = [item for split in splits.values() for item in split][:count]
+task = im.ShardTask(split="train", file="all.parquet", kind="image_folder", root=tree, out_dir=out, stats_size=32,
+                    items=items)
+im._reset_peak_rss()
+base = im._peak_rss_bytes()
+result = im.write_shard(task)
+import pyarrow
+print(json.dumps({"grown": result.peak_rss_bytes - base, "bytes": os.path.getsize(os.path.join(out, task.file)),
+                  "samples": result.num_samples, "arrow": pyarrow.default_memory_pool().max_memory()}))
+"""
+
+
+def test_a_shard_task_holds_a_row_group_of_images_not_its_whole_shard(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    tree = write_jpegs(tmp_path / "images", per_class=400, side=256)  # ~50 MB of JPEGs
+    grown = {}
+    for count in (300, 1200):  # a shard of each: 4x the images
+        out = tmp_path / f"out-{count}"
+        out.mkdir()
+        found = subprocess.run(  # a fresh process: its peak is the task's alone
+            [sys.executable, "-c", _SHARD_TASK_MEMORY, str(tree), str(out), str(count)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+        assert found.returncode == 0, found.stderr[-3000:]
+        grown[count] = json.loads(found.stdout.strip().splitlines()[-1])
+    assert grown[1200]["samples"] == 1200 and grown[1200]["bytes"] > 30e6, grown
+    # Built whole in memory, a shard cost ~4.5x its bytes; written a row group at a time, the same whatever its size.
+    more_bytes = grown[1200]["bytes"] - grown[300]["bytes"]
+    assert grown[1200]["grown"] - grown[300]["grown"] < 0.5 * more_bytes, grown
+
+
 def test_a_resume_on_another_number_of_workers_trains_each_sample_of_the_epoch_once(ray_session, image_tree, tmp_path):
     from training_core.loader import remaining_after, steps_left
 
