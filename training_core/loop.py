@@ -618,6 +618,15 @@ class Trainer:
         divides this worker's share of ``loop.global_batch_size``, the smallest over the ranks (a collective), and
         the accumulation that keeps the global batch."""
         per_worker = cfg.loop.global_batch_size // self.world_size
+        per_rank = self.manifest.splits["train"].num_samples // self.world_size
+        if per_rank < per_worker:
+            raise ValueError(
+                f"loop.global_batch_size={cfg.loop.global_batch_size} is too large: with {self.world_size} worker(s) "
+                f"each has {per_rank} training sample(s), fewer than its {per_worker} of a global batch; lower "
+                "loop.global_batch_size or scaling.num_workers"
+            )
+        if per_worker == 1:  # the only micro-batch there is; measuring needs two of this rank's samples
+            return dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, batch_size=1, grad_accum_steps=1))
         to_device = self.workload.to_device(self.manifest, self.device)
         stream = ShardStream(self.manifest, "train", rank=self.rank, world_size=self.world_size, data=cfg.data)
         probes = tuple(

@@ -21,7 +21,9 @@ def map_tasks(
     ``ordered``: results come in the order of ``arguments``, and at most ``num_workers`` finished results wait behind
     a slower task, so the caller holds a bounded number of results however many tasks there are. Otherwise they come
     as tasks finish. A task lost with its worker or node is retried by Ray (3 times by default); an exception raised
-    by ``function`` is raised here. Tasks still running when the caller stops reading are cancelled."""
+    by ``function`` is raised here. Tasks still running when the caller stops reading are cancelled (Ray interrupts
+    Python code; a task blocked in native code runs to its end, its result dropped)."""
+    assert num_workers >= 1, num_workers  # the configs check prep_num_workers
     import ray
 
     remote = ray.remote(num_cpus=1)(function)
@@ -31,7 +33,9 @@ def map_tasks(
     exhausted, next_index = False, 0
     try:
         while True:
-            while not exhausted and len(running) < num_workers and len(running) + len(finished) < 2 * num_workers:
+            # Ordered, a task starts only while fewer than ``num_workers`` results wait: they and the running tasks'
+            # results are all the caller's results in memory at once.
+            while not exhausted and len(running) < num_workers and len(finished) < num_workers:
                 item = next(pending, None)
                 if item is None:
                     exhausted = True

@@ -570,7 +570,9 @@ def encode_batches(
     description = ray.put(tokenizer.description)
     arguments = ((description, texts) for texts in batches)
     for ids, lengths in map_tasks(_encode_in_ray_task, arguments, num_workers=ray_workers, ordered=True):
-        yield [ids], lengths
+        # Both are views of the task's result in the object store, which stays pinned while either lives: the
+        # lengths, which the caller keeps, are copied out, so the ids' memory goes with the batch.
+        yield [ids], lengths.copy()
         del ids, lengths
 
 

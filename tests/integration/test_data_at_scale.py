@@ -406,3 +406,29 @@ def test_tokenising_in_ray_tasks_stops_cleanly_when_the_reader_stops(ray_session
     encoded.close()  # cancels the tasks still running
     assert [lengths.tolist() for _, lengths in first] == [[len(f"document {i} " * 50)] for i in range(3)]
     assert bytes(np.concatenate(first[2][0]).astype(np.uint8)) == (b"document 2 " * 50)
+    # What the caller keeps of a batch, its lengths, is its own memory: a view would keep the task's whole result
+    # (every id of the batch) pinned in the object store until the prep ends.
+    assert all(lengths.flags.owndata for _, lengths in first)
+
+
+def _slow_first(index: int) -> int:
+    time.sleep(2.0 if index == 0 else 0.01)
+    return index
+
+
+def test_ordered_tasks_start_no_more_than_num_workers_results_ahead_of_a_slow_one(ray_session):
+    from training_core.ray_tasks import map_tasks
+
+    drawn = []
+
+    def arguments():
+        for index in range(20):
+            drawn.append(index)
+            yield (index,)
+
+    results = map_tasks(_slow_first, arguments(), num_workers=2, ordered=True)
+    assert next(results) == 0
+    # Tasks 0 and 1 start; 1 finishes and 2 starts; 2 finishes: two results wait, so none starts until 0 is done
+    # (fewer were drawn if 0 ended sooner).
+    assert len(drawn) <= 3, drawn
+    assert list(results) == list(range(1, 20))

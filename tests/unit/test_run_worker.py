@@ -435,6 +435,21 @@ def test_an_auto_batch_size_takes_the_largest_micro_batch_the_budget_fits_and_ke
     _same_final_weights(tmp_path / "auto", tmp_path / "explicit")
 
 
+def test_an_auto_batch_size_on_a_split_of_one_sample_a_worker_trains_or_names_the_global_batch(tmp_path):
+    """Measuring needs micro-batches of 1 and 2 of a rank's samples: a share of one sample is the only micro-batch
+    there is, and a global batch larger than the split is refused naming it, before any step."""
+    data = {"dataset": "synthetic", "synthetic_num_samples": 3, "synthetic_image_size": 8, "num_shards": 1}
+    data.update(val_fraction=0.34, test_fraction=0.34)  # one sample each
+    cfg = _synthetic_config(epochs=1, batch_size="auto", global_batch_size=1)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **data))
+    prepare(cfg.data, str(tmp_path / "data"))
+    runtime = _run(cfg, data_dir=str(tmp_path / "data"), root=tmp_path / "one")
+    assert [r["global_step"] for r in runtime.reports] == [1.0]
+    too_large = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, global_batch_size=2))
+    with pytest.raises(ValueError, match=r"loop.global_batch_size=2 is too large: with 1 worker\(s\) each has 1 "):
+        _run(too_large, data_dir=str(tmp_path / "data"), root=tmp_path / "two")
+
+
 def test_an_elastic_job_on_fewer_workers_keeps_the_global_batch_by_accumulating(digits_dir, tmp_path, caplog):
     """``scaling.num_workers: 2, min_workers: 1`` running on 1 worker (a lost node): micro-batches of 16 with 2
     accumulation steps keep the global batch of 2 x 16, and the run trains exactly as that explicit 1-worker setting
