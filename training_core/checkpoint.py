@@ -121,6 +121,10 @@ class CheckpointMeta:
     """Positions of ``epoch``'s global sample order not trained yet, as ``[start, stop)`` intervals
     (:mod:`training_core.loader`); empty at an epoch's start and in checkpoints written before it (which resume
     on the same number of workers only)."""
+    data_exhausted: bool = False
+    """Every sample of ``epoch``'s order was trained (``data_remaining`` is empty because nothing is left, not
+    because the field predates it): written when a worker is told to stop at an epoch's last step, before its
+    validation. A resume, on any number of workers, trains no more of that epoch."""
     data: dict[str, Any] = field(default_factory=dict)
     """The prepared data's description (:meth:`~training_core.data.Manifest.description`: workload, arrays, spec)
     that rebuilds the model; empty in checkpoints written before workloads (image classification)."""
@@ -254,6 +258,7 @@ _META_FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
         _list_of(lambda v: isinstance(v, list) and len(v) == 2 and all(_is_count(x) for x in v)),
         "a list of [start, stop] pairs of integers >= 0",
     ),
+    "data_exhausted": (lambda v: isinstance(v, bool), "true or false"),
     "data": (_is_mapping, "a JSON object (the prepared data's description)"),
     "preempted": (lambda v: isinstance(v, bool), "true or false"),
     "num_parameters": (_is_count, "an integer >= 0"),

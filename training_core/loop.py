@@ -470,7 +470,9 @@ class RunState:
             epoch=meta.epoch,
             step_in_epoch=meta.step_in_epoch,
             global_step=meta.global_step,
-            data_remaining=[(a, b) for a, b in meta.data_remaining] if meta.data_remaining else None,
+            data_remaining=[(a, b) for a, b in meta.data_remaining]
+            if meta.data_remaining or meta.data_exhausted
+            else None,
             best_metric=meta.best_metric,
             history=list(meta.history),
             step_log=StepLog.from_list(meta.step_log, capacity=ckpt.STEP_LOG_CAPACITY),
@@ -1234,6 +1236,7 @@ class Trainer:
         if self.rank != 0:
             return None
         state, cfg, manifest = self.state, self.cfg, self.manifest
+        left = self.data_left()
         return ckpt.CheckpointMeta(
             model_name=cfg.model.name,
             classes=manifest.classes,
@@ -1257,7 +1260,8 @@ class Trainer:
             elapsed_s=state.elapsed_s,
             telemetry=self.telemetry.snapshot(),
             data=manifest.description(),
-            data_remaining=[list(pair) for pair in self.data_left()],
+            data_remaining=[list(pair) for pair in left],
+            data_exhausted=self.state.step_in_epoch > 0 and not left,
             preempted=preempted,
             num_parameters=self.num_parameters,
             saved_unix=time.time(),

@@ -250,6 +250,33 @@ def test_a_sigterm_mid_interval_saves_that_step_stops_recoverably_and_the_resume
     assert resumed.meta.history[-1].train_loss == whole.meta.history[-1].train_loss
 
 
+def test_told_to_stop_at_an_epochs_last_step_a_resume_with_another_global_batch_trains_none_of_it_again(tmp_path):
+    """224 training samples, 14 steps of 16: a stop at step 14 leaves nothing of the epoch, and the checkpoint says
+    so (``data_exhausted``); a resume with batches of 8 (as on another number of workers) trains no step of that
+    epoch again. Recorded as no more than an empty position, it planned the epoch anew for batches of 8 and skipped
+    only 14 of its 28 steps."""
+    cfg = _synthetic_config(epochs=1, log_interval_steps=1)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, synthetic_num_samples=320))
+    prepare(cfg.data, str(tmp_path / "data"))
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        args = WorkerArgs.build(
+            cfg, data_dir=str(tmp_path / "data"), checkpoint_root=str(tmp_path / "run"), run_name="unit"
+        )
+        with pytest.raises(WorkerPreempted, match="checkpoint of step 14 is saved"):
+            run_worker(args, SigtermAtStep(step=14))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        preemption.clear()
+    told = _final(tmp_path / "run").meta
+    assert (told.step_in_epoch, told.data_remaining, told.data_exhausted) == (14, [], True)
+
+    smaller = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, batch_size=8))
+    _run(smaller, data_dir=str(tmp_path / "data"), root=tmp_path / "run")
+    resumed = _final(tmp_path / "run").meta
+    assert resumed.resumed_from_steps == [14] and resumed.global_step == 14 and resumed.epoch == 1
+
+
 FIXTURE_CHECKPOINT = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint_before_typed_records"
 
 
