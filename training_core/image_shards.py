@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
@@ -315,6 +316,7 @@ def write_shard(task: ShardTask) -> ShardResult:
         for item, payload in _read_items(task):
             try:
                 pixels = _decoded(payload, task.stats_size)
+                payload = _stored(payload)
             except Exception as exc:  # noqa: BLE001 - any decoder failure marks the sample bad, never the prep
                 bad.append(f"{item.source}: {type(exc).__name__}: {clip(str(exc).split(' <_io.')[0], 120)}")
                 continue
@@ -419,8 +421,43 @@ def _decoded(payload: bytes, size: int) -> np.ndarray:
 
     with Image.open(io.BytesIO(payload)) as image:
         image.draft("RGB", (size, size))  # JPEG decodes at a reduced scale when that is enough
-        image = image.convert("RGB").resize((size, size), Image.BILINEAR)
+        image = _rgb8(image).resize((size, size), Image.BILINEAR)
         return np.asarray(image, dtype=np.float64) / 255.0
+
+
+def _rgb8(image: Any) -> Any:
+    """A PIL image as 8-bit RGB. 16-bit greys (a 16-bit grey PNG opens as ``I;16`` or ``I``) are scaled to 8 bits,
+    as the loader's decoder scales them; PIL's own ``convert`` would clip them at 255."""
+    from PIL import Image
+
+    if image.mode.startswith("I"):
+        values = np.clip(np.asarray(image).astype(np.int64), 0, 65535)
+        return Image.fromarray((values >> 8).astype(np.uint8), "L").convert("RGB")  # the high byte, as torchvision
+    return image.convert("RGB")
+
+
+def _loader_reads(payload: bytes) -> bool:
+    """Whether the loader's decoder (``torchvision.io.decode_image``) reads these bytes as 8-bit images: JPEG, PNG of
+    up to 8 bits a channel (its IHDR's bit depth), GIF and WebP. It refuses BMP, TIFF and PPM, and gives 16-bit PNGs
+    as 16-bit tensors."""
+    if payload.startswith(b"\x89PNG\r\n\x1a\n"):
+        return len(payload) > 24 and payload[24] <= 8
+    return payload.startswith((b"\xff\xd8\xff", b"GIF87a", b"GIF89a")) or (
+        payload[:4] == b"RIFF" and payload[8:12] == b"WEBP"
+    )
+
+
+def _stored(payload: bytes) -> bytes:
+    """An image's bytes as its shard keeps them: as they came when the loader's decoder reads them; otherwise (BMP, a
+    16-bit PNG...) re-encoded as an 8-bit RGB PNG, lossless for 8-bit sources."""
+    if _loader_reads(payload):
+        return payload
+    from PIL import Image
+
+    with Image.open(io.BytesIO(payload)) as image:
+        buffer = io.BytesIO()
+        _rgb8(image).save(buffer, format="PNG")
+        return buffer.getvalue()
 
 
 def _read_items(task: ShardTask) -> Iterator[tuple[ImageItem, bytes]]:
@@ -548,11 +585,9 @@ def shard_bytes(manifest: Any, shard: Any, data: DataConfig) -> bytes:
     remote = "://" in manifest.directory and not manifest.directory.startswith("file://")
     cache = data.cache_dir or os.path.join(tempfile.gettempdir(), "training-shard-cache")
     cached = os.path.join(cache, shard.sha256 + SHARD_SUFFIX) if remote else ""
-    if cached and os.path.exists(cached):
-        with open(cached, "rb") as f:
-            payload = f.read()
-        if hashlib.sha256(payload).hexdigest() == shard.sha256:
-            os.utime(cached)  # recently used
+    if cached:
+        payload = _from_cache(cached, shard.sha256)
+        if payload is not None:
             return payload
     with fsspec.open(url, "rb") as f:
         payload = f.read()
@@ -560,13 +595,46 @@ def shard_bytes(manifest: Any, shard: Any, data: DataConfig) -> bytes:
     if digest != shard.sha256:
         _shard_error(where, f"is corrupt: sha256 {digest} != manifest {shard.sha256}")
     if cached:
-        os.makedirs(cache, exist_ok=True)
-        staging = f"{cached}.{os.getpid()}.tmp"
+        _to_cache(cached, payload, max_bytes=data.cache_max_bytes)
+    return payload
+
+
+def _from_cache(cached: str, sha256: str) -> bytes | None:
+    """The cached shard's bytes when the file is there and has ``sha256``. Loader processes, and the ranks of a node,
+    share the cache: another one may evict the file at any moment, which is a miss, not an error."""
+    try:
+        with open(cached, "rb") as f:
+            payload = f.read()
+    except OSError:  # not there (evicted), or a cache directory that cannot be used: a miss
+        return None
+    if hashlib.sha256(payload).hexdigest() != sha256:
+        return None
+    try:
+        os.utime(cached)  # recently used
+    except FileNotFoundError:
+        pass
+    return payload
+
+
+def _to_cache(cached: str, payload: bytes, *, max_bytes: int) -> None:
+    """Keep a verified shard in the cache (written aside, then renamed into place) and evict down to ``max_bytes``.
+    A cache that cannot take it (a full disk) costs a download the next time, not the run: logged."""
+    staging = f"{cached}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
         with open(staging, "wb") as f:
             f.write(payload)
         os.replace(staging, cached)
-        evict(cache, data.cache_max_bytes)
-    return payload
+    except OSError as exc:
+        log.warning(
+            "the shard cache could not keep %s (%s); it is read from its source again when next needed", cached, exc
+        )
+        try:
+            os.remove(staging)
+        except OSError:  # never written, or no directory to write it in
+            pass
+        return
+    evict(os.path.dirname(cached), max_bytes)
 
 
 SHARD_SUFFIX = ".parquet"
@@ -577,7 +645,9 @@ def evict(cache: str, max_bytes: int) -> None:
     stays even when it alone is larger)."""
     entries = []
     for name in os.listdir(cache):
-        if name.endswith(SHARD_SUFFIX):
+        if name.endswith(".tmp"):
+            _remove_stale(os.path.join(cache, name))
+        elif name.endswith(SHARD_SUFFIX):
             try:
                 stat = os.stat(os.path.join(cache, name))
             except FileNotFoundError:  # another loader process evicted it
@@ -595,6 +665,18 @@ def evict(cache: str, max_bytes: int) -> None:
         used -= size
 
 
+STALE_STAGING_S = 600
+"""A staging file (``<shard>.<pid>.tmp``) untouched this long belongs to a writer that died: eviction deletes it."""
+
+
+def _remove_stale(path: str) -> None:
+    try:
+        if time.time() - os.stat(path).st_mtime > STALE_STAGING_S:
+            os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
 def import_decoders() -> None:
     """Import what reading and decoding a shard imports. Called before loader processes are forked, so each starts
     with them: imported in each process, every epoch, they cost ~2 s of CPU before its first batch (pyarrow's
@@ -608,9 +690,18 @@ def import_decoders() -> None:
 class EncodedImages:
     """A Parquet shard's images, decoded (and for training augmented) one sample at a time."""
 
-    def __init__(self, sample_ids: list[int], labels: list[int], images: list[bytes], *, size: int, data: DataConfig):
+    def __init__(
+        self,
+        sample_ids: list[int],
+        labels: list[int],
+        images: list[bytes],
+        *,
+        size: int,
+        data: DataConfig,
+        where: str = "a shard",
+    ):
         self.sample_ids, self.labels, self.images = sample_ids, labels, images
-        self.size, self.data = size, data
+        self.size, self.data, self.where = size, data, where
         self._transforms: tuple[Any, Any] | None = None
 
     @classmethod
@@ -649,6 +740,7 @@ class EncodedImages:
             table.column("image").to_pylist(),
             size=manifest.input_shape[-1],
             data=data,
+            where=where,
         )
 
     def __len__(self) -> int:
@@ -676,7 +768,16 @@ class EncodedImages:
         from training_core.loader import sample_seed
 
         encoded = torch.frombuffer(bytearray(self.images[row]), dtype=torch.uint8)
-        image = decode_image(encoded, mode=ImageReadMode.RGB)
+        try:
+            image = decode_image(encoded, mode=ImageReadMode.RGB)
+        except RuntimeError as exc:  # prep checked every image: the shard is not one this prep wrote
+            from training_core.data import _shard_error
+
+            _shard_error(self.where, f"holds sample {self.sample_ids[row]}, which does not decode ({clip(str(exc))})")
+        if image.dtype != torch.uint8:  # a 16-bit PNG in a shard prepared before prep re-encoded them
+            from torchvision.transforms.v2.functional import to_dtype
+
+            image = to_dtype(image, torch.uint8, scale=True)
         train_transform, eval_transform = self.transforms()
         if train:
             with torch.random.fork_rng(devices=[]):

@@ -4,6 +4,7 @@ counted), loader processes, and a resume on another number of workers that sees 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import re
 import signal
@@ -90,6 +91,55 @@ def test_a_shard_whose_columns_are_wrong_is_refused_naming_the_shard_and_the_col
     manifest = Manifest.load(str(out))
     with pytest.raises(ValueError, match=f"shard {re.escape(repr(shard['file']))} in .* {re.escape(expected)}; "):
         EncodedImages.read(manifest, manifest.splits["train"].shards[0], DataConfig())
+
+
+def test_images_the_loaders_decoder_cannot_read_are_stored_as_8_bit_pngs_and_load_as_prep_saw_them(
+    ray_session, tmp_path
+):
+    """torchvision's decoder, which the loader uses, refuses BMP and gives a 16-bit PNG as 16-bit values, where prep
+    checks images with PIL: such an image is stored re-encoded as an 8-bit RGB PNG (a JPEG as it came), so every
+    sample prep accepted loads, with the values prep counted in the statistics."""
+    import io
+
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from training_core.image_shards import EncodedImages
+
+    tree = write_jpegs(tmp_path / "images", per_class=4, classes=2, side=16)  # JPEGs .../class_<c>/<i>.jpg
+    grey16 = np.full((16, 24), 51_400, dtype=np.uint16)  # high byte 200
+    Image.fromarray(grey16).save(tree / "class_0" / "grey16.png")
+    Image.fromarray(np.full((16, 24, 3), (10, 20, 30), dtype=np.uint8)).save(tree / "class_1" / "flat.bmp")
+    cfg = DataConfig(dataset="image_folder", path=str(tree), image_size=16, num_shards=1)
+    cfg = dataclasses.replace(cfg, val_fraction=0.25, test_fraction=0.25)
+    out = tmp_path / "prepared"
+    manifest = prepare(cfg, str(out))
+    assert manifest.bad_samples["count"] == 0
+    stored = {}
+    for split in manifest.splits.values():
+        for shard in split.shards:
+            table = pq.read_table(out / shard.file).to_pydict()
+            stored.update(zip(table["source"], table["image"]))
+    assert stored["class_0/grey16.png"][:8] == b"\x89PNG\r\n\x1a\n" and stored["class_1/flat.bmp"][:4] == b"\x89PNG"
+    assert Image.open(io.BytesIO(stored["class_0/grey16.png"])).mode == "RGB"
+    assert stored["class_0/00000.jpg"] == (tree / "class_0" / "00000.jpg").read_bytes()  # as it came
+    pixels = {}
+    for split in manifest.splits.values():
+        for shard in split.shards:
+            samples = EncodedImages.read(manifest, shard, cfg)
+            for row in range(len(samples)):
+                pixels[samples.sample_ids[row]] = samples.sample(row, epoch=0, train=False)["images"]
+    assert len(pixels) == 10 and all(p.dtype == np.uint8 and p.shape == (3, 16, 16) for p in pixels.values())
+    values = {tuple(np.unique(p)) for p in pixels.values()}
+    assert (200,) in values and (10, 20, 30) in values
+
+
+def test_a_sample_the_loader_cannot_decode_names_its_shard_and_sample():
+    from training_core.image_shards import EncodedImages
+
+    samples = EncodedImages([7], [0], [b"not an image"], size=16, data=DataConfig(), where="shard 'train-3.parquet'")
+    with pytest.raises(ValueError, match=r"shard 'train-3.parquet' holds sample 7, which does not decode \(.*re-run"):
+        samples.sample(0, epoch=0, train=True)
 
 
 def test_a_shard_task_whose_worker_process_dies_is_retried_and_the_prep_completes(ray_session, tmp_path):
