@@ -887,6 +887,7 @@ class Trainer:
                 if preempted:
                     self.stop_for_preemption()
 
+            batches.close()  # the epoch's loader processes end now, not beside validation's
             self.average_replicas()
             record = self.validate(epoch=epoch, steps_in_epoch=steps_this_epoch)
             state.epoch, state.step_in_epoch, state.data_remaining = epoch + 1, 0, None
