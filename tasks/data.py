@@ -19,9 +19,11 @@ from tasks.types import PreparedData
 from training_core.config import DataConfig, WorkloadConfig
 
 # Bump when the shard format or split logic changes, so cached outputs are not reused.
-# 4: Parquet shards of encoded images (cifar10, image_folder), manifest v4; 3: manifest v3 (workload, arrays);
-# 2: label ranges; CIFAR checked at read
-PREPARE_DATA_CACHE_VERSION = "4"
+# 5: images the loader's decoder does not read as 8-bit (BMP, 16-bit PNG) stored as 8-bit PNGs, 16-bit statistics
+# scaled; loader-only DataConfig fields and the model factory out of the key (for_prep); 4: Parquet shards of encoded
+# images (cifar10, image_folder), manifest v4; 3: manifest v3 (workload, arrays); 2: label ranges; CIFAR checked at
+# read
+PREPARE_DATA_CACHE_VERSION = "5"
 
 PREP_TASK_ARGS = {
     "cache": Cache(version=PREPARE_DATA_CACHE_VERSION),
@@ -103,6 +105,8 @@ def prepare(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()) -> 
     """
     from training_core.workloads import prep_uses_ray
 
+    # Cached by what changes the shards: tuning the loader or swapping the model re-runs no prep.
+    config, workload = config.for_prep(), workload.for_prep()
     if workload.name == "causal_lm" and workload.dataset_source:
         # A user's text is tokenised in this pod's tokenizer threads (training_core.text.tokenizer_threads).
         resources = text_prep_resources(config)

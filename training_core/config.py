@@ -320,6 +320,34 @@ class DataConfig:
         if not 0 < self.augment_min_crop_scale <= 1:
             invalid("data.augment_min_crop_scale", self.augment_min_crop_scale, "it must be in (0, 1]")
         _positive("data.cache_max_bytes", self.cache_max_bytes)
+        for url in (self.path, self.tokenizer):
+            redact(url)  # remembers any credentials in it, which libraries may quote without the URL's scheme
+
+    def for_prep(self) -> DataConfig:
+        """This config with :data:`LOADER_FIELDS` at their defaults: what data prep is given and cached by, so a
+        change to how training reads the shards (the loader's processes, augmentation, the local cache) re-runs no
+        prep."""
+        defaults = DataConfig()
+        return dataclasses.replace(self, **{name: getattr(defaults, name) for name in LOADER_FIELDS})
+
+
+def no_training_samples_error(cfg: DataConfig, count: int, *, source: str) -> ValueError:
+    """The error for split fractions that, rounded, leave none of ``source``'s ``count`` samples to train on."""
+    return ValueError(
+        f"data.val_fraction={cfg.val_fraction!r} and data.test_fraction={cfg.test_fraction!r} are invalid: rounded, "
+        f"they hold out all {count} sample(s) of {source} and leave none to train on; lower them or add samples"
+    )
+
+
+LOADER_FIELDS = (
+    "loader_num_workers",
+    "loader_prefetch_batches",
+    "augment",
+    "augment_min_crop_scale",
+    "cache_dir",
+    "cache_max_bytes",
+)
+"""The ``DataConfig`` fields only training's loader reads: data prep's output does not depend on them."""
 
 
 @dataclass
@@ -405,6 +433,11 @@ class WorkloadConfig:
                 invalid(f"workload.{name}", value, "it applies to a built-in workload; a user workload builds its own")
             if value and not is_import_path(value):
                 invalid(f"workload.{name}", value, IMPORT_PATH_FIX)
+
+    def for_prep(self) -> WorkloadConfig:
+        """This workload as data prep is given and cached by it: without the model factory, which prep never calls
+        (a new model re-runs no prep)."""
+        return dataclasses.replace(self, model_factory="")
 
 
 def is_import_path(value: str) -> bool:

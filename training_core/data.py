@@ -29,7 +29,7 @@ from typing import Any, Iterable, Iterator, Mapping, NoReturn
 
 import numpy as np
 
-from training_core.config import DataConfig, WorkloadConfig, clip, is_plain_file_name, quote
+from training_core.config import DataConfig, WorkloadConfig, clip, is_plain_file_name, no_training_samples_error, quote
 from training_core.redact import redact
 
 log = logging.getLogger(__name__)
@@ -609,6 +609,8 @@ def split_samples(
                 f"data.{field_name}={value!r} is invalid: {source} has no {name} split of its own and this fraction "
                 f"of its {n} samples rounds to 0; raise it to at least {1 / max(n, 1):.2g}"
             )
+    if n_test + n_val >= n:
+        raise no_training_samples_error(cfg, n, source=source)
     splits = {"train": {name: value[n_test + n_val :] for name, value in train.items()}}
     if n_test:
         splits["test"] = {name: value[:n_test] for name, value in train.items()}

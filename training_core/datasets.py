@@ -28,6 +28,7 @@ from typing import Iterator
 import numpy as np
 
 from training_core.config import DataConfig, clip, quote
+from training_core.redact import redact
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -115,8 +116,14 @@ def _synthetic(cfg: DataConfig) -> RawDataset:
 def _existing(path: str, field: str = "data.path"):
     import fsspec
 
-    fs, fs_path = fsspec.core.url_to_fs(path)
-    if not fs.exists(fs_path):
+    try:
+        fs, fs_path = fsspec.core.url_to_fs(path)
+        exists = fs.exists(fs_path)
+    except Exception as exc:  # noqa: BLE001 - whatever a filesystem raises for a location it cannot use
+        # Not chained: a library's own message may quote the URL's credentials without its scheme.
+        found = redact(clip(f"{type(exc).__name__}: {exc}"))
+        raise ValueError(f"{field}={quote(path)} is invalid: {found}; point it at the dataset's location") from None
+    if not exists:
         raise ValueError(f"{field}={quote(path)} is invalid: nothing exists there; point it at the dataset's location")
     return fs, fs_path
 

@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from training_core.config import DataConfig, clip, quote
+from training_core.config import DataConfig, clip, no_training_samples_error, quote
 from training_core.redact import redact
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,8 @@ class ShardResult:
     """False when a previous prep's valid shard was kept."""
     peak_rss_bytes: int = 0
     """The task process's peak resident memory while it made this shard."""
+    inputs_sha256: str = ""
+    """:func:`task_fingerprint` of the task that wrote it: a re-run keeps the shard only for the same inputs."""
 
 
 # ---------------------------------------------------------------------------------------------- the driver's side
@@ -102,6 +104,8 @@ def assign_splits(items: list[ImageItem], cfg: DataConfig, *, own: tuple[str, ..
     ordered = sorted(items, key=lambda item: _unit(item.source, cfg.split_seed, "split"))
     n_test = 0 if "test" in own else int(round(len(ordered) * cfg.test_fraction))
     n_val = 0 if "val" in own else int(round(len(ordered) * cfg.val_fraction))
+    if n_test + n_val >= len(ordered):
+        raise no_training_samples_error(cfg, len(ordered), source=f"data.path={quote(cfg.path)}")
     splits = {"train": ordered[n_test + n_val :]}
     if n_test:
         splits["test"] = ordered[:n_test]
@@ -279,12 +283,28 @@ def _join(directory: str, name: str) -> str:
     return f"{directory.rstrip('/')}/{name}"
 
 
+SHARD_FORMAT = 2
+"""What a shard task writes from given inputs; part of :func:`task_fingerprint`. 2: images the loader's decoder does
+not read as 8-bit stored as 8-bit PNGs."""
+
+
+def task_fingerprint(task: ShardTask) -> str:
+    """The sha256 of what decides a shard's bytes: the format, the source, the split, the statistics' size and every
+    item (source, label, sample id) in order. Not the output directory: a shard is the same wherever it is."""
+    inputs = [SHARD_FORMAT, task.kind, task.root, task.split, task.file, task.stats_size]
+    inputs.append([(item.source, item.label, item.sample_id) for item in task.items])
+    return hashlib.sha256(json.dumps(inputs).encode()).hexdigest()
+
+
 def kept_shard(fs, task: ShardTask) -> ShardResult | None:
-    """A previous prep's shard of ``task`` when its record exists and the file still has the recorded sha256."""
+    """A previous prep's shard of ``task`` when its record exists, was written from the same inputs (another image
+    size, split seed or source changes them) and the file still has the recorded sha256."""
     done = _join(task.out_dir, task.file + DONE_SUFFIX)
     try:
         with fs.open(done, "rb") as f:
             result = ShardResult(**json.loads(f.read()))
+        if result.inputs_sha256 != task_fingerprint(task):
+            return None
         with fs.open(_join(task.out_dir, task.file), "rb") as f:
             digest = hashlib.file_digest(f, "sha256").hexdigest()  # in blocks: not the whole shard in memory
     except (FileNotFoundError, ValueError, TypeError):
@@ -335,6 +355,7 @@ def write_shard(task: ShardTask) -> ShardResult:
         num_pixels=num_pixels,
         num_bad=len(bad),
         bad_examples=bad[:MAX_BAD_EXAMPLES],
+        inputs_sha256=task_fingerprint(task),
     )
     result.peak_rss_bytes = _peak_rss_bytes()
     with fs.open(_join(task.out_dir, task.file + DONE_SUFFIX), "w") as f:

@@ -29,13 +29,35 @@ _USERINFO = re.compile(
 )
 
 
+_SEEN_USERINFO: dict[str, None] = {}
+"""The ``user:password`` of every URL :func:`redact` has rewritten in this process (the newest 64), removed wherever
+they appear again: libraries quote a URL without its scheme (fsspec strips ``s3://``, so botocore names the bucket
+``KEY:SECRET@bucket``), where the pattern alone cannot tell a credential from text."""
+
+
+def _remember(match: re.Match) -> str:
+    userinfo = match.group(0)[len(match.group(1)) : -1]
+    if ":" in userinfo and len(userinfo) >= 4:
+        _SEEN_USERINFO.pop(userinfo, None)
+        _SEEN_USERINFO[userinfo] = None
+        while len(_SEEN_USERINFO) > 64:  # another thread may trim it too
+            _SEEN_USERINFO.pop(next(iter(_SEEN_USERINFO), ""), None)
+    return f"{match.group(1)}{REDACTED}@"
+
+
 def redact(value: Any) -> Any:
-    """``value`` with the userinfo of every URL in it replaced by ``***``.
+    """``value`` with the userinfo of every URL in it replaced by ``***``, and any ``user:password`` seen in an
+    earlier URL replaced wherever it appears.
 
     Strings are rewritten; mappings, lists and tuples are copied with every key and item redacted; anything
     else is returned as it is. The input is never changed in place."""
     if isinstance(value, str):
-        return _USERINFO.sub(rf"\g<1>{REDACTED}@", value) if "@" in value else value
+        if "@" in value:
+            value = _USERINFO.sub(_remember, value)
+        for userinfo in list(_SEEN_USERINFO) if _SEEN_USERINFO else ():
+            if userinfo in value:
+                value = value.replace(userinfo, REDACTED)
+        return value
     if isinstance(value, dict):
         return {redact(k): redact(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

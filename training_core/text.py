@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 import sysconfig
 from dataclasses import dataclass, field
@@ -223,6 +224,8 @@ class SourceStats:
     """Size of the first document ``data.max_text_bytes`` left out (0 when none was)."""
     text_bytes: int = 0
     """UTF-8 bytes of the documents kept."""
+    surrogates_replaced: int = 0
+    """Lone surrogate code points (from JSON escapes or a user's strings) written as U+FFFD."""
 
 
 def read_documents(data: DataConfig, stats: SourceStats) -> Iterator[Document]:
@@ -238,12 +241,19 @@ def read_documents(data: DataConfig, stats: SourceStats) -> Iterator[Document]:
 
 
 def check_text_source(data: DataConfig) -> None:
-    """Raise the ``ValueError`` a prep of ``data`` would raise on reading for a dataset that is not text or a
-    ``data.path`` that cannot be listed or holds no text file: what can fail before a cluster starts for the prep."""
+    """Raise the ``ValueError`` a prep of ``data`` would raise on reading for a dataset that is not text, a
+    ``data.path`` that cannot be listed, holds no text file or fewer than 3 ``.txt`` files and nothing else (a split
+    is by document), or a ``data.tokenizer`` that cannot be read: what can fail before a cluster starts for the
+    prep."""
     if data.dataset not in ("stdlib", "text"):
         raise _text_dataset_error(data)
-    if data.dataset == "text" and not text_files(data.path)[2]:
-        raise no_text_error(data, SourceStats(), source=f"data.path={quote(data.path)}")
+    if data.dataset == "text":
+        files = text_files(data.path)[2]
+        if not files:
+            raise no_text_error(data, SourceStats(), source=f"data.path={quote(data.path)}")
+        if all(file.endswith(".txt") for file in files):  # a document a file: fewer than 3 cannot be split
+            split_documents(np.ones(len(files)), data, source=f"data.path={quote(data.path)}")
+    load_tokenizer(data.tokenizer)
 
 
 def _text_dataset_error(data: DataConfig) -> ValueError:
@@ -269,11 +279,26 @@ def mapping_documents(texts: Mapping[Any, Any], *, source: str) -> Iterator[Docu
         yield Document(name, texts[name])
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def capped(documents: Iterable[Document], max_bytes: int, stats: SourceStats) -> Iterator[Document]:
     """The non-empty ``documents`` in order while their UTF-8 total stays within ``max_bytes`` (0: no cap).
     Stops at the first that does not fit, so the result is a prefix of the sorted source, the same on every run."""
     for document in documents:
-        size = len(document.text.encode("utf-8"))
+        try:
+            size = len(document.text.encode("utf-8"))
+        except UnicodeEncodeError:  # a lone surrogate (JSON can escape one, \ud83d): UTF-8 cannot hold it
+            if not stats.surrogates_replaced:
+                log.warning(
+                    "document %s holds lone surrogates (\\ud800-\\udfff), which UTF-8 cannot encode: each becomes "
+                    "U+FFFD (counted in the manifest's source statistics)",
+                    quote(document.name),
+                )
+            fixed = _LONE_SURROGATE.sub("\ufffd", document.text)
+            stats.surrogates_replaced += len(document.text) - len(_LONE_SURROGATE.sub("", document.text))
+            document = Document(document.name, fixed)
+            size = len(document.text.encode("utf-8"))
         if not size:
             continue
         if max_bytes and stats.text_bytes + size > max_bytes:
@@ -334,6 +359,11 @@ def text_files(path: str) -> tuple[Any, str, list[str]]:
     return fs, root, sorted(keep)
 
 
+MAX_TEXT_DOCUMENT_BYTES = 256 * 2**20
+"""The largest ``.txt`` file read as one document: a 200 MB one took 1.2 GB more peak memory to tokenise (the byte
+tokenizer) where 200 files of 1 MB took 25 MB; a larger one fails naming the file, before it is read."""
+
+
 def path_documents(path: str, text_field: str, stats: SourceStats) -> Iterator[Document]:
     """The documents of the text files at ``path`` (see :func:`text_files`), file by file in sorted order: a
     ``.txt`` file whole (UTF-8; bad bytes become U+FFFD), each ``.jsonl`` line's ``text_field``, each ``.parquet``
@@ -343,6 +373,14 @@ def path_documents(path: str, text_field: str, stats: SourceStats) -> Iterator[D
         name = file[len(root) :].lstrip("/") or os.path.basename(file)
         stats.files += 1
         if file.endswith(".txt"):
+            size = fs.size(file)
+            if size > MAX_TEXT_DOCUMENT_BYTES:
+                raise ValueError(
+                    f"data.path={quote(path)} is invalid: {quote(name)} is one document of {size / 2**20:,.0f} MiB; "
+                    "a .txt file is a document, tokenised whole (about 6x its size in memory) and kept in one split: "
+                    f"cut it into files of at most {MAX_TEXT_DOCUMENT_BYTES // 2**20} MiB, or into the lines of a "
+                    ".jsonl file (a document each)"
+                )
             with fs.open(file, "rb") as f:
                 yield Document(name, f.read().decode("utf-8", errors="replace"))
         elif file.endswith(".jsonl"):

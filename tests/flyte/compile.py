@@ -17,6 +17,9 @@ def compile_dynamic(dynamic_task, inputs: dict[str, Any], type_hints: dict[str, 
     settings = SerializationSettings(
         project="p", domain="d", version="v1", image_config=ImageConfig.auto_default_image()
     )
+    # flytekit compiles a dynamic task's body once per process (its workflow is kept, nodes and input values with it),
+    # as fits a task pod, which runs it once; every call here stands for a pod of its own.
+    dynamic_task._wf = None
     ctx = FlyteContextManager.current_context().with_serialization_settings(settings)
     with FlyteContextManager.with_context(ctx) as ctx:
         state = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)

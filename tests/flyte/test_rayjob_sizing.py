@@ -265,7 +265,8 @@ def test_image_and_text_prep_run_on_a_rayjob_of_prep_num_workers_sized_from_the_
     """Every entry point prepares through ``prepare`` (the packaging tests check no static node runs a Ray task).
     Its compile checks that the source exists (a wrong path fails before a RayJob starts), so it is a real one."""
     if source == "text":
-        (tmp_path / "a.txt").write_text("some text")
+        for name in ("a.txt", "b.txt", "c.txt"):  # a document a file: three at least, one for each split
+            (tmp_path / name).write_text("some text")
     data = DataConfig(
         dataset=source,
         path=str(tmp_path),
@@ -305,6 +306,35 @@ def test_other_sources_prepare_in_their_own_pod_without_a_ray_cluster(data, work
     assert not [t for t in spec.tasks if t.type == "ray"]
 
 
+def test_the_prep_node_is_cached_by_what_changes_the_shards_not_by_the_loader_or_the_model(tmp_path):
+    """Flyte keys a cached node by its task and input values: tuning the training loader or swapping the model
+    compiles the same prep node (its cached output is reused); the image size does not."""
+    from training_core.config import LOADER_FIELDS
+
+    (tmp_path / "class_0").mkdir()
+
+    def prep_inputs(data: DataConfig, workload: WorkloadConfig):
+        (node,) = compile_dynamic(prepare, {"config": data, "workload": workload}).nodes
+        return node.task_node.reference_id.name, [binding.to_flyte_idl().SerializeToString() for binding in node.inputs]
+
+    base = DataConfig(dataset="image_folder", path=str(tmp_path), image_size=32)
+    loader = dataclasses.replace(
+        base,
+        loader_num_workers=7,
+        loader_prefetch_batches=9,
+        augment=False,
+        augment_min_crop_scale=0.5,
+        cache_dir="/elsewhere",
+        cache_max_bytes=123,
+    )
+    assert {f for f in LOADER_FIELDS if getattr(loader, f) != getattr(base, f)} == set(LOADER_FIELDS)
+    assert prep_inputs(loader, WorkloadConfig(model_factory="my_pkg.models:build")) == prep_inputs(
+        base, WorkloadConfig()
+    )
+    larger = dataclasses.replace(base, image_size=64)
+    assert prep_inputs(larger, WorkloadConfig()) != prep_inputs(base, WorkloadConfig())
+
+
 def test_a_users_text_prep_pod_gets_the_configured_cpus_and_memory_and_tokenises_on_that_many_threads():
     from training_core.text import tokenizer_threads
 
@@ -339,6 +369,18 @@ def test_a_users_text_prep_pod_gets_the_configured_cpus_and_memory_and_tokenises
 def test_a_wrong_text_source_fails_the_compile_before_any_rayjob(data, message):
     with pytest.raises(Exception, match=message):
         compile_dynamic(prepare, {"config": data, "workload": WorkloadConfig(name="causal_lm")})
+
+
+def test_too_few_text_files_or_an_unreadable_tokenizer_fail_the_compile_before_any_rayjob(tmp_path):
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("some text " * 100)
+    two_files = DataConfig(dataset="text", path=str(tmp_path))
+    with pytest.raises(Exception, match=r"cannot be met: data.path=.* has 2 document\(s\), and the split is by"):
+        compile_dynamic(prepare, {"config": two_files, "workload": WorkloadConfig(name="causal_lm")})
+    (tmp_path / "c.txt").write_text("more text " * 100)
+    missing = dataclasses.replace(two_files, tokenizer=str(tmp_path / "nowhere" / "tokenizer.json"))
+    with pytest.raises(Exception, match=r"data.tokenizer='.*nowhere/tokenizer.json' is invalid"):
+        compile_dynamic(prepare, {"config": missing, "workload": WorkloadConfig(name="causal_lm")})
 
 
 def test_a_missing_image_source_fails_the_compile_before_any_rayjob(tmp_path):

@@ -61,6 +61,11 @@ def test_prep_writes_parquet_shards_other_tools_read_and_a_rerun_writes_only_mis
     after = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.suffix == ".parquet"}
     assert sorted(n for n in after if after[n] != before[n]) == [files[0].name, files[1].name]
     assert Manifest.load(str(prepare(cfg, str(out)).directory)).splits == manifest.splits
+    # Another image size and split seed into the same directory: no shard of the first config is kept.
+    other = dataclasses.replace(cfg, image_size=16, split_seed=1)
+    changed = prepare_images(other, str(out))
+    assert changed.num_written == len(changed.results) and changed.mean != prepare_images(cfg, str(tmp_path / "x")).mean
+    assert prepare_images(other, str(out)).num_written == 0
 
 
 @pytest.mark.parametrize(
@@ -206,6 +211,15 @@ def test_a_bad_tree_fails_before_any_shard_task_naming_the_field_and_the_fix(lay
     with pytest.raises(ValueError, match=r"data.path=.* is invalid: ") as error:
         prepare(DataConfig(dataset="image_folder", path=str(path), image_size=16), str(tmp_path / "out"))
     assert expected in str(error.value)
+
+
+@pytest.mark.parametrize("dataset", ["image_folder", "synthetic"])
+def test_split_fractions_that_leave_no_training_sample_fail_naming_them(dataset, tmp_path):
+    tree = write_jpegs(tmp_path / "images", per_class=2, classes=2, side=16)
+    cfg = DataConfig(dataset=dataset, path=str(tree), image_size=16, val_fraction=0.4, test_fraction=0.5)
+    cfg = dataclasses.replace(cfg, synthetic_num_samples=4, synthetic_image_size=4)
+    with pytest.raises(ValueError, match=r"data.val_fraction=0.4 and data.test_fraction=0.5 are invalid: rounded, "):
+        prepare(cfg, str(tmp_path / "out"))
 
 
 def test_prep_memory_is_bounded_by_a_shard_not_by_the_dataset(ray_session, tmp_path):

@@ -292,6 +292,27 @@ def test_a_txt_tree_a_jsonl_field_and_a_parquet_column_are_read(tmp_path):
     assert stats.text_bytes == 4 * len("line 0 " * 30) <= 1000 < 5 * len("line 0 " * 30)
 
 
+def test_a_lone_surrogate_escaped_in_json_becomes_u_fffd_and_is_counted(tmp_path, caplog):
+    """JSON can escape half of a surrogate pair (``\\ud83d``); UTF-8 cannot encode it, and it failed the prep with a
+    bare ``UnicodeEncodeError`` after tokenising every earlier document."""
+    lines = [json.dumps({"text": f"line {i} " * 30}) for i in range(8)]
+    lines[3] = json.dumps({"text": "half a pair \ud83d then text " * 20})
+    (tmp_path / "data.jsonl").write_text("\n".join(lines))
+    with caplog.at_level("WARNING", logger="training_core"):
+        manifest = CausalLM().prepare_data(text_data(tmp_path / "data.jsonl"), str(tmp_path / "out"))
+    assert manifest.spec["surrogates_replaced"] == 20 and sum(manifest.spec["documents"].values()) == 8
+    assert "document 'data.jsonl:4' holds lone surrogates" in caplog.text
+
+
+def test_a_txt_file_too_large_to_tokenise_as_one_document_fails_naming_it_before_it_is_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(text, "MAX_TEXT_DOCUMENT_BYTES", 2 * 2**20)
+    for i in range(3):
+        (tmp_path / f"part{i}.txt").write_text("small " * 100)
+    (tmp_path / "whole-corpus.txt").write_bytes(b"x" * (3 * 2**20))
+    with pytest.raises(ValueError, match=r"'whole-corpus.txt' is one document of 3 MiB; a .txt file is a document"):
+        CausalLM().prepare_data(text_data(tmp_path), str(tmp_path / "out"))
+
+
 def test_a_tokenizer_json_from_a_local_path_is_copied_and_sets_the_vocabulary(tmp_path, bpe_tokenizer_path):
     data = DataConfig(
         dataset="stdlib", max_text_bytes=150_000, seq_len=32, num_shards=2, tokenizer=str(bpe_tokenizer_path)

@@ -8,6 +8,7 @@ import pickle
 import shutil
 import struct
 import tarfile
+import traceback
 
 import numpy as np
 import pytest
@@ -250,6 +251,27 @@ def test_credentials_in_data_path_never_appear_in_an_error(tmp_path):
         _error(Manifest.from_json, "{}", directory=directory),
     ):
         assert "SECRET" not in message and "memory://***@bucket/" in message, message
+
+
+@pytest.mark.parametrize("source", ["text", "tokenizer", "image_folder", "cifar10"])
+def test_credentials_a_library_quotes_without_the_urls_scheme_never_appear_in_an_error(source):
+    """fsspec strips ``s3://``: botocore names the bucket ``KEY:SECRET@bucket``, which no URL pattern can tell from
+    text. A secret of each case's own, so no earlier redaction in this process helps."""
+    from training_core.image_shards import check_source
+    from training_core.text import check_text_source, load_tokenizer
+
+    secret = f"SECRET{source.upper()}XYZ"
+    url = f"s3://AKIA{source.upper()}:{secret}@bucket/data"
+    checks = {
+        "text": lambda: check_text_source(DataConfig(dataset="text", path=url)),
+        "tokenizer": lambda: load_tokenizer(url + "/tokenizer.json"),
+        "image_folder": lambda: check_source(DataConfig(dataset="image_folder", image_size=32, path=url)),
+        "cifar10": lambda: check_source(DataConfig(dataset="cifar10", path=url + ".tar.gz")),
+    }
+    with pytest.raises(ValueError) as caught:
+        checks[source]()
+    message = "".join(traceback.format_exception(caught.value))
+    assert secret not in message and "s3://***@bucket/data" in message, message
 
 
 @pytest.fixture(scope="module")

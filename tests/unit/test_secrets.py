@@ -69,8 +69,25 @@ def test_redact_strips_the_userinfo_of_every_url_in_a_text(text, expected):
         "no url here: user:password@host",
     ],
 )
-def test_redact_leaves_emails_paths_and_urls_without_userinfo_alone(text):
+def test_redact_leaves_emails_paths_and_urls_without_userinfo_alone(text, monkeypatch):
+    from training_core import redact as redaction
+
+    monkeypatch.setattr(redaction, "_SEEN_USERINFO", {})  # the pattern alone: no credential seen in this process
     assert redact(text) == text
+
+
+def test_a_user_and_password_seen_in_a_url_are_redacted_wherever_they_appear_again(monkeypatch):
+    from training_core import redact as redaction
+
+    monkeypatch.setattr(redaction, "_SEEN_USERINFO", {})
+    quoted = 'Invalid bucket name "AKIAEXAMPLE:wJalr/K7MDENG@bucket"'  # botocore, after fsspec stripped s3://
+    assert redact(quoted) == quoted  # never seen in a URL: text
+    assert redact("s3://AKIAEXAMPLE:wJalr/K7MDENG@bucket/data") == "s3://***@bucket/data"
+    assert redact(quoted) == 'Invalid bucket name "***@bucket"'
+    assert redact("s3://alice@bucket/x") == "s3://***@bucket/x" and redact("alice wrote") == "alice wrote"
+    for i in range(70):  # the newest 64 are kept
+        redact(f"https://user{i}:pw{i}secret@host/")
+    assert len(redaction._SEEN_USERINFO) == 64 and redact("user69:pw69secret") == "***"
 
 
 def test_redact_rewrites_json_text_and_copies_mappings_and_lists_without_changing_them():

@@ -211,6 +211,8 @@ class CausalLM:
             "documents": documents_per_split,
             "tokens": tokens_per_split,
         }
+        if stats.surrogates_replaced:
+            spec["surrogates_replaced"] = stats.surrogates_replaced
         if data.dataset == "text" and self.dataset_source is None:
             spec["path"] = redact(data.path)
         template = Manifest(
