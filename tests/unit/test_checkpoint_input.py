@@ -483,6 +483,7 @@ def _assert_well_typed(meta: ckpt.CheckpointMeta) -> None:
         "telemetry": isinstance(meta.telemetry, dict),
         "data": isinstance(meta.data, dict),
         "preempted": isinstance(meta.preempted, bool),
+        "data_exhausted": isinstance(meta.data_exhausted, bool),
         "num_parameters": is_int(meta.num_parameters) and meta.num_parameters >= 0,
         "data_remaining": all(len(pair) == 2 and all(is_int(n) for n in pair) for pair in meta.data_remaining),
     }
