@@ -54,7 +54,7 @@ def redact(value: Any) -> Any:
     if isinstance(value, str):
         if "@" in value:
             value = _USERINFO.sub(_remember, value)
-        for userinfo in list(_SEEN_USERINFO) if _SEEN_USERINFO else ():
+        for userinfo in list(_SEEN_USERINFO):  # a copy: another thread may add one meanwhile
             if userinfo in value:
                 value = value.replace(userinfo, REDACTED)
         return value

@@ -292,13 +292,13 @@ def capped(documents: Iterable[Document], max_bytes: int, stats: SourceStats) ->
             if not stats.surrogates_replaced:
                 log.warning(
                     "document %s holds lone surrogates (\\ud800-\\udfff), which UTF-8 cannot encode: each becomes "
-                    "U+FFFD (counted in the manifest's source statistics)",
+                    "U+FFFD (counted in the manifest's spec, surrogates_replaced)",
                     quote(document.name),
                 )
-            fixed = _LONE_SURROGATE.sub("\ufffd", document.text)
-            stats.surrogates_replaced += len(document.text) - len(_LONE_SURROGATE.sub("", document.text))
+            fixed, count = _LONE_SURROGATE.subn("\ufffd", document.text)
+            stats.surrogates_replaced += count
             document = Document(document.name, fixed)
-            size = len(document.text.encode("utf-8"))
+            size = len(fixed.encode("utf-8"))
         if not size:
             continue
         if max_bytes and stats.text_bytes + size > max_bytes:
