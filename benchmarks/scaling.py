@@ -23,7 +23,8 @@ each other at every all-reduce, so whatever delays one rank (another process tak
 Both launchers run as the product ships them (:mod:`training_core.ray_settings`): the Ray cluster is started the
 way a local ``pyflyte run`` starts it (``start_local_cluster``: the platform's process settings, Ray workers at
 nice 0 and glibc's malloc in one arena keeping freed memory mapped, then ``ray.init`` with log streaming and the
-dashboard as the product sets it), and the plain launcher's ranks get the same process settings from
+dashboard as the product sets it, and its daemons under ``SCHED_IDLE``), and the plain launcher's ranks get the
+same process settings from
 :func:`training_core.launch.launch`. To measure
 without one of them, set the variable yourself (``RAY_worker_niceness=15``: Ray's own default); the settings in
 effect are in the result. When ``RAY_ADDRESS`` is set, that cluster is used as it is. The load average before
@@ -79,18 +80,13 @@ def run_point(launcher: str, cfg, *, data_dir: str, workdir: str, warmup_steps: 
 
 
 def _bare_copy(job: tuple[str, int, int, int]) -> float:
-    from loop_overhead import bare_loop
+    from loop_overhead import Setup, bare_loop
 
     data_dir, batch_size, warmup_steps, seed = job
-    return bare_loop(
-        data_dir,
-        model_name="small_cnn",
-        batch_size=batch_size,
-        epochs=1,
-        threads=1,
-        warmup_steps=warmup_steps,
-        seed=seed,
-    )["samples_per_s"]
+    setup = Setup(
+        model_name="small_cnn", batch_size=batch_size, epochs=1, threads=1, warmup_steps=warmup_steps, seed=seed
+    )
+    return bare_loop(data_dir, setup)["samples_per_s"]
 
 
 def independent_copies(num_copies: int, *, data_dir: str, batch_size: int, warmup_steps: int) -> float:
@@ -125,7 +121,12 @@ def main() -> None:
 
     from training_core.config import TrainingConfig
     from training_core.data import prepare
-    from training_core.ray_settings import apply_process_env, local_init_kwargs, start_local_cluster
+    from training_core.ray_settings import (
+        apply_process_env,
+        daemons_idle_enabled,
+        local_init_kwargs,
+        start_local_cluster,
+    )
     from training_core.scaling_benchmark import check_plan, efficiency_table, point_config, scaling_preset
 
     preset = scaling_preset().to_dict()
@@ -238,6 +239,7 @@ def main() -> None:
         "ray_cluster": "external (RAY_ADDRESS)" if external_cluster else "started here as the product does",
         "process_env": process_env,
         "ray_init": "external" if external_cluster else local_init_kwargs(),
+        "ray_daemons_idle": None if external_cluster else daemons_idle_enabled(),
         "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]],
         "runs": runs,
         "goal": "parity_1 >= 0.97, parity_2 >= 0.97, efficiency_2 >= 0.90",

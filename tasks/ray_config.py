@@ -15,7 +15,7 @@ from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 from flytekitplugins.ray.task import RayFunctionTask
 
 from training_core.config import SHM_SHARE, DataConfig, ScalingConfig
-from training_core.ray_settings import PROCESS_ENV, apply_process_env, start_local_cluster
+from training_core.ray_settings import POD_HOOK_COMMAND, PROCESS_ENV, apply_process_env, start_local_cluster
 
 if TYPE_CHECKING:
     from kubernetes.client import V1PodSpec
@@ -50,9 +50,18 @@ def worker_resources(scaling: ScalingConfig) -> Resources:
 def _pod_spec(container: str, resources: Resources, shm_gib: float) -> V1PodSpec:
     """Requests equal to limits (a Guaranteed pod: the scheduler never overcommits a training worker), and a
     memory-backed ``/dev/shm`` of ``shm_gib``: the container runtime's 64 MiB starves Ray's object store, loader
-    processes and NCCL. Every container gets :data:`~training_core.ray_settings.PROCESS_ENV`."""
+    processes and NCCL. Every container gets :data:`~training_core.ray_settings.PROCESS_ENV`, and
+    :data:`~training_core.ray_settings.POD_HOOK_COMMAND` as its ``postStart`` hook."""
 
-    from kubernetes.client import V1EmptyDirVolumeSource, V1EnvVar, V1Volume, V1VolumeMount
+    from kubernetes.client import (
+        V1EmptyDirVolumeSource,
+        V1EnvVar,
+        V1ExecAction,
+        V1Lifecycle,
+        V1LifecycleHandler,
+        V1Volume,
+        V1VolumeMount,
+    )
 
     spec = pod_spec_from_resources(primary_container_name=container, requests=resources, limits=resources)
     spec.volumes = [
@@ -62,6 +71,10 @@ def _pod_spec(container: str, resources: Resources, shm_gib: float) -> V1PodSpec
     # ``ray start`` and every process it starts (daemons, workers, loader processes) inherit the container's
     # environment: the platform's Ray settings reach the whole cluster from here.
     spec.containers[0].env = [V1EnvVar(name=name, value=value) for name, value in PROCESS_ENV.items()]
+    # Once ``ray start`` has started the pod's daemons, they run under SCHED_IDLE (idle_pod_daemons; set
+    # TRAINING_RAY_DAEMONS_IDLE=0 in the container's environment to keep them at the default policy).
+    hook = V1LifecycleHandler(_exec=V1ExecAction(command=POD_HOOK_COMMAND))
+    spec.containers[0].lifecycle = V1Lifecycle(post_start=hook)
     return spec
 
 

@@ -40,6 +40,8 @@ class PodShape:
     tolerations: list[dict[str, str]]
     env: dict[str, str]
     """The primary container's environment variables (name to value)."""
+    post_start: list[str] | None
+    """The primary container's ``postStart`` hook command; None without one."""
 
 
 @dataclass
@@ -69,6 +71,7 @@ def _pod(pod_spec: dict) -> PodShape:
         node_selector=pod_spec.get("nodeSelector", {}),
         tolerations=pod_spec.get("tolerations", []),
         env={e["name"]: e["value"] for e in container.get("env", [])},
+        post_start=container.get("lifecycle", {}).get("postStart", {}).get("exec", {}).get("command"),
     )
 
 

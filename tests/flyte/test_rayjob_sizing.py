@@ -26,7 +26,7 @@ from tests.flyte.compile import RayJobShape, compile_dynamic, rayjob_shape
 from training_core import checkpoint as ckpt
 from training_core import tuning
 from training_core.config import DataConfig, ScalingConfig, Toleration, TrainingConfig, WorkloadConfig
-from training_core.ray_settings import PROCESS_ENV
+from training_core.ray_settings import POD_HOOK_COMMAND, PROCESS_ENV
 from training_core.scaling_benchmark import point_config, scaling_preset
 from training_core.tuning import TuningConfig
 from workflows.scaling_benchmark import ray_point
@@ -101,6 +101,7 @@ def assert_sized(shape: RayJobShape, scaling: ScalingConfig, *, num_workers: int
     # ``ray start`` and every process of the cluster inherit the platform's Ray settings from the containers; the
     # workers, which run the collectives, also the config's NCCL settings.
     assert head.env == PROCESS_ENV and worker.env == PROCESS_ENV | scaling.nccl_env
+    assert head.post_start == worker.post_start == POD_HOOK_COMMAND
 
 
 def _only_ray_task(spec):
@@ -288,6 +289,7 @@ def test_image_and_text_prep_run_on_a_rayjob_of_prep_num_workers_sized_from_the_
     assert shape.head.requests == shape.head.limits == {"cpu": PREP_HEAD.cpu, "memory": PREP_HEAD.mem}
     assert shape.head_start_params == {"num-cpus": "0", "num-gpus": "0"}
     assert shape.head.env == shape.worker.env == PROCESS_ENV
+    assert shape.head.post_start == shape.worker.post_start == POD_HOOK_COMMAND
     assert "nvidia.com/gpu" not in str(template.custom)
 
 
