@@ -35,8 +35,8 @@ Why each one (figures from ``benchmarks/scaling.py`` and ``benchmarks/loop_overh
   the restart up for the whole 5 s. A worker that is killed is being discarded: its checkpoints are written or
   abandoned by then (a checkpoint's manifest comes last).
 
-Not an environment variable: the cluster's daemons (GCS, dashboard, log monitor, the raylet's agents; never the
-raylet or a worker) run under Linux's ``SCHED_IDLE`` (:func:`idle_ray_daemons`), set by
+Not an environment variable: the cluster's daemons (GCS, dashboard, log monitor, autoscaler monitor; never the
+raylet, its agents or a worker) run under Linux's ``SCHED_IDLE`` (:func:`idle_ray_daemons`), set by
 :func:`start_local_cluster` and by every RayJob pod's ``postStart`` hook (:data:`POD_HOOK_COMMAND`);
 ``TRAINING_RAY_DAEMONS_IDLE=0`` turns it off.
 """
@@ -110,27 +110,35 @@ def start_local_cluster(**ray_init_kwargs: Any) -> dict[str, str]:
     import ray
 
     process_env = apply_process_env()
+    idle_daemons = daemons_idle_enabled()  # a wrong value fails before the cluster starts
     ray.init(**local_init_kwargs(), **ray_init_kwargs)
-    if daemons_idle_enabled():
+    if idle_daemons:
         idle_ray_daemons(parent_pid=os.getpid())
     return process_env
 
 
 DAEMONS_IDLE_ENV = "TRAINING_RAY_DAEMONS_IDLE"
 """``1`` (default): the Ray daemons of a cluster the platform starts run under Linux's ``SCHED_IDLE``
-(:func:`idle_ray_daemons`); ``0``: they keep the default policy."""
+(:func:`idle_ray_daemons`); ``0``: they keep the default policy. Read by a local run's process, and in RayJob pods
+by the ``postStart`` hook from the container's environment (set it in the image to turn it off there)."""
 
-DAEMON_MARKERS = (
-    "/gcs_server",
-    "ray/dashboard/dashboard.py",
-    "ray/_private/log_monitor.py",
-    "ray/autoscaler/_private/monitor.py",
+DAEMON_PROGRAMS = ("gcs_server",)
+"""Daemons the raylet's parent starts beside it that are programs of their own (``argv[0]``'s name)."""
+
+DAEMON_SCRIPTS = (
+    "/ray/dashboard/dashboard.py",
+    "/ray/_private/log_monitor.py",
+    "/ray/autoscaler/_private/monitor.py",
+    "/ray/autoscaler/v2/monitor.py",
 )
-"""How the daemons a raylet's parent starts beside it name themselves (in their command line)."""
+"""Daemons the raylet's parent starts beside it that are Python scripts (one of the interpreter's first two
+arguments ends with one). Not the raylet's agents: the raylet exits when its runtime-env agent does not answer
+within 30 s of its start (``RAY_agent_register_timeout_ms``), and KubeRay's readiness and liveness probes ask the
+dashboard agent with timeouts of 2-5 s; both stay at the default policy."""
 
-AGENT_MARKERS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "dashboard/agent.py", "runtime_env/agent/main.py")
-"""How a raylet's child that is one of its agents (not a worker) names itself (its title, or its script while it
-starts)."""
+
+def _is_daemon(argv: list[str]) -> bool:
+    return os.path.basename(argv[0]) in DAEMON_PROGRAMS or any(arg.endswith(DAEMON_SCRIPTS) for arg in argv[1:3])
 
 
 def daemons_idle_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -162,10 +170,10 @@ def process_table() -> dict[int, tuple[int, list[str]]]:
 
 def ray_daemon_pids(*, parent_pid: int | None = None, ray_temp_dir: str | None = None) -> list[int]:
     """The Ray daemons of the clusters whose raylet was started by ``parent_pid`` (any, when ``None``) under
-    ``ray_temp_dir`` (any, when ``None``): what the raylet's parent started beside it (:data:`DAEMON_MARKERS`:
-    GCS, dashboard, log monitor, autoscaler monitor) and the raylet's agents, with their descendants (the
+    ``ray_temp_dir`` (any, when ``None``): what the raylet's parent started beside it (:data:`DAEMON_PROGRAMS`,
+    :data:`DAEMON_SCRIPTS`: GCS, dashboard, log monitor, autoscaler monitor), with their descendants (the
     dashboard's modules). Never the raylet (it starts every worker, which would inherit its policy; it also
-    serves the object store), a Ray worker, or anything else the parent started."""
+    serves the object store), its children (workers and agents), or anything else the parent started."""
     table = process_table()
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
@@ -178,19 +186,24 @@ def ray_daemon_pids(*, parent_pid: int | None = None, ray_temp_dir: str | None =
             stack.extend(children.get(found[-1], ()))
         return found
 
+    session_prefix = None if ray_temp_dir is None else "--session_dir=" + ray_temp_dir.rstrip("/") + "/"
     daemons: list[int] = []
     for pid, (ppid, argv) in table.items():
         if os.path.basename(argv[0]) != "raylet" or (parent_pid is not None and ppid != parent_pid):
             continue
-        if ray_temp_dir is not None and not any(arg.startswith("--session_dir=" + ray_temp_dir) for arg in argv):
+        if session_prefix is not None and not any(arg.startswith(session_prefix) for arg in argv):
             continue
         for sibling in children.get(ppid, ()):
-            if any(marker in " ".join(table[sibling][1]) for marker in DAEMON_MARKERS):
+            if sibling != pid and _is_daemon(table[sibling][1]):
                 daemons += subtree(sibling)
-        for child in children.get(pid, ()):
-            if any(marker in " ".join(table[child][1]) for marker in AGENT_MARKERS):
-                daemons += subtree(child)
     return sorted(set(daemons))
+
+
+def ray_temp_dir(environ: Mapping[str, str] | None = None) -> str:
+    """Where ``ray start`` keeps its sessions unless ``--temp-dir`` says otherwise: Ray's own rule (``RAY_TMPDIR``,
+    then ``TMPDIR`` on Linux, then ``/tmp``), plus ``ray``."""
+    environ = os.environ if environ is None else environ
+    return os.path.join(environ.get("RAY_TMPDIR") or environ.get("TMPDIR") or "/tmp", "ray")
 
 
 def idle_ray_daemons(*, parent_pid: int | None = None, ray_temp_dir: str | None = None) -> list[int]:
@@ -198,12 +211,15 @@ def idle_ray_daemons(*, parent_pid: int | None = None, ray_temp_dir: str | None 
 
     Why: under DDP a rank that waits for its core stalls every rank, and Ray's daemons wake hundreds of times a
     second (their Python processes check for signals every 10 ms). Measured on 2 cores, 2 Ray Train workers:
-    +3.7% samples/s (6 alternating pairs of ``fit``, all faster) with the daemons under ``SCHED_IDLE``; +0.3% at
+    +3.8% samples/s (mean of 6 alternating pairs of ``fit``, 5 faster) with the daemons under ``SCHED_IDLE``; +0.3% at
     nice 19 and +0.4% under ``SCHED_BATCH`` (README, "Ray's tax"). A ``SCHED_IDLE`` thread runs when its core
-    would otherwise idle, which every DDP step leaves at its all-reduce, and the kernel still gives it ~0.3% of a
-    saturated core: enough for heartbeats with timeouts of seconds. Threads inherit the policy, and an
-    unprivileged process cannot leave it: hence never the raylet, whose workers would inherit it. A no-op without
-    Linux's ``SCHED_IDLE`` (macOS); a thread that exits or refuses is skipped.
+    would otherwise idle, which every DDP step leaves at its all-reduce; on a saturated core the kernel still gives
+    it a small share (weight 3 against a normal thread's 1,024). What answers checks with timeouts of seconds stays
+    at the default policy: the raylet and its agents (KubeRay's probes). The GCS's own checks of the raylets wait
+    10 s for a reply and need 5 misses in a row; the dashboard head, which KubeRay's head probe also asks, runs on
+    the head pod, where no Ray Train worker runs. Threads inherit the policy, and an unprivileged process cannot
+    leave it: hence never the raylet, whose workers would inherit it. A no-op without Linux's ``SCHED_IDLE``
+    (macOS); a thread that exits is skipped, one that refuses is logged and its process not counted.
     Returns the pids whose threads were set."""
     if not hasattr(os, "SCHED_IDLE"):
         return []
@@ -212,24 +228,33 @@ def idle_ray_daemons(*, parent_pid: int | None = None, ray_temp_dir: str | None 
         try:
             threads = os.listdir(f"/proc/{pid}/task")
         except OSError:
-            continue
+            continue  # exited
+        refused = 0
         for tid in threads:
             try:
                 if os.sched_getscheduler(int(tid)) != os.SCHED_IDLE:
                     os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
-            except OSError as exc:  # gone, or a policy a container's seccomp profile refuses
-                log.debug("SCHED_IDLE for thread %s of Ray daemon %d: %s", tid, pid, exc)
-        done.append(pid)
+            except ProcessLookupError:
+                continue  # the thread ended
+            except OSError as exc:  # not ours, or a policy a container's seccomp profile refuses
+                refused += 1
+                log.warning("SCHED_IDLE refused for thread %s of Ray daemon %d: %s", tid, pid, exc)
+        if not refused:
+            done.append(pid)
     return done
 
 
 def idle_pod_daemons(*, wait_s: float = 300.0, watch_s: float = 60.0, interval_s: float = 2.0) -> int:
     """A RayJob pod's ``postStart`` hook (:data:`POD_HOOK_COMMAND`, in the background): wait up to ``wait_s`` for
-    the pod's raylet, then apply :func:`idle_ray_daemons` every ``interval_s`` for ``watch_s`` (the dashboard
-    and its agents start after the raylet). The pod's cluster is the one under ``RAY_TMPDIR`` (``/tmp``)."""
-    temp_dir = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray")
+    the pod's raylet and a daemon beside it, then apply :func:`idle_ray_daemons` every ``interval_s`` for
+    ``watch_s`` (on a worker pod the log monitor may start after the raylet). The pod's cluster is the one under
+    :func:`ray_temp_dir`. Returns how many daemon processes were set."""
+    temp_dir = ray_temp_dir()
     deadline = time.monotonic() + wait_s
-    while not ray_daemon_pids(ray_temp_dir=temp_dir) and time.monotonic() < deadline:
+    while not ray_daemon_pids(ray_temp_dir=temp_dir):
+        if time.monotonic() >= deadline:
+            log.warning("no Ray daemons under %s after %.0f s: nothing set", temp_dir, wait_s)
+            return 0
         time.sleep(interval_s)
     pids: set[int] = set()
     watch_end = time.monotonic() + watch_s

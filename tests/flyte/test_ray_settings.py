@@ -24,7 +24,7 @@ from training_core.ray_settings import (
     apply_process_env,
     daemons_idle_enabled,
     process_table,
-    ray_daemon_pids,
+    ray_temp_dir,
 )
 
 # A Ray task declared as the platform declares its own (``ray_job_config``): it reports what a worker of the Ray
@@ -44,26 +44,38 @@ PROBE = textwrap.dedent(
 
     @ray.remote(num_cpus=1)
     def worker_view() -> str:
-        from training_core.ray_settings import ray_daemon_pids
-
         raylet = os.getppid()  # a Ray worker's parent; the raylet's is the process that started the cluster
         with open(f"/proc/{raylet}/stat") as f:
             driver = int(f.read().rsplit(")", 1)[1].split()[1])
 
-        def policies(pid):
-            return sorted({os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")})
+        def parent(pid):
+            with open(f"/proc/{pid}/stat") as f:
+                return int(f.read().rsplit(")", 1)[1].split()[1])
 
-        def name(pid):
+        def label(pid):  # the program, or a Python daemon's script, or a Ray worker's title
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                return os.path.basename(f.read().split(b"\\0")[0].decode()) or "?"
+                argv = f.read().decode().split("\\0")
+            scripts = [arg for arg in argv[1:3] if arg.endswith(".py")]
+            return os.path.basename(scripts[0] if scripts else argv[0]).strip()
 
+        def policies(pid):
+            return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+        def view(pids):
+            seen = {}
+            for pid in pids:
+                seen.setdefault(label(pid), set()).update(policies(pid))
+            return {name: sorted(p) for name, p in seen.items()}
+
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
         return json.dumps(
             {
                 "niceness": os.nice(0),
                 "env": {name: os.environ.get(name) for name in PROCESS_ENV},
                 "policy": os.sched_getscheduler(0),
-                "raylet_policies": policies(raylet),
-                "daemons": {name(pid): policies(pid) for pid in ray_daemon_pids(parent_pid=driver)},
+                "raylet": sorted(policies(raylet)),
+                "beside_raylet": view(p for p in pids if p != raylet and parent(p) == driver),
+                "raylet_children": view(p for p in pids if parent(p) == raylet),
             }
         )
 
@@ -93,16 +105,15 @@ def test_a_local_pyflyte_run_starts_its_ray_cluster_with_the_platforms_settings(
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     view = json.loads(proc.stdout.strip().splitlines()[-1])
-    daemons = view.pop("daemons")
-    assert view == {
-        "niceness": 0,
-        "env": PROCESS_ENV,
-        "policy": os.SCHED_OTHER,
-        "raylet_policies": [os.SCHED_OTHER],
-    }
-    # Without the dashboard (above): the GCS, the log monitor, the autoscaler's monitor and the raylet's agents.
-    assert "gcs_server" in daemons and len(daemons) >= 3, daemons
-    assert all(policies == [os.SCHED_IDLE] for policies in daemons.values()), daemons
+    beside_raylet, raylet_children = view.pop("beside_raylet"), view.pop("raylet_children")
+    assert view == {"niceness": 0, "env": PROCESS_ENV, "policy": os.SCHED_OTHER, "raylet": [os.SCHED_OTHER]}
+    # What the driver started beside the raylet: the GCS, the log monitor, the autoscaler's monitor and the
+    # dashboard's head (Ray starts it for its API even without the dashboard's UI), all under SCHED_IDLE. The
+    # raylet's children (workers, this one included, and its agents) are not.
+    assert set(beside_raylet) == {"gcs_server", "log_monitor.py", "monitor.py", "dashboard.py"}, beside_raylet
+    assert all(policies == [os.SCHED_IDLE] for policies in beside_raylet.values()), beside_raylet
+    assert "ray::worker_view" in raylet_children and "ray::RuntimeEnvAgent" in raylet_children, raylet_children
+    assert all(policies == [os.SCHED_OTHER] for policies in raylet_children.values()), raylet_children
 
 
 def test_a_rayjob_pods_hook_puts_the_daemons_that_ray_start_started_under_sched_idle(subprocess_env):
@@ -124,26 +135,39 @@ def test_a_rayjob_pods_hook_puts_the_daemons_that_ray_start_started_under_sched_
     try:
         deadline = time.monotonic() + 120
         while True:
-            pids = ray_daemon_pids(ray_temp_dir=str(temp_root / "ray"))
-            idle = {pid: _policies(pid) == {os.SCHED_IDLE} for pid in pids}
-            if len(idle) >= 3 and all(idle.values()):
+            table = process_table()
+            ours = {pid: argv for pid, (_, argv) in table.items() if str(temp_root) in " ".join(argv)}
+            gcs = [pid for pid, argv in ours.items() if argv[0].endswith("/gcs_server")]
+            raylets = [pid for pid, argv in ours.items() if argv[0].endswith("/raylet")]
+            log_monitors = [pid for pid, argv in ours.items() if any(a.endswith("/log_monitor.py") for a in argv[1:3])]
+            daemons = gcs + log_monitors
+            if raylets and len(daemons) == 2 and all(_policies(pid) == {os.SCHED_IDLE} for pid in daemons):
                 break
-            assert time.monotonic() < deadline, f"daemons not all under SCHED_IDLE after 120 s: {idle}"
+            assert time.monotonic() < deadline, f"not under SCHED_IDLE after 120 s: {[ours[p] for p in daemons]}"
             time.sleep(1)
-        table = process_table()
-        names = {os.path.basename(table[pid][1][0]) for pid in pids if pid in table}
-        assert "gcs_server" in names and "raylet" not in names
-        (raylet,) = [
-            pid for pid, (_, argv) in table.items() if argv[0].endswith("/raylet") and str(temp_root) in " ".join(argv)
-        ]
+        (raylet,) = raylets
         assert _policies(raylet) == {os.SCHED_OTHER}
+        agents_and_workers = [pid for pid, (ppid, _) in table.items() if ppid == raylet]
+        assert agents_and_workers and all(_policies(pid) == {os.SCHED_OTHER} for pid in agents_and_workers)
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         try:
             head.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
-        subprocess.run(["pkill", "-f", str(temp_root)], check=False)  # the hook's watcher and any daemon left
+        _kill_environment_of(str(temp_root))  # the hook's watcher (its environment names temp_root), daemons left
+
+
+def _kill_environment_of(temp_root: str) -> None:
+    """SIGKILL every process whose environment has ``RAY_TMPDIR=temp_root``."""
+    marker = f"RAY_TMPDIR={temp_root}".encode()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
 
 
 def _policies(pid: int) -> set[int]:
@@ -154,6 +178,11 @@ def _policies(pid: int) -> set[int]:
         except OSError:
             pass  # a thread that ended
     return policies
+
+
+def test_the_pods_hook_finds_the_cluster_where_ray_start_puts_it():
+    assert ray_temp_dir({"RAY_TMPDIR": "/a", "TMPDIR": "/b"}) == "/a/ray"
+    assert ray_temp_dir({"TMPDIR": "/b"}) == "/b/ray" and ray_temp_dir({}) == "/tmp/ray"
 
 
 def test_the_daemon_policy_setting_is_validated():
