@@ -15,7 +15,14 @@ from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 from flytekitplugins.ray.task import RayFunctionTask
 
 from training_core.config import SHM_SHARE, DataConfig, ScalingConfig
-from training_core.ray_settings import POD_HOOK_COMMAND, PROCESS_ENV, apply_process_env, start_local_cluster
+from training_core.ray_settings import (
+    POD_HOOK_COMMAND,
+    PROCESS_ENV,
+    apply_process_env,
+    daemons_idle_enabled,
+    idle_ray_daemons,
+    start_local_cluster,
+)
 
 if TYPE_CHECKING:
     from kubernetes.client import V1PodSpec
@@ -129,7 +136,11 @@ class TrainingRayTask(RayFunctionTask):
         if local and not self._task_config.address and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
             # flytekit's own ray.init below then finds this cluster (it passes ignore_reinit_error locally).
             start_local_cluster()
-        return super().pre_execute(user_params)
+        user_params = super().pre_execute(user_params)
+        if local and daemons_idle_enabled():
+            # Whichever ray.init started this process's local cluster (ours above, or flytekit's): its daemons.
+            idle_ray_daemons(parent_pid=os.getpid())
+        return user_params
 
 
 TaskPlugins.register_pythontask_plugin(TrainingRayJobConfig, TrainingRayTask)

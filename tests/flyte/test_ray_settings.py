@@ -110,8 +110,8 @@ def test_a_local_pyflyte_run_starts_its_ray_cluster_with_the_platforms_settings(
     # What the driver started beside the raylet: the GCS, the log monitor, the autoscaler's monitor and the
     # dashboard's head (Ray starts it for its API even without the dashboard's UI), all under SCHED_IDLE. The
     # raylet's children (workers, this one included, and its agents) are not.
-    assert set(beside_raylet) == {"gcs_server", "log_monitor.py", "monitor.py", "dashboard.py"}, beside_raylet
-    assert all(policies == [os.SCHED_IDLE] for policies in beside_raylet.values()), beside_raylet
+    daemons = {name: beside_raylet.get(name) for name in ("gcs_server", "log_monitor.py", "monitor.py", "dashboard.py")}
+    assert daemons == dict.fromkeys(daemons, [os.SCHED_IDLE]), beside_raylet
     assert "ray::worker_view" in raylet_children and "ray::RuntimeEnvAgent" in raylet_children, raylet_children
     assert all(policies == [os.SCHED_OTHER] for policies in raylet_children.values()), raylet_children
 
