@@ -95,6 +95,8 @@ def test_a_local_pyflyte_run_starts_its_ray_cluster_with_the_platforms_settings(
     env = {k: v for k, v in subprocess_env.items() if k != "RAY_ADDRESS" and k not in PROCESS_ENV}
     env["PYTHONPATH"] = str(REPO_ROOT)
     env[LOCAL_DASHBOARD_ENV] = "0"  # the dashboard's start takes ~10 s of two cores; it is no part of the check
+    # A temp dir of its own: ray.init joins a cluster that `ray start` recorded under RAY_TMPDIR (the session's).
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="local-", dir=os.environ.get("TMPDIR"))
     proc = subprocess.run(
         ["pyflyte", "run", "probe.py", "probe"],
         cwd=tmp_path,
