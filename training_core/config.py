@@ -87,6 +87,9 @@ MIN_SHM_GIB = 0.0625
 SHM_SHARE = 0.3
 """Share of a pod's memory its ``/dev/shm`` may use unless ``scaling.shm_per_worker_gib`` says otherwise."""
 
+DDP_DEFAULT_BUCKET_CAP_MB = 25
+"""PyTorch DDP's gradient bucket size, MiB, when none is passed (its first bucket is then 1 MiB)."""
+
 
 def is_better(metric: str, value: float, than: float | None) -> bool:
     """Whether ``value`` of ``metric`` beats ``than`` (anything beats ``None``)."""
@@ -687,9 +690,12 @@ class ScalingConfig:
     """``fsdp``: keep sharded parameters, gradients and optimizer state in host memory and copy each block to the
     device for its forward and backward (FSDP2's ``CPUOffloadPolicy``): larger models, slower steps."""
 
-    ddp_bucket_cap_mb: int = 25
+    ddp_bucket_cap_mb: int = DDP_DEFAULT_BUCKET_CAP_MB
     """``ddp``: size of the gradient buckets DDP all-reduces while the backward pass goes on, MiB (PyTorch's
-    default 25). Larger buckets: fewer, larger all-reduces (fast networks); smaller: earlier overlap."""
+    default 25). Larger buckets: fewer, larger all-reduces (fast networks); smaller: earlier overlap. At the default
+    the first bucket (the last layers' gradients, ready first) is 1 MiB, as in PyTorch, so communication starts
+    early in the backward pass; any other value caps the first bucket too (PyTorch gives the small first bucket
+    only when no size is passed)."""
 
     ddp_gradient_as_bucket_view: bool = True
     """``ddp``: gradients are views into the all-reduce buckets, saving a copy of every gradient (memory and time)."""

@@ -9,10 +9,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from training_core.config import ScalingConfig
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +28,21 @@ def broadcast_buffers_from_rank0(model: nn.Module) -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         for buffer in getattr(model, "module", model).buffers():
             torch.distributed.broadcast(buffer, src=0)
+
+
+def ddp_options(scaling: ScalingConfig) -> dict[str, Any]:
+    """DDP's keyword arguments for ``scaling.ddp_*``. The bucket size is passed only when it is not PyTorch's
+    default: passing any size, the default included, makes DDP's first bucket that size instead of 1 MiB, so the
+    first all-reduce (of the last layers' gradients, ready first) would wait for 25 MiB of gradients."""
+    from training_core.config import DDP_DEFAULT_BUCKET_CAP_MB
+
+    options: dict[str, Any] = {
+        "gradient_as_bucket_view": scaling.ddp_gradient_as_bucket_view,
+        "static_graph": scaling.ddp_static_graph,
+    }
+    if scaling.ddp_bucket_cap_mb != DDP_DEFAULT_BUCKET_CAP_MB:
+        options["bucket_cap_mb"] = scaling.ddp_bucket_cap_mb
+    return options
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

@@ -33,6 +33,7 @@ from training_core.distributed import (
     WorkerRuntime,
     all_reduce_sum,
     broadcast_buffers_from_rank0,
+    ddp_options,
     probe_allreduce,
 )
 from training_core.evaluation import evaluate
@@ -608,12 +609,7 @@ class Trainer:
             )
         if self.world_size == 1:
             return self.runtime.prepare_model(model)
-        ddp_options = {
-            "bucket_cap_mb": cfg.scaling.ddp_bucket_cap_mb,
-            "gradient_as_bucket_view": cfg.scaling.ddp_gradient_as_bucket_view,
-            "static_graph": cfg.scaling.ddp_static_graph,
-        }
-        return self.runtime.prepare_model(model, ddp_options)
+        return self.runtime.prepare_model(model, ddp_options(cfg.scaling))
 
     def plan_batch(self, cfg: TrainingConfig) -> TrainingConfig:
         """``cfg`` with ``loop.batch_size: auto`` resolved: the largest micro-batch that fits the memory budget and
