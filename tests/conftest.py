@@ -200,3 +200,13 @@ def session_train_workers() -> list[int]:
         except ProcessLookupError:
             continue
     return found
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    """A one-process gloo group, as Ray Train sets up for one worker (FSDP shards over it, DDP buckets in it)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -9,13 +9,12 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from training_core.config import ScalingConfig
+from training_core.config import DDP_DEFAULT_BUCKET_CAP_MB, ScalingConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +33,6 @@ def ddp_options(scaling: ScalingConfig) -> dict[str, Any]:
     """DDP's keyword arguments for ``scaling.ddp_*``. The bucket size is passed only when it is not PyTorch's
     default: passing any size, the default included, makes DDP's first bucket that size instead of 1 MiB, so the
     first all-reduce (of the last layers' gradients, ready first) would wait for 25 MiB of gradients."""
-    from training_core.config import DDP_DEFAULT_BUCKET_CAP_MB
-
     options: dict[str, Any] = {
         "gradient_as_bucket_view": scaling.ddp_gradient_as_bucket_view,
         "static_graph": scaling.ddp_static_graph,

@@ -2,20 +2,12 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from training_core.config import ScalingConfig
 from training_core.distributed import ddp_options
 
 MIB = 2**20
-
-
-@pytest.fixture
-def process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def bucket_sizes_mib(scaling: ScalingConfig) -> list[float]:

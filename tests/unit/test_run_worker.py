@@ -144,16 +144,6 @@ def test_run_worker_resumes_mid_epoch_from_an_interval_checkpoint_bit_identical(
         assert getattr(resumed.meta.history[-1], key) == getattr(whole.meta.history[-1], key), key
 
 
-@pytest.fixture
-def process_group(tmp_path):
-    """A one-process gloo group, as Ray Train sets up for one worker (FSDP shards over it)."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_language_model_resumes_mid_epoch_from_an_interval_checkpoint_bit_identical(strategy, request, tmp_path):
     """The causal_lm workload through the same loop and checkpoints: a GPT resumed from a mid-epoch checkpoint
