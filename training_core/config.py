@@ -410,17 +410,17 @@ class ModelConfig:
 class WorkloadConfig:
     name: str = "image_classification"
     """What is trained: ``image_classification`` (the image models and datasets), ``causal_lm`` (GPT-style
-    language models on text), or user code as ``package.module:attribute``: a callable that takes the
-    ``TrainingConfig`` and returns a :class:`training_core.workloads.Workload`."""
+    language models on text), or user code as ``package.module:attribute``: a callable called with no arguments
+    (a class or a factory) that returns a :class:`training_core.workloads.Workload`."""
 
     model_factory: str = ""
     """A built-in workload with a user model: ``package.module:attribute`` of a callable
     ``(config, manifest) -> torch.nn.Module``. Empty uses ``model.name``."""
 
     dataset_source: str = ""
-    """A built-in workload with user data: ``package.module:attribute`` of a callable ``(config)`` returning a
-    ``training_core.datasets.RawDataset`` (``image_classification``) or a mapping of document name to text
-    (``causal_lm``). Empty uses ``data.dataset``."""
+    """A built-in workload with user data: ``package.module:attribute`` of a callable ``(data_config)`` (the
+    config's ``data`` section, a ``DataConfig``) returning a ``training_core.datasets.RawDataset``
+    (``image_classification``) or a mapping of document name to text (``causal_lm``). Empty uses ``data.dataset``."""
 
     def __post_init__(self) -> None:
         from_user = self.name not in DATASETS_BY_WORKLOAD

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -46,14 +45,6 @@ class GpuReading:
     """Clock-event reason -> active, for the reasons in :data:`THROTTLE_REASONS`."""
 
 
-def _import_pynvml():
-    with warnings.catch_warnings():
-        # pynvml 13 is a shim over nvidia-ml-py and warns about it on import; the API is the same.
-        warnings.simplefilter("ignore", FutureWarning)
-        import pynvml
-    return pynvml
-
-
 class NvmlGpus:
     """The GPUs this process may use, read through NVML.
 
@@ -72,9 +63,11 @@ class NvmlGpus:
     @classmethod
     def open(cls) -> "NvmlGpus | None":
         try:
-            nvml = _import_pynvml()
+            # NVIDIA's binding (nvidia-ml-py) provides the module; the deprecated `pynvml` shim package, which warned
+            # in every process that imports torch, is not a dependency.
+            import pynvml as nvml
         except ImportError as exc:
-            log.info("GPU metrics off: the NVML bindings (pynvml) are not installed (%s)", exc)
+            log.info("GPU metrics off: the NVML bindings (nvidia-ml-py) are not installed (%s)", exc)
             return None
         try:
             nvml.nvmlInit()
