@@ -12,8 +12,11 @@ such as ``s3://bucket/prefix``):
 
 Everything read back is data, checked before use: the manifest against its schema (the three file names above and
 nothing else, so it cannot point outside its directory), every file against the manifest, the tensor files by
-``torch.load(weights_only=True)`` and their shape, ``meta.json`` by :meth:`CheckpointMeta.from_dict`. A checkpoint
-that fails any check raises :class:`CheckpointError`, and :func:`load_latest_valid` falls back to the next older one.
+``torch.load(weights_only=True)`` and their shape, ``meta.json`` by :meth:`CheckpointMeta.from_dict`, a sharded
+checkpoint's ``shards/.metadata`` by a bounded unpickler that builds only torch's records, each stored in a shard the
+manifest lists (:func:`parse_shard_metadata`, :func:`check_shard_metadata`; the restore loads by the parsed copy and
+never reads the file again). A checkpoint that fails any check raises :class:`CheckpointError`, and
+:func:`load_latest_valid` falls back to the next older one.
 Step directories are ordered by their parsed step. Messages and log lines show storage URIs with their credentials
 redacted (:func:`~training_core.redact.redact`); the I/O uses the real root.
 
@@ -43,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol
 
 from training_core.config import clip, is_plain_file_name, quote
+from training_core.files import UnreadableFile, open_regular_local
 from training_core.records import EpochRecord, StepLog, StepRecord
 from training_core.redact import redact
 
@@ -328,11 +332,13 @@ def _to_cpu(obj: Any, staging: dict[str, Any] | None = None, path: str = "") -> 
     return obj
 
 
-def file_entry(path: str) -> ManifestEntry:
-    """Size and sha256 of a local file, read in 1 MiB pieces (a shard can be gigabytes)."""
+def file_entry(path: str, *, max_bytes: int | None = None) -> ManifestEntry:
+    """Size and sha256 of a local regular file, read in 1 MiB pieces (a shard can be gigabytes). With ``max_bytes``
+    the read stops once past it (the size then reads as larger than ``max_bytes``): a shard verified against its
+    manifest entry is never read beyond it. A FIFO or device is refused unread (``UnreadableFile``)."""
     digest, num_bytes = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while piece := f.read(2**20):
+    with open_regular_local(path) as f:
+        while (max_bytes is None or num_bytes <= max_bytes) and (piece := f.read(2**20)):
             digest.update(piece)
             num_bytes += len(piece)
     return ManifestEntry(num_bytes=num_bytes, sha256=digest.hexdigest())
@@ -827,6 +833,9 @@ class LoadedCheckpoint:
     """A sharded checkpoint's verified ``torch.distributed.checkpoint`` files, on this machine."""
     owns_shards_dir: bool = False
     """:attr:`shards_dir` is a download of this process's: :meth:`release` removes it."""
+    shard_metadata: Any = None
+    """A sharded checkpoint's ``shards/.metadata``, parsed and checked (:func:`parse_shard_metadata`,
+    :func:`check_shard_metadata`): :func:`restore` loads by it and never reads the file again."""
 
     @property
     def display_uri(self) -> str:
@@ -843,15 +852,19 @@ class LoadedCheckpoint:
 _TRAINER_STATE_KEYS = ("optimizer", "scheduler", "scaler", "rng", "replicas")
 
 
-def verify_and_load(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
+def verify_and_load(
+    storage: CheckpointStorage, name: str, *, expected_shapes: dict[str, tuple[int, ...]] | None = None
+) -> LoadedCheckpoint:
     """Read one checkpoint, check every file against its manifest, and decode it safely.
 
     Raises :class:`CheckpointError` naming the checkpoint and the reason for anything that keeps it from loading:
     a missing or malformed manifest (see :meth:`CheckpointManifest.parse`), a missing, truncated or corrupt file,
     a tensor file that ``torch.load(weights_only=True)`` refuses or that does not hold a state dict (model) or the
-    trainer's state dicts, and metadata that :meth:`CheckpointMeta.from_dict` refuses."""
-    import torch
-
+    trainer's state dicts, and metadata that :meth:`CheckpointMeta.from_dict` refuses. A sharded checkpoint's
+    ``shards/.metadata`` is parsed here, safely, and must name only shards the manifest lists
+    (:func:`check_shard_metadata`); with ``expected_shapes`` (:func:`model_state_shapes` of the model it will be
+    restored into) its weights must have those names and shapes. A full checkpoint's weights are not checked
+    against ``expected_shapes``."""
     where = storage.display_uri(name)
     try:
         manifest_bytes = storage.read(name, MANIFEST_FILE)
@@ -870,9 +883,29 @@ def verify_and_load(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
             raise CheckpointError(f"{where}/{file} is missing: {storage.scrub(_reason(exc))}") from None
         _check_entry(ManifestEntry(num_bytes=len(data), sha256=_sha256(data)), entry, where=f"{where}/{file}")
         payloads[file] = data
-    shards_dir, owns_shards_dir = (
-        _verified_shards(storage, name, manifest) if manifest.format == "sharded" else ("", False)
-    )
+    if manifest.format == "full":
+        return _decoded(storage, name, manifest, payloads)
+    shards_dir, owns_shards_dir, metadata_bytes = _verified_shards(storage, name, manifest)
+    try:
+        metadata_where = f"{where}/{SHARD_METADATA_FILE}"
+        shard_metadata = parse_shard_metadata(metadata_bytes, where=metadata_where)
+        check_shard_metadata(shard_metadata, manifest, where=metadata_where, expected_shapes=expected_shapes)
+        loaded = _decoded(storage, name, manifest, payloads)
+    except BaseException:
+        if owns_shards_dir:
+            _remove_local(shards_dir)
+        raise
+    loaded.shards_dir, loaded.owns_shards_dir, loaded.shard_metadata = shards_dir, owns_shards_dir, shard_metadata
+    return loaded
+
+
+def _decoded(
+    storage: CheckpointStorage, name: str, manifest: CheckpointManifest, payloads: dict[str, bytes]
+) -> LoadedCheckpoint:
+    """The checkpoint of the verified ``payloads`` (its files besides the shards), decoded safely."""
+    import torch
+
+    where = storage.display_uri(name)
     tensors = {MODEL_FILE: {}}
     for file in (MODEL_FILE, TRAINER_STATE_FILE) if manifest.format == "full" else (TRAINER_STATE_FILE,):
         try:
@@ -894,15 +927,7 @@ def verify_and_load(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
             f"{', '.join(_TRAINER_STATE_KEYS)}"
         )
     meta = _decode_meta(payloads[META_FILE], where=f"{where}/{META_FILE}")
-    return LoadedCheckpoint(
-        name=name,
-        uri=storage.uri(name),
-        model=model,
-        trainer=trainer,
-        meta=meta,
-        shards_dir=shards_dir,
-        owns_shards_dir=owns_shards_dir,
-    )
+    return LoadedCheckpoint(name=name, uri=storage.uri(name), model=model, trainer=trainer, meta=meta)
 
 
 def _check_entry(found: ManifestEntry, expected: ManifestEntry, *, where: str) -> None:
@@ -912,23 +937,30 @@ def _check_entry(found: ManifestEntry, expected: ManifestEntry, *, where: str) -
         raise CheckpointError(f"{where} is corrupt: sha256 differs from the manifest")
 
 
-def _verified_shards(storage: CheckpointStorage, name: str, manifest: CheckpointManifest) -> tuple[str, bool]:
+def _verified_shards(storage: CheckpointStorage, name: str, manifest: CheckpointManifest) -> tuple[str, bool, bytes]:
     """A local directory of the checkpoint's shards, each checked against the manifest: the checkpoint's own on a
-    local root, else a download to ``TMPDIR`` (removed again when a file fails). Returns it and whether it is a
-    download."""
+    local root, else a download to ``TMPDIR`` (removed again when a file fails). Returns it, whether it is a
+    download, and the bytes of its ``.metadata``: read once, at most the manifest's size of them, and checked, so
+    what is parsed is what was hashed."""
     import tempfile
 
     where = storage.display_uri(name)
     local = storage.local_path(name)
     directory = f"{local}/{SHARDS_DIR}" if local else tempfile.mkdtemp(prefix=f"ckpt-{name}-")
+    metadata = b""
     try:
         for relative, entry in manifest.shards.items():
             path = os.path.join(directory, relative.split("/", 1)[1])
             if not local:
                 storage.get_file(name, relative, path)
             try:
-                found = file_entry(path)
-            except OSError as exc:
+                if relative == SHARD_METADATA_FILE:
+                    with open_regular_local(path, f"{where}/{relative}") as f:
+                        metadata = f.read(entry.num_bytes + 1)  # one byte more tells a longer file
+                    found = ManifestEntry(num_bytes=len(metadata), sha256=_sha256(metadata))
+                else:
+                    found = file_entry(path, max_bytes=entry.num_bytes)
+            except (OSError, UnreadableFile) as exc:
                 raise CheckpointError(f"{where}/{relative} is missing: {storage.scrub(_reason(exc))}") from None
             _check_entry(found, entry, where=f"{where}/{relative}")
     except BaseException as exc:
@@ -937,7 +969,7 @@ def _verified_shards(storage: CheckpointStorage, name: str, manifest: Checkpoint
         if isinstance(exc, FileNotFoundError):
             raise CheckpointError(f"{where} has a missing shard: {storage.scrub(_reason(exc))}") from None
         raise
-    return directory, not local
+    return directory, not local, metadata
 
 
 def _decode_meta(data: bytes, *, where: str) -> CheckpointMeta:
@@ -948,19 +980,24 @@ def _decode_meta(data: bytes, *, where: str) -> CheckpointMeta:
         raise CheckpointError(clip(str(exc), 2 * MAX_REASON_CHARS)) from None
 
 
-def load_directory(uri: str) -> LoadedCheckpoint:
-    """Verify and load the one checkpoint at ``uri`` (a ``step-...`` directory, local or ``s3://``)."""
+def load_directory(uri: str, *, expected_shapes: dict[str, tuple[int, ...]] | None = None) -> LoadedCheckpoint:
+    """Verify and load the one checkpoint at ``uri`` (a ``step-...`` directory, local or ``s3://``); see
+    :func:`verify_and_load` for ``expected_shapes``."""
     parent, name = uri.rstrip("/").rsplit("/", 1)
-    return verify_and_load(CheckpointStorage(parent), name)
+    return verify_and_load(CheckpointStorage(parent), name, expected_shapes=expected_shapes)
 
 
-def load_latest_valid(storage: CheckpointStorage) -> LoadedCheckpoint | None:
+def load_latest_valid(
+    storage: CheckpointStorage, *, expected_shapes: dict[str, tuple[int, ...]] | None = None
+) -> LoadedCheckpoint | None:
     """The newest checkpoint that verifies and loads; each newer one that does not, for whatever reason, is skipped
-    with a warning naming it and the reason. ``None`` when there is none."""
+    with a warning naming it and the reason. ``None`` when there is none. With ``expected_shapes``
+    (:func:`model_state_shapes` of the model to restore), a sharded checkpoint whose weights do not fit it is one
+    that does not load."""
     rejected: list[str] = []
     for name in reversed(storage.list_steps()):
         try:
-            loaded = verify_and_load(storage, name)
+            loaded = verify_and_load(storage, name, expected_shapes=expected_shapes)
         except CheckpointError as exc:
             log.warning("skipping checkpoint %s: %s", storage.display_uri(name), storage.scrub(str(exc)))
             rejected.append(name)
@@ -1276,7 +1313,7 @@ def restore(loaded: LoadedCheckpoint, *, model, optimizer=None, scheduler=None, 
 
     try:
         if loaded.shards_dir:
-            _load_shards(loaded.shards_dir, model=model, optimizer=optimizer)
+            _load_shards(loaded.shards_dir, loaded.shard_metadata, model=model, optimizer=optimizer)
         elif is_sharded(model):
             _load_full_into_sharded(loaded, model=model, optimizer=optimizer)
         else:
@@ -1290,7 +1327,7 @@ def restore(loaded: LoadedCheckpoint, *, model, optimizer=None, scheduler=None, 
             obj.load_state_dict(loaded.trainer[name])
 
 
-def _load_shards(directory: str, *, model, optimizer) -> None:
+def _load_shards(directory: str, metadata: Any, *, model, optimizer) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -1301,12 +1338,12 @@ def _load_shards(directory: str, *, model, optimizer) -> None:
 
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, storage_reader=_safe_reader(directory), planner=_weights_only_planner())
+        dcp.load(state, storage_reader=_safe_reader(directory, metadata), planner=_weights_only_planner())
         set_model_state_dict(model, state["model"])
         return
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, storage_reader=_safe_reader(directory), planner=_weights_only_planner())
+    dcp.load(state, storage_reader=_safe_reader(directory, metadata), planner=_weights_only_planner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
@@ -1329,6 +1366,16 @@ def _load_full_into_sharded(loaded: LoadedCheckpoint, *, model, optimizer) -> No
     set_optimizer_state_dict(model, optimizer, by_name, options=options)
 
 
+def model_state_shapes(model) -> dict[str, tuple[int, ...]]:
+    """The name and shape of every tensor :func:`restore` loads into ``model`` from a sharded checkpoint (its
+    ``torch.distributed.checkpoint`` state dict: names without a DDP or ``torch.compile`` prefix, global shapes
+    under FSDP): what ``expected_shapes`` of :func:`load_latest_valid` checks a checkpoint against."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {name: tuple(value.shape) for name, value in get_model_state_dict(model).items() if torch.is_tensor(value)}
+
+
 # What a ``torch.distributed.checkpoint`` ``.metadata`` pickle may name: its own records, torch's sizes, dtypes and
 # layouts, and a path. Anything else (a callable that runs code when unpickled) is refused.
 _METADATA_GLOBALS = {
@@ -1348,35 +1395,224 @@ _METADATA_GLOBALS = {
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
     "collections": {"OrderedDict"},
 }
+_MEMO_PUTS = ("PUT", "BINPUT", "LONG_BINPUT")
+_MODEL_KEY_PREFIX = "model."
+"""How a sharded checkpoint's keys name the model's tensors (the state ``save_sharded`` writes is
+``{"model": ..., "optimizer": ...}``, flattened)."""
 
 
-def _safe_reader(directory: str):
-    """A ``FileSystemReader`` of ``directory`` whose ``.metadata`` is unpickled with only the globals of
-    :data:`_METADATA_GLOBALS` (torch's own reader runs ``pickle.load`` on it)."""
+def _shown(value: Any) -> str:
+    """A value read from a ``.metadata`` for a message: plain data quoted bounded in size, any other object by its
+    type only (a record's own repr would walk all it holds)."""
+    if isinstance(value, (str, int, float, bool, list, tuple, dict, type(None))):
+        return quote(tuple(value) if isinstance(value, tuple) else value)
+    return f"a {type(value).__name__}"
+
+
+def check_pickle_bounds(data: bytes) -> None:
+    """Raise ``ValueError`` when the pickle ``data`` asks the unpickler for more than its own size; call it before
+    any unpickler runs.
+
+    Python's C unpickler grows its memo table to the index a ``PUT`` names and reads a frame's declared length,
+    so a 12-byte pickle can take gigabytes. ``pickletools.genops`` refuses a string, bytes or integer longer than
+    the bytes that remain; here a frame must fit in them too, and an explicit memo index may name only a slot
+    already filled or the next one (picklers number them 0, 1, 2, ... as they go). So the memo holds at most one
+    slot per opcode, and the opcodes (a byte each at least), hence the objects built, are bounded by the size of
+    ``data``."""
+    import pickletools
+
+    num_memoized = 0
+    for opcode, arg, position in pickletools.genops(data):
+        if opcode.name == "FRAME" and arg > len(data) - position:
+            raise ValueError(f"a frame of {arg} bytes at offset {position}, beyond the {len(data)} bytes there are")
+        if opcode.name in _MEMO_PUTS and arg > num_memoized:
+            raise ValueError(f"memo index {arg} at offset {position}, beyond the {num_memoized} objects memoized")
+        num_memoized += opcode.name in _MEMO_PUTS or opcode.name == "MEMOIZE"
+
+
+def parse_shard_metadata(data: bytes, *, where: str) -> Any:
+    """The ``torch.distributed.checkpoint`` ``Metadata`` in ``data`` (a ``shards/.metadata``), parsed safely: its
+    size bounds what it may build (:func:`check_pickle_bounds`), it may name only the globals of
+    :data:`_METADATA_GLOBALS` (nothing that runs code), and it must hold the records torch's reader uses, each of
+    its own type: every entry stored (the tensor's chunks inside its size), and stored in a plain file name of the
+    same folder, untransformed (:func:`_check_storage_info`). Which files those are is checked against the
+    manifest by :func:`check_shard_metadata`. Raises :class:`CheckpointError` naming ``where``."""
     import pickle
 
     import torch
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        Metadata,
+        StorageMeta,
+        TensorStorageMetadata,
+    )
 
     class MetadataUnpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
             dtype = getattr(torch, name, None) if module == "torch" else None
             if name in _METADATA_GLOBALS.get(module, ()) or isinstance(dtype, torch.dtype):
                 return super().find_class(module, name)
-            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's {SHARD_METADATA_FILE}")
+            raise pickle.UnpicklingError(
+                f"{clip(module, 100)}.{clip(name, 100)} is not allowed in {SHARDS_DIR}/.metadata"
+            )
+
+    try:
+        check_pickle_bounds(data)
+    except ValueError as exc:  # genops's too: a truncated pickle, a length beyond the bytes left, an unknown opcode
+        raise CheckpointError(
+            f"{where} is not a pickle this module reads: {clip(str(exc), MAX_REASON_CHARS)}"
+        ) from None
+    try:
+        metadata = MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means the file is not ours
+        raise CheckpointError(f"{where} cannot be read safely: {_reason(exc)}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{where} holds {_shown(metadata)}: expected torch.distributed.checkpoint's Metadata")
+    entries, storage = getattr(metadata, "state_dict_metadata", None), getattr(metadata, "storage_data", None)
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise CheckpointError(f"{where} lacks the state_dict_metadata and storage_data mappings torch reads")
+    for index, info in storage.items():
+        _check_storage_info(index, info, where=where)
+    for key, entry in entries.items():
+        if not isinstance(key, str):
+            raise CheckpointError(f"{where} names the entry {_shown(key)}: expected a string key")
+        if isinstance(entry, BytesStorageMetadata):
+            _require_stored(storage, key, None, where=where)
+        elif isinstance(entry, TensorStorageMetadata):
+            _check_tensor_entry(storage, key, entry, where=where)
+        else:
+            raise CheckpointError(
+                f"{where} entry {quote(key)} is {_shown(entry)}: expected a tensor's or bytes' record"
+            )
+    storage_meta = getattr(metadata, "storage_meta", None)
+    if storage_meta is not None and not isinstance(storage_meta, StorageMeta):
+        raise CheckpointError(f"{where} has storage_meta {_shown(storage_meta)}: expected a StorageMeta")
+    return metadata
+
+
+def _check_storage_info(index: Any, info: Any, *, where: str) -> None:
+    """One entry of a ``.metadata``'s ``storage_data``: a ``MetadataIndex`` to a ``_StorageInfo`` that names a plain
+    file name (torch's reader opens ``shards_dir / relative_path`` as it is), a byte range, and no transform
+    (this module writes none; a transform would decompress)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+        raise CheckpointError(
+            f"{where} stores {_shown(index)} as {_shown(info)}: expected a MetadataIndex and its _StorageInfo"
+        )
+    path = getattr(info, "relative_path", None)
+    if not is_plain_file_name(path):
+        raise CheckpointError(
+            f"{where} stores {_shown(index.fqn)} in {_shown(path)}, which is not a plain file name beside it: a "
+            f"checkpoint's entries are stored in its own {SHARDS_DIR}/__<rank>_<n>.distcp"
+        )
+    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+    if not (_is_count(offset) and _is_count(length)):
+        raise CheckpointError(
+            f"{where} stores {_shown(index.fqn)} at offset {_shown(offset)}, length {_shown(length)}: expected "
+            "integers >= 0"
+        )
+    if getattr(info, "transform_descriptors", None):
+        raise CheckpointError(
+            f"{where} stores {_shown(index.fqn)} transformed by {_shown(info.transform_descriptors)}: this module "
+            "writes and reads untransformed shards only"
+        )
+
+
+def _require_stored(storage: dict[Any, Any], key: str, offsets: Any, *, where: str) -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    if MetadataIndex(key, offsets) not in storage:
+        at = "" if offsets is None else f" (its chunk at {quote(list(offsets))})"
+        raise CheckpointError(f"{where} has no storage for {quote(key)}{at}: the entry cannot be read")
+
+
+def _check_tensor_entry(storage: dict[Any, Any], key: str, entry: Any, *, where: str) -> None:
+    """A tensor's record: a size of integers >= 0 and chunks inside it, each stored."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    def is_shape(value: Any, rank: int | None = None) -> bool:
+        return (
+            isinstance(value, torch.Size) and (rank is None or len(value) == rank) and all(_is_count(n) for n in value)
+        )
+
+    size, chunks = getattr(entry, "size", None), getattr(entry, "chunks", None)
+    if not is_shape(size) or not isinstance(chunks, list):
+        raise CheckpointError(f"{where} entry {quote(key)} has size {_shown(size)}: expected a torch.Size and chunks")
+    for chunk in chunks:
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        if not (
+            isinstance(chunk, ChunkStorageMetadata)
+            and is_shape(offsets, len(size))
+            and is_shape(sizes, len(size))
+            and all(o + n <= total for o, n, total in zip(offsets, sizes, size))
+        ):
+            raise CheckpointError(
+                f"{where} entry {quote(key)} of size {_shown(size)} has the chunk {_shown(chunk)}: expected offsets "
+                "and sizes inside the tensor"
+            )
+        _require_stored(storage, key, offsets, where=where)
+
+
+def check_shard_metadata(
+    metadata: Any,
+    manifest: CheckpointManifest,
+    *,
+    where: str,
+    expected_shapes: dict[str, tuple[int, ...]] | None = None,
+) -> None:
+    """Refuse a parsed ``.metadata`` (:func:`parse_shard_metadata`) unless every entry is stored in a shard the
+    manifest lists and hashes, within its size; with ``expected_shapes`` (:func:`model_state_shapes`), unless
+    it holds a weight of each name and shape. Raises :class:`CheckpointError` naming ``where``."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    shards = manifest.shards
+    for index, info in metadata.storage_data.items():
+        relative = f"{SHARDS_DIR}/{info.relative_path}"
+        entry = shards.get(relative)
+        if entry is None or relative == SHARD_METADATA_FILE:
+            raise CheckpointError(
+                f"{where} stores {_shown(index.fqn)} in {_shown(info.relative_path)}, which the manifest does not list "
+                f"as a shard: a checkpoint reads only the shards it lists and hashes"
+            )
+        if info.offset + info.length > entry.num_bytes:
+            raise CheckpointError(
+                f"{where} stores {_shown(index.fqn)} at bytes {info.offset}..{info.offset + info.length} of "
+                f"{relative}, which holds {entry.num_bytes} bytes"
+            )
+    if expected_shapes is None:
+        return
+    mismatched = []
+    for name, shape in expected_shapes.items():
+        stored = metadata.state_dict_metadata.get(_MODEL_KEY_PREFIX + name)
+        found = list(stored.size) if isinstance(stored, TensorStorageMetadata) else None
+        if found != list(shape):
+            mismatched.append(f"{name} {'absent' if found is None else found} (model: {list(shape)})")
+    if mismatched:
+        raise CheckpointError(
+            f"{where} does not fit the model (another architecture?): its weights {_listed(mismatched, limit=5)}"
+        )
+
+
+def _safe_reader(directory: str, metadata: Any):
+    """A ``FileSystemReader`` of ``directory`` that loads by ``metadata`` (its ``.metadata``, already parsed and
+    checked by :func:`verify_and_load`) instead of reading the file again: torch's own reader runs ``pickle.load``
+    on it, and a file read twice could have changed in between."""
+    import copy
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    assert metadata is not None, "a sharded checkpoint's metadata is parsed and checked by verify_and_load"
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            with open(os.path.join(directory, ".metadata"), "rb") as f:
-                try:
-                    metadata = MetadataUnpickler(f).load()
-                except Exception as exc:  # noqa: BLE001 - any unpickling failure means the file is not ours
-                    raise CheckpointError(f"{SHARD_METADATA_FILE} cannot be read safely: {_reason(exc)}") from None
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
+            loaded = copy.copy(metadata)
+            loaded.storage_meta = copy.copy(getattr(metadata, "storage_meta", None)) or StorageMeta()
+            loaded.storage_meta.load_id = self.load_id
+            return loaded
 
     return SafeReader(directory)
 
