@@ -28,6 +28,7 @@ from typing import Iterator
 import numpy as np
 
 from training_core.config import DataConfig, clip, quote
+from training_core.files import UnreadableFile, open_regular
 from training_core.redact import redact
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
@@ -190,16 +191,21 @@ def cifar10_members(path: str, wanted: set[str] | None = None) -> Iterator[tuple
 @contextlib.contextmanager
 def cifar10_archive(path: str) -> Iterator[tarfile.TarFile]:
     """The tar archive at ``path``, open for streaming (only its first block is read here). Raises ``ValueError``
-    naming ``data.path`` when nothing is there, it is a directory, or it is not a tar archive."""
-    import fsspec
-
+    naming ``data.path`` when nothing is there, it is a directory or no regular file (a FIFO, which would block the
+    read, or a device), or it is not a tar archive."""
     fs, fs_path = _existing(path)
     if fs.isdir(fs_path):
         raise ValueError(
             f"data.path={quote(path)} is invalid: it is a directory; point it at the cifar-10-python.tar.gz "
             "tarball itself"
         )
-    with fsspec.open(path, "rb") as f:
+    try:
+        opened = open_regular(fs, fs_path, path)
+    except UnreadableFile as exc:
+        raise ValueError(
+            f"data.path={quote(path)} is invalid: {exc}; point it at the cifar-10-python.tar.gz tarball itself"
+        ) from None
+    with opened as f:
         try:
             archive = tarfile.open(fileobj=f, mode="r:*")
         except _ARCHIVE_ERRORS:

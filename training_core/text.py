@@ -7,6 +7,11 @@ streams into fixed-length sequences.
   needs no network) or ``text`` (``.txt`` files whole, ``.jsonl`` lines' ``data.text_field``, ``.parquet`` files'
   ``data.text_field`` column, under ``data.path``, local or ``s3://``). Documents come in sorted order, and
   ``data.max_text_bytes`` keeps the longest prefix of whole documents that fits.
+- A user's files (sources and ``tokenizer.json``) are read only when they are regular files
+  (:mod:`training_core.files`), with caps on the bytes read (:data:`MAX_TEXT_DOCUMENT_BYTES` a document,
+  :data:`MAX_TOKENIZER_BYTES`) and on a JSON line's nesting (:data:`MAX_JSON_DEPTH`); token ids must fit the shards'
+  int32 (:data:`MAX_TOKEN_ID`). Whatever is wrong with a file is a ``ValueError`` naming the field, the file and
+  the fix.
 - The split is by document (a file, a JSON line, a Parquet row), never inside one, so no validation or test text is
   seen in training: documents visited in a permutation seeded by ``data.split_seed`` fill val and test up to their
   share of the bytes (see :func:`split_documents`), deterministic for a given source and seed.
@@ -16,6 +21,7 @@ Heavy imports (tokenizers, fsspec, pyarrow) happen inside the functions that nee
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -29,6 +35,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from training_core.config import DataConfig, clip, quote
+from training_core.files import UnreadableFile, open_regular, read_regular_path
 from training_core.redact import redact
 
 log = logging.getLogger(__name__)
@@ -57,6 +64,8 @@ _RAY_BATCH_CHARS = 1_000_000
 """Text per Ray task (:func:`encode_batches`): a few tenths of a second of one CPU with a BPE tokenizer, so a
 source of a few MB already spreads over several workers, and a task's scheduling (milliseconds) stays negligible."""
 TOKENIZER_FIX = "set data.tokenizer to 'byte' or to the local path or s3:// URI of a Hugging Face tokenizer.json"
+MAX_TOKEN_ID = int(np.iinfo(np.int32).max)
+"""The largest token id a tokenizer may have: ids are stored as int32, in the spill file and in the shards."""
 
 
 # --------------------------------------------------------------------------------------------------- tokenizers
@@ -74,6 +83,8 @@ class TextTokenizer:
     """The end-of-text token appended after every document; ``None`` when a ``tokenizer.json`` has none."""
     json_text: str = ""
     """The ``tokenizer.json`` text (empty for ``byte``)."""
+    where: str = field(default="data.tokenizer", compare=False)
+    """Names the tokenizer's source (``data.tokenizer='...'``) in the errors encoding raises."""
     _backend: Any = field(default=None, repr=False, compare=False)
     """The parsed ``tokenizers.Tokenizer`` (``tokenizer.json``), built on first use."""
 
@@ -99,7 +110,18 @@ class TextTokenizer:
         by :attr:`eot_id` only)."""
         if self.kind == BYTE:
             return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) for text in texts]
-        encodings = self.backend().encode_batch(list(texts), add_special_tokens=False)
+        try:
+            encodings = self.backend().encode_batch(list(texts), add_special_tokens=False)
+        except BaseException as exc:
+            # A Rust panic (a pre-tokenizer regex that backtracks past Oniguruma's retry limit) reaches Python as
+            # pyo3's PanicException, a BaseException subclass no module exports: recognised by name, all else re-raised.
+            if not is_rust_panic(exc):
+                raise
+            raise ValueError(
+                f"{self.where} is invalid: the tokenizer failed inside its Rust code while encoding the text "
+                f"({type(exc).__name__}: {clip(str(exc))}); a pre_tokenizer 'Split' regex that backtracks without "
+                f"bound does this: simplify that regex, or {TOKENIZER_FIX}"
+            ) from None
         return [np.asarray(encoding.ids, dtype=np.int32) for encoding in encodings]
 
     def encode(self, text: str) -> np.ndarray:
@@ -114,6 +136,11 @@ class TextTokenizer:
         if self.kind == BYTE:
             return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
         return self.backend().decode(ids, skip_special_tokens=False)
+
+
+def is_rust_panic(exc: BaseException) -> bool:
+    """Whether ``exc`` is a panic of a Rust extension (pyo3's ``pyo3_runtime.PanicException``)."""
+    return type(exc).__name__ == "PanicException"
 
 
 def tokenizer_threads(count: int) -> None:
@@ -131,36 +158,25 @@ def byte_tokenizer() -> TextTokenizer:
 
 def load_tokenizer(value: str, *, field_name: str = "data.tokenizer") -> TextTokenizer:
     """The tokenizer ``data.tokenizer`` names: ``byte``, or a ``tokenizer.json`` read through fsspec (a local path
-    or ``s3://`` URI). A file that cannot be read or is not a Hugging Face tokenizer raises ``ValueError`` naming
-    the field, the value and the fix."""
+    or ``s3://`` URI; a local one only when it is a regular file, and at most :data:`MAX_TOKENIZER_BYTES` of it).
+    A file that cannot be read, is not a Hugging Face tokenizer or has ids beyond :data:`MAX_TOKEN_ID` raises
+    ``ValueError`` naming the field, the value and the fix."""
     if value == BYTE:
         return byte_tokenizer()
-    import fsspec
-
+    where = f"{field_name}={quote(value)}"
     try:
-        with fsspec.open(value, "rb") as f:
-            payload = f.read(MAX_TOKENIZER_BYTES + 1)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        payload = read_regular_path(value, max_bytes=MAX_TOKENIZER_BYTES)
+    except UnreadableFile as exc:
+        raise ValueError(f"{where} is invalid: {exc}; {TOKENIZER_FIX}") from None
+    except Exception as exc:  # noqa: BLE001 - any filesystem failure (scheme, permissions, S3 errors) is the value's
         raise ValueError(
-            f"{field_name}={quote(value)} is invalid: no such file (or it is a directory); {TOKENIZER_FIX}"
+            f"{where} is invalid: it cannot be read ({type(exc).__name__}: {clip(redact(str(exc)))}); {TOKENIZER_FIX}"
         ) from None
-    except Exception as exc:  # noqa: BLE001 - any filesystem failure (permissions, S3 errors) is the value's
-        raise ValueError(
-            f"{field_name}={quote(value)} is invalid: it cannot be read ({type(exc).__name__}: "
-            f"{clip(redact(str(exc)))}); {TOKENIZER_FIX}"
-        ) from None
-    if len(payload) > MAX_TOKENIZER_BYTES:
-        raise ValueError(
-            f"{field_name}={quote(value)} is invalid: it is larger than {MAX_TOKENIZER_BYTES // 2**20} MiB, which no "
-            f"tokenizer.json is; {TOKENIZER_FIX}"
-        )
     try:
         text = payload.decode("utf-8")
     except UnicodeDecodeError:
-        raise ValueError(
-            f"{field_name}={quote(value)} is invalid: it is not a tokenizer.json (not UTF-8 text); {TOKENIZER_FIX}"
-        ) from None
-    return tokenizer_from_description(text, where=f"{field_name}={quote(value)}")
+        raise ValueError(f"{where} is invalid: it is not a tokenizer.json (not UTF-8 text); {TOKENIZER_FIX}") from None
+    return tokenizer_from_description(text, where=where)
 
 
 def tokenizer_from_description(description: str, *, where: str) -> TextTokenizer:
@@ -172,13 +188,23 @@ def tokenizer_from_description(description: str, *, where: str) -> TextTokenizer
 
     try:
         backend = Tokenizer.from_str(description)
-    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for every parse error
+        vocab = backend.get_vocab(with_added_tokens=True)
+    except BaseException as exc:
+        # tokenizers raises a bare Exception for every parse error, and a Rust panic for some (is_rust_panic).
+        if not (isinstance(exc, Exception) or is_rust_panic(exc)):
+            raise
         raise ValueError(
             f"{where} is invalid: it is not a Hugging Face tokenizer.json ({clip(str(exc))}); {TOKENIZER_FIX}"
         ) from None
-    vocab = backend.get_vocab(with_added_tokens=True)
     if not vocab:
         raise ValueError(f"{where} is invalid: the tokenizer has an empty vocabulary; {TOKENIZER_FIX}")
+    largest_token, largest_id = max(vocab.items(), key=lambda item: item[1])
+    if largest_id > MAX_TOKEN_ID:
+        raise ValueError(
+            f"{where} is invalid: token {quote(largest_token)} has id {largest_id:,}, beyond {MAX_TOKEN_ID:,}, the "
+            f"largest id the shards' int32 tokens hold (the tokenizer has {len(vocab):,} tokens); number its tokens "
+            f"from 0 without large gaps, or {TOKENIZER_FIX}"
+        )
     eot_id = next((vocab[token] for token in EOT_TOKENS if token in vocab), None)
     if eot_id is None:
         log.warning(
@@ -186,10 +212,15 @@ def tokenizer_from_description(description: str, *, where: str) -> TextTokenizer
             where,
             ", ".join(EOT_TOKENS),
         )
-    # Ids may have gaps: the model needs a row for the largest one.
-    vocab_size = max(vocab.values()) + 1
+    # Ids may have gaps: the model needs a row for the largest one (its cost is checked against the model's size:
+    # causal_lm's check, before any worker starts).
     return TextTokenizer(
-        kind=TOKENIZER_FILE, vocab_size=vocab_size, eot_id=eot_id, json_text=description, _backend=backend
+        kind=TOKENIZER_FILE,
+        vocab_size=largest_id + 1,
+        eot_id=eot_id,
+        json_text=description,
+        where=where,
+        _backend=backend,
     )
 
 
@@ -360,54 +391,114 @@ def text_files(path: str) -> tuple[Any, str, list[str]]:
 
 
 MAX_TEXT_DOCUMENT_BYTES = 256 * 2**20
-"""The largest ``.txt`` file read as one document: a 200 MB one took 1.2 GB more peak memory to tokenise (the byte
-tokenizer) where 200 files of 1 MB took 25 MB; a larger one fails naming the file, before it is read."""
+"""The largest document read: a ``.txt`` file, one ``.jsonl`` line or one Parquet cell, counted in bytes as read (not
+as a file reports its size: a device or a /proc file reports 0). A 200 MB ``.txt`` file took 1.2 GB more peak memory
+to tokenise (the byte tokenizer) where 200 files of 1 MB took 25 MB; a larger document fails naming its file."""
+MAX_JSON_DEPTH = 200
+"""The deepest nesting of arrays and objects read in a ``.jsonl`` line: records nest a few levels, and Python's
+parser recurses once per level (to a ``RecursionError`` near 1,000), so a deeper line is refused before it is
+parsed."""
+SOURCE_FILE_FIX = "remove it from data.path, or make it a regular file that can be read"
+
+
+def _amount(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.0f} MiB" if num_bytes >= 2**20 else f"{num_bytes:,} bytes"
+
+
+def display_name(name: str) -> str:
+    """``name`` as valid UTF-8: a file name whose bytes are not UTF-8 (Python holds them as lone surrogates, which no
+    UTF-8 log line, JSON or protobuf message can carry) with those bytes written as ``\\xff``."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that is no escaped byte: not from a file system, but no UTF-8 either
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def path_documents(path: str, text_field: str, stats: SourceStats) -> Iterator[Document]:
     """The documents of the text files at ``path`` (see :func:`text_files`), file by file in sorted order: a
     ``.txt`` file whole (UTF-8; bad bytes become U+FFFD), each ``.jsonl`` line's ``text_field``, each ``.parquet``
-    row's ``text_field`` column."""
+    row's ``text_field`` column (strings, or dictionary-encoded strings). Only regular files are read (a FIFO, a
+    device or a dangling symlink raises), no document beyond :data:`MAX_TEXT_DOCUMENT_BYTES`; every problem with a
+    file raises ``ValueError`` naming ``data.path``, the file (its name as valid UTF-8: :func:`display_name`, as in
+    each document's name) and the fix."""
     fs, root, files = text_files(path)
     for file in files:
-        name = file[len(root) :].lstrip("/") or os.path.basename(file)
+        name = display_name(file[len(root) :].lstrip("/") or os.path.basename(file))
         stats.files += 1
         if file.endswith(".txt"):
-            size = fs.size(file)
-            if size > MAX_TEXT_DOCUMENT_BYTES:
-                raise ValueError(
-                    f"data.path={quote(path)} is invalid: {quote(name)} is one document of {size / 2**20:,.0f} MiB; "
-                    "a .txt file is a document, tokenised whole (about 6x its size in memory) and kept in one split: "
-                    f"cut it into files of at most {MAX_TEXT_DOCUMENT_BYTES // 2**20} MiB, or into the lines of a "
-                    ".jsonl file (a document each)"
-                )
-            with fs.open(file, "rb") as f:
-                yield Document(name, f.read().decode("utf-8", errors="replace"))
+            yield _txt_document(fs, file, name, path)
         elif file.endswith(".jsonl"):
             yield from _jsonl_documents(fs, file, name, text_field, stats, path)
         else:
             yield from _parquet_documents(fs, file, name, text_field, stats, path)
 
 
+def _open_source(fs: Any, file: str, name: str, path: str) -> Any:
+    """``file`` opened for reading when it is a regular file, else ``ValueError`` naming ``data.path`` and ``name``."""
+    try:
+        return open_regular(fs, file, name)
+    except UnreadableFile as exc:
+        raise ValueError(f"data.path={quote(path)} is invalid: {exc}; {SOURCE_FILE_FIX}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever a remote filesystem raises for an object it cannot open
+        raise ValueError(
+            f"data.path={quote(path)} is invalid: {quote(name)} cannot be opened ({type(exc).__name__}: "
+            f"{clip(redact(str(exc)))}); {SOURCE_FILE_FIX}"
+        ) from None
+
+
+@contextlib.contextmanager
+def _reading(name: str, path: str) -> Iterator[None]:
+    """An ``OSError`` raised while reading ``name`` (a disk's, a network's) as ``ValueError`` naming ``data.path``
+    and the file."""
+    try:
+        yield
+    except OSError as exc:
+        raise ValueError(
+            f"data.path={quote(path)} is invalid: {quote(name)} cannot be read ({type(exc).__name__}: "
+            f"{clip(redact(str(exc)))}); the file is damaged or was cut short: write it again, or remove it"
+        ) from None
+
+
+def _reported_size(f: Any) -> int:
+    """The size an open file reports (0 when it reports none): what a ``.txt`` file is refused by before it is read.
+    Only a hint: devices and /proc files report 0, so the bytes read are capped as well."""
+    try:
+        return os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, ValueError):  # a remote file: no descriptor (io.UnsupportedOperation)
+        size = getattr(f, "size", None)
+        return size if isinstance(size, int) else 0
+
+
+def _txt_document(fs: Any, file: str, name: str, path: str) -> Document:
+    cap = MAX_TEXT_DOCUMENT_BYTES
+    with _open_source(fs, file, name, path) as f, _reading(name, path):
+        size = _reported_size(f)
+        payload = f.read(cap + 1) if size <= cap else b""
+    if size > cap or len(payload) > cap:
+        found = f"{size / 2**20:,.0f} MiB" if size > cap else f"more than {_amount(cap)}"
+        raise ValueError(
+            f"data.path={quote(path)} is invalid: {quote(name)} is one document of {found}; a .txt file is a "
+            "document, tokenised whole (about 6x its size in memory) and kept in one split: cut it into files of at "
+            f"most {_amount(cap)}, or into the lines of a .jsonl file (a document each)"
+        )
+    return Document(name, payload.decode("utf-8", errors="replace"))
+
+
 def _jsonl_documents(
     fs: Any, file: str, name: str, text_field: str, stats: SourceStats, path: str
 ) -> Iterator[Document]:
-    with fs.open(file, "rb") as f:
-        for number, line in enumerate(f, start=1):
+    cap = MAX_TEXT_DOCUMENT_BYTES
+    with _open_source(fs, file, name, path) as f, _reading(name, path):
+        for number, line in enumerate(_lines(f, cap), start=1):
+            if len(line) > cap:
+                raise ValueError(
+                    f"data.path={quote(path)} is invalid: line {number} of {quote(name)} holds more than "
+                    f"{_amount(cap)}, the most read as one document (a .jsonl line is one, tokenised whole); "
+                    f"cut its text into lines of at most {_amount(cap)} each"
+                )
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except ValueError as exc:
-                raise ValueError(
-                    f"data.path={quote(path)} is invalid: line {number} of {quote(name)} is not JSON "
-                    f"({clip(str(exc))}); write one JSON object per line"
-                ) from None
-            if not isinstance(record, dict):
-                raise ValueError(
-                    f"data.path={quote(path)} is invalid: line {number} of {quote(name)} is a JSON "
-                    f"{type(record).__name__}, not an object; write one JSON object per line"
-                )
+            record = _json_record(line, number, name, path)
             stats.records += 1
             text = record.get(text_field)
             if not isinstance(text, str):
@@ -418,16 +509,128 @@ def _jsonl_documents(
             yield Document(f"{name}:{number}", text)
 
 
+_READ_CHUNK_BYTES = 2**20
+
+
+def _lines(f: Any, max_bytes: int) -> Iterator[bytes]:
+    """The lines of the binary file ``f`` (each with its ``\\n``), read a chunk at a time. A line longer than
+    ``max_bytes`` ends them: it is the last one yielded, as much of it as was read (more than ``max_bytes``), so a
+    file with no line end (or a huge one) never sits in memory whole."""
+    buffer = bytearray()
+    while chunk := f.read(_READ_CHUNK_BYTES):
+        searched = len(buffer)  # the bytes before this chunk hold no line end
+        buffer += chunk
+        start, end = 0, buffer.find(b"\n", searched)
+        while end != -1:
+            yield bytes(buffer[start : end + 1])
+            start, end = end + 1, buffer.find(b"\n", end + 1)
+        del buffer[:start]
+        if len(buffer) > max_bytes:
+            yield bytes(buffer)
+            return
+    if buffer:
+        yield bytes(buffer)
+
+
+def _json_record(line: bytes, number: int, name: str, path: str) -> dict:
+    """The JSON object ``line`` (line ``number`` of the file ``name``) holds, or ``ValueError`` naming ``data.path``,
+    the line and the file."""
+    fix = "write one JSON object per line"
+
+    def where() -> str:  # quoted only for an error: quoting costs as much as parsing the line
+        return f"line {number} of {quote(name)}"
+
+    # Counting is cheap; the exact depth is computed only for a line with many brackets.
+    if line.count(b"[") + line.count(b"{") > MAX_JSON_DEPTH and json_depth(line) > MAX_JSON_DEPTH:
+        raise ValueError(
+            f"data.path={quote(path)} is invalid: {where()} nests arrays and objects {json_depth(line):,} deep, more "
+            f"than {MAX_JSON_DEPTH} (the most read); {fix}, nested at most {MAX_JSON_DEPTH} deep"
+        )
+    try:
+        record = _json_loads(line)
+    except RecursionError:  # within MAX_JSON_DEPTH, on a stack already deep
+        raise ValueError(
+            f"data.path={quote(path)} is invalid: {where()} nests arrays and objects too deep to parse; {fix}, nested "
+            "a few levels deep"
+        ) from None
+    except ValueError as exc:  # json's errors, and UnicodeDecodeError for bytes that are no JSON encoding
+        raise ValueError(
+            f"data.path={quote(path)} is invalid: {where()} is not JSON ({clip(str(exc))}); {fix}"
+        ) from None
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"data.path={quote(path)} is invalid: {where()} is a JSON {type(record).__name__}, not an object; {fix}"
+        )
+    return record
+
+
+def _json_loads(line: bytes) -> Any:
+    """``json.loads``, and valid JSON with an integer past Python's limit on the digits of an int read from a string
+    (``sys.get_int_max_str_digits()``, 4,300) read too: a line that fails is parsed again with such integers as
+    ``Decimal`` (a parser callback for every integer would slow every line down by a third)."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise
+    except ValueError as exc:
+        first = exc
+    try:
+        return json.loads(line, parse_int=_json_int)
+    except ValueError:
+        raise first from None
+
+
+def _json_int(digits: str) -> Any:
+    """A JSON integer: an ``int``, or a ``Decimal`` past Python's limit on the digits of an int read from a string
+    (``sys.get_int_max_str_digits()``, 4,300): valid JSON all the same."""
+    try:
+        return int(digits)
+    except ValueError:
+        import decimal
+
+        return decimal.Decimal(digits)
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_DEPTH_CHUNK = 1 << 20
+
+
+def json_depth(line: bytes) -> int:
+    """The deepest nesting of arrays and objects in the JSON text ``line``: its brackets outside strings, counted at
+    C speed (a regex, ``bytes.translate`` and numpy, a million brackets at a time), never parsed. For text that is
+    not JSON (an unterminated string) it is only an estimate."""
+    brackets = _JSON_STRING.sub(b"", line).translate(None, _NOT_BRACKETS)
+    depth = deepest = 0
+    for start in range(0, len(brackets), _DEPTH_CHUNK):
+        chunk = np.frombuffer(brackets, dtype=np.uint8, count=min(_DEPTH_CHUNK, len(brackets) - start), offset=start)
+        steps = np.where((chunk == ord("[")) | (chunk == ord("{")), 1, -1)
+        running = depth + np.cumsum(steps, dtype=np.int64)
+        deepest, depth = max(deepest, int(running.max())), int(running[-1])
+    return deepest
+
+
+def _is_text_type(pa: Any, column_type: Any) -> bool:
+    """Strings in any of Arrow's layouts: plain, large, views, or dictionary-encoded (what pandas writes for a
+    ``category``)."""
+    if pa.types.is_dictionary(column_type):
+        return _is_text_type(pa, column_type.value_type)
+    is_view = getattr(pa.types, "is_string_view", lambda _: False)
+    return pa.types.is_string(column_type) or pa.types.is_large_string(column_type) or is_view(column_type)
+
+
 def _parquet_documents(
     fs: Any, file: str, name: str, text_field: str, stats: SourceStats, path: str
 ) -> Iterator[Document]:
     import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    with fs.open(file, "rb") as f:
+    cap = MAX_TEXT_DOCUMENT_BYTES
+    with _open_source(fs, file, name, path) as f:
         try:
             parquet = pq.ParquetFile(f)
-        except (pa.ArrowInvalid, OSError) as exc:
+        except (pa.ArrowException, OSError) as exc:
             raise ValueError(
                 f"data.path={quote(path)} is invalid: {quote(name)} is not a Parquet file ({clip(str(exc))}); "
                 "remove it or rewrite it"
@@ -440,21 +643,47 @@ def _parquet_documents(
                 "data.text_field to the column that holds the text"
             )
         column_type = parquet.schema_arrow.field(text_field).type
-        if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+        if not _is_text_type(pa, column_type):
             raise ValueError(
                 f"data.text_field={quote(text_field)} is invalid: column {text_field!r} of {quote(name)} holds "
                 f"{column_type}, not strings; set data.text_field to the column that holds the text"
             )
         row = 0
         # Batch by batch, so a large file never sits in memory whole.
-        for batch in parquet.iter_batches(columns=[text_field], batch_size=4096):
-            for text in batch.column(0).to_pylist():
+        batches = parquet.iter_batches(columns=[text_field], batch_size=4096)
+        while (batch := _next_batch(batches, f"{quote(name)} (after row {row})", path)) is not None:
+            texts = batch.column(0)
+            if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
+                texts = texts.cast(pa.large_string())  # dictionary-encoded or views: plain strings, one batch's
+            sizes = pc.binary_length(texts)
+            if (pc.max(sizes).as_py() or 0) > cap:
+                at = row + int(np.argmax(sizes.to_numpy(zero_copy_only=False) > cap))
+                raise ValueError(
+                    f"data.path={quote(path)} is invalid: row {at} of {quote(name)} holds a text of more than "
+                    f"{_amount(cap)} in column {text_field!r}, the most read as one document (a Parquet row "
+                    f"is one, tokenised whole); cut it into rows of at most {_amount(cap)} each"
+                )
+            for text in texts.to_pylist():
                 stats.records += 1
                 if text is None:
                     stats.missing_field += 1
                 else:
                     yield Document(f"{name}:{row}", text)
                 row += 1
+
+
+def _next_batch(batches: Iterator[Any], where: str, path: str) -> Any:
+    """The next record batch of a Parquet file (``None`` at its end), or ``ValueError`` naming ``data.path`` and
+    ``where`` for a page that cannot be read (a corrupt compressed block, a file cut short)."""
+    import pyarrow as pa
+
+    try:
+        return next(batches, None)
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(
+            f"data.path={quote(path)} is invalid: {where} cannot be read ({type(exc).__name__}: "
+            f"{clip(redact(str(exc)))}); the file is damaged or was cut short: write it again, or remove it"
+        ) from None
 
 
 def no_text_error(data: DataConfig, stats: SourceStats, *, source: str, from_user: bool = False) -> ValueError:
@@ -605,8 +834,8 @@ def encode_batches(
 
     from training_core.ray_tasks import map_tasks
 
-    description = ray.put(tokenizer.description)
-    arguments = ((description, texts) for texts in batches)
+    described = ray.put((tokenizer.description, tokenizer.where))
+    arguments = ((described, texts) for texts in batches)
     for ids, lengths in map_tasks(_encode_in_ray_task, arguments, num_workers=ray_workers, ordered=True):
         # Both are views of the task's result in the object store, which stays pinned while either lives: the
         # lengths, which the caller keeps, are copied out, so the ids' memory goes with the batch.
@@ -623,13 +852,15 @@ _task_tokenizer: TextTokenizer | None = None
 """The tokenizer a Ray worker process last built (:func:`_encode_in_ray_task`), reused by its next tasks."""
 
 
-def _encode_in_ray_task(description: str, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _encode_in_ray_task(described: tuple[str, str], texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """One batch's ids in a Ray task of one CPU: one tokenizer thread (set before the first encode of the worker
-    process sizes the Rust thread pool for good)."""
+    process sizes the Rust thread pool for good). ``described``: the tokenizer's description and what names its
+    source in an error."""
     global _task_tokenizer
+    description, where = described
     os.environ["RAYON_NUM_THREADS"] = "1"
     if _task_tokenizer is None or _task_tokenizer.description != description:
-        _task_tokenizer = tokenizer_from_description(description, where="the prep's tokenizer")
+        _task_tokenizer = tokenizer_from_description(description, where=where)
     ids, lengths = _encoded(_task_tokenizer, texts)
     return (np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32)), lengths
 

@@ -533,7 +533,9 @@ def test_a_file_that_is_not_a_tokenizer_names_data_tokenizer(tmp_path):
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
         with pytest.raises(ValueError, match=rf"data.tokenizer='.*{name}' is invalid: .*not .*tokenizer.json.*'byte'"):
             CausalLM().prepare_data(DataConfig(dataset="stdlib", tokenizer=str(path)), str(tmp_path / "out"))
-    with pytest.raises(ValueError, match=r"data.tokenizer='.*missing.json' is invalid: no such file"):
+    with pytest.raises(
+        ValueError, match=r"data.tokenizer='.*missing.json' is invalid: '.*missing.json' does not exist"
+    ):
         text.load_tokenizer(str(tmp_path / "missing.json"))
 
 

@@ -34,9 +34,11 @@ import numpy as np
 
 from training_core.config import DataConfig, ModelConfig, TrainingConfig, WorkloadConfig, clip, quote
 from training_core.data import ArraySpec, Manifest, write_shards
+from training_core.files import UnreadableFile, read_regular_path
 from training_core.redact import redact
 from training_core.text import (
     BYTE,
+    MAX_TOKENIZER_BYTES,
     TOKENIZER_FILE,
     SourceStats,
     SplitStream,
@@ -103,6 +105,12 @@ _OVERRIDES = (
 e.g. GPT-2's ``n_layer``, through ``attribute_map``)."""
 
 _RERUN = "re-run data prep (prepare_data) to rewrite the directory"
+
+MAX_EMBEDDING_BYTES = 32 * 2**30
+"""The largest token embedding a built-in model is given (vocabulary x hidden size x 4 bytes of fp32), checked
+before any worker starts: Llama 3 405B's is 8.4 GB (128 256 x 16 384), gpt2-xl's 0.3 GB. Past it the vocabulary
+is not a real one: a tokenizer whose ids have a large gap (one id of 2,000,000,000 gives gpt2-tiny a 477 GiB
+embedding, which no worker could allocate)."""
 
 
 class CausalLM:
@@ -272,6 +280,7 @@ class CausalLM:
                 f"tokenizer's ({spec.vocab_size}, data.tokenizer={spec.tokenizer!r}); use a config class whose "
                 "vocab_size is its own (a text-only config such as LlamaConfig, not a multimodal one)"
             )
+        _check_embedding_size(config, lm_config, spec)
 
     def _check_user_model(self, config: TrainingConfig, manifest: Manifest, spec: TextSpec) -> None:
         """Build the user's model on the meta device (no memory, no initialisation) and compare its logits' width
@@ -444,6 +453,32 @@ class TextSpec:
         return cls(spec["tokenizer"], sha256, vocab_size, eot_id, seq_len)
 
 
+def embedding_bytes(lm_config: Any) -> int | None:
+    """Bytes of the token embedding of a model of ``lm_config`` in fp32 (vocabulary x hidden size x 4); ``None`` when
+    the config names no hidden size."""
+    text_config = lm_config.get_text_config()
+    vocab_size, hidden_size = getattr(text_config, "vocab_size", None), getattr(text_config, "hidden_size", None)
+    if not (_is_int(vocab_size) and _is_int(hidden_size)):
+        return None
+    return vocab_size * hidden_size * 4
+
+
+def _check_embedding_size(config: TrainingConfig, lm_config: Any, spec: TextSpec) -> None:
+    """``ValueError`` naming ``data.tokenizer`` when the prepared data's vocabulary would give the model an embedding
+    larger than :data:`MAX_EMBEDDING_BYTES`."""
+    size = embedding_bytes(lm_config)
+    if size is None or size <= MAX_EMBEDDING_BYTES:
+        return
+    hidden_size = lm_config.get_text_config().hidden_size
+    raise ValueError(
+        f"data.tokenizer={quote(config.data.tokenizer)} is invalid: its vocabulary of {spec.vocab_size:,} ids (one "
+        f"more than its largest id) gives model.name={quote(config.model.name)} a token embedding of "
+        f"{spec.vocab_size:,} x {hidden_size:,} fp32 = {size / 2**30:,.1f} GiB, more than the "
+        f"{MAX_EMBEDDING_BYTES / 2**30:,.0f} GiB allowed (Llama 3 405B's is 8 GB); use a tokenizer whose ids run "
+        "from 0 without large gaps, and re-run data prep"
+    )
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -454,15 +489,12 @@ def read_tokenizer(manifest: Manifest) -> TextTokenizer:
     spec = TextSpec.from_manifest(manifest)
     if spec.tokenizer == BYTE:
         return tokenizer_from_description(BYTE, where="data")
-    import fsspec
-
     location = f"{manifest.directory.rstrip('/')}/{TOKENIZER_FILE}"
     where = f"{TOKENIZER_FILE} in {clip(redact(manifest.directory), 500)}"
     try:
-        with fsspec.open(location, "rb") as f:
-            payload = f.read()
-    except FileNotFoundError:
-        raise ValueError(f"{where} is missing; {_RERUN}") from None
+        payload = read_regular_path(location, max_bytes=MAX_TOKENIZER_BYTES)
+    except UnreadableFile as exc:
+        raise ValueError(f"{where} cannot be read: {exc}; {_RERUN}") from None
     digest = hashlib.sha256(payload).hexdigest()
     if digest != spec.tokenizer_sha256:
         raise ValueError(f"{where} is corrupt: sha256 {digest} != manifest {spec.tokenizer_sha256}; {_RERUN}")
