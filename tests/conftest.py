@@ -4,6 +4,8 @@
   and ``HOME`` of subprocesses point there), so a run leaves nothing in /tmp.
 - One Ray cluster is started per session, on demand, and shared: in-process tests ``ray.init`` to it, and
   ``pyflyte`` subprocesses attach to it through ``RAY_ADDRESS``.
+- A Ray process of the session that outlives its cluster (Ray's exit deadlock, deployment/docs/troubleshooting.md)
+  is killed at the end, and the session fails, naming it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from training_core.launch import free_port
-from training_core.ray_settings import apply_process_env
+from training_core.ray_settings import apply_process_env, process_table
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -61,8 +63,78 @@ for _name, _value in {
     os.environ[_name] = _value
 
 
-def pytest_unconfigure(config) -> None:
+LEFTOVER_WAIT_S = float(os.environ.get("FRT_LEFTOVER_WAIT_S", "10"))
+"""How long the session's Ray processes get to exit once its cluster has stopped (a worker notices its raylet's
+end within a second or two). ``FRT_LEFTOVER_WAIT_S`` sets it for a session that leaves one on purpose (a test's)."""
+
+_LEFT_BEHIND: list[tuple[int, str]] = []
+
+
+def _is_ray_command(argv: list[str]) -> bool:
+    """A Ray process's command line: a worker's or agent's title (``ray::...``), a Ray program (``raylet``,
+    ``gcs_server``), script or module (dashboard, log monitor, client server), or the ``ray`` CLI."""
+    return argv[0].startswith("ray::") or any(
+        "/ray/" in arg or arg.startswith("ray.") or os.path.basename(arg) == "ray" for arg in argv[:3]
+    )
+
+
+def session_ray_processes(root: Path) -> dict[int, str]:
+    """This machine's Ray processes started with ``root`` as their ``TMPDIR`` or ``RAY_TMPDIR``, as every process of
+    a session's clusters is (they inherit it from ``ray start``, or from the process that started a local cluster):
+    pid -> command line. Another session's processes, and zombies (their environment reads empty), are not."""
+    wanted = {f"TMPDIR={root}".encode(), f"RAY_TMPDIR={root}".encode()}
+    found = {}
+    for pid, (_, argv) in process_table().items():
+        if pid == os.getpid() or not _is_ray_command(argv):
+            continue
+        try:
+            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue  # exited, or another user's
+        if wanted & environ:
+            found[pid] = " ".join(argv).strip()
+    return found
+
+
+def leftover_ray_processes(root: Path, *, wait_s: float = LEFTOVER_WAIT_S) -> list[tuple[int, str]]:
+    """The Ray processes of ``root`` (:func:`session_ray_processes`) still running after up to ``wait_s``: each is
+    killed (``SIGKILL``) and returned with its command line."""
+    deadline = time.monotonic() + wait_s
+    found = session_ray_processes(root)
+    while found and time.monotonic() < deadline:
+        time.sleep(0.1)
+        found = session_ray_processes(root)
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+    return sorted(found.items())
+
+
+@pytest.hookimpl(trylast=True)  # after the session's fixtures are torn down
+def pytest_sessionfinish(session) -> None:
+    """Stop the session's cluster; a Ray process of the session that outlives it fails the session."""
     _stop_ray_cluster()
+    _LEFT_BEHIND.extend(leftover_ray_processes(_SESSION_ROOT))
+    if _LEFT_BEHIND:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _LEFT_BEHIND:
+        return
+    terminalreporter.section("Ray processes left behind", red=True)
+    for pid, command in _LEFT_BEHIND:
+        terminalreporter.line(f"pid {pid}: {command[:200]}")
+    terminalreporter.line(
+        f"{len(_LEFT_BEHIND)} Ray process(es) of this session outlived its cluster by {LEFTOVER_WAIT_S:g} s: "
+        "killed; the session fails (deployment/docs/troubleshooting.md, 'A Ray process left behind')"
+    )
+
+
+def pytest_unconfigure(config) -> None:
+    _stop_ray_cluster()  # when the session ended before pytest_sessionfinish
     shutil.rmtree(_SESSION_ROOT, ignore_errors=True)
 
 
@@ -77,16 +149,15 @@ _RAY_STATE: dict[str, object] = {}
 def _stop_ray_cluster() -> None:
     """Stop this session's cluster only: it runs as its own process group (``ray stop`` would end every
     Ray process on the machine)."""
-    process = _RAY_STATE.pop("process", None)
-    if process is None:
-        return
+    ray = sys.modules.get("ray")  # not imported: no driver here (and no import at the end of a unit-test session)
     try:
-        import ray
-
-        if ray.is_initialized():
+        if ray is not None and ray.is_initialized():  # this process's driver, or a local cluster a test started in it
             ray.shutdown()
     except Exception:
         pass
+    process = _RAY_STATE.pop("process", None)
+    if process is None:
+        return
     for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
         try:
             os.killpg(process.pid, sig)
@@ -121,6 +192,9 @@ def ray_address() -> str:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # Ray 2.60's `ray start --block` drains its node for up to 30 s on SIGTERM (for Ray Serve) before it
+            # stops its processes: the session's stop timed out at 20 s and killed them all instead.
+            env={**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
         )
         _RAY_STATE["process"] = process
         address_file = temp_dir / "ray_current_cluster"

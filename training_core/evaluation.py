@@ -273,6 +273,7 @@ def evaluate_on_cluster(
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from training_core.checkpoint import load_meta
+    from training_core.ray_processes import reaped_run
     from training_core.ray_settings import start_local_cluster
     from training_core.trainer import ray_scaling_config
 
@@ -294,7 +295,9 @@ def evaluate_on_cluster(
         scaling_config=ray_scaling_config(cfg),
         run_config=RunConfig(name=run_name, storage_path=storage_path),
     )
-    raw = json.loads(trainer.fit().metrics[REPORT_METRIC])
+    with reaped_run():  # no process of the run outlives it (Ray's exit deadlock)
+        result = trainer.fit()
+    raw = json.loads(result.metrics[REPORT_METRIC])
     raw["continuations"] = [Continuation(**c) for c in raw["continuations"]]
     return EvalReport(**raw)
 

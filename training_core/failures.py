@@ -10,7 +10,11 @@ Classes are matched by name along the MRO, so this module imports neither ray no
 from __future__ import annotations
 
 import errno
+import logging
 from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("training_core")
 
 INFRASTRUCTURE = "infrastructure"
 USER = "user"
@@ -57,6 +61,11 @@ _COLLECTIVE_FAILURE_MARKERS = (
 # What a rank sees when a peer stopped answering inside a collective (gloo, NCCL's watchdog), and Ray Train's own.
 _COLLECTIVE_TIMEOUT_CLASSES = {"CollectiveTimeoutError", "NCCLHangError"}
 _COLLECTIVE_TIMEOUT_MARKERS = ("Timed out waiting", "Socket Timeout", "Watchdog caught collective operation timeout")
+# Errors a restart would meet again at the same point: raised once, on any rank, they end the run.
+_DETERMINISTIC_CLASSES = {"UserCodeError", "TrainingDiverged"}
+# Raised out of user code but not its own error: out of memory (``loop.oom_policy`` handles CUDA's) and the
+# platform's own signals, which pass through user code unchanged.
+_NOT_USER_CODE_CLASSES = {"OutOfMemoryError", "MemoryError", "WorkerPreempted", *_DETERMINISTIC_CLASSES}
 _INFRASTRUCTURE_ERRNOS = {
     errno.ENOSPC,
     errno.EIO,
@@ -75,6 +84,12 @@ DIVERGED_METRIC = "training_diverged"
 class TrainingDiverged(ValueError):
     """The loss, the gradients or the weights became NaN or infinite: a setting to change (learning rate,
     clipping, ``loop.nonfinite_policy``), never worth a retry, which would diverge the same way."""
+
+
+class UserCodeError(ValueError):
+    """A deterministic error of the user's code or data met inside a worker (a ``loss`` that returns a float, a
+    sample that does not decode): a restart would meet it again, so neither Ray Train nor Flyte retries it. The
+    message names the field or the file and the fix."""
 
 
 class WorkerPreempted(RuntimeError):
@@ -117,7 +132,7 @@ def classify(exc: BaseException) -> FailureClass:
         return classify(exc._base_exc)
     if "ControllerError" in names and getattr(exc, "controller_failure", None) is not None:
         return classify(exc.controller_failure)
-    if "TrainingDiverged" in names:  # whatever it was raised from: the run itself is wrong
+    if names & _DETERMINISTIC_CLASSES:  # whatever it was raised from: the run itself is wrong
         return FailureClass(USER, _describe(exc))
     if names & _INFRASTRUCTURE_CLASSES:
         return FailureClass(INFRASTRUCTURE, _describe(exc))
@@ -146,3 +161,73 @@ def is_collective_timeout(exc: BaseException) -> bool:
             return True
         current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
     return False
+
+
+def blames_user_code(exc: BaseException) -> bool:
+    """Whether ``exc``, raised out of the user's code (a workload's method, a factory), is that code's own error,
+    to be raised as a :class:`UserCodeError` naming it: not an infrastructure failure met inside it (a collective
+    whose peer is gone, storage out of reach: see :func:`classify`), not running out of memory, and not one of the
+    platform's own signals (a :class:`UserCodeError` already named, a divergence, a preemption)."""
+    if _names(exc) & _NOT_USER_CODE_CLASSES:
+        return False
+    return not classify(exc).retryable
+
+
+@dataclass(frozen=True)
+class DeterministicFailure:
+    """A :class:`UserCodeError` or :class:`TrainingDiverged` that ended a run: a restart would meet it again."""
+
+    error: BaseException
+    """The error as the worker raised it (unwrapped from Ray Train's)."""
+    rank: int | None
+    """The Ray Train worker that raised it; None when it was not raised in a worker."""
+
+    def as_raised(self) -> ValueError:
+        """The error the driver raises for it: of its kind, with its message, prefixed with the rank."""
+        kind = TrainingDiverged if "TrainingDiverged" in _names(self.error) else UserCodeError
+        return kind(f"{'' if self.rank is None else f'rank {self.rank}: '}{self.error}")
+
+
+def find_deterministic(exc: BaseException) -> DeterministicFailure | None:
+    """The deterministic failure ``exc`` is or holds, on the lowest rank that raised one: ``exc`` as Ray Train
+    raises it (a ``WorkerGroupError`` holding every failed rank's error), a worker's wrapped error, or one raised
+    here. None when there is none: then a restart may help."""
+    names = _names(exc)
+    if "WorkerGroupError" in names and getattr(exc, "worker_failures", None):
+        for rank, failure in sorted(exc.worker_failures.items()):
+            found = find_deterministic(failure)
+            if found is not None:
+                return DeterministicFailure(error=found.error, rank=rank)
+        return None
+    if "UserExceptionWithTraceback" in names and getattr(exc, "_base_exc", None) is not None:
+        return find_deterministic(exc._base_exc)
+    if names & _DETERMINISTIC_CLASSES:
+        return DeterministicFailure(error=exc, rank=None)
+    return None
+
+
+@dataclass
+class FailFastPolicy:
+    """Ray Train's failure policy, except that a worker group whose failed ranks include a deterministic failure
+    (:func:`find_deterministic`) is not restarted: Ray Train raises at once, however many restarts
+    ``checkpoint.max_worker_restarts`` leaves. The error may come from one rank alone (one bad sample), its peers
+    still blocked in a collective: the decision is the controller's, which sees every rank's error.
+
+    Ray Train's controller calls :meth:`make_decision` (its ``FailurePolicy`` interface) in its own process: this
+    module imports no ray at import, so that process unpickles it cheaply."""
+
+    default: Any
+    """The policy Ray Train built from ``RunConfig.failure_config``: what decides every other failure."""
+
+    def make_decision(self, training_failed_error: Exception) -> Any:
+        from ray.train.v2._internal.execution.failure_handling import FailureDecision
+
+        found = find_deterministic(training_failed_error)
+        if found is None:
+            return self.default.make_decision(training_failed_error)
+        log.warning(
+            "rank %s raised %s: a restart would meet it again, so the worker group is not restarted",
+            found.rank,
+            _describe(found.error)[:500],
+        )
+        return FailureDecision.RAISE

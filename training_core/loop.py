@@ -711,7 +711,7 @@ class Trainer:
         """Restore the newest valid checkpoint of this run (a worker restart or a task retry), else the
         ``resume_from`` checkpoint (a fine-tune, the next slice of a trial), else start fresh."""
         cfg = self.cfg
-        loaded = ckpt.load_latest_valid(self.checkpointer.storage)
+        loaded = ckpt.load_latest_valid(self.checkpointer.storage, expected_shapes=ckpt.model_state_shapes(self.model))
         same_run = loaded is not None
         if loaded is None and self.args.resume_from:
             loaded = ckpt.load_directory(self.args.resume_from)
@@ -1308,6 +1308,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     A divergence is reported, not raised: Ray Train restarts the worker group on any worker error, and a diverged
     run resumed from its last checkpoint diverges again, so each restart would only burn time. Every rank stops
     at the same point (the figures it rests on are reduced), so every rank reports; ``fit`` raises it.
+
+    An error of the user's code or data (:class:`~training_core.failures.UserCodeError`, what a user workload's
+    methods raise: :class:`~training_core.workloads.UserWorkload`) is raised, on whichever rank meets it, its peers
+    perhaps still in a collective: Ray Train's controller, which sees every rank's error, ends the run without a
+    restart (:class:`~training_core.failures.FailFastPolicy`).
 
     A collective that timed out (a hung or unreachable peer) kills the other ranks' workers before it is raised
     (:meth:`~training_core.distributed.RayTrainRuntime.abandon_group`): the group restarts without waiting on

@@ -15,7 +15,8 @@ from typing import Mapping
 
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
-from training_core.failures import DIVERGED_METRIC, TrainingDiverged
+from training_core.failures import DIVERGED_METRIC, FailFastPolicy, TrainingDiverged, find_deterministic
+from training_core.ray_processes import reaped_run
 from training_core.ray_settings import start_local_cluster
 from training_core.records import EpochRecord, MlflowRun, WorkerArgs
 from training_core.redact import install_log_redaction, redact
@@ -94,12 +95,13 @@ def fit(
     (``execution``, ``node``, ``attempt``) label the workers' metrics; see
     :func:`~training_core.records.worker_job_labels`. Raises what the training function raised, wrapped by Ray
     Train, once ``checkpoint.max_worker_restarts`` is spent; a diverged run raises
-    :class:`~training_core.failures.TrainingDiverged` at once, without restarts. The project's loggers redact URL
+    :class:`~training_core.failures.TrainingDiverged`, and an error of the user's code or data on any rank
+    :class:`~training_core.failures.UserCodeError`, at once, without restarts. The project's loggers redact URL
     credentials, here and in every worker (:func:`~training_core.redact.install_log_redaction`).
     """
     import ray
     from ray.train import FailureConfig, RunConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from training_core.loop import train_loop_per_worker
     from training_core.workloads import code_paths, preflight
@@ -123,7 +125,7 @@ def fit(
         warmup_steps_excluded=warmup_steps_excluded,
         code_paths=code_paths(cfg.workload),
     )
-    trainer = TorchTrainer(
+    trainer = fail_fast_trainer(
         train_loop_per_worker,
         train_loop_config=args.to_dict(),
         torch_config=TorchConfig(backend=cfg.scaling.resolved_backend(), timeout_s=cfg.scaling.collective_timeout_s),
@@ -134,12 +136,33 @@ def fit(
             failure_config=FailureConfig(max_failures=cfg.checkpoint.max_worker_restarts),
         ),
     )
-    with _worker_start_timeout(cfg):
-        result = trainer.fit()
+    with _worker_start_timeout(cfg), reaped_run():  # no process of the run outlives it
+        try:
+            result = trainer.fit()
+        except Exception as exc:
+            found = find_deterministic(exc)  # the root cause, which Ray Train raised at once (FailFastPolicy)
+            if found is None:
+                raise
+            raise found.as_raised() from exc
     diverged = (result.metrics or {}).get(DIVERGED_METRIC)
     if diverged:  # reported by the workers instead of raised, so Ray Train did not restart them (see the loop)
         raise TrainingDiverged(diverged)
     return collect_final(cfg, root, checkpoint_dir, what=f"Ray Train run {run_name!r}")
+
+
+def fail_fast_trainer(*args, **kwargs):
+    """A Ray Train ``TorchTrainer`` (same arguments) whose controller decides failures with
+    :class:`~training_core.failures.FailFastPolicy`: a deterministic error on any rank ends the run at once."""
+    from ray.train.torch import TorchTrainer
+
+    class FailFastTrainer(TorchTrainer):
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            # Ray Train 2.60 takes no failure policy in its public config: this is where it hands the controller the
+            # one it built from RunConfig.failure_config, which FailFastPolicy keeps for every other failure.
+            controller_init_kwargs["failure_policy"] = FailFastPolicy(controller_init_kwargs["failure_policy"])
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+    return FailFastTrainer(*args, **kwargs)
 
 
 WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"

@@ -1,7 +1,8 @@
 """A user package that no built-in knows about, through ``pyflyte run`` of the training pipeline in a subprocess:
 ``examples/tabular_mlp.yaml`` prepares its CSV, trains on 2 Ray Train CPU workers (the session's Ray cluster),
 evaluates and registers a champion that loads where the package is not installed; a package that breaks the
-protocol, or one that does not import, fails in the first task, before any Ray worker starts, naming the fix."""
+protocol, one that does not import, or one that exits the process at import, fails in the first task, before any Ray
+worker starts, naming the fix."""
 
 from __future__ import annotations
 
@@ -151,16 +152,29 @@ def test_the_example_trains_in_well_under_a_minute_of_training(example_run):
             "(ModuleNotFoundError: No module named 'examples'); make the package importable where the task runs "
             "(installed in the image, in the fast-registration tarball, or on PYTHONPATH;",
         ),
+        (
+            True,
+            None,  # a package in the work directory whose module calls sys.exit(0) at import (pyflyte would exit 0)
+            "workload.name='exits_at_import.workload:Workload' is invalid: module 'exits_at_import.workload' raised "
+            "SystemExit(0): it exits the process (sys.exit(), or an argparse parser's error) at import; exit the "
+            "process and parse the command line (argparse) only under `if __name__ == '__main__':`",
+        ),
     ],
-    ids=["breaks-the-protocol", "not-importable"],
+    ids=["breaks-the-protocol", "not-importable", "exits-at-import"],
 )
 def test_user_code_that_cannot_train_fails_in_seconds_before_any_ray_worker_starts(
     tmp_path, subprocess_env, pythonpath, config, expected
 ):
     subprocess_env.pop("RAY_ADDRESS", None)
     subprocess_env.pop("PYTHONPATH", None)
+    if config is None:
+        (tmp_path / "exits_at_import").mkdir()
+        (tmp_path / "exits_at_import" / "__init__.py").write_text("")
+        (tmp_path / "exits_at_import" / "workload.py").write_text("import sys\n\nsys.exit(0)\n")
+        config = tmp_path / "exits.yaml"
+        config.write_text("workload:\n  name: exits_at_import.workload:Workload\nscaling:\n  num_workers: 2\n")
     if pythonpath:
-        subprocess_env["PYTHONPATH"] = str(REPO_ROOT)
+        subprocess_env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(tmp_path)])
     subprocess_env["COLUMNS"] = "400"
     started = time.monotonic()
     result = pyflyte_run("--config", str(config), cwd=tmp_path, env=subprocess_env, timeout_s=300)

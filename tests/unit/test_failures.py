@@ -12,7 +12,16 @@ from ray.train.v2._internal.exceptions import (
 )
 
 from training_core.checkpoint import CheckpointError
-from training_core.failures import INFRASTRUCTURE, USER, classify, is_collective_timeout
+from training_core.failures import (
+    INFRASTRUCTURE,
+    USER,
+    FailFastPolicy,
+    TrainingDiverged,
+    UserCodeError,
+    classify,
+    find_deterministic,
+    is_collective_timeout,
+)
 
 
 def _user(exc: BaseException) -> UserExceptionWithTraceback:
@@ -104,3 +113,41 @@ def test_only_a_collective_that_timed_out_abandons_the_group():
     assert not is_collective_timeout(RuntimeError("[gloo/pair.cc:561] Connection closed by peer [127.0.0.1]:40846"))
     assert not is_collective_timeout(ValueError("model.name='resnet9000' is invalid"))
     assert not is_collective_timeout(TimeoutError("reading s3://b/x timed out"))
+
+
+def test_a_user_code_error_is_the_users_whatever_it_was_raised_from():
+    try:
+        try:
+            raise OSError(errno.EIO, "Input/output error")
+        except OSError as inner:
+            raise UserCodeError("data.path: sample 7 of shard train-00003 does not decode") from inner
+    except UserCodeError as outer:
+        assert classify(outer).kind == USER
+
+
+def test_a_user_code_error_on_one_rank_is_found_beside_its_peers_broken_collective():
+    peer = _user(RuntimeError("[gloo/pair.cc:561] Connection closed by peer [127.0.0.1]:40846"))
+    error = WorkerGroupError("bug", {0: peer, 1: _user(UserCodeError("workload.name='m:W' failed in its loss()"))})
+    found = find_deterministic(error)
+    assert found.rank == 1
+    raised = found.as_raised()
+    assert type(raised) is UserCodeError and str(raised) == "rank 1: workload.name='m:W' failed in its loss()"
+    assert classify(raised).kind == USER and classify(error).kind == USER
+    assert type(find_deterministic(WorkerGroupError("nan", {0: _user(TrainingDiverged("nan"))})).as_raised()) is (
+        TrainingDiverged
+    )
+    assert find_deterministic(WorkerGroupError("peer", {0: peer})) is None
+    assert find_deterministic(WorkerGroupError("bug", {0: _user(KeyError("images"))})) is None
+
+
+def test_ray_trains_failure_policy_raises_at_once_on_a_user_code_error_and_decides_the_rest_as_before():
+    from ray.train import FailureConfig
+    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+
+    policy = FailFastPolicy(DefaultFailurePolicy(FailureConfig(max_failures=2)))
+    crash = WorkerGroupError("worker died", {1: WorkerHealthCheckFailedError("health check failed", ActorDiedError())})
+    bad_sample = WorkerGroupError("data", {1: _user(UserCodeError("sample 7 does not decode"))})
+    assert policy.make_decision(crash) == FailureDecision.RETRY
+    assert policy.make_decision(bad_sample) == FailureDecision.RAISE
+    assert policy.make_decision(crash) == FailureDecision.RETRY  # its second restart of max_failures=2
+    assert policy.make_decision(crash) == FailureDecision.RAISE

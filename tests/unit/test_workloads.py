@@ -17,6 +17,7 @@ import torch
 from tests.conftest import REPO_ROOT
 from training_core.config import DataConfig, TrainingConfig, WorkloadConfig, load_config
 from training_core.data import MANIFEST_NAME, Manifest, prepare
+from training_core.failures import USER, UserCodeError, classify
 from training_core.workloads import Workload, code_paths, preflight, resolve_workload
 
 EXAMPLE = "examples.tabular_mlp.workload:TabularMLP"
@@ -241,6 +242,179 @@ def test_a_malformed_import_path_is_a_config_error_naming_the_field_and_the_form
         TrainingConfig.from_dict({"workload": fields})
     assert str(caught.value).startswith(expected)
     assert "'package.module:attribute'" in str(caught.value) or "built-in" in str(caught.value)
+
+
+# --- user code that exits the process, or breaks the protocol on a batch ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("source", "raised"),
+    [
+        ("import sys\nsys.exit(0)\n", "SystemExit(0)"),
+        ("import sys\nsys.exit(3)\n", "SystemExit(3)"),
+        (
+            "import argparse\nparser = argparse.ArgumentParser()\nparser.add_argument('--lr', required=True)\n"
+            "ARGS = parser.parse_args()\n",
+            "SystemExit(2)",
+        ),
+        ("raise KeyboardInterrupt\n", "KeyboardInterrupt: "),
+    ],
+    ids=["exit-0", "exit-3", "argparse", "keyboard-interrupt"],
+)
+def test_a_module_that_exits_at_import_is_a_user_error_naming_the_field_and_the_fix(user_package, source, raised):
+    module = user_package(source)
+    with pytest.raises(UserCodeError) as caught:  # a ValueError, which a worker's restart would meet again
+        resolve_workload(WorkloadConfig(name=f"{module}:Workload"))
+    message = str(caught.value)
+    assert message.startswith(f"workload.name='{module}:Workload' is invalid: module '{module}' raised {raised}")
+    assert message.endswith(
+        "at import; exit the process and parse the command line (argparse) only under "
+        "`if __name__ == '__main__':`, never at import or in code the platform calls"
+    ), message
+
+
+def test_a_factory_that_exits_is_a_user_code_error_naming_the_field(user_package):
+    module = user_package("import sys\n\ndef build():\n    sys.exit(3)\n")
+    with pytest.raises(UserCodeError) as caught:
+        resolve_workload(WorkloadConfig(name=f"{module}:build"))
+    assert str(caught.value) == (
+        f"workload.name='{module}:build' raised SystemExit(3): it exits the process (sys.exit(), or an argparse "
+        "parser's error); fix the factory"
+    )
+
+
+EXAMPLE_SUBCLASS = """
+from examples.tabular_mlp.workload import TabularMLP
+
+class Tables(TabularMLP):
+{body}
+"""
+
+
+def _tables(user_package, body: str) -> str:
+    return f"{user_package(EXAMPLE_SUBCLASS.format(body=textwrap.indent(textwrap.dedent(body), '    ')))}:Tables"
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (
+            """
+            def loss(self, model, batch):
+                return float(super().loss(model, batch).loss.detach())
+            """,
+            "its loss() returned a float, not a training_core.workloads.LossOutput",
+        ),
+        (
+            """
+            def loss(self, model, batch):
+                output = super().loss(model, batch)
+                output.loss = output.loss.detach().item()
+                return output
+            """,
+            "its loss() returned a LossOutput, whose loss is float: it must be a 0-dim floating-point tensor",
+        ),
+        (
+            """
+            def loss(self, model, batch):
+                output = super().loss(model, batch)
+                output.loss = output.loss.detach()
+                return output
+            """,
+            "its loss() returned a LossOutput, whose loss does not require grad: compute it from the model's output, "
+            "not detached",
+        ),
+        (
+            """
+            def build_model(self, config, manifest):
+                super().build_model(config, manifest)
+            """,
+            "its build_model() returned a NoneType, not a torch.nn.Module",
+        ),
+        (
+            """
+            def eval_sums(self, model, batch):
+                sums = super().eval_sums(model, batch)
+                return {name: float(value.sum()) for name, value in sums.items()}
+            """,
+            "its eval_sums() returned a dict, which must map names to tensors",
+        ),
+        (
+            """
+            def metrics(self, sums):
+                return {"accuracy": 1.0}
+            """,
+            "its metrics() returned a dict, which lacks 'loss' of the evaluation figures",
+        ),
+    ],
+    ids=["loss-is-a-float", "loss-field-is-a-float", "loss-detached", "model-is-none", "sums-are-floats", "no-loss"],
+)
+def test_a_workload_that_breaks_the_protocol_on_a_batch_fails_preflight_naming_the_field(
+    user_package, table_dir, body, expected
+):
+    path = _tables(user_package, body)
+    with pytest.raises(UserCodeError) as caught:
+        preflight(_config({"name": path}), table_dir)
+    assert str(caught.value).startswith(f"workload.name='{path}': {expected}"), str(caught.value)
+    assert str(caught.value).endswith("; see the training_core.workloads.Workload protocol")
+
+
+def test_an_error_in_the_workloads_loss_fails_preflight_naming_the_field_and_the_method(user_package, table_dir):
+    path = _tables(
+        user_package,
+        """
+        def loss(self, model, batch):
+            features, labels = batch
+            return super().loss(model, (features[:, :20], labels))
+        """,
+    )
+    with pytest.raises(UserCodeError) as caught:
+        preflight(_config({"name": path}), table_dir)
+    message = str(caught.value)
+    assert message.startswith(
+        f"workload.name='{path}' failed in its loss(): RuntimeError: The size of tensor a (20) must match "
+    ), message
+    assert message.endswith("; fix the workload's loss()")
+
+
+def test_in_a_worker_the_workloads_own_errors_are_named_and_infrastructure_and_memory_errors_pass_through(
+    user_package, table_dir
+):
+    path = _tables(
+        user_package,
+        """
+        raises = None
+
+        def loss(self, model, batch):
+            raise self.raises
+        """,
+    )
+    cfg = _config({"name": path})
+    workload = resolve_workload(cfg.workload)
+    manifest = Manifest.load(table_dir)
+    model = workload.build_model(cfg, manifest)
+    batch = workload.to_device(manifest, torch.device("cpu"))(
+        {"features": np.zeros((2, 30), np.float32), "labels": np.zeros(2, np.int64)}
+    )
+
+    workload.workload.raises = KeyError("diagnosis")
+    with pytest.raises(UserCodeError) as caught:
+        workload.loss(model, batch)
+    assert (
+        str(caught.value)
+        == f"workload.name='{path}' failed in its loss(): KeyError: 'diagnosis'; fix the workload's loss()"
+    )
+    assert classify(caught.value).kind == USER
+    # What the loop handles (CUDA out of memory: loop.oom_policy), and a peer lost inside DDP's forward: unchanged.
+    for passing in (
+        torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("[gloo/pair.cc:561] Connection closed by peer [127.0.0.1]:40846"),
+        UserCodeError("data.path: sample 7 of shard train-00000 does not decode"),
+    ):
+        workload.workload.raises = passing
+        with pytest.raises(type(passing)) as caught:
+            workload.loss(model, batch)
+        assert caught.value is passing
 
 
 # --- a built-in workload with a user model or dataset -----------------------------------------------------------

@@ -10,18 +10,21 @@ shared by every workload.
 ``package.module:attribute`` of a callable that takes no arguments and returns a workload (a class is one). A
 built-in workload also takes a user model factory (``workload.model_factory``) or dataset source
 (``workload.dataset_source``). :func:`resolve_workload` imports and checks all of them, so a bad path fails in the
-driver before any worker starts, naming the field, the value and the fix.
+driver before any worker starts, naming the field, the value and the fix; :func:`preflight` then runs a user
+workload once on a batch there. Inside the workers, what user code raises is a
+:class:`~training_core.failures.UserCodeError` naming it, which neither Ray Train nor Flyte retries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn, Protocol, runtime_checkable
 
 from training_core.config import (
     IMPORT_PATH_FIX,
@@ -33,6 +36,7 @@ from training_core.config import (
     is_import_path,
     quote,
 )
+from training_core.failures import UserCodeError, blames_user_code
 
 if TYPE_CHECKING:
     import numpy as np
@@ -42,6 +46,13 @@ if TYPE_CHECKING:
     from training_core.data import Manifest
 
 BUILT_IN = ("image_classification", "causal_lm")
+PREFLIGHT_BATCH_SAMPLES = 8
+"""At most this many samples make the batch :func:`preflight` runs a user workload on, on the driver's CPU: enough
+for batch statistics, small enough for the driver pod's CPU and memory."""
+EXIT_FIX = (
+    "exit the process and parse the command line (argparse) only under `if __name__ == '__main__':`, never at import "
+    "or in code the platform calls"
+)
 ENCODED_SOURCES = ("cifar10", "image_folder")
 """Sources prepared as encoded images in Parquet shards by Ray tasks (:mod:`training_core.image_shards`)."""
 
@@ -124,21 +135,27 @@ class Workload(Protocol):
 
 
 def load_attribute(field: str, path: str) -> Any:
-    """The object ``package.module:attribute`` names, or ``ValueError`` naming ``field``, ``path`` and the fix."""
+    """The object ``package.module:attribute`` names, or ``ValueError`` naming ``field``, ``path`` and the fix: a
+    :class:`~training_core.failures.UserCodeError` when the module does not import or lacks the attribute (in a
+    worker whose image lacks the package, too, a restart would meet it again)."""
     if not is_import_path(path):
         invalid(field, path, IMPORT_PATH_FIX)
     module_name, _, attribute = path.partition(":")
     try:
         module = importlib.import_module(module_name)
+    except (SystemExit, KeyboardInterrupt) as exc:  # raised by the module: the user's, like any other error
+        raise UserCodeError(
+            f"{field}={quote(path)} is invalid: module {module_name!r} raised {raised(exc)} at import; {EXIT_FIX}"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - any import failure of user code is the user's to fix
-        raise ValueError(
+        raise UserCodeError(
             f"{field}={quote(path)} is invalid: module {module_name!r} does not import ({type(exc).__name__}: "
             f"{clip(str(exc))}); make the package importable where the task runs (installed in the image, in the "
             f"fast-registration tarball, or on PYTHONPATH; sys.path starts {clip(str(sys.path[:3]))})"
         ) from None
     if not hasattr(module, attribute):
         public = sorted(name for name in vars(module) if not name.startswith("_"))
-        raise ValueError(
+        raise UserCodeError(
             f"{field}={quote(path)} is invalid: module {module_name!r} has no attribute {attribute!r}; name one it "
             f"has after the ':' ({clip(', '.join(public) or 'it has no public names')})"
         )
@@ -189,7 +206,7 @@ def resolve_workload(selected: WorkloadConfig) -> Workload:
     if not signature_accepts(factory, 0):
         invalid("workload.name", selected.name, "it must be callable with no arguments (a class or a factory)")
     workload = call_user("workload.name", selected.name, factory)
-    return check_workload("workload.name", selected.name, workload)
+    return UserWorkload(check_workload("workload.name", selected.name, workload), selected.name)
 
 
 def preflight(config: TrainingConfig, data_dir: str) -> Workload:
@@ -210,7 +227,40 @@ def preflight(config: TrainingConfig, data_dir: str) -> Workload:
         from training_core.sharding import require_blocks
 
         require_blocks(config, manifest, workload)
+    elif isinstance(workload, UserWorkload):  # an FSDP model is one too large for this process: built on meta above
+        run_on_a_batch(config, manifest, workload)
     return workload
+
+
+def run_on_a_batch(config: TrainingConfig, manifest: Manifest, workload: UserWorkload) -> None:
+    """Run a user workload once, in this process on the CPU, on one small batch of the prepared training split (at
+    most :data:`PREFLIGHT_BATCH_SAMPLES` samples), as a worker's step and validation do: ``build_model``,
+    ``to_device``, ``loss`` and ``eval_sums``, then ``metrics`` of the evaluation figures. An error of its code or a
+    result that breaks the protocol (a ``loss`` that returns a float, a ``build_model`` that returns ``None``) raises
+    :class:`~training_core.failures.UserCodeError` naming the field here, before any worker starts, rather than on
+    every rank. No backward pass and no optimizer step: the batch costs the driver a forward or two."""
+    import torch
+
+    from training_core.data import ShardStream
+    from training_core.evaluation import evaluate
+
+    cpu = torch.device("cpu")
+    size = min(PREFLIGHT_BATCH_SAMPLES, config.loop.batch_size or PREFLIGHT_BATCH_SAMPLES)
+    stream = ShardStream(manifest, "train", rank=0, world_size=1, data=config.data)
+    with contextlib.closing(stream.eval_batches(batch_size=size)) as batches:
+        arrays = next(batches)
+    model = workload.build_model(config, manifest).train()
+    to_device = workload.to_device(manifest, cpu)
+    workload.loss(model, to_device(arrays))
+    metrics = evaluate(model, [arrays], workload=workload, to_device=to_device, device=cpu).metrics
+    missing = [name for name in ("loss", workload.primary_metric) if name not in metrics]
+    if missing:
+        workload.wrong(
+            "metrics",
+            metrics,
+            f"which lacks {', '.join(map(repr, missing))} of the evaluation figures: it must have "
+            "'loss' and the primary_metric",
+        )
 
 
 def code_paths(selected: WorkloadConfig) -> list[str]:
@@ -234,15 +284,124 @@ def code_paths(selected: WorkloadConfig) -> list[str]:
 
 
 def call_user(field: str, path: str, factory: Callable[..., Any], *args: Any) -> Any:
-    """Call a user factory; an exception it raises becomes a ``ValueError`` naming the field and its value."""
+    """Call a user factory; what its code raises (``SystemExit`` too) becomes a
+    :class:`~training_core.failures.UserCodeError` naming the field and its value, except a ``ValueError``, which
+    keeps its message (it names what is wrong). Infrastructure failures and running out of memory pass through
+    (:func:`~training_core.failures.blames_user_code`)."""
     try:
         return factory(*args)
-    except ValueError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - user code: name it and what it raised
-        raise ValueError(
-            f"{field}={quote(path)} raised {type(exc).__name__}: {clip(str(exc))}; fix the factory"
-        ) from None
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001 - user code: name it and what it raised
+        if not blames_user_code(exc):
+            raise
+        if isinstance(exc, ValueError):
+            raise UserCodeError(str(exc)) from exc
+        raise UserCodeError(f"{field}={quote(path)} raised {raised(exc)}; fix the factory") from None
+
+
+def raised(exc: BaseException) -> str:
+    """What user code raised, for a message: its type and message, or for a ``SystemExit`` its code and why."""
+    if isinstance(exc, SystemExit):
+        return f"SystemExit({exc.code!r}): it exits the process (sys.exit(), or an argparse parser's error)"
+    return f"{type(exc).__name__}: {clip(str(exc))}"
+
+
+class UserWorkload:
+    """A user's workload (``workload.name`` an import path), each call of its protocol's methods named: what its code
+    raises, and a result that breaks the protocol, become a :class:`~training_core.failures.UserCodeError` naming the
+    field, the method and the fix (in a worker, neither Ray Train nor Flyte retries one). Infrastructure failures met
+    inside it and out-of-memory errors pass through (:func:`~training_core.failures.blames_user_code`), and so do the
+    ``ValueError`` its ``prepare_data`` and ``check`` raise (they name the field). Anything else, ``name``,
+    ``blocks(model)``..., is the workload's own."""
+
+    def __init__(self, workload: Workload, path: str) -> None:
+        self.workload = workload
+        self.path = path
+        """The ``workload.name`` that names it."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("workload", "path"):  # not set yet: an instance being copied or unpickled
+            raise AttributeError(name)
+        return getattr(self.workload, name)
+
+    def call(self, method: str, function: Callable[..., Any], *args: Any, keep_value_errors: bool = False) -> Any:
+        """``function(*args)``, what it raises named as ``method``'s."""
+        try:
+            return function(*args)
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001 - user code: name it
+            if not blames_user_code(exc) or (keep_value_errors and isinstance(exc, ValueError)):
+                raise
+            raise UserCodeError(
+                f"workload.name={quote(self.path)} failed in its {method}: {raised(exc)}; fix the workload's {method}"
+            ) from exc
+
+    def wrong(self, method: str, result: Any, problem: str) -> NoReturn:
+        """Raise the error of ``method`` returning ``result``, which breaks the protocol as ``problem`` says."""
+        raise UserCodeError(
+            f"workload.name={quote(self.path)}: its {method}() returned a {type(result).__name__}, {problem}; see the "
+            f"training_core.workloads.Workload protocol"
+        )
+
+    def prepare_data(self, data: DataConfig, out_dir: str) -> Manifest:
+        return self.call("prepare_data()", self.workload.prepare_data, data, out_dir, keep_value_errors=True)
+
+    def check(self, config: TrainingConfig, manifest: Manifest) -> None:
+        self.call("check()", self.workload.check, config, manifest, keep_value_errors=True)
+
+    def build_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
+        from torch import nn
+
+        model = self.call("build_model()", self.workload.build_model, config, manifest)
+        if not isinstance(model, nn.Module):
+            self.wrong("build_model", model, "not a torch.nn.Module")
+        if next(model.parameters(), None) is None:
+            self.wrong("build_model", model, "a module without parameters: there is nothing to train")
+        return model
+
+    def to_device(self, manifest: Manifest, device: torch.device) -> Callable[[Mapping[str, np.ndarray]], Any]:
+        convert = self.call("to_device()", self.workload.to_device, manifest, device)
+        if not callable(convert):
+            self.wrong("to_device", convert, "not a function from a batch of arrays to what loss() takes")
+        return lambda arrays: self.call("to_device()'s function", convert, arrays)
+
+    def loss(self, model: nn.Module, batch: Any) -> LossOutput:
+        import torch
+
+        output = self.call("loss()", self.workload.loss, model, batch)
+        if not all(hasattr(output, name) for name in ("loss", "sums", "num_samples")):
+            self.wrong("loss", output, "not a training_core.workloads.LossOutput")
+        loss = output.loss
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+            found = (
+                f"a {tuple(loss.shape)} tensor of {loss.dtype}"
+                if isinstance(loss, torch.Tensor)
+                else type(loss).__name__
+            )
+            self.wrong("loss", output, f"whose loss is {found}: it must be a 0-dim floating-point tensor")
+        if not loss.requires_grad:
+            self.wrong(
+                "loss", output, "whose loss does not require grad: compute it from the model's output, not detached"
+            )
+        self.require_tensors("loss", output, output.sums, "whose sums")
+        return output
+
+    def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        sums = self.call("eval_sums()", self.workload.eval_sums, model, batch)
+        self.require_tensors("eval_sums", sums, sums, "which")
+        if "loss_sum" not in sums:
+            self.wrong("eval_sums", sums, "without 'loss_sum': it must include the summed loss and its count")
+        return sums
+
+    def require_tensors(self, method: str, result: Any, sums: Any, which: str) -> None:
+        import torch
+
+        if not isinstance(sums, Mapping) or not all(isinstance(v, torch.Tensor) for v in sums.values()):
+            self.wrong(method, result, f"{which} must map names to tensors")
+
+    def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
+        return self.call("metrics()", self.workload.metrics, sums)
+
+    def example_input(self, manifest: Manifest) -> np.ndarray:
+        return self.call("example_input()", self.workload.example_input, manifest)
 
 
 def signature_accepts(factory: Callable[..., Any], count: int) -> bool:
