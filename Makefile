@@ -22,7 +22,7 @@ COPY ?= none
 SYSTEM_PACKAGES := prometheus prometheus-pushgateway chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test lint venv benchmarks clean package system-packages image lock
+.PHONY: run test lint venv benchmarks clean package system-packages image lock device-check device-carry
 
 # --overwrite-cache: flytekit's local cache (~/.flyte/local-cache) outlives the temporary directory that held the
 # cached outputs; a stale entry would hand the pipeline a data directory that is gone. Preparing digits takes seconds.
@@ -65,6 +65,18 @@ package: $(STAMP)
 
 benchmarks: $(STAMP)
 	$(BIN)/python benchmarks/loop_overhead.py
+
+# The GPU check (docs/gpu_check.md): every GPU path and figure in one command of at most 8 minutes, on a lent GPU
+# machine that has no venv, no Ray and no network (so no $(STAMP) here: it runs with whatever python is there).
+# `make device-check DEVICE=cpu` rehearses it here at tiny sizes. `make device-carry` builds what travels with it.
+DEVICE ?= cuda
+DEVICE_OUT ?= benchmarks/results/device
+CHECK_PYTHON ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || echo python3)
+device-check:
+	$(CHECK_PYTHON) benchmarks/device_check.py --device $(DEVICE) --out $(DEVICE_OUT)
+
+device-carry: $(STAMP)
+	$(BIN)/python benchmarks/device_wheels.py
 
 clean:
 	rm -rf $(VENV) mlflow.db mlruns mlartifacts .pytest_cache

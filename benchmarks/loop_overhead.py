@@ -33,9 +33,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, start_ray  # noqa: E402
+
+if TYPE_CHECKING:
+    from training_core.config import TrainingConfig
 
 AUTOCAST = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 
@@ -117,11 +121,11 @@ def bare_loop(manifest_dir: str, setup: Setup) -> dict:
     return {"samples_per_s": steady_steps * batch_size / steady_time_s, "steps": step, "steady_steps": steady_steps}
 
 
-def ours(manifest_dir: str, setup: Setup, *, workdir: str) -> dict:
+def ours_config(setup: Setup) -> TrainingConfig:
+    """The ``TrainingConfig`` our loop trains for ``setup`` (synthetic data, one worker)."""
     from training_core.config import TrainingConfig
-    from training_core.trainer import fit
 
-    cfg = TrainingConfig.from_dict(
+    return TrainingConfig.from_dict(
         {
             "data": {"dataset": "synthetic", "num_shards": 1},
             "model": {"name": setup.model_name, "channels_last": setup.channels_last, "compile": setup.compile},
@@ -142,8 +146,13 @@ def ours(manifest_dir: str, setup: Setup, *, workdir: str) -> dict:
             "precision": {"mode": setup.precision},
         }
     )
+
+
+def ours(manifest_dir: str, setup: Setup, *, workdir: str) -> dict:
+    from training_core.trainer import fit
+
     result = fit(
-        cfg,
+        ours_config(setup),
         data_dir=manifest_dir,
         checkpoint_dir=os.path.join(workdir, "final"),
         run_name="loop-overhead",
