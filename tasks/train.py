@@ -120,11 +120,14 @@ def run_training(config: TrainingConfig, data: PreparedData, resume_from: Option
             ) from exc
         raise
     tracking.finish_run(tracking_uri, run_id)
-    return trained_model(config, result, tracking_uri=tracking_uri, run_id=run_id)
+    return trained_model(config, result, tracking_uri=tracking_uri, run_id=run_id, data=data)
 
 
-def trained_model(config: TrainingConfig, result, *, tracking_uri: str, run_id: str) -> TrainedModel:
-    """The typed output of a finished run (a ``FitResult``), with its training report as a Deck."""
+def trained_model(
+    config: TrainingConfig, result, *, tracking_uri: str, run_id: str, data: PreparedData | None = None
+) -> TrainedModel:
+    """The typed output of a finished run (a ``FitResult``), with its training report as a Deck; the report says
+    which prepared ``data`` the run trained on, when given."""
     from tasks import reports
 
     meta = result.meta
@@ -143,6 +146,7 @@ def trained_model(config: TrainingConfig, result, *, tracking_uri: str, run_id: 
         ("step time p50 / p95 (s)", f"{metrics.step_time_p50_s:.4f} / {metrics.step_time_p95_s:.4f}"),
         ("all-reduce share of step time", metrics.allreduce_fraction),
         ("MLflow run", run_id),
+        *_data_rows(data),
     ]
     # Checkpoints older than the telemetry field load with it empty: their report says "not recorded".
     sections = reports.training_sections(
@@ -160,6 +164,18 @@ def trained_model(config: TrainingConfig, result, *, tracking_uri: str, run_id: 
         mlflow_model_uri=meta.mlflow_model_uri,
         report=report,
     )
+
+
+def _data_rows(data: PreparedData | None) -> list[tuple[str, object]]:
+    """The training report's rows on the prepared data: its samples per split, where it is, and its provenance."""
+    if data is None:
+        return []
+    return [
+        ("training samples", data.split_counts.get("train", 0)),
+        ("samples per split", ", ".join(f"{name} {count}" for name, count in data.split_counts.items())),
+        ("prepared data", redact(artifact_location(data.directory))),
+        ("data provenance", data.provenance.describe()),
+    ]
 
 
 def _job_labels() -> dict[str, str]:

@@ -6,9 +6,10 @@ location; scalar results are plain typed fields so FlyteConsole shows them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
@@ -18,6 +19,31 @@ from training_core.tracking import Promotion
 
 if TYPE_CHECKING:
     from training_core.records import EpochRecord
+
+
+@dataclass
+class PrepProvenance:
+    """Which prepared data a run uses: what it was prepared from, when, and whether this run prepared it."""
+
+    inputs_fingerprint: str = ""
+    """sha256 of what prep read (:mod:`training_core.fingerprint`: the data's files or objects, the tokenizer, the
+    user code that prepares it), part of prep's cache key; empty for data prepared without one (a direct call)."""
+    created_at: str = ""
+    """When prep wrote the data: UTC, ISO 8601."""
+    run_token: str = ""
+    """The random token of the pipeline run whose prep wrote the data (kept out of prep's cache key)."""
+    cache_hit: Optional[bool] = None
+    """Whether this run took the data from Flyte's cache (prepared by an earlier run): set by ``note_prepared``;
+    ``None`` where it is not known (prep's own output, or a record as cached tasks downstream are keyed)."""
+
+    def describe(self) -> str:
+        """The words for logs and reports: ``inputs fingerprint <16 hex>, created <when>, <who prepared it>``."""
+        reuse = {
+            True: "from Flyte's cache (prepared by an earlier run)",
+            False: "prepared by this run",
+            None: "cache hit not recorded",
+        }[self.cache_hit]
+        return f"inputs fingerprint {self.inputs_fingerprint[:16] or 'none'}, created {self.created_at}, {reuse}"
 
 
 @dataclass
@@ -36,6 +62,13 @@ class PreparedData:
     """Samples per split (train, val, test)."""
     workload: str = "image_classification"
     """The workload that prepared the data."""
+    provenance: PrepProvenance = field(default_factory=PrepProvenance)
+    """What the data was prepared from, when, and whether this run prepared it or took it from Flyte's cache."""
+
+    def as_cached(self) -> "PreparedData":
+        """This record as prep's cache holds it, without whether this run took it from there: what a cached task
+        downstream (a tuning trial) is keyed by, so a later run whose prep hit the cache reuses its results."""
+        return dataclasses.replace(self, provenance=dataclasses.replace(self.provenance, cache_hit=None))
 
 
 @dataclass

@@ -42,9 +42,11 @@ def search_round(config: TuningConfig, data: PreparedData, state: SearchState) -
             task_config=ray_job_config(tuning.ray_tune_scaling(config))
         )
     slices = plan_round(config, state)
+    # Trials are keyed on the data as prep cached it: a re-run whose prep hit the cache reuses their results.
+    trial_data = data.as_cached()
     models = []
     for index, planned in enumerate(slices):
-        node = train_trial(config=planned.config, data=data, resume_from=planned.resume_from).with_overrides(
+        node = train_trial(config=planned.config, data=trial_data, resume_from=planned.resume_from).with_overrides(
             name=f"round-{state.round_index}-trial-{planned.trial_id}",
             task_config=ray_job_config(planned.config.scaling),
         )

@@ -16,7 +16,7 @@ from flytekit import FlyteFile
 from flytekit.models.task import Resources as _Resources
 from flytekit.types.directory import FlyteDirectory
 
-from tasks.data import prepare, prepare_data, prepare_on_ray
+from tasks.data import fingerprint_inputs, note_prepared, prepare, prepare_data, prepare_on_ray
 from tasks.evaluate import evaluate, evaluate_on_ray
 from tasks.ray_config import PREP_GROUP, PREP_HEAD, WORKER_GROUP
 from tasks.train import train
@@ -261,6 +261,20 @@ def test_each_scaling_point_runs_on_the_rayjob_of_its_worker_count_with_the_gpu_
         ray_point._wf = None
 
 
+def _prep_node(spec):
+    """The prep node of ``prepare``'s compiled graph, keyed on the fingerprint the uncached node before it computes
+    every run, and followed by the node that says which prepared data the run uses."""
+    fingerprint, prep, note = spec.nodes
+    assert fingerprint.task_node.reference_id.name == fingerprint_inputs.name
+    assert note.task_node.reference_id.name == note_prepared.name
+    promised = {b.var: (b.binding.promise.node_id, b.binding.promise.var) for b in prep.inputs if b.binding.promise}
+    assert promised == {
+        "inputs_fingerprint": (fingerprint.id, "fingerprint"),
+        "run_token": (fingerprint.id, "run_token"),
+    }
+    return prep
+
+
 @pytest.mark.parametrize("source", ["image_folder", "text"])
 def test_image_and_text_prep_run_on_a_rayjob_of_prep_num_workers_sized_from_the_data_config(tmp_path, source):
     """Every entry point prepares through ``prepare`` (the packaging tests check no static node runs a Ray task).
@@ -277,7 +291,7 @@ def test_image_and_text_prep_run_on_a_rayjob_of_prep_num_workers_sized_from_the_
     )
     workload = WorkloadConfig(name="causal_lm" if source == "text" else "image_classification")
     spec = compile_dynamic(prepare, {"config": data, "workload": workload})
-    (node,) = spec.nodes
+    node = _prep_node(spec)
     template = _only_ray_task(spec)
     assert node.task_node.reference_id.name == template.id.name == prepare_on_ray.name
     assert node.metadata.retries.retries == prepare_on_ray.metadata.retries >= 1
@@ -303,7 +317,7 @@ def test_image_and_text_prep_run_on_a_rayjob_of_prep_num_workers_sized_from_the_
 )
 def test_other_sources_prepare_in_their_own_pod_without_a_ray_cluster(data, workload):
     spec = compile_dynamic(prepare, {"config": data, "workload": workload})
-    (node,) = spec.nodes
+    node = _prep_node(spec)
     assert node.task_node.reference_id.name == prepare_data.name
     assert not [t for t in spec.tasks if t.type == "ray"]
 
@@ -316,7 +330,7 @@ def test_the_prep_node_is_cached_by_what_changes_the_shards_not_by_the_loader_or
     (tmp_path / "class_0").mkdir()
 
     def prep_inputs(data: DataConfig, workload: WorkloadConfig):
-        (node,) = compile_dynamic(prepare, {"config": data, "workload": workload}).nodes
+        node = _prep_node(compile_dynamic(prepare, {"config": data, "workload": workload}))
         return node.task_node.reference_id.name, [binding.to_flyte_idl().SerializeToString() for binding in node.inputs]
 
     base = DataConfig(dataset="image_folder", path=str(tmp_path), image_size=32)
@@ -343,7 +357,7 @@ def test_a_users_text_prep_pod_gets_the_configured_cpus_and_memory_and_tokenises
     data = DataConfig(dataset="text", path="s3://b/corpus", prep_num_workers=6, prep_memory_per_worker_gib=12.0)
     workload = WorkloadConfig(name="causal_lm", dataset_source="my_pkg.data:texts")
     spec = compile_dynamic(prepare, {"config": data, "workload": workload})
-    (node,) = spec.nodes
+    node = _prep_node(spec)
     assert node.task_node.reference_id.name == prepare_data.name
     assert not [t for t in spec.tasks if t.type == "ray"]
     resources = node.task_node.overrides.resources

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flytekit.configuration import ImageConfig, SerializationSettings
 
-from tasks.data import PREPARE_DATA_CACHE_VERSION, prepare_data
+from tasks.data import PREPARE_DATA_CACHE_VERSION, fingerprint_inputs, note_prepared, prepare_data
 from tasks.evaluate import evaluate, evaluate_on_ray
 from tasks.ray_config import WORKER_GROUP
 from tasks.register import register_model
@@ -17,6 +17,8 @@ def test_every_workflow_and_task_input_is_described_for_the_launch_form():
     for entity in (
         training_pipeline,
         prepare_data,
+        fingerprint_inputs,
+        note_prepared,
         train,
         evaluate,
         evaluate_on_ray,
@@ -41,8 +43,11 @@ def test_every_workflow_and_task_input_is_described_for_the_launch_form():
         assert f"``{section}``" in description
 
 
-def test_data_prep_is_cached_and_training_is_not():
+def test_data_prep_is_cached_on_the_fingerprint_of_what_it_reads_and_its_fingerprint_and_training_are_not():
     assert prepare_data.metadata.cache and prepare_data.metadata.cache_version == PREPARE_DATA_CACHE_VERSION
+    assert "inputs_fingerprint" in prepare_data.interface.inputs
+    assert prepare_data.metadata.cache_ignore_input_vars == ("run_token",)
+    assert not fingerprint_inputs.metadata.cache and not note_prepared.metadata.cache
     assert not train.metadata.cache
     assert train.metadata.retries == 2
 
