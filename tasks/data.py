@@ -27,12 +27,14 @@ from training_core.config import DataConfig, WorkloadConfig
 from training_core.redact import redact
 
 # Bump when the shard format or split logic changes, so cached outputs are not reused.
-# 6: keyed on the fingerprint of what prep reads (inputs_fingerprint; the run's token kept out of the key), the
-# output records it (PreparedData.provenance); 5: images the loader's decoder does not read as 8-bit (BMP, 16-bit
+# 7: image shards of format 3 (every image decodes with the loader's own decoder: what it would not read, or a PNG
+# that fails the structural check, re-encoded; the source file recorded per sample); 6: keyed on the fingerprint of
+# what prep reads (inputs_fingerprint; the run's token kept out of the key), the output records it
+# (PreparedData.provenance); 5: images the loader's decoder does not read as 8-bit (BMP, 16-bit
 # PNG) stored as 8-bit PNGs, 16-bit statistics scaled; loader-only DataConfig fields and the model factory out of
 # the key (for_prep); 4: Parquet shards of encoded images (cifar10, image_folder), manifest v4; 3: manifest v3
 # (workload, arrays); 2: label ranges; CIFAR checked at read
-PREPARE_DATA_CACHE_VERSION = "6"
+PREPARE_DATA_CACHE_VERSION = "7"
 
 PREP_TASK_ARGS = {
     # The run's token says which run prepared the data (note_prepared): it must not make every run miss the cache.

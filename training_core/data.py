@@ -526,13 +526,15 @@ def write_shards(
         split_infos[name] = SplitInfo(num_samples=sum(shard.num_samples for shard in infos), shards=infos)
     manifest = dataclasses.replace(template, splits=split_infos, version=MANIFEST_VERSION, directory=out_dir)
     write_manifest(manifest)
+    kept = total - written
     log.info(
-        "prepared %s (%s): %s; wrote %d of %d shards (the others held the same bytes already)",
+        "prepared %s (%s): %s; wrote %d of %d shards%s",
         manifest.dataset,
         manifest.workload,
         manifest.split_counts(),
         written,
         total,
+        f"; {kept} already held the same bytes" if kept else "",
     )
     return manifest
 

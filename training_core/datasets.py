@@ -31,7 +31,6 @@ from training_core.config import DataConfig, clip, quote
 from training_core.files import UnreadableFile, open_regular
 from training_core.redact import redact
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
 

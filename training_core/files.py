@@ -15,6 +15,8 @@ from typing import Any
 from training_core.config import clip, quote
 from training_core.redact import redact
 
+_PIECE_BYTES = 2**20
+
 
 class UnreadableFile(ValueError):
     """A file that is not a regular file, that is larger than allowed, or that cannot be opened. The message names
@@ -45,11 +47,15 @@ def _local_path(fs: Any, path: str) -> str:
 
 
 def _read_at_most(f: Any, max_bytes: int, name: str) -> bytes:
-    # One byte past the cap tells a file of exactly max_bytes from a larger one, whatever size the file reports.
-    data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:
+    # In pieces: one read of max_bytes + 1 would allocate the whole cap (hundreds of MiB) for every small file. One
+    # byte past the cap tells a file of exactly max_bytes from a larger one, whatever size the file reports.
+    pieces, num_bytes = [], 0
+    while num_bytes <= max_bytes and (piece := f.read(min(_PIECE_BYTES, max_bytes + 1 - num_bytes))):
+        pieces.append(piece)
+        num_bytes += len(piece)
+    if num_bytes > max_bytes:
         raise UnreadableFile(f"{quote(name)} holds more than {_size(max_bytes)}, the most read from one file")
-    return data
+    return b"".join(pieces)
 
 
 def _size(num_bytes: int) -> str:

@@ -26,14 +26,17 @@ import io
 import json
 import logging
 import os
+import stat
 import tempfile
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 import numpy as np
 
 from training_core.config import DataConfig, clip, no_training_samples_error, quote
+from training_core.files import UnreadableFile, open_regular
 from training_core.redact import redact
 
 log = logging.getLogger(__name__)
@@ -81,6 +84,10 @@ class ShardResult:
     num_bad: int = 0
     bad_examples: list[str] = field(default_factory=list)
     """``source: reason`` of the first bad samples."""
+    num_reencoded: int = 0
+    """Samples stored re-encoded as 8-bit PNGs: images the loader's decoder does not read as they came."""
+    reencoded_examples: list[str] = field(default_factory=list)
+    """``source: why`` of the first re-encoded samples."""
     written: bool = True
     """False when a previous prep's valid shard was kept."""
     peak_rss_bytes: int = 0
@@ -135,62 +142,86 @@ def shard_tasks(splits: dict[str, list[ImageItem]], cfg: DataConfig, *, kind: st
     return tasks
 
 
-def list_image_folder(cfg: DataConfig) -> tuple[dict[str, list[ImageItem]], list[str], tuple[str, ...]]:
-    """The tree's images by split (``train`` and any ``val``/``test`` folders, else all of it as ``train``), the
-    class names, and the splits the tree has itself. Raises ``ValueError`` naming ``data.path`` for a tree with
-    fewer than two classes, a split without images, or a class folder a split lacks."""
-    from training_core.datasets import IMAGE_SUFFIXES
+FOLDER_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+"""The files of a class folder prep reads (case-insensitive). Each is decoded with PIL; what the loader's decoder
+does not read as one 8-bit image (BMP, TIFF, an animated GIF or WebP...) is stored re-encoded as an 8-bit PNG."""
 
+SPLIT_FOLDERS = ("train", "val", "test")
+
+MAX_LEFT_OUT_EXAMPLES = 10
+"""Entries of an image folder left out, named in the manifest and the prep log (the counts cover them all)."""
+
+
+@dataclass
+class LeftOut:
+    """What an image folder holds that prep does not read, and why: logged by the prep and recorded in the manifest
+    (``spec.left_out``), so a class or images that went missing are never a silent change."""
+
+    count: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    """Entries left out, by reason."""
+    examples: list[str] = field(default_factory=list)
+    """``path: reason`` of the first ones, paths relative to ``data.path``."""
+
+    def add(self, path: str, reason: str) -> None:
+        self.count += 1
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        if len(self.examples) < MAX_LEFT_OUT_EXAMPLES:
+            self.examples.append(f"{_printable(path)}: {reason}")
+
+
+@dataclass
+class ImageListing:
+    """A source's samples by split (``train`` and the splits it has itself), before the train split is cut."""
+
+    splits: dict[str, list[ImageItem]]
+    classes: list[str]
+    own: tuple[str, ...]
+    """The splits other than train the source has itself (not carved out of train)."""
+    left_out: LeftOut = field(default_factory=LeftOut)
+
+
+@dataclass
+class _Entry:
+    name: str
+    kind: str
+    """``directory``, ``file`` (regular), or what else it is (``a FIFO``, ``a dangling symlink``...)."""
+
+
+def list_image_folder(cfg: DataConfig) -> ImageListing:
+    """The tree's images by split (``train`` and any ``val``/``test`` folders, else all of it as ``train``), the
+    class names, the splits the tree has itself, and what was left out.
+
+    The layout is ``[<split>/]<class>/<image>``; symlinked folders and images are followed. Left out, counted and
+    named: files beside the class folders, folders inside a class folder (nested images), hidden entries (``.``
+    names) and files without an image suffix (:data:`FOLDER_IMAGE_SUFFIXES`). Raises ``ValueError`` naming
+    ``data.path`` for a tree with fewer than two classes, a split without images, a class folder a split lacks or
+    without images, a name that is not UTF-8, and an image name that is not a regular file (a FIFO, a device, a
+    dangling symlink), before any shard task."""
     fs, root = _folder_root(cfg)
     root = root.rstrip("/")
-    found: dict[str, dict[str, list[str]]] = {}
-    for path in sorted(fs.find(root)):
-        relative = path[len(root) :].lstrip("/")
-        if not relative.lower().endswith(IMAGE_SUFFIXES):
-            continue
-        parts = relative.split("/")
-        if parts[0] in ("train", "val", "test") and len(parts) == 3:
-            split, cls = parts[0], parts[1]
-        elif len(parts) == 2:
-            split, cls = "", parts[0]
-        else:
-            continue
-        found.setdefault(split, {}).setdefault(cls, []).append(relative)
-    for split in ("val", "test"):
-        if fs.isdir(f"{root}/{split}") and split not in found:
-            raise ValueError(
-                f"data.path={quote(cfg.path)} is invalid: {split}/ has no images; every split holds images of the "
-                f"classes of train/ ({', '.join(IMAGE_SUFFIXES)}); add images or remove {split}/"
-            )
-    trees = {name: value for name, value in found.items() if name}
-    if trees and "" in found:
+    left_out = LeftOut()
+    top = _folders(fs, root, "", cfg, left_out)
+    tree_names = [name for name in top if name in SPLIT_FOLDERS]
+    others = sorted(set(top) - set(tree_names))
+    if tree_names and others:
         raise ValueError(
-            f"data.path={quote(cfg.path)} is invalid: it mixes split folders ({', '.join(sorted(trees))}/) with "
-            f"class folders ({', '.join(sorted(found[''])[:5])}/) at its top; use <split>/<class>/<image> or "
-            "<class>/<image>"
+            f"data.path={quote(cfg.path)} is invalid: it mixes split folders ({', '.join(sorted(tree_names))}/) with "
+            f"class folders ({', '.join(_printable(name) for name in others[:5])}/) at its top; use "
+            "<split>/<class>/<image> or <class>/<image>"
         )
-    trees = trees or {"train": found.get("", {})}
-    if "train" not in trees:
+    if tree_names and "train" not in tree_names:
         raise ValueError(
-            f"data.path={quote(cfg.path)} is invalid: it has {', '.join(sorted(trees))}/ but no train/ folder of "
+            f"data.path={quote(cfg.path)} is invalid: it has {', '.join(sorted(tree_names))}/ but no train/ folder of "
             "<class>/<image>; add train/ or use <class>/<image> at the top"
         )
-    under = "train/" if "train" in found else "./"
+    split_dirs = {name: f"{name}/" for name in sorted(tree_names)} or {"train": ""}
+    trees: dict[str, dict[str, list[str]]] = {}
+    for split, prefix in split_dirs.items():
+        class_dirs = _folders(fs, _join(root, prefix), prefix, cfg, left_out) if prefix else top
+        trees[split] = {cls: _images(fs, root, f"{prefix}{cls}/", cfg, left_out) for cls in class_dirs}
+    _check_classes(cfg, trees, under="train/" if tree_names else "./")
     classes = sorted(trees["train"])
-    if len(classes) < 2:
-        raise ValueError(
-            f"data.path={quote(cfg.path)} is invalid: found {len(classes)} class folder(s) with images under "
-            f"{quote(under)}; an image folder needs at least two <class>/ subfolders of images "
-            f"({', '.join(IMAGE_SUFFIXES)})"
-        )
-    for split in ("val", "test"):
-        if split in found and (not trees[split] or set(trees[split]) - set(classes)):
-            extra = sorted(set(trees[split]) - set(classes))
-            why = f"class folder(s) {', '.join(extra[:5])} that train/ lacks" if extra else "no images"
-            raise ValueError(
-                f"data.path={quote(cfg.path)} is invalid: {split}/ has {why}; every split holds images of the "
-                "classes of train/"
-            )
     splits: dict[str, list[ImageItem]] = {}
     next_id = 0
     for split, tree in trees.items():
@@ -200,7 +231,139 @@ def list_image_folder(cfg: DataConfig) -> tuple[dict[str, list[ImageItem]], list
                 items.append(ImageItem(source=path, label=classes.index(cls), sample_id=next_id))
                 next_id += 1
         splits[split] = items
-    return splits, classes, tuple(name for name in trees if name != "train")
+    if left_out.count:
+        log.warning(
+            "image folder %s: left out %d entr%s (%s); first: %s",
+            redact(cfg.path),
+            left_out.count,
+            "y" if left_out.count == 1 else "ies",
+            "; ".join(f"{count} {reason}" for reason, count in sorted(left_out.reasons.items())),
+            left_out.examples,
+        )
+    return ImageListing(splits, classes, tuple(name for name in trees if name != "train"), left_out)
+
+
+def _check_classes(cfg: DataConfig, trees: dict[str, dict[str, list[str]]], *, under: str) -> None:
+    """Every split holds images, every class folder images, train at least two classes, val and test only classes
+    of train."""
+    for split in ("val", "test"):
+        if split in trees and not any(trees[split].values()):
+            raise ValueError(
+                f"data.path={quote(cfg.path)} is invalid: {split}/ has no images; every split holds images of the "
+                f"classes of train/ ({', '.join(FOLDER_IMAGE_SUFFIXES)}); add images or remove {split}/"
+            )
+    for split, tree in trees.items():
+        prefix = "" if under == "./" else f"{split}/"
+        empty = [f"{prefix}{cls}/" for cls, paths in sorted(tree.items()) if not paths]
+        if empty:
+            raise ValueError(
+                f"data.path={quote(cfg.path)} is invalid: class folder(s) {', '.join(empty[:5])} hold no images "
+                f"({', '.join(FOLDER_IMAGE_SUFFIXES)}); a class folder is a class with images: add images to it or "
+                "remove it (what a folder holds besides images is listed in the prep log)"
+            )
+    if len(trees["train"]) < 2:
+        raise ValueError(
+            f"data.path={quote(cfg.path)} is invalid: found {len(trees['train'])} class folder(s) with images under "
+            f"{quote(under)}; an image folder needs at least two <class>/ subfolders of images "
+            f"({', '.join(FOLDER_IMAGE_SUFFIXES)})"
+        )
+    for split in ("val", "test"):
+        extra = sorted(set(trees.get(split, {})) - set(trees["train"]))
+        if extra:
+            raise ValueError(
+                f"data.path={quote(cfg.path)} is invalid: {split}/ has class folder(s) {', '.join(extra[:5])} that "
+                "train/ lacks; every split holds images of the classes of train/"
+            )
+
+
+def _folders(fs: Any, path: str, prefix: str, cfg: DataConfig, left_out: LeftOut) -> list[str]:
+    """The names of the folders in ``path`` (``prefix`` under ``data.path``); anything else is left out."""
+    folders = []
+    for entry in _entries(fs, path, prefix, cfg):
+        if entry.name.startswith("."):
+            left_out.add(prefix + entry.name, "hidden (its name starts with '.')")
+        elif entry.kind == "directory":
+            folders.append(entry.name)
+        else:
+            where = "the top of data.path" if not prefix else prefix
+            left_out.add(prefix + entry.name, f"not a folder, at {where}: images go in <class>/ folders")
+    return folders
+
+
+def _images(fs: Any, root: str, prefix: str, cfg: DataConfig, left_out: LeftOut) -> list[str]:
+    """The images of class folder ``prefix``, as paths under ``data.path``; anything else is left out."""
+    images = []
+    for entry in _entries(fs, _join(root, prefix), prefix, cfg):
+        path = prefix + entry.name
+        is_image = entry.name.lower().endswith(FOLDER_IMAGE_SUFFIXES)
+        if entry.name.startswith("."):
+            left_out.add(path, "hidden (its name starts with '.')")
+        elif entry.kind == "directory":
+            left_out.add(path + "/", "a folder inside a class folder: nested images are not read")
+        elif not is_image:
+            left_out.add(path, f"not an image suffix ({', '.join(FOLDER_IMAGE_SUFFIXES)})")
+        elif entry.kind != "file":
+            raise ValueError(
+                f"data.path={quote(cfg.path)} is invalid: {quote(path)} is {entry.kind}, not a regular file; only "
+                "regular files are read as images: replace it with the image file or remove it"
+            )
+        else:
+            images.append(path)
+    return images
+
+
+def _entries(fs: Any, path: str, prefix: str, cfg: DataConfig) -> list[_Entry]:
+    """The entries of folder ``path``, by name. On a local disk symlinks are followed and every entry is stat'ed
+    (never opened): a FIFO, a device or a dangling symlink is named as what it is. Raises ``ValueError`` naming
+    ``data.path`` for a name that is not UTF-8 (it could not be stored in a shard, nor named in a manifest)."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    try:
+        if isinstance(fs, LocalFileSystem):
+            with os.scandir(path) as found:
+                entries = [_local_entry(entry) for entry in found]
+        else:
+            entries = [
+                _Entry(info["name"].rstrip("/").rsplit("/", 1)[-1], info["type"])
+                for info in fs.ls(path, detail=True)
+                if info["name"].rstrip("/") != path.rstrip("/")
+            ]
+    except OSError as exc:
+        raise ValueError(
+            f"data.path={quote(cfg.path)} is invalid: folder {quote(prefix or './')} cannot be listed "
+            f"({type(exc).__name__}: {clip(exc.strerror or str(exc))}); make it readable"
+        ) from None
+    for entry in entries:
+        try:
+            entry.name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                f"data.path={quote(cfg.path)} is invalid: the name {quote(prefix + entry.name)} is not UTF-8 (its "
+                f"bytes: {clip(repr(os.fsencode(prefix + entry.name)))}); rename it with a UTF-8 name"
+            ) from None
+    return sorted(entries, key=lambda entry: entry.name)
+
+
+def _local_entry(entry: os.DirEntry) -> _Entry:
+    try:
+        mode = os.stat(entry.path).st_mode  # follows symlinks: a symlinked class folder or image is read
+    except FileNotFoundError:
+        return _Entry(entry.name, "a dangling symlink")
+    except OSError as exc:  # a symlink loop, a permission denied on the way
+        return _Entry(entry.name, f"not readable ({exc.strerror})")
+    if stat.S_ISDIR(mode):
+        return _Entry(entry.name, "directory")
+    if stat.S_ISREG(mode):
+        return _Entry(entry.name, "file")
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return _Entry(entry.name, kind)
+    return _Entry(entry.name, "not a regular file")
+
+
+def _printable(path: str) -> str:
+    """``path`` with any byte of a name that is not UTF-8 written as an escape."""
+    return path.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _folder_root(cfg: DataConfig):
@@ -226,7 +389,7 @@ def check_source(cfg: DataConfig) -> None:
     _folder_root(cfg)
 
 
-def list_cifar10(cfg: DataConfig) -> tuple[dict[str, list[ImageItem]], list[str], tuple[str, ...]]:
+def list_cifar10(cfg: DataConfig) -> ImageListing:
     """The CIFAR-10 tarball's rows by split (its test batch is the test split), reading and checking one batch
     member at a time."""
     from training_core.datasets import CIFAR10_BATCHES, CIFAR10_CLASSES, cifar10_members
@@ -238,7 +401,7 @@ def list_cifar10(cfg: DataConfig) -> tuple[dict[str, list[ImageItem]], list[str]
         for row, label in enumerate(labels.tolist()):
             splits[split].append(ImageItem(source=f"{name}#{row}", label=int(label), sample_id=next_id))
             next_id += 1
-    return splits, list(CIFAR10_CLASSES), ("test",)
+    return ImageListing(splits, list(CIFAR10_CLASSES), ("test",))
 
 
 def run_tasks(tasks: list[ShardTask], *, num_workers: int) -> list[ShardResult]:
@@ -283,9 +446,14 @@ def _join(directory: str, name: str) -> str:
     return f"{directory.rstrip('/')}/{name}"
 
 
-SHARD_FORMAT = 2
+SHARD_FORMAT = 3
 """What a shard task writes from given inputs; part of :func:`task_fingerprint`. 2: images the loader's decoder does
-not read as 8-bit stored as 8-bit PNGs."""
+not read as 8-bit stored as 8-bit PNGs. 3: also animated images (their first frame), PNGs libpng might refuse, and
+any JPEG, GIF or WebP that the loader's decoder does not read as one 8-bit RGB image."""
+
+MAX_IMAGE_BYTES = 64 * 2**20
+"""The most bytes read from one image file (counted as read, whatever size the file reports): a larger file is a
+bad sample, counted and named like an undecodable one."""
 
 
 def task_fingerprint(task: ShardTask) -> str:
@@ -332,14 +500,19 @@ def write_shard(task: ShardTask) -> ShardResult:
         return kept
     sums, sq_sums, num_pixels = np.zeros(3), np.zeros(3), 0
     bad: list[str] = []
+    reencoded: list[str] = []
     with _ShardWriter(fs, _join(task.out_dir, task.file)) as writer:
         for item, payload in _read_items(task):
             try:
+                if isinstance(payload, UnreadableFile):
+                    raise payload
                 pixels = _decoded(payload, task.stats_size)
-                payload = _stored(payload)
+                payload, why = _stored(payload)
             except Exception as exc:  # noqa: BLE001 - any decoder failure marks the sample bad, never the prep
                 bad.append(f"{item.source}: {type(exc).__name__}: {clip(str(exc).split(' <_io.')[0], 120)}")
                 continue
+            if why:
+                reencoded.append(f"{item.source}: {why}")
             sums += pixels.sum(axis=(0, 1))
             sq_sums += np.square(pixels).sum(axis=(0, 1))
             num_pixels += pixels.shape[0] * pixels.shape[1]
@@ -355,6 +528,8 @@ def write_shard(task: ShardTask) -> ShardResult:
         num_pixels=num_pixels,
         num_bad=len(bad),
         bad_examples=bad[:MAX_BAD_EXAMPLES],
+        num_reencoded=len(reencoded),
+        reencoded_examples=reencoded[:MAX_BAD_EXAMPLES],
         inputs_sha256=task_fingerprint(task),
     )
     result.peak_rss_bytes = _peak_rss_bytes()
@@ -457,38 +632,169 @@ def _rgb8(image: Any) -> Any:
     return image.convert("RGB")
 
 
-def _loader_reads(payload: bytes) -> bool:
-    """Whether the loader's decoder (``torchvision.io.decode_image``) reads these bytes as 8-bit images: JPEG, PNG of
-    up to 8 bits a channel (its IHDR's bit depth), GIF and WebP. It refuses BMP, TIFF and PPM, and gives 16-bit PNGs
-    as 16-bit tensors."""
-    if payload.startswith(b"\x89PNG\r\n\x1a\n"):
-        return len(payload) > 24 and payload[24] <= 8
-    return payload.startswith((b"\xff\xd8\xff", b"GIF87a", b"GIF89a")) or (
-        payload[:4] == b"RIFF" and payload[8:12] == b"WEBP"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_DEPTHS = {0: (1, 2, 4, 8, 16), 2: (8, 16), 3: (1, 2, 4, 8), 4: (8, 16), 6: (8, 16)}
+"""Bit depths allowed for each PNG colour type."""
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+"""Each interlace pass's first column and row, and its steps."""
+PNG_MAX_SIDE = 1_000_000
+"""libpng's default limit on a PNG's width and height."""
+PNG_MAX_ANCILLARY_BYTES = 8_000_000
+"""libpng's default limit on the memory of one ancillary chunk."""
+
+
+def _png_problem(payload: bytes) -> str:
+    """Why libpng, the loader's PNG decoder, might refuse ``payload`` or read it as more than 8 bits a channel; ""
+    when it is a plain PNG: every chunk whole with its CRC, IHDR first and IEND last, no unknown critical chunk, valid
+    PLTE and tRNS, the IDAT chunks consecutive and one zlib stream that inflates to exactly the image's rows, each
+    with a valid filter type. Checked, not tried: libpng's errors end the process of torchvision's decoder (SIGSEGV;
+    a flipped IDAT CRC byte, too little image data), and PIL reads such files. Of 8,000 randomly mutated PNGs (CRCs
+    mostly recomputed), PIL read 1,899: torchvision crashed on 24, all flagged here, and decoded all 1,731 it passes."""
+    chunks: list[tuple[bytes, int, int]] = []  # type, where its data starts, its length
+    pos = len(PNG_SIGNATURE)
+    while pos < len(payload) and (not chunks or chunks[-1][0] != b"IEND"):
+        length = int.from_bytes(payload[pos : pos + 4], "big")
+        end = pos + 12 + length
+        if end > len(payload):
+            return "a truncated chunk"
+        kind = payload[pos + 4 : pos + 8]
+        if not (kind.isalpha() and kind.isascii() and kind[2:3].isupper()):  # the third's case bit is reserved
+            return f"a chunk type {kind!r} that is not four letters, the third upper case"
+        if zlib.crc32(payload[pos + 4 : end - 4]) != int.from_bytes(payload[end - 4 : end], "big"):
+            return f"a CRC mismatch in chunk {kind.decode('latin-1')!r}"
+        chunks.append((kind, pos + 8, length))
+        pos = end
+    names = [kind for kind, _, _ in chunks]
+    if not names or names[0] != b"IHDR" or chunks[0][2] != 13 or names[-1] != b"IEND" or pos != len(payload):
+        return "not IHDR first and IEND last"
+    width, height = int.from_bytes(payload[16:20], "big"), int.from_bytes(payload[20:24], "big")
+    depth, colour, compression, filtering, interlace = payload[24:29]
+    if not (0 < width <= PNG_MAX_SIDE and 0 < height <= PNG_MAX_SIDE):
+        return f"a size of {width}x{height}"
+    if depth not in _PNG_DEPTHS.get(colour, ()) or compression or filtering or interlace > 1:
+        return "an invalid IHDR"
+    if depth > 8:
+        return f"{depth} bits a channel"
+    problem = _png_chunk_problem(chunks, colour, depth)
+    if problem:
+        return problem
+    bits = _PNG_CHANNELS[colour] * depth
+    passes = (
+        [(width, height)]
+        if not interlace
+        else [((width - x0 + dx - 1) // dx, (height - y0 + dy - 1) // dy) for x0, y0, dx, dy in _ADAM7]
     )
+    strides = [(1 + (w * bits + 7) // 8, h) for w, h in passes if w and h]
+    expected = sum(stride * rows for stride, rows in strides)
+    inflater = zlib.decompressobj()
+    try:
+        rows = inflater.decompress(
+            b"".join(payload[at : at + n] for kind, at, n in chunks if kind == b"IDAT"), expected + 1
+        )
+    except zlib.error:
+        return "IDAT data that does not inflate"
+    if len(rows) != expected or not inflater.eof or inflater.unused_data:
+        return f"IDAT data of {len(rows):,} bytes (or more) for {expected:,}"
+    offset = 0
+    for stride, count in strides:
+        if max(rows[offset : offset + stride * count : stride]) > 4:
+            return "a row with an invalid filter type"
+        offset += stride * count
+    return ""
 
 
-def _stored(payload: bytes) -> bytes:
-    """An image's bytes as its shard keeps them: as they came when the loader's decoder reads them; otherwise (BMP, a
-    16-bit PNG...) re-encoded as an 8-bit RGB PNG, lossless for 8-bit sources."""
-    if _loader_reads(payload):
-        return payload
+def _png_chunk_problem(chunks: list[tuple[bytes, int, int]], colour: int, depth: int) -> str:
+    """What libpng refuses among a PNG's chunks (their order, PLTE and tRNS); "" when nothing."""
+    names = [kind for kind, _, _ in chunks]
+    first_idat = names.index(b"IDAT") if b"IDAT" in names else -1
+    if first_idat < 0 or names[first_idat : first_idat + names.count(b"IDAT")] != [b"IDAT"] * names.count(b"IDAT"):
+        return "IDAT chunks missing or apart"
+    for kind, _, length in chunks:
+        critical = kind[:1].isupper()
+        if critical and kind not in (b"IHDR", b"PLTE", b"IDAT", b"IEND"):
+            return f"an unknown critical chunk {kind.decode('latin-1')!r}"
+        if not critical and length > PNG_MAX_ANCILLARY_BYTES:
+            return f"an ancillary chunk of {length:,} bytes"
+    if names.count(b"IHDR") != 1 or names.count(b"IEND") != 1 or names.count(b"PLTE") > 1 or names.count(b"tRNS") > 1:
+        return "a repeated chunk"
+    sizes = dict((kind, length) for kind, _, length in chunks)
+    where = {kind: names.index(kind) for kind in (b"PLTE", b"tRNS") if kind in names}
+    entries = sizes.get(b"PLTE", 0) // 3
+    if b"PLTE" in where and (
+        colour in (0, 4)
+        or where[b"PLTE"] > first_idat
+        or sizes[b"PLTE"] % 3
+        or not 0 < entries <= (2**depth if colour == 3 else 256)
+    ):
+        return "an invalid PLTE"
+    if colour == 3 and b"PLTE" not in where:
+        return "a palette image without PLTE"
+    if b"tRNS" in where:
+        fits = {0: sizes[b"tRNS"] == 2, 2: sizes[b"tRNS"] == 6, 3: sizes[b"tRNS"] <= entries}.get(colour, False)
+        if not fits or where[b"tRNS"] > first_idat or where[b"tRNS"] < where.get(b"PLTE", 0):
+            return "an invalid tRNS"
+    return ""
+
+
+def _loader_problem(payload: bytes) -> str:
+    """Why the loader's decoder (``torchvision.io.decode_image``) would not read ``payload`` as one 8-bit RGB image;
+    "" when it does. A PNG is checked (:func:`_png_problem`); a JPEG, GIF or WebP is decoded with that decoder
+    itself, whose errors are exceptions (no crash in ~520 corrupted files PIL reads); any other format (BMP, TIFF...)
+    is not read by it."""
+    if payload.startswith(PNG_SIGNATURE):
+        problem = _png_problem(payload)
+        return f"a PNG with {problem}" if problem else ""
+    if not payload.startswith((b"\xff\xd8\xff", b"GIF87a", b"GIF89a")) and not (
+        payload[:4] == b"RIFF" and payload[8:12] == b"WEBP"
+    ):
+        return "not a JPEG, PNG, GIF or WebP"
+    import torch
+    from torchvision.io import ImageReadMode, decode_image
+
+    try:
+        image = decode_image(torch.frombuffer(bytearray(payload), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    except RuntimeError as exc:
+        return f"the loader's decoder refuses it ({clip(_decoder_message(exc), 120)})"
+    if image.ndim != 3:
+        return f"an animation of {image.shape[0]} frames (the first is kept)"
+    return "" if image.dtype == torch.uint8 else f"the loader's decoder gives {image.dtype}"
+
+
+def _decoder_message(exc: BaseException) -> str:
+    """torchvision's error without its source location (``decode_webp, /.../decode_webp.cpp:58, Animated...``)."""
+    text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    return text.rsplit(".cpp:", 1)[-1].split(", ", 1)[-1]
+
+
+def _stored(payload: bytes) -> tuple[bytes, str]:
+    """An image's bytes as its shard keeps them, and why they were re-encoded ("" when kept): as they came when the
+    loader's decoder reads them as one 8-bit RGB image (:func:`_loader_problem`); otherwise PIL's decode (the first
+    frame of an animation) re-encoded as an 8-bit RGB PNG, lossless for 8-bit sources. So a shard holds only bytes
+    the loader decodes."""
+    problem = _loader_problem(payload)
+    if not problem:
+        return payload, ""
     from PIL import Image
 
     with Image.open(io.BytesIO(payload)) as image:
         buffer = io.BytesIO()
         _rgb8(image).save(buffer, format="PNG")
-        return buffer.getvalue()
+        return buffer.getvalue(), problem
 
 
-def _read_items(task: ShardTask) -> Iterator[tuple[ImageItem, bytes]]:
+def _read_items(task: ShardTask) -> Iterator[tuple[ImageItem, bytes | UnreadableFile]]:
+    """Each item with its encoded bytes, or what made its file unreadable (a file that became a FIFO or a dangling
+    symlink after the listing, one larger than :data:`MAX_IMAGE_BYTES`): that item is a bad sample."""
     if task.kind == "image_folder":
         import fsspec
 
         fs, root = fsspec.core.url_to_fs(task.root)
         for item in task.items:
-            with fs.open(_join(root, item.source), "rb") as f:
-                yield item, f.read()
+            try:
+                yield item, _read_image(fs, _join(root, item.source), item.source)
+            except UnreadableFile as exc:
+                yield item, exc
         return
     by_member: dict[str, list[tuple[int, ImageItem]]] = {}
     for item in task.items:
@@ -503,6 +809,35 @@ def _read_items(task: ShardTask) -> Iterator[tuple[ImageItem, bytes]]:
             encoded[item.sample_id] = _png(images[row])
     for item in task.items:
         yield item, encoded[item.sample_id]
+
+
+READ_CHUNK_BYTES = 2**20
+"""Bytes asked of an image file per read. One ``read(MAX_IMAGE_BYTES + 1)`` allocates the whole cap for every image
+and shrinks it after: under the platform's malloc settings (``MALLOC_MMAP_THRESHOLD_`` of 128 MiB) a shard task's
+heap grew by ~30 KB an image that way (1,200 JPEGs of 256 px: 35 MB more than 300 of them; read in chunks: 2 MB)."""
+
+
+def _read_image(fs: Any, path: str, name: str) -> bytes:
+    """The bytes of the image file ``path`` (opened by :func:`~training_core.files.open_regular`: a FIFO, a device
+    or a dangling symlink is refused, never opened for a blocking read), at most :data:`MAX_IMAGE_BYTES` of them
+    counted as read. Raises :class:`~training_core.files.UnreadableFile` naming ``name``."""
+    parts: list[bytes] = []
+    num_bytes = 0
+    try:
+        with open_regular(fs, path, name) as f:
+            while num_bytes <= MAX_IMAGE_BYTES:
+                part = f.read(min(READ_CHUNK_BYTES, MAX_IMAGE_BYTES + 1 - num_bytes))
+                if not part:
+                    break
+                parts.append(part)
+                num_bytes += len(part)
+    except UnreadableFile:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever a filesystem raises for a file it cannot read
+        raise UnreadableFile(f"{quote(name)} cannot be read ({type(exc).__name__}: {clip(redact(str(exc)))})") from None
+    if num_bytes > MAX_IMAGE_BYTES:
+        raise UnreadableFile(f"{quote(name)} holds more than {MAX_IMAGE_BYTES:,} bytes, the most read from one image")
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _png(chw: np.ndarray) -> bytes:
@@ -526,6 +861,11 @@ class ImagePrep:
     std: list[float]
     num_bad: int
     bad_examples: list[str]
+    left_out: LeftOut = field(default_factory=LeftOut)
+    """What the image folder holds that prep did not read, and why."""
+    num_reencoded: int = 0
+    """Images stored re-encoded as 8-bit PNGs (see :func:`_stored`)."""
+    reencoded_examples: list[str] = field(default_factory=list)
 
     @property
     def num_written(self) -> int:
@@ -538,8 +878,9 @@ def prepare_images(cfg: DataConfig, out_dir: str) -> ImagePrep:
     import fsspec
 
     lister = list_cifar10 if cfg.dataset == "cifar10" else list_image_folder
-    splits, classes, own = lister(cfg)
-    splits = {**assign_splits(splits.pop("train"), cfg, own=own), **splits}
+    listing = lister(cfg)
+    splits = dict(listing.splits)
+    splits = {**assign_splits(splits.pop("train"), cfg, own=listing.own), **splits}
     for name in ("val", "test"):
         if name not in splits:
             field_name = f"data.{name}_fraction"
@@ -572,6 +913,16 @@ def prepare_images(cfg: DataConfig, out_dir: str) -> ImagePrep:
     mean = np.sum([r.pixel_sum for r in train], axis=0) / count
     var = np.sum([r.pixel_sq_sum for r in train], axis=0) / count - mean**2
     std = np.sqrt(np.maximum(var, 0.0))
+    num_reencoded = sum(r.num_reencoded for r in results)
+    reencoded = [e for r in results for e in r.reencoded_examples][:MAX_BAD_EXAMPLES]
+    if num_reencoded:
+        log.info(
+            "data prep stored %d image(s) of %s re-encoded as 8-bit PNGs (the loader's decoder does not read them as "
+            "they came), first: %s",
+            num_reencoded,
+            redact(cfg.path),
+            reencoded,
+        )
     log.info(
         "image prep of %s: %d shard(s), %d written, %d kept from an earlier prep",
         redact(cfg.path),
@@ -581,11 +932,14 @@ def prepare_images(cfg: DataConfig, out_dir: str) -> ImagePrep:
     )
     return ImagePrep(
         results=[r for r in results if r.num_samples],
-        classes=classes,
+        classes=listing.classes,
         mean=mean.tolist(),
         std=np.maximum(std, 1e-6).tolist(),
         num_bad=num_bad,
         bad_examples=examples,
+        left_out=listing.left_out,
+        num_reencoded=num_reencoded,
+        reencoded_examples=reencoded,
     )
 
 
@@ -670,10 +1024,10 @@ def evict(cache: str, max_bytes: int) -> None:
             _remove_stale(os.path.join(cache, name))
         elif name.endswith(SHARD_SUFFIX):
             try:
-                stat = os.stat(os.path.join(cache, name))
+                found = os.stat(os.path.join(cache, name))
             except FileNotFoundError:  # another loader process evicted it
                 continue
-            entries.append((stat.st_mtime, stat.st_size, name))
+            entries.append((found.st_mtime, found.st_size, name))
     entries.sort()
     used = sum(size for _, size, _ in entries)
     for _, size, name in entries[:-1]:
@@ -720,9 +1074,12 @@ class EncodedImages:
         size: int,
         data: DataConfig,
         where: str = "a shard",
+        sources: list[str] | None = None,
     ):
         self.sample_ids, self.labels, self.images = sample_ids, labels, images
         self.size, self.data, self.where = size, data, where
+        self.sources = sources
+        """Each sample's source (its file under ``data.path``), named when it fails to decode."""
         self._transforms: tuple[Any, Any] | None = None
 
     @classmethod
@@ -739,7 +1096,7 @@ class EncodedImages:
             # ParquetFile.read, one thread: 0.6 ms a 2 MB shard where pq.read_table, which goes through
             # pyarrow.dataset and its thread pool, takes 2.9 ms; every loader process reads every shard it takes from.
             table = pq.ParquetFile(pa.BufferReader(payload)).read(
-                columns=["sample_id", "label", "image"], use_threads=False
+                columns=["sample_id", "label", "image", "source"], use_threads=False
             )
         except (pa.ArrowException, OSError, ValueError) as exc:
             _shard_error(where, f"is not a readable Parquet shard ({type(exc).__name__}: {clip(str(exc))})")
@@ -755,6 +1112,7 @@ class EncodedImages:
         low, high = min(labels), max(labels)
         if [low, high] != shard.bounds.get("labels", [low, high]) or not 0 <= low <= high < manifest.num_classes:
             _shard_error(where, f"holds labels {low}..{high}; the manifest has {manifest.num_classes} classes")
+        sources = table.column("source") if "source" in table.column_names else None
         return cls(
             table.column("sample_id").to_pylist(),
             labels,
@@ -762,10 +1120,23 @@ class EncodedImages:
             size=manifest.input_shape[-1],
             data=data,
             where=where,
+            sources=sources.to_pylist() if sources is not None and sources.type == pa.string() else None,
         )
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def undecodable(self, row: int, why: str) -> NoReturn:
+        """Raise :class:`~training_core.failures.UserCodeError` for sample ``row``: its shard, its id, its source file
+        and the fix. A deterministic error of the data, which a restart would meet again: not retried."""
+        from training_core.failures import UserCodeError
+
+        source = self.sources[row] if self.sources is not None else "(not recorded in the shard)"
+        raise UserCodeError(
+            f"{self.where} holds sample {self.sample_ids[row]} from {quote(source)} under data.path, which {why}; "
+            "remove or replace that file and prepare the data again (a prep of this version stores every image "
+            "re-encoded where the loader's decoder would not read it)"
+        )
 
     def transforms(self) -> tuple[Any, Any]:
         """(training, evaluation) transforms of a uint8 image tensor."""
@@ -791,10 +1162,10 @@ class EncodedImages:
         encoded = torch.frombuffer(bytearray(self.images[row]), dtype=torch.uint8)
         try:
             image = decode_image(encoded, mode=ImageReadMode.RGB)
-        except RuntimeError as exc:  # prep checked every image: the shard is not one this prep wrote
-            from training_core.data import _shard_error
-
-            _shard_error(self.where, f"holds sample {self.sample_ids[row]}, which does not decode ({clip(str(exc))})")
+        except RuntimeError as exc:  # prep decoded every image as this does: a shard an older prep wrote
+            self.undecodable(row, f"does not decode ({clip(_decoder_message(exc), 200)})")
+        if image.ndim != 3:  # an animation, in a shard an older prep wrote
+            self.undecodable(row, f"decodes to {image.shape[0]} frames, not one image")
         if image.dtype != torch.uint8:  # a 16-bit PNG in a shard prepared before prep re-encoded them
             from torchvision.transforms.v2.functional import to_dtype
 

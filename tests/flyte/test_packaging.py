@@ -262,7 +262,7 @@ def test_only_data_prep_and_trials_are_cached_with_their_declared_versions(packa
 
     for name in ("tasks.data.prepare_data", "tasks.data.prepare_on_ray"):
         prepare = package.tasks[name].template.metadata
-        assert prepare.discoverable and prepare.discovery_version == PREPARE_DATA_CACHE_VERSION == "6", name
+        assert prepare.discoverable and prepare.discovery_version == PREPARE_DATA_CACHE_VERSION == "7", name
         # The run's token says which run prepared the data; in the key, every run would miss the cache.
         assert list(prepare.cache_ignore_input_vars) == ["run_token"], name
     trial = package.tasks["tasks.tuning.train_trial"].template.metadata

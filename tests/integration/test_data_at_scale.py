@@ -140,10 +140,11 @@ def test_images_the_loaders_decoder_cannot_read_are_stored_as_8_bit_pngs_and_loa
 
 
 def test_a_sample_the_loader_cannot_decode_names_its_shard_and_sample():
+    from training_core.failures import UserCodeError
     from training_core.image_shards import EncodedImages
 
     samples = EncodedImages([7], [0], [b"not an image"], size=16, data=DataConfig(), where="shard 'train-3.parquet'")
-    with pytest.raises(ValueError, match=r"shard 'train-3.parquet' holds sample 7, which does not decode \(.*re-run"):
+    with pytest.raises(UserCodeError, match=r"shard 'train-3.parquet' holds sample 7 .*, which does not decode \("):
         samples.sample(0, epoch=0, train=True)
 
 
@@ -235,12 +236,12 @@ def test_prep_memory_is_bounded_by_a_shard_not_by_the_dataset(ray_session, tmp_p
 
 _SHARD_TASK_MEMORY = """
 import json, os, sys
-import fsspec, numpy, PIL.Image, pyarrow.parquet  # what the task imports, before the baseline
+import fsspec, numpy, PIL.Image, pyarrow.parquet, torchvision.io  # what the task imports, before the baseline
 from training_core.config import DataConfig
 from training_core import image_shards as im
 
 tree, out, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
-splits, _, _ = im.list_image_folder(DataConfig(dataset="image_folder", path=tree, image_size=32))
+splits = im.list_image_folder(DataConfig(dataset="image_folder", path=tree, image_size=32)).splits
 items = [item for split in splits.values() for item in split][:count]
 task = im.ShardTask(split="train", file="all.parquet", kind="image_folder", root=tree, out_dir=out, stats_size=32,
                     items=items)

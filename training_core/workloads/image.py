@@ -9,7 +9,15 @@ import numpy as np
 
 from training_core.config import DataConfig, TrainingConfig, WorkloadConfig, clip, invalid, quote
 from training_core.data import ArraySpec, Manifest, split_samples, write_prepared
-from training_core.workloads import LossOutput, call_user, load_optional, mean_of, prep_uses_ray, to_device_async
+from training_core.workloads import (
+    LossOutput,
+    call_with_params,
+    factory_params,
+    load_optional,
+    mean_of,
+    prep_uses_ray,
+    to_device_async,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -18,7 +26,8 @@ if TYPE_CHECKING:
 
 class ImageClassification:
     """Images in, class logits out. ``model_factory(config, manifest)`` and ``dataset_source(data)`` (returning
-    a :class:`~training_core.datasets.RawDataset`) replace the built-in model and dataset."""
+    a :class:`~training_core.datasets.RawDataset`) replace the built-in model and dataset; either is also given
+    ``params=`` (``workload.params``, typed by its ``params_type`` if it declares one) when it has that parameter."""
 
     name = "image_classification"
     primary_metric = "accuracy"
@@ -40,7 +49,10 @@ class ImageClassification:
             raw, source = load_raw(cfg), f"data.dataset={cfg.dataset!r}"
         else:
             source = f"workload.dataset_source={quote(self.dataset_source_path)}"
-            raw = call_user("workload.dataset_source", self.dataset_source_path, self.dataset_source, cfg)
+            params = factory_params(self.selected, self.dataset_source)
+            raw = call_with_params(
+                "workload.dataset_source", self.dataset_source_path, self.dataset_source, params, cfg
+            )
             if not isinstance(raw, RawDataset):
                 raise ValueError(
                     f"{source} returned a {type(raw).__name__}; it must return a training_core.datasets.RawDataset "
@@ -72,6 +84,8 @@ class ImageClassification:
 
     def prepare_encoded(self, cfg: DataConfig, out_dir: str) -> Manifest:
         """An image folder or the CIFAR-10 tarball as Parquet shards of encoded images (Ray tasks)."""
+        from dataclasses import asdict
+
         from training_core.data import ShardInfo, SplitInfo, write_manifest
         from training_core.image_shards import prepare_images
 
@@ -101,7 +115,11 @@ class ImageClassification:
                 "images": ArraySpec("uint8", [3, size, size]),
                 "labels": ArraySpec("int64", [], max_value=len(prep.classes) - 1),
             },
-            spec={"statistics": f"exact, over every training image at {size}x{size}"},
+            spec={
+                "statistics": f"exact, over every training image at {size}x{size}",
+                "left_out": asdict(prep.left_out),
+                "reencoded": {"count": prep.num_reencoded, "examples": prep.reencoded_examples},
+            },
             format="parquet",
             bad_samples={"count": prep.num_bad, "examples": prep.bad_examples},
             directory=out_dir,
@@ -184,7 +202,8 @@ def user_model(config: TrainingConfig, manifest: Manifest, factory: Callable[...
     from torch import nn
 
     path = config.workload.model_factory
-    model = call_user("workload.model_factory", path, factory, config, manifest)
+    params = factory_params(config.workload, factory)
+    model = call_with_params("workload.model_factory", path, factory, params, config, manifest)
     if not isinstance(model, nn.Module):
         raise ValueError(
             f"workload.model_factory={quote(path)} returned a {type(model).__name__}; it must return a torch.nn.Module"
