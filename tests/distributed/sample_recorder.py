@@ -1,6 +1,6 @@
 """A workload for tests: the built-in image workload, recording the sample ids of every batch a rank trains on.
 
-Each worker process appends one JSON line per batch (its ids) to ``$TMPDIR/sample-ids/<pid>.jsonl``; ``TMPDIR`` is
+Each training worker process (Ray Train sets its ``RANK``) appends one JSON line per batch (its ids) to ``$TMPDIR/sample-ids/<pid>.jsonl``; ``TMPDIR`` is
 the test session's directory in the Ray cluster's processes too (``tests/conftest.py``). A short sleep per batch
 keeps an epoch long enough for a test to stop it in the middle.
 """
@@ -25,6 +25,9 @@ def records_dir() -> Path:
 class SampleRecorder(ImageClassification):
     def to_device(self, manifest, device):
         convert = super().to_device(manifest, device)
+        if "RANK" not in os.environ:
+            # The driver's preflight runs a user workload once on one batch before any worker starts: not trained.
+            return convert
         path = records_dir() / f"{os.getpid()}.jsonl"
         path.parent.mkdir(exist_ok=True)
 
