@@ -1,8 +1,8 @@
 """A workload for tests: the built-in image workload, recording the sample ids of every batch a rank trains on.
 
-Each training worker process (Ray Train sets its ``RANK``) appends one JSON line per batch (its ids) to ``$TMPDIR/sample-ids/<pid>.jsonl``; ``TMPDIR`` is
-the test session's directory in the Ray cluster's processes too (``tests/conftest.py``). A short sleep per batch
-keeps an epoch long enough for a test to stop it in the middle.
+Each training worker process (Ray Train sets its ``RANK``) appends one JSON line per batch (its ids) to
+``$TMPDIR/sample-ids/<pid>.jsonl``; ``TMPDIR`` is the test session's directory in the Ray cluster's processes too
+(``tests/conftest.py``). A short sleep per batch keeps an epoch long enough for a test to stop it in the middle.
 """
 
 from __future__ import annotations
