@@ -179,7 +179,7 @@ def record_round(
         trial = by_id[trial_id]
         trial.epochs_used += model.metrics.epochs - trial.epochs_trained
         trial.epochs_trained = model.metrics.epochs
-        trial.scores.append(float(getattr(model.metrics, config.metric)))
+        trial.scores.append(trial_score(config, model))
         trial.score_epochs.append(model.metrics.epochs)
         trial.checkpoint, trial.model, trial.mlflow_run_id = model.checkpoint, model, model.mlflow_run_id
         trial.status = "done"
@@ -198,6 +198,24 @@ def record_round(
     for params in decision.new_params:
         state.trials.append(Trial(trial_id=len(state.trials), params=params))
     return dataclasses.replace(state, round_index=state.round_index + 1)
+
+
+def trial_score(config: TuningConfig, model: TrainedModel) -> float:
+    """The search metric of a trial's slice: the figure of its typed metrics, or for a workload's own metric
+    (``val_f1``) the value its last validation logged to the trial's MLflow run, where the loop logs every metric
+    the workload reports as ``val_<name>``."""
+    if hasattr(model.metrics, config.metric):
+        return float(getattr(model.metrics, config.metric))
+    from training_core import tracking
+
+    value = tracking.last_metric(model.tracking_uri, model.mlflow_run_id, config.metric)
+    if value is None:
+        raise ValueError(
+            f"metric={config.metric!r} is invalid: trial run {model.mlflow_run_id} logged no {config.metric}, so "
+            f"the workload's metrics() does not report {config.metric.removeprefix('val_')!r}; rank on a metric it "
+            "reports (val_<name> for each name its metrics() returns)"
+        )
+    return value
 
 
 def _scored(trial: Trial) -> tuning.ScoredTrial:
@@ -302,7 +320,7 @@ def tune_with_ray(config: TuningConfig, data: PreparedData, state: SearchState) 
     uri = next(o.checkpoint_uri for o in outcomes if o.trial_id == best.trial_id)
     local = os.path.join(current_context().working_directory, "best_checkpoint")
     parent, name = uri.rstrip("/").rsplit("/", 1)
-    ckpt.CheckpointStorage(parent).fs.get(uri.rstrip("/") + "/", local + "/", recursive=True)
+    ckpt.open_storage(parent).download(name, local)
     meta = ckpt.load_meta(local)
     result = FitResult(checkpoint_dir=local, checkpoint_uri=uri, metrics=meta.history[-1], meta=meta)
     best.model = trained_model(

@@ -411,7 +411,8 @@ class WorkloadConfig:
     name: str = "image_classification"
     """What is trained: ``image_classification`` (the image models and datasets), ``causal_lm`` (GPT-style
     language models on text), or user code as ``package.module:attribute``: a callable called with no arguments
-    (a class or a factory) that returns a :class:`training_core.workloads.Workload`."""
+    (a class or a factory; with ``params=`` when it has that parameter) that returns a
+    :class:`training_core.workloads.Workload`."""
 
     model_factory: str = ""
     """A built-in workload with a user model: ``package.module:attribute`` of a callable
@@ -420,9 +421,21 @@ class WorkloadConfig:
     dataset_source: str = ""
     """A built-in workload with user data: ``package.module:attribute`` of a callable ``(data_config)`` (the
     config's ``data`` section, a ``DataConfig``) returning a ``training_core.datasets.RawDataset``
-    (``image_classification``) or a mapping of document name to text (``causal_lm``). Empty uses ``data.dataset``."""
+    (``image_classification``) or a mapping of document name to text (``causal_lm``). Empty uses ``data.dataset``.
+    A source with a parameter named ``params`` is also given :attr:`params` as ``params=``."""
+
+    params: dict[str, Any] = field(default_factory=dict)
+    """The user's own hyperparameters: names (Python identifiers) to JSON values (numbers, strings, booleans, null,
+    lists, mappings), at most :data:`MAX_WORKLOAD_PARAMS_BYTES` as JSON, e.g. ``{kernel_size: 5, dropout: 0.1}``. A
+    user workload gets them as its ``params`` attribute: the mapping, or an instance of the dataclass it names as
+    ``params_type`` (validated before any worker starts); a ``workload.name`` factory, ``model_factory`` or
+    ``dataset_source`` with a parameter named ``params`` is also called with ``params=`` (the mapping, or an
+    instance of the ``params_type`` the callable declares). Searchable as ``workload.params.<name>``, logged as
+    MLflow params, and part of the cache keys (prep's too where prep can read them: a user workload or a
+    ``dataset_source``)."""
 
     def __post_init__(self) -> None:
+        self.params = checked_params(self.params)
         from_user = self.name not in DATASETS_BY_WORKLOAD
         if from_user and not is_import_path(self.name):
             invalid(
@@ -439,8 +452,67 @@ class WorkloadConfig:
 
     def for_prep(self) -> WorkloadConfig:
         """This workload as data prep is given and cached by it: without the model factory, which prep never calls
-        (a new model re-runs no prep)."""
-        return dataclasses.replace(self, model_factory="")
+        (a new model re-runs no prep), and without :attr:`params` where nothing prep runs can read them (a built-in
+        workload on its own data)."""
+        prep_reads_params = self.name not in DATASETS_BY_WORKLOAD or bool(self.dataset_source)
+        return dataclasses.replace(self, model_factory="", params=self.params if prep_reads_params else {})
+
+
+MAX_WORKLOAD_PARAMS_BYTES = 16_384
+"""Most ``workload.params`` may weigh as JSON: room for many hyperparameters, small enough for every cache key,
+MLflow param (6,000 characters a value) and launch form that carries them."""
+
+PARAMS_FIX = "give a mapping of names (Python identifiers) to JSON values, e.g. {kernel_size: 5, activation: relu}"
+
+
+def checked_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``workload.params`` checked (identifier keys, JSON values, bounded size) with its mappings' keys sorted, so
+    equal params make equal cache keys whatever order they were written in."""
+    import json
+    import keyword
+
+    if not isinstance(params, Mapping):
+        invalid("workload.params", params, PARAMS_FIX)
+    for key in params:
+        if not isinstance(key, str) or not key.isidentifier() or keyword.iskeyword(key):
+            invalid("workload.params", key, f"each name must be a Python identifier (a dataclass field); {PARAMS_FIX}")
+    checked = {key: json_value(f"workload.params.{key}", params[key]) for key in sorted(params)}
+    size = len(json.dumps(checked))
+    if size > MAX_WORKLOAD_PARAMS_BYTES:
+        invalid(
+            "workload.params",
+            checked,
+            f"it weighs {size:_} bytes as JSON, more than {MAX_WORKLOAD_PARAMS_BYTES:_}: pass hyperparameters here, "
+            "and data or large tables through files the workload reads",
+        )
+    return checked
+
+
+def json_value(path: str, value: Any, depth: int = 0) -> Any:
+    """``value`` when it is a JSON value (mappings' keys sorted), else ``ValueError`` naming ``path``."""
+    if depth > MAX_YAML_DEPTH:
+        invalid(path, value, f"it nests deeper than {MAX_YAML_DEPTH} levels")
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        if not INT64_MIN <= value <= INT64_MAX:
+            invalid(path, value, "expected a whole number in [-2**63, 2**63 - 1] (int64)")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            invalid(path, value, "expected a finite number, not inf or nan (JSON has neither)")
+        return value
+    if isinstance(value, (list, tuple)):
+        return [json_value(f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value)]
+    if isinstance(value, Mapping):
+        if not all(isinstance(key, str) for key in value):
+            invalid(path, value, "a mapping's keys must be strings (JSON objects)")
+        return {key: json_value(f"{path}.{clip(key, 60)}", value[key], depth + 1) for key in sorted(value)}
+    invalid(
+        path,
+        value,
+        f"a {type(value).__name__} is not a JSON value: use a number, string, boolean, null, list or mapping",
+    )
 
 
 def is_import_path(value: str) -> bool:
@@ -1256,6 +1328,8 @@ def coerce(path: str, value: Any, hint: type) -> Any:
     if hint is str:
         if not isinstance(value, str):
             invalid(path, value, "expected a string")
+        return value
+    if hint is Any:  # a JSON value: the dataclass that holds it checks it (e.g. WorkloadConfig.params)
         return value
     if typing.get_origin(hint) is dict:
         key_type, value_type = typing.get_args(hint)

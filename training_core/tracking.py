@@ -101,6 +101,17 @@ def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], *, st
     MlflowSink(tracking_uri=tracking_uri, run_id=run_id).log_metrics(metrics, step=step)
 
 
+def last_metric(tracking_uri: str, run_id: str, key: str) -> float | None:
+    """The value of metric ``key`` the run logged at its latest step (the last validation, for ``val_<name>``: the
+    loop logs every metric the workload reports so), or ``None`` when it logged none."""
+    from mlflow.tracking import MlflowClient
+
+    history = MlflowClient(tracking_uri=tracking_uri).get_metric_history(run_id, key)
+    if not history:
+        return None
+    return float(max(history, key=lambda m: (m.step, m.timestamp)).value)
+
+
 @dataclass
 class Promotion:
     model_name: str

@@ -37,11 +37,13 @@ from training_core.config import (
     ScalingConfig,
     TrackingConfig,
     TrainingConfig,
+    WorkloadConfig,
     build_dataclass,
     coerce,
     invalid,
     load_layers,
     merge,
+    parse_yaml,
 )
 
 ALGORITHMS = ("random", "grid", "bayesian", "asha", "pbt")
@@ -58,7 +60,8 @@ class ParamSpec:
     """One searched hyperparameter."""
 
     path: str
-    """Dotted path of a ``TrainingConfig`` field, e.g. ``optimizer.lr`` or ``loop.batch_size``."""
+    """Dotted path of a ``TrainingConfig`` field, e.g. ``optimizer.lr`` or ``loop.batch_size``, or of one of the
+    user's own hyperparameters, ``workload.params.<name>`` (a trial's value is read as YAML: ``"5"`` is 5)."""
 
     kind: str
     """``log_uniform`` (floats, sampled uniformly in log space), ``uniform``, ``int`` (whole numbers in
@@ -204,7 +207,10 @@ class TuningConfig:
     """Trials training at the same time."""
 
     metric: str = "val_accuracy"
-    """What ranks trials: ``val_accuracy`` (higher is better) or ``val_loss`` (lower is better)."""
+    """What ranks trials: ``val_<name>`` of any metric the workload reports, in the workload's direction:
+    ``val_accuracy`` and ``val_loss``, ``val_perplexity`` (language models), ``val_<primary_metric>`` in its
+    ``primary_mode``, or a metric the workload declares a direction for in ``metric_modes`` (e.g.
+    ``{"f1": "max"}``)."""
 
     seed: int = 0
     """Seed of the sampling, the suggestions and PBT's choices; the same seed gives the same trials."""
@@ -229,8 +235,15 @@ class TuningConfig:
                 self.algorithm,
                 "strategy='ray_tune' runs random, bayesian, asha or pbt; use strategy='flyte' for grid",
             )
-        if self.metric not in METRIC_DIRECTIONS:
-            invalid("metric", self.metric, f"choose one of {', '.join(METRIC_DIRECTIONS)}")
+        # Resolved once, not a field: a workload's own metric asks the user's workload for its direction.
+        self.metric_mode = metric_mode(self.metric, self.base.workload)
+        if self.metric not in METRIC_DIRECTIONS and self.strategy == "ray_tune":
+            invalid(
+                "metric",
+                self.metric,
+                f"strategy='ray_tune' ranks on {', '.join(METRIC_DIRECTIONS)}; use strategy='flyte' to rank on a "
+                "workload's own metric",
+            )
         if self.num_trials < 1:
             invalid("num_trials", self.num_trials, "it must be >= 1")
         if self.max_concurrency < 1:
@@ -256,7 +269,11 @@ class TuningConfig:
                 spec.choices if spec.kind == "choice" else [format_param(spec.low, spec), format_param(spec.high, spec)]
             )
             for value in values:
-                apply_params(self.base, {spec.path: value})
+                trial = apply_params(self.base, {spec.path: value})
+                if spec.path.startswith(PARAMS_PREFIX):
+                    from training_core.workloads import check_params
+
+                    check_params(trial.workload)  # the user's params_type refuses the value before any trial
         if self.algorithm == "grid" and len(grid_points(self.search_space)) > self.num_trials:
             size = len(grid_points(self.search_space))
             invalid(
@@ -284,7 +301,16 @@ class TuningConfig:
     @property
     def mode(self) -> str:
         """``max`` or ``min``: which way ``metric`` improves."""
-        return METRIC_DIRECTIONS[self.metric]
+        return self.metric_mode
+
+    @classmethod
+    def from_json(cls, text: str) -> "TuningConfig":
+        """Build from JSON text of a (possibly partial) config, as :meth:`from_dict`: what ``pyflyte run``'s
+        ``--config`` calls with the JSON or YAML it was given, so a partial file overlays the tuning defaults (a
+        partial ``base`` too) rather than the dataclass defaults. Flyte's own transport does not call it."""
+        import json
+
+        return cls.from_dict(json.loads(text))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -311,10 +337,50 @@ def load_tuning_config(path: str | None = None, *, environ: Mapping[str, str] | 
     return TuningConfig.from_dict(load_layers(path, environ=environ, env_prefix=TUNING_ENV_PREFIX))
 
 
+def metric_mode(metric: str, workload: WorkloadConfig) -> str:
+    """Which way ``metric`` (``val_<name>``) improves: ``METRIC_DIRECTIONS`` for the figures every workload has,
+    else what the workload ``workload`` names says (imported and built here, so this fails before any trial):
+    ``primary_mode`` for ``val_<primary_metric>``, or its ``metric_modes[name]``."""
+    if metric in METRIC_DIRECTIONS:
+        return METRIC_DIRECTIONS[metric]
+    name = metric.removeprefix("val_")
+    if not metric.startswith("val_") or not name.isidentifier():
+        invalid("metric", metric, f"name a validation metric as val_<name>, e.g. {', '.join(METRIC_DIRECTIONS)}")
+    from training_core.workloads import resolve_workload
+
+    found = resolve_workload(workload)
+    declared = getattr(found, "metric_modes", None) or {}
+    if name == found.primary_metric:
+        return found.primary_mode
+    if isinstance(declared, Mapping) and declared.get(name) in ("max", "min"):
+        return declared[name]
+    invalid(
+        "metric",
+        metric,
+        f"the workload base.workload.name={workload.name!r} does not say which way {name!r} improves: rank on "
+        f"val_{found.primary_metric} (its primary_metric) or val_loss, or declare metric_modes = {{{name!r}: 'max'}} "
+        "(or 'min') on the workload",
+    )
+
+
+PARAMS_PREFIX = "workload.params."
+"""Search-space paths under it name the user's own hyperparameters (``WorkloadConfig.params``)."""
+
+
 def _field_type(path: str) -> type:
-    """The type of the ``TrainingConfig`` leaf at dotted ``path``; ValueError if there is none."""
+    """The type of the ``TrainingConfig`` leaf at dotted ``path``; ValueError if there is none. A user
+    hyperparameter (``workload.params.<name>``) takes any JSON value: its type is the workload's to check."""
     import typing
 
+    if path.startswith(PARAMS_PREFIX):
+        name = path.removeprefix(PARAMS_PREFIX)
+        if not name.isidentifier():
+            invalid(
+                "search_space.path",
+                path,
+                "name one hyperparameter as workload.params.<name>, e.g. workload.params.kernel_size",
+            )
+        return typing.Any
     node: Any = TrainingConfig
     parts = path.split(".")
     for i, part in enumerate(parts):
@@ -338,7 +404,7 @@ def apply_params(base: TrainingConfig, params: Mapping[str, str]) -> TrainingCon
         *sections, leaf = path.split(".")
         for section in sections:
             node = node[section]
-        node[leaf] = value
+        node[leaf] = parse_yaml(value, where=f"{path}={value!r}") if path.startswith(PARAMS_PREFIX) else value
     return TrainingConfig.from_dict(tree)
 
 

@@ -67,8 +67,9 @@ def tuning_pipeline(config: TuningConfig = TuningConfig()) -> tuple[TuningResult
     :param config: ``base`` (the trial run; ``base.loop.epochs`` is the full budget), ``search_space``
         (dotted config paths: log_uniform, uniform, int or choice), ``algorithm`` (random, grid, bayesian,
         asha, pbt), ``strategy`` (flyte: trials as nodes; ray_tune: Ray Tune on one RayCluster),
-        ``num_trials``, ``max_concurrency``, ``metric`` and the asha/pbt/bayesian settings. Defaults: ASHA
-        over 8 trials of a small CNN on digits, rungs of 1, 2 and 4 epochs.
+        ``num_trials``, ``max_concurrency``, ``metric`` (``val_<name>`` of any metric the workload reports) and the
+        asha/pbt/bayesian settings. A partial JSON or YAML ``--config`` overlays these defaults (a partial ``base``
+        too): ASHA over 8 trials of a small CNN on digits, rungs of 1, 2 and 4 epochs.
     :return: The best trial (config, checkpoint, metric), the trial table, and its registration.
     """
     data = prepare(config=config.base.data, workload=config.base.workload)

@@ -123,3 +123,49 @@ def test_every_field_has_a_docstring():
                         getattr(following, "value", None), ast.Constant
                     )
                     assert documented, f"{node.name}.{item.target.id} has no docstring"
+
+
+# --- workload.params: the user's own hyperparameters --------------------------------------------------------------
+
+
+def test_workload_params_are_read_from_yaml_and_the_environment_with_their_json_types(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("workload:\n  params: {kernel_size: 3, dropout: 0.1, act: relu, layers: [64, 32], extra: null}\n")
+    cfg = load_config(path, environ={"TRAINING_CORE__WORKLOAD__PARAMS__KERNEL_SIZE": "5"})
+    assert cfg.workload.params == {"act": "relu", "dropout": 0.1, "extra": None, "kernel_size": 5, "layers": [64, 32]}
+    assert list(cfg.workload.params) == sorted(cfg.workload.params)  # equal params, equal cache keys
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"kernel-size": 3}, "workload.params='kernel-size' is invalid: each name must be a Python identifier"),
+        ({"lr": float("inf")}, "workload.params.lr=inf is invalid: expected a finite number, not inf or nan"),
+        ({"sizes": [1, {2}]}, "workload.params.sizes[1]={2} is invalid: a set is not a JSON value"),
+        ({"notes": "x" * 20_000}, "more than 16_384: pass hyperparameters here"),
+        ("kernel_size=3", "workload.params='kernel_size=3' is invalid: expected a mapping"),
+    ],
+    ids=["not-an-identifier", "not-finite", "not-json", "too-large", "not-a-mapping"],
+)
+def test_bad_workload_params_name_the_field_the_value_and_the_fix(params, message):
+    with pytest.raises(ValueError, match=r"is invalid") as caught:
+        TrainingConfig.from_dict({"workload": {"params": params}})
+    assert message in str(caught.value)
+
+
+def test_workload_params_key_prep_only_where_prep_can_read_them():
+    params = {"kernel_size": 5}
+    built_in = TrainingConfig.from_dict({"workload": {"params": params, "model_factory": "pkg.models:make"}}).workload
+    assert built_in.for_prep().params == {}  # the built-in image prep never reads them: a new kernel re-preps nothing
+    source = TrainingConfig.from_dict({"workload": {"params": params, "dataset_source": "pkg.data:load"}}).workload
+    assert source.for_prep().params == params
+    user = TrainingConfig.from_dict({"workload": {"name": "pkg.work:Build", "params": params}}).workload
+    assert user.for_prep().params == params
+
+
+def test_workload_params_are_logged_as_mlflow_params_by_their_dotted_name():
+    from training_core.metrics import flatten
+
+    cfg = TrainingConfig.from_dict({"workload": {"params": {"kernel_size": 5, "head": {"width": 64}}}})
+    flat = flatten(cfg.to_dict())
+    assert flat["workload.params.kernel_size"] == 5 and flat["workload.params.head.width"] == 64

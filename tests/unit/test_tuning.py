@@ -105,7 +105,9 @@ from training_core.tuning import (
         ),
         (
             lambda: TuningConfig.from_dict({"metric": "val_f1"}),
-            "metric='val_f1' is invalid: choose one of val_accuracy, val_loss",
+            "metric='val_f1' is invalid: the workload base.workload.name='image_classification' does not say which "
+            "way 'f1' improves: rank on val_accuracy (its primary_metric) or val_loss, or declare metric_modes = "
+            "{'f1': 'max'} (or 'min') on the workload",
         ),
         (lambda: TuningConfig.from_dict({"asha": {"eta": 1}}), "asha.eta=1 is invalid: it must be >= 2"),
         (
@@ -591,3 +593,99 @@ def test_single_round_searches_continue_no_trial(algorithm):
     )
     trained = _scored(initial_params(cfg)[:2], [0.4, 0.8])
     assert decide_round(cfg, round_index=0, trained=trained, finished=trained) == RoundDecision()
+
+
+# --- the user's own hyperparameters and metrics ------------------------------------------------------------------
+
+CNN = "examples.cnn_params.workload:DigitsCNN"
+
+
+def test_a_search_over_a_users_own_hyperparameter_gives_each_trial_its_value_as_json():
+    cfg = TuningConfig.from_dict(
+        {
+            "algorithm": "grid",
+            "num_trials": 3,
+            "search_space": [{"path": "workload.params.kernel_size", "kind": "choice", "choices": [1, 3, 5]}],
+            "base": {"workload": {"name": CNN, "params": {"kernel_size": 3, "channels": 8}}},
+        }
+    )
+    trials = [apply_params(cfg.base, params) for params in initial_params(cfg)]
+    assert [t.workload.params for t in trials] == [{"channels": 8, "kernel_size": k} for k in (1, 3, 5)]
+    assert all(type(t.workload.params["kernel_size"]) is int for t in trials)
+    ranged = TuningConfig.from_dict(
+        {
+            "algorithm": "random",
+            "search_space": [{"path": "workload.params.dropout", "kind": "uniform", "low": 0.1, "high": 0.5}],
+        }
+    )
+    (first, *_) = [apply_params(ranged.base, params) for params in initial_params(ranged)]
+    assert 0.1 <= first.workload.params["dropout"] <= 0.5 and type(first.workload.params["dropout"]) is float
+
+
+def test_a_users_hyperparameter_path_must_name_one_identifier():
+    with pytest.raises(ValueError) as caught:
+        ParamSpec("workload.params.head.width", "int", low=1, high=4)
+    assert str(caught.value).startswith(
+        "search_space.path='workload.params.head.width' is invalid: name one hyperparameter as workload.params.<name>"
+    )
+
+
+def test_a_workloads_primary_metric_ranks_trials_in_its_primary_mode():
+    cfg = TuningConfig.from_dict({"metric": "val_f1", "asha": {"eta": 2}, "base": {"workload": {"name": CNN}}})
+    assert cfg.mode == "max"  # DigitsCNN: primary_metric f1, primary_mode max
+    trained = [ScoredTrial(trial_id=i, params={}, score=f1) for i, f1 in enumerate([0.2, 0.9, 0.5, 0.7])]
+    decision = decide_round(cfg, round_index=0, trained=trained, finished=trained)
+    assert decision.continuing == [1, 3] and decision.stopped == [0, 2]
+
+
+def test_a_metric_the_workload_declares_a_direction_for_ranks_in_that_direction(tmp_path, monkeypatch):
+    (tmp_path / "declared_modes.py").write_text(
+        "from examples.cnn_params.workload import DigitsCNN\n\n"
+        "class Calibrated(DigitsCNN):\n"
+        "    metric_modes = {'calibration_error': 'min'}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = TuningConfig.from_dict(
+        {"metric": "val_calibration_error", "base": {"workload": {"name": "declared_modes:Calibrated"}}}
+    )
+    assert cfg.mode == "min"
+    with pytest.raises(ValueError, match=r"metric='val_f1' is invalid: strategy='ray_tune' ranks on val_accuracy"):
+        TuningConfig.from_dict(
+            {"metric": "val_f1", "strategy": "ray_tune", "algorithm": "random", "base": {"workload": {"name": CNN}}}
+        )
+
+
+def test_pyflyte_reads_a_partial_tuning_yaml_onto_the_tuning_defaults(tmp_path):
+    from flytekit.interaction.click_types import JsonParamType
+
+    path = tmp_path / "search.yaml"
+    path.write_text(
+        "algorithm: random\n"
+        "metric: val_f1\n"
+        "search_space:\n"
+        "  - {path: workload.params.kernel_size, kind: choice, choices: [3, 5]}\n"
+        "base:\n"
+        "  workload: {name: " + CNN + "}\n"
+        "  loop: {epochs: 2}\n"
+    )
+    cfg = JsonParamType(TuningConfig).convert(str(path), None, None)  # what `pyflyte run --config` does with it
+    defaults = default_base()
+    assert cfg.base.scaling == defaults.scaling and cfg.base.model.name == "small_cnn"  # not TrainingConfig()'s
+    assert cfg.base.loop.epochs == 2 and cfg.base.loop.log_interval_steps == defaults.loop.log_interval_steps
+    assert cfg.search_space[0].choices == ["3", "5"] and cfg.mode == "max"
+    assert cfg == load_tuning_config(str(path), environ={})
+
+
+def test_a_value_of_the_search_that_the_workloads_params_type_refuses_fails_before_the_search():
+    with pytest.raises(ValueError) as caught:
+        TuningConfig.from_dict(
+            {
+                "algorithm": "random",
+                "search_space": [{"path": "workload.params.kernel_size", "kind": "choice", "choices": [3, 4]}],
+                "base": {"workload": {"name": CNN}},
+            }
+        )
+    assert str(caught.value) == (
+        "workload.params={'kernel_size': 4} is invalid: CNNParams refused it (ValueError: kernel_size=4 must be an odd "
+        "number >= 1, e.g. 3 or 5); fix the value it names"
+    )

@@ -692,3 +692,76 @@ def test_the_example_trains_evaluates_and_its_checkpoint_predicts_raw_rows_in_pr
     truth = (table["diagnosis"] == "malignant").to_numpy()
     assert (predicted.numpy() == truth).mean() > 0.95
     assert workload.example_input(Manifest.load(table_dir)).shape == (2, 30)
+
+
+# --- workload.params: the user's own hyperparameters, typed by the workload's dataclass ------------------------------
+
+CNN = "examples.cnn_params.workload:DigitsCNN"
+
+
+def test_params_reach_a_user_workload_as_the_dataclass_it_declares(digits_dir):
+    from examples.cnn_params.workload import CNNParams
+
+    cfg = _config({"name": CNN, "params": {"kernel_size": 5, "channels": 4}}, data={"num_shards": 2})
+    workload = preflight(cfg, digits_dir)  # runs the model on a batch: it reports f1, its primary metric
+    assert workload.params == CNNParams(kernel_size=5, channels=4)
+    model = workload.build_model(cfg, Manifest.load(digits_dir))
+    assert model[0].kernel_size == (5, 5) and model[0].out_channels == 4
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (
+            {"kernel": 3},
+            "workload.params.kernel=3 is invalid: CNNParams has no field 'kernel'; use one of its fields "
+            "(kernel_size, channels) or add it",
+        ),
+        (
+            {"kernel_size": "3"},
+            "workload.params.kernel_size='3' is invalid: CNNParams.kernel_size is declared int: give a value of that "
+            "type",
+        ),
+        (
+            {"kernel_size": 4},
+            "workload.params={'kernel_size': 4} is invalid: CNNParams refused it (ValueError: kernel_size=4 must be "
+            "an odd number >= 1, e.g. 3 or 5); fix the value it names",
+        ),
+    ],
+    ids=["unknown-name", "wrong-type", "refused-value"],
+)
+def test_bad_params_fail_before_any_worker_starts_naming_the_field_the_value_and_the_fix(params, expected):
+    assert _error(WorkloadConfig(name=CNN, params=params)) == expected
+
+
+def test_a_model_factory_and_a_dataset_source_that_take_params_get_them(user_package, tmp_path):
+    module = user_package(
+        """
+        from dataclasses import dataclass
+
+        import numpy as np
+        from torch import nn
+
+        from training_core.datasets import RawDataset
+
+        @dataclass
+        class Width:
+            hidden: int = 8
+
+        def make(config, manifest, params):
+            return nn.Sequential(nn.Flatten(), nn.Linear(64, params.hidden), nn.Linear(params.hidden, 10))
+
+        make.params_type = Width
+
+        def source(data, params):
+            count = params["samples"]
+            images = np.zeros((count, 1, 8, 8), dtype=np.uint8)
+            return RawDataset(splits={"train": (images, np.arange(count) % 2)}, classes=["a", "b"])
+        """
+    )
+    cfg = _config({"model_factory": f"{module}:make", "params": {"hidden": 12}})
+    model = resolve_workload(cfg.workload).build_model(cfg, prepare(DataConfig(), str(tmp_path / "d")))
+    assert model[1].out_features == 12
+    selected = WorkloadConfig(dataset_source=f"{module}:source", params={"samples": 40})
+    manifest = resolve_workload(selected).prepare_data(DataConfig(num_shards=1), str(tmp_path / "p"))
+    assert sum(split.num_samples for split in manifest.splits.values()) == 40

@@ -18,6 +18,8 @@ workload once on a batch there. Inside the workers, what user code raises is a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import importlib
 import inspect
 import math
@@ -203,10 +205,129 @@ def resolve_workload(selected: WorkloadConfig) -> Workload:
 
         return CausalLM(selected)
     factory = load_attribute("workload.name", selected.name)
-    if not signature_accepts(factory, 0):
+    if not signature_accepts(factory, 0) and not takes_params(factory):
         invalid("workload.name", selected.name, "it must be callable with no arguments (a class or a factory)")
-    workload = call_user("workload.name", selected.name, factory)
-    return UserWorkload(check_workload("workload.name", selected.name, workload), selected.name)
+    params = factory_params(selected, factory)
+    workload = call_with_params("workload.name", selected.name, factory, params)
+    if getattr(factory, "params_type", None) is None and getattr(workload, "params_type", None) is not None:
+        params = typed_params(selected, workload.params_type)  # declared by the instance a factory function built
+    workload = check_workload("workload.name", selected.name, workload)
+    try:
+        workload.params = params
+    except AttributeError as exc:  # a read-only property or __slots__ without it
+        invalid("workload.name", selected.name, f"its workload cannot take a params attribute ({exc}); let it")
+    return UserWorkload(workload, selected.name)
+
+
+def check_params(selected: WorkloadConfig) -> None:
+    """Check ``workload.params`` against every ``params_type`` the user code ``selected`` names declares (the
+    workload's, the model factory's, the dataset source's): ``ValueError`` naming the field, the value and the fix."""
+    resolve_workload(selected)
+    for field, path in (
+        ("workload.model_factory", selected.model_factory),
+        ("workload.dataset_source", selected.dataset_source),
+    ):
+        if path:
+            factory_params(selected, load_attribute(field, path))
+
+
+def takes_params(factory: Callable[..., Any]) -> bool:
+    """Whether ``factory`` has a parameter named ``params`` that can be passed by keyword: such a factory is given
+    ``workload.params`` (the others keep the signature they had before params existed)."""
+    try:
+        parameter = inspect.signature(factory).parameters.get("params")
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return parameter is not None and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+
+
+def call_with_params(field: str, path: str, factory: Callable[..., Any], params: Any, *args: Any) -> Any:
+    """:func:`call_user` of ``factory(*args)``, with ``params=params`` when it takes them (:func:`takes_params`)."""
+    if takes_params(factory):
+        return call_user(field, path, functools.partial(factory, params=params), *args)
+    return call_user(field, path, factory, *args)
+
+
+def factory_params(selected: WorkloadConfig, factory: Any) -> Any:
+    """``workload.params`` as ``factory`` takes them: an instance of the dataclass it declares as ``params_type``
+    (a class attribute, or an attribute of a factory function), else the mapping."""
+    params_type = getattr(factory, "params_type", None)
+    return dict(selected.params) if params_type is None else typed_params(selected, params_type)
+
+
+def typed_params(selected: WorkloadConfig, params_type: Any) -> Any:
+    """``workload.params`` as an instance of the user's dataclass ``params_type``: each name must be one of its
+    fields, each value of the field's type (an int where a float is declared is taken as a float), and what the
+    dataclass itself refuses (a ``ValueError``, ``TypeError`` or ``AssertionError`` of its ``__post_init__``)
+    is reported as a config error: the field, the value and the fix, before any worker starts."""
+    where = f"{selected.name} (its params_type)"
+    if not isinstance(params_type, type) or not dataclasses.is_dataclass(params_type):
+        invalid(where, params_type, "name a dataclass (the class itself) as params_type, or none for a plain mapping")
+    kind = params_type.__name__
+    fields = {f.name: f for f in dataclasses.fields(params_type) if f.init}
+    hints = user_type_hints(where, params_type)
+    values = {}
+    for key, value in selected.params.items():
+        if key not in fields:
+            invalid(
+                f"workload.params.{key}",
+                value,
+                f"{kind} has no field {key!r}; use one of its fields ({clip(', '.join(fields) or 'none')}) or add it",
+            )
+        values[key] = param_value(f"workload.params.{key}", value, hints.get(key, Any), f"{kind}.{key}")
+    required = [
+        name
+        for name, f in fields.items()
+        if name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if required:
+        invalid(
+            "workload.params",
+            selected.params,
+            f"{kind} requires {', '.join(required)}: set workload.params.{required[0]}",
+        )
+    try:
+        return params_type(**values)
+    except (ValueError, TypeError, AssertionError) as exc:
+        invalid("workload.params", selected.params, f"{kind} refused it ({raised(exc)}); fix the value it names")
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001 - user code: name it
+        if not blames_user_code(exc):
+            raise
+        raise UserCodeError(f"workload.params: building {kind} raised {raised(exc)}; fix {kind}") from None
+
+
+def user_type_hints(where: str, params_type: type) -> dict[str, Any]:
+    """The resolved annotations of the user's ``params_type``; ``ValueError`` naming it when they do not resolve."""
+    import typing
+
+    try:
+        return typing.get_type_hints(params_type)
+    except Exception as exc:  # noqa: BLE001 - an annotation naming what its module lacks is the user's to fix
+        invalid(where, params_type, f"its annotations do not resolve ({raised(exc)}); import what they name")
+
+
+def param_value(path: str, value: Any, hint: Any, declared: str) -> Any:
+    """``value`` when it has the declared ``hint`` (bool, int, float, str, list, dict, ``X | None``; other hints
+    are the dataclass's to check), else ``ValueError`` naming ``path``, the value and the declared type."""
+    import types
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            return param_value(path, value, options[0], declared)
+        return value
+    simple = {bool: (bool,), int: (int,), float: (int, float), str: (str,), list: (list,), dict: (dict,)}
+    expected = simple.get(origin or hint)
+    if expected is None:
+        return value
+    if not isinstance(value, expected) or (hint is not bool and isinstance(value, bool)):
+        name = getattr(hint, "__name__", None) if origin is None else str(hint)
+        invalid(path, value, f"{declared} is declared {name or hint}: give a value of that type")
+    return float(value) if hint is float else value
 
 
 def preflight(config: TrainingConfig, data_dir: str) -> Workload:
