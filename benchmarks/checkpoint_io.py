@@ -119,9 +119,9 @@ def _sharded_worker(rank: int, spec: dict, out: dict) -> None:
         )
         return time.perf_counter() - started
 
-    sync = ckpt.Checkpointer(ckpt.CheckpointStorage(f"{spec['dir']}/sync"), keep_last=1, async_save=False)
+    sync = ckpt.Checkpointer(ckpt.open_storage(f"{spec['dir']}/sync"), keep_last=1, async_save=False)
     save_s = [save(sync, repeat + 1) for repeat in range(spec["repeats"])]
-    asynchronous = ckpt.Checkpointer(ckpt.CheckpointStorage(f"{spec['dir']}/async"), keep_last=1, async_save=True)
+    asynchronous = ckpt.Checkpointer(ckpt.open_storage(f"{spec['dir']}/async"), keep_last=1, async_save=True)
     stall_s = []
     for repeat in range(spec["repeats"] + 1):  # the first save allocates the host buffers
         stalled = save(asynchronous, repeat + 1)
@@ -179,7 +179,7 @@ def main() -> None:
 
     model, optimizer, meta = _state(args.model)
     with tempfile.TemporaryDirectory(prefix="checkpoint-io-") as workdir:
-        local = ckpt.CheckpointStorage(os.path.join(workdir, "local"))
+        local = ckpt.open_storage(os.path.join(workdir, "local"))
         sync = ckpt.Checkpointer(local, keep_last=1, async_save=False)
         # Raw writes of the same bytes alternate with our saves, so disk-speed drift hits both alike.
         save_s, load_s, raw_s, nbytes, raw_bytes = [], [], [], 0, 0
@@ -209,7 +209,7 @@ def main() -> None:
 
         stall_s = []
         async_checkpointer = ckpt.Checkpointer(
-            ckpt.CheckpointStorage(os.path.join(workdir, "async")), keep_last=1, async_save=True
+            ckpt.open_storage(os.path.join(workdir, "async")), keep_last=1, async_save=True
         )
         # The first save allocates the staging buffers; the steady state is every save after it, which is
         # what a run of many checkpoints pays.
@@ -240,7 +240,7 @@ def main() -> None:
                 "secret": "bench",
                 "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
             }
-            s3 = ckpt.CheckpointStorage("s3://checkpoints/bench", storage_options=options)
+            s3 = ckpt.open_storage("s3://checkpoints/bench", storage_options=options)
             s3_checkpointer = ckpt.Checkpointer(s3, keep_last=1, async_save=False)
             s3_save_s, s3_load_s = [], []
             for repeat in range(args.repeats):

@@ -116,6 +116,7 @@ def measure_in_process(gateway_url: str, args: argparse.Namespace, *, interval_s
     from training_core.loop import train_step
     from training_core.models import build_model
     from training_core.telemetry import JobLabels, NullTelemetry, PrometheusTelemetry
+    from training_core.workloads.image import classification_loss
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -137,6 +138,7 @@ def measure_in_process(gateway_url: str, args: argparse.Namespace, *, interval_s
                 micro_batches=[batches[index % len(batches)]],
                 autocast_dtype=None,
                 max_grad_norm=1.0,
+                loss_fn=classification_loss,
             )
             now = time.perf_counter()
             telemetry.step(

@@ -50,7 +50,7 @@ PROCESS_GROUPS = (
 # What a Train worker's sample is doing, from the innermost matching frame outwards: (part, a substring of a
 # frame's function or file). Checked in order; the first part any frame of the stack matches wins.
 WORKER_PARTS = (
-    ("checkpoint", "training_core/checkpoint.py"),
+    ("checkpoint", "training_core/checkpoint/"),
     ("ray_train_report", "report ("),
     ("telemetry", "training_core/telemetry"),
     ("train_step", "train_step ("),

@@ -16,12 +16,23 @@ The probes leave the model, its buffers (BatchNorm statistics) and the RNG as th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
+
+from training_core.config import AUTO
+from training_core.data import ShardStream
+from training_core.train.step import Saved, no_gradient_sync
+
+if TYPE_CHECKING:
+    from training_core.config import TrainingConfig
+    from training_core.data import Manifest
+    from training_core.distributed import WorkerRuntime
+    from training_core.workloads import Workload
 
 log = logging.getLogger("training_core")
 
@@ -94,9 +105,7 @@ def measure(
     samples. ``no_sync(model)`` is the context that keeps a backward pass from syncing gradients. The fixed part
     counts the optimizer's state and its step's temporaries, and with ``checkpoint_staging`` (asynchronous saves on
     CPU) the host copy of the weights and optimizer state a save keeps."""
-    from training_core.loop import _Saved
-
-    buffers = _Saved(list(model.buffers()))
+    buffers = Saved(list(model.buffers()))
     rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if device.type == "cuda" else None
     state_copies = OPTIMIZER_STATE_COPIES.get(optimizer_name, 2) if optimizer_name != "sgd" or momentum else 0
     weights = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
@@ -162,3 +171,101 @@ def agree(micro_batch_size: int, device: torch.device) -> int:
     value = torch.tensor([micro_batch_size], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
     return int(value.item())
+
+
+class BatchPlanner:
+    """This worker's micro-batch and accumulation steps: ``loop.batch_size: auto`` measured and planned, or an
+    elastic run's on another number of workers than ``scaling.num_workers``; the global batch stays as configured."""
+
+    def __init__(
+        self, model: nn.Module, workload: Workload, manifest: Manifest, runtime: WorkerRuntime, *, sharded: bool
+    ) -> None:
+        self.model, self.workload, self.manifest, self.sharded = model, workload, manifest, sharded
+        self.rank, self.world_size, self.device = runtime.rank, runtime.world_size, runtime.device
+
+    def plan(self, cfg: TrainingConfig) -> TrainingConfig:
+        """``cfg`` with the micro-batch this worker trains (``cfg`` itself when the config's stands)."""
+        if cfg.loop.batch_size == AUTO:
+            return self.auto(cfg)
+        if cfg.scaling.elastic and self.world_size != cfg.scaling.num_workers:
+            return self.keep_global_batch(cfg)
+        return cfg
+
+    def auto(self, cfg: TrainingConfig) -> TrainingConfig:
+        """``cfg`` with ``loop.batch_size: auto`` resolved: the largest micro-batch that fits the memory budget and
+        divides this worker's share of ``loop.global_batch_size``, the smallest over the ranks (a collective), and
+        the accumulation that keeps the global batch."""
+        per_worker = cfg.loop.global_batch_size // self.world_size
+        per_rank = self.manifest.splits["train"].num_samples // self.world_size
+        if per_rank < per_worker:
+            raise ValueError(
+                f"loop.global_batch_size={cfg.loop.global_batch_size} is too large: with {self.world_size} worker(s) "
+                f"each has {per_rank} training sample(s), fewer than its {per_worker} of a global batch; lower "
+                "loop.global_batch_size or scaling.num_workers"
+            )
+        if per_worker == 1:  # the only micro-batch there is; measuring needs two of this rank's samples
+            return dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, batch_size=1, grad_accum_steps=1))
+        fixed_bytes, bytes_per_sample = self.measure(cfg)
+        budget = budget_bytes(
+            cfg.loop.memory_budget_gib, device=self.device, memory_per_worker_gib=cfg.scaling.memory_per_worker_gib
+        )
+        plan = plan_micro_batch(
+            per_worker, fixed_bytes=fixed_bytes, bytes_per_sample=bytes_per_sample, budget_bytes=budget
+        )
+        size = agree(plan.micro_batch_size, self.device)
+        if self.rank == 0:
+            log.warning(
+                "loop.batch_size=auto: micro-batch %d, %d accumulation step(s) per optimizer step (global batch %d); "
+                "predicted %.3f GiB of a %.3f GiB budget (%.3f GiB fixed, %.3f MiB per sample)",
+                size,
+                per_worker // size,
+                cfg.loop.global_batch_size,
+                plan.predicted_bytes(size) / 2**30,
+                budget / 2**30,
+                fixed_bytes / 2**30,
+                bytes_per_sample / 2**20,
+            )
+        return dataclasses.replace(
+            cfg, loop=dataclasses.replace(cfg.loop, batch_size=size, grad_accum_steps=per_worker // size)
+        )
+
+    def measure(self, cfg: TrainingConfig) -> tuple[int, int]:
+        """:func:`measure` on probes of 1 and 2 of this rank's first training samples."""
+        to_device = self.workload.to_device(self.manifest, self.device)
+        stream = ShardStream(self.manifest, "train", rank=self.rank, world_size=self.world_size, data=cfg.data)
+        probes = tuple(
+            to_device(next(stream.train_batches(epoch=0, seed=cfg.loop.seed, batch_size=n, num_batches=1)))
+            for n in (1, 2)
+        )
+        # On CPU the probe is a forward alone, of the module itself: no DDP or FSDP state is left expecting a backward.
+        probed = self.model if self.device.type == "cuda" or self.sharded else getattr(self.model, "module", self.model)
+        return measure(
+            probed,
+            self.workload.loss,
+            probes,
+            device=self.device,
+            optimizer_name=cfg.optimizer.name,
+            momentum=cfg.optimizer.momentum,
+            no_sync=no_gradient_sync,
+            checkpoint_staging=cfg.checkpoint.async_save and self.rank == 0,
+        )
+
+    def keep_global_batch(self, cfg: TrainingConfig) -> TrainingConfig:
+        """``cfg`` for an elastic job running on another number of workers than ``scaling.num_workers`` (after a
+        lost node, or grown back): the largest micro-batch up to ``loop.batch_size`` that divides this worker's share
+        of the global batch, and the accumulation that keeps it (the config checked that the share is whole)."""
+        loop = cfg.loop
+        global_batch = loop.batch_size * loop.grad_accum_steps * cfg.scaling.num_workers
+        share = global_batch // self.world_size
+        size = max(n for n in range(1, min(loop.batch_size, share) + 1) if share % n == 0)
+        if self.rank == 0:
+            log.warning(
+                "elastic: %d of scaling.num_workers=%d workers; micro-batch %d, %d accumulation step(s) per optimizer "
+                "step keep the global batch of %d",
+                self.world_size,
+                cfg.scaling.num_workers,
+                size,
+                share // size,
+                global_batch,
+            )
+        return dataclasses.replace(cfg, loop=dataclasses.replace(loop, batch_size=size, grad_accum_steps=share // size))

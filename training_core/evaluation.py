@@ -274,8 +274,7 @@ def evaluate_on_cluster(
 
     from training_core.checkpoint import load_meta
     from training_core.ray_processes import reaped_run
-    from training_core.ray_settings import start_local_cluster
-    from training_core.trainer import ray_scaling_config
+    from training_core.ray_settings import ray_scaling_config, start_local_cluster
 
     manifest = _split_of(data_dir, split)
     require_same_data(load_meta(checkpoint_uri), manifest, checkpoint_dir=checkpoint_uri, data_dir=data_dir)

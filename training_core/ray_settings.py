@@ -47,7 +47,10 @@ import logging
 import os
 import time
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from training_core.config import TrainingConfig
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +275,24 @@ POD_HOOK_COMMAND = [
 ]
 """Every RayJob pod's ``postStart`` hook: :func:`idle_pod_daemons` in the background, so the hook returns at
 once and never fails the container (the image holds ``training_core``; a failure lands in the log file)."""
+
+
+def ray_scaling_config(cfg: TrainingConfig):
+    """Ray Train's scaling of a run (``scaling.*``): its workers, their resources, and the elastic range."""
+    from ray.train import ScalingConfig
+
+    resources = {"CPU": cfg.scaling.cpus_per_worker}
+    if cfg.scaling.use_gpu:
+        resources["GPU"] = cfg.scaling.gpus_per_worker
+    scaling = cfg.scaling
+    if scaling.elastic:  # Ray Train's elastic policy: (min, max) workers, resized at its monitor interval
+        return ScalingConfig(
+            num_workers=(scaling.min_workers, scaling.num_workers),
+            use_gpu=scaling.use_gpu,
+            resources_per_worker=resources,
+            elastic_resize_monitor_interval_s=scaling.elastic_resize_interval_s,
+        )
+    return ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu, resources_per_worker=resources)
 
 
 if __name__ == "__main__":

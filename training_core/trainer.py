@@ -17,7 +17,7 @@ from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
 from training_core.failures import DIVERGED_METRIC, FailFastPolicy, TrainingDiverged, find_deterministic
 from training_core.ray_processes import reaped_run
-from training_core.ray_settings import start_local_cluster
+from training_core.ray_settings import ray_scaling_config, start_local_cluster
 from training_core.records import EpochRecord, MlflowRun, WorkerArgs
 from training_core.redact import install_log_redaction, redact
 
@@ -35,23 +35,6 @@ class FitResult:
     meta: ckpt.CheckpointMeta = field(repr=False)
 
 
-def ray_scaling_config(cfg: TrainingConfig):
-    from ray.train import ScalingConfig
-
-    resources = {"CPU": cfg.scaling.cpus_per_worker}
-    if cfg.scaling.use_gpu:
-        resources["GPU"] = cfg.scaling.gpus_per_worker
-    scaling = cfg.scaling
-    if scaling.elastic:  # Ray Train's elastic policy: (min, max) workers, resized at its monitor interval
-        return ScalingConfig(
-            num_workers=(scaling.min_workers, scaling.num_workers),
-            use_gpu=scaling.use_gpu,
-            resources_per_worker=resources,
-            elastic_resize_monitor_interval_s=scaling.elastic_resize_interval_s,
-        )
-    return ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu, resources_per_worker=resources)
-
-
 def checkpoint_root(storage_path: str, run_name: str) -> str:
     """Where a run's checkpoints live: stable for a given storage path and run name, so a restarted
     worker group or a retried task finds the previous attempt's checkpoints."""
@@ -61,7 +44,7 @@ def checkpoint_root(storage_path: str, run_name: str) -> str:
 def _check_slice(cfg: TrainingConfig, root: str, resume_from: str) -> None:
     """Fail before any worker starts when a slice would start at or past its stop (workers would only
     fail, and be restarted, on the same error)."""
-    storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options(root))
+    storage = ckpt.open_storage(root, cfg.checkpoint)
     if storage.list_steps():
         return  # a retry resumes from its own checkpoints
     epoch = ckpt.load_meta(resume_from).epoch
@@ -187,14 +170,14 @@ def collect_final(
 ) -> FitResult:
     """The newest valid checkpoint under ``root``, copied to local ``checkpoint_dir``; ``metrics`` default to
     its last epoch record."""
-    storage = ckpt.CheckpointStorage(root, storage_options=cfg.checkpoint.storage_options(root))
+    storage = ckpt.open_storage(root, cfg.checkpoint)
     final = ckpt.load_latest_valid(storage)
     if final is None:
         raise RuntimeError(f"{what} left no valid checkpoint under {redact(root)}; see the worker logs above")
     if os.path.exists(checkpoint_dir):
         shutil.rmtree(checkpoint_dir)
     final.release()  # a sharded checkpoint's verified download: the copy below is the one kept
-    storage.fs.get(f"{storage.path}/{final.name}/", checkpoint_dir.rstrip("/") + "/", recursive=True)
+    storage.download(final.name, checkpoint_dir)
     if metrics is None:
         if not final.meta.history:
             raise RuntimeError(f"{what} left {redact(final.uri)} without a finished epoch; see the worker logs above")

@@ -15,7 +15,7 @@ from training_core.data import Manifest, ShardStream, prepare
 from training_core.loop import train_step
 from training_core.models import build_model
 from training_core.optim import build_optimizer
-from training_core.workloads.image import Normalizer
+from training_core.workloads.image import Normalizer, classification_loss
 
 NUM_STEPS = 3
 MICRO_BATCH = 8
@@ -63,6 +63,7 @@ def _ddp_worker(config: dict) -> None:
             micro_batches=micro_batches,
             autocast_dtype=None,
             max_grad_norm=1.0,
+            loss_fn=classification_loss,
         )
         for inputs, _ in micro_batches:
             seen.extend(hashlib.sha1(sample.numpy().tobytes()).hexdigest() for sample in inputs)
@@ -111,6 +112,7 @@ def test_ddp_on_two_gloo_workers_equals_one_process_on_the_union_of_their_batche
             micro_batches=[(inputs, targets)],
             autocast_dtype=None,
             max_grad_norm=1.0,
+            loss_fn=classification_loss,
         )
 
     expected = reference.state_dict()

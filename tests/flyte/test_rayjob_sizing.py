@@ -199,7 +199,7 @@ def test_the_default_run_is_evaluated_in_a_cpu_pod_of_the_evaluate_tasks_size(tm
 def test_an_elastic_run_gets_a_worker_group_of_min_workers_to_num_workers_replicas():
     """``scaling.min_workers``: KubeRay keeps at least that many worker pods, Ray Train's scaling config gets
     ``(min_workers, num_workers)`` workers and its resize interval."""
-    from training_core.trainer import ray_scaling_config
+    from training_core.ray_settings import ray_scaling_config
 
     elastic = dataclasses.replace(GPU_SCALING, min_workers=2, elastic_resize_interval_s=45.0)
     config = TrainingConfig.from_dict(

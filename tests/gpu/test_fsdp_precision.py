@@ -17,6 +17,7 @@ from torch import nn
 
 from training_core import sharding
 from training_core.loop import train_step
+from training_core.workloads.image import classification_loss
 
 DEVICES = [
     "cpu",
@@ -57,6 +58,7 @@ def test_bf16_compute_with_fp32_reduction_keeps_fp32_weights_and_trains_like_fp3
             micro_batches=[(inputs, targets)],
             autocast_dtype=dtype,
             max_grad_norm=1.0,
+            loss_fn=classification_loss,
         )
     # The optimizer updates fp32 master weights: the sharded parameters stay fp32.
     assert all(sharding.local_tensor(p).dtype == torch.float32 for p in sharded_model.parameters())
@@ -89,7 +91,7 @@ def _fp16_rank(rank: int, world_size: int, device_name: str, out: str) -> None:
         before = [sharding.local_tensor(p).detach().clone() for p in model.parameters()]
         result = train_step(
             model=model, optimizer=optimizer, scaler=scaler, micro_batches=[(inputs * scale, targets)],
-            autocast_dtype=torch.float16, max_grad_norm=0.0,
+            autocast_dtype=torch.float16, max_grad_norm=0.0, loss_fn=classification_loss,
         )  # fmt: skip
         after = [sharding.local_tensor(p).detach() for p in model.parameters()]
         record[name] = {

@@ -92,6 +92,7 @@ def test_a_sharded_checkpoint_on_s3_is_verified_downloaded_restored_and_a_corrup
     last; a resume downloads and verifies every shard, restores, and removes its download."""
     import os
 
+    import s3fs
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -119,6 +120,7 @@ def test_a_sharded_checkpoint_on_s3_is_verified_downloaded_restored_and_a_corrup
     try:
         model, optimizer = sharded_model()
         storage = ckpt.CheckpointStorage("s3://flyte/sharded-test")
+        s3 = s3fs.S3FileSystem(skip_instance_cache=True)
         checkpointer = ckpt.Checkpointer(storage, keep_last=2)
         for step in (1, 2):
             train_step(model, optimizer)
@@ -129,7 +131,7 @@ def test_a_sharded_checkpoint_on_s3_is_verified_downloaded_restored_and_a_corrup
             if step == 1:
                 after_step_1 = {k: v.clone() for k, v in weights(model).items()}
         saved = {k: v.clone() for k, v in weights(model).items()}
-        shard_keys = sorted(p.rsplit("/", 1)[1] for p in storage.fs.ls("flyte/sharded-test/step-000000002/shards"))
+        shard_keys = sorted(p.rsplit("/", 1)[1] for p in s3.ls("flyte/sharded-test/step-000000002/shards"))
         assert shard_keys == [".metadata", "__0_0.distcp"]
 
         fresh, fresh_optimizer = sharded_model()
@@ -140,7 +142,7 @@ def test_a_sharded_checkpoint_on_s3_is_verified_downloaded_restored_and_a_corrup
         for name, tensor in saved.items():
             assert torch.equal(weights(fresh)[name], tensor), name
 
-        storage.fs.pipe_file("flyte/sharded-test/step-000000002/shards/__0_0.distcp", b"not the shard")
+        s3.pipe_file("flyte/sharded-test/step-000000002/shards/__0_0.distcp", b"not the shard")
         fallback = ckpt.load_latest_valid(storage)
         assert fallback.meta.global_step == 1
         ckpt.restore(fallback, model=fresh, optimizer=fresh_optimizer)
@@ -272,8 +274,8 @@ def test_checkpoint_objects_can_be_server_side_encrypted(s3_server):
 
     from training_core.config import CheckpointConfig
 
-    options = CheckpointConfig(s3_server_side_encryption="AES256").storage_options() | {"skip_instance_cache": True}
-    storage = ckpt.CheckpointStorage("s3://flyte/encrypted", storage_options=options)
+    config = CheckpointConfig(s3_server_side_encryption="AES256")
+    storage = ckpt.open_storage("s3://flyte/encrypted", config, storage_options={"skip_instance_cache": True})
     ckpt.Checkpointer(storage, keep_last=1, async_save=False).save(1, _state(1))
     client = boto3.client("s3", endpoint_url=s3_server["endpoint"])
     keys = [o["Key"] for o in client.list_objects_v2(Bucket="flyte", Prefix="encrypted/")["Contents"]]

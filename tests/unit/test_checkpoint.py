@@ -13,6 +13,7 @@ from training_core.loop import train_step
 from training_core.models import build_model
 from training_core.optim import build_optimizer, build_scheduler
 from training_core.records import EpochRecord
+from training_core.workloads.image import classification_loss
 
 
 def _trained_objects(seed: int):
@@ -30,6 +31,7 @@ def _trained_objects(seed: int):
             micro_batches=[batch],
             autocast_dtype=None,
             max_grad_norm=1.0,
+            loss_fn=classification_loss,
         )
         scheduler.step()
     return model, optimizer, scheduler, scaler
@@ -237,6 +239,20 @@ def test_manifest_lists_every_file_with_its_hash(tmp_path):
     manifest = json.loads((tmp_path / "step-000000007" / ckpt.MANIFEST_FILE).read_text())
     assert set(manifest["files"]) == {ckpt.MODEL_FILE, ckpt.TRAINER_STATE_FILE, ckpt.META_FILE}
     assert manifest["global_step"] == 7 and manifest["metric"] == 0.25
+
+
+def test_a_checkpoint_downloaded_through_the_storage_seam_verifies_where_it_lands(tmp_path):
+    import fsspec
+
+    root = f"memory://seam-{time.time_ns()}/checkpoints"
+    storage = ckpt.open_storage(root, CheckpointConfig())
+    try:
+        ckpt.Checkpointer(storage, keep_last=1, async_save=False).save(3, _state(3), metric=0.5)
+        storage.download(ckpt.step_name(3), str(tmp_path / ckpt.step_name(3)))
+    finally:
+        fsspec.filesystem("memory").rm(root.removeprefix("memory://"), recursive=True)
+    assert ckpt.load_directory(str(tmp_path / ckpt.step_name(3))).meta.global_step == 3
+    assert not hasattr(storage, "fs"), "callers go through the Storage methods, not the filesystem"
 
 
 def test_staging_buffers_are_reused_but_never_refilled_while_a_write_reads_them(tmp_path):

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from training_core import checkpoint as ckpt
+from training_core.checkpoint import meta as checkpoint_meta
 from training_core.config import TrainingConfig
 from training_core.records import EpochRecord, StepRecord
 from training_core.rng import gather_rng_states
@@ -247,7 +248,7 @@ def test_a_checkpoint_written_before_typed_records_passes_every_check():
 
 
 def test_every_meta_field_has_a_schema_check():
-    assert set(ckpt._META_FIELD_TYPES) == {f.name for f in dataclasses.fields(ckpt.CheckpointMeta)}
+    assert set(checkpoint_meta._META_FIELD_TYPES) == {f.name for f in dataclasses.fields(ckpt.CheckpointMeta)}
 
 
 def test_unknown_meta_fields_are_listed_up_to_ten_each_bounded():
@@ -411,7 +412,7 @@ def test_credentials_in_the_root_never_reach_a_message_and_io_still_uses_them(ca
     bucket = f"bucket-{uuid.uuid4().hex[:8]}"
     root = f"memory://AKIAMARKER:SECRETMARKER@{bucket}/run/checkpoints"
     storage = ckpt.CheckpointStorage(root, retries=1, retry_wait_s=0.0)
-    fs = storage.fs
+    fs = fsspec.filesystem("memory")
     try:
         with caplog.at_level(logging.INFO, logger="training_core"):
             _save_checkpoints(root)

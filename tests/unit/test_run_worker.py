@@ -131,7 +131,7 @@ def test_run_worker_resumes_mid_epoch_from_an_interval_checkpoint_bit_identical(
     storage = ckpt.CheckpointStorage(str(tmp_path / "whole"))
     mid = tmp_path / "mid"
     mid.mkdir()
-    storage.fs.get(f"{storage.path}/{ckpt.step_name(7)}/", str(mid / ckpt.step_name(7)) + "/", recursive=True)
+    storage.download(ckpt.step_name(7), str(mid / ckpt.step_name(7)))
     runtime = _run(cfg, data_dir=digits_dir, root=mid)
     resumed = _final(mid)
 
@@ -172,7 +172,7 @@ def test_a_language_model_resumes_mid_epoch_from_an_interval_checkpoint_bit_iden
     storage = ckpt.CheckpointStorage(str(tmp_path / "whole"))
     mid = tmp_path / "mid"
     mid.mkdir()
-    storage.fs.get(f"{storage.path}/{ckpt.step_name(5)}/", str(mid / ckpt.step_name(5)) + "/", recursive=True)
+    storage.download(ckpt.step_name(5), str(mid / ckpt.step_name(5)))
     _run(cfg, data_dir=data_dir, root=mid)
     resumed = _final(mid)
 
@@ -348,10 +348,9 @@ def test_meta_json_is_the_same_size_after_100_and_after_10000_logged_steps(tmp_p
 def test_the_all_reduce_check_goes_to_mlflow_and_warns_below_the_configured_floor(caplog):
     """What rank 0 does with the job-start all-reduce check (measured on 2 gloo workers in
     tests/integration/test_prometheus.py): MLflow metrics at the starting step, and a warning naming the setting."""
-    from types import SimpleNamespace
 
     from training_core.distributed import AllReduceProbe, probe_allreduce
-    from training_core.loop import Trainer
+    from training_core.train.network_checks import NetworkChecks
 
     assert probe_allreduce(torch.device("cpu"), 1) is None  # one rank has nothing to measure
 
@@ -367,20 +366,15 @@ def test_the_all_reduce_check_goes_to_mlflow_and_warns_below_the_configured_floo
 
     probe = AllReduceProbe(bus_bandwidth_bytes_per_s=1.25e8, latency_s=2e-4, size_bytes=4 * 2**20)  # 1 Gbit/s
     cfg = TrainingConfig.from_dict({"scaling": {"min_allreduce_gbps": 10}})
-    trainer = SimpleNamespace(
-        allreduce_probe=probe,
-        cfg=cfg,
-        rank=0,
-        world_size=2,
-        sink=Sink(),
-        state=SimpleNamespace(global_step=3),
-        nccl_network=None,
+    sink = Sink()
+    NetworkChecks(probe, None, rank=0, world_size=2, min_allreduce_gbps=cfg.scaling.min_allreduce_gbps).report(
+        sink, global_step=3
     )
-    Trainer.report_allreduce_probe(trainer)
-    assert trainer.sink.logged == [({"allreduce_bus_bandwidth_gbps": 1.0, "allreduce_latency_s": 2e-4}, 3)]
+    assert sink.logged == [({"allreduce_bus_bandwidth_gbps": 1.0, "allreduce_latency_s": 2e-4}, 3)]
     assert "below scaling.min_allreduce_gbps=10" in caplog.text and "NCCL_SOCKET_IFNAME" in caplog.text
     caplog.clear()
-    Trainer.report_allreduce_probe(SimpleNamespace(**{**vars(trainer), "cfg": TrainingConfig(), "sink": Sink()}))
+    default_floor = TrainingConfig().scaling.min_allreduce_gbps
+    NetworkChecks(probe, None, rank=0, world_size=2, min_allreduce_gbps=default_floor).report(Sink(), global_step=3)
     assert "below" not in caplog.text  # 0 (the default) never warns
 
 
@@ -392,34 +386,24 @@ def test_a_gpu_worker_reads_nccls_network_choice_and_names_the_variable_it_ignor
 
     from tests.unit.test_nccl_network import FALLBACK_LOG
     from training_core.distributed import AllReduceProbe
-    from training_core.loop import Trainer
+    from training_core.train.network_checks import NetworkChecks, read_nccl_network
 
     (tmp_path / f"nccl-debug.gpu01.{os.getpid()}.log").write_text(FALLBACK_LOG)
     monkeypatch.setenv("NCCL_IB_HCA", "mlx5_0")
     runtime = SimpleNamespace(nccl_debug_dir=str(tmp_path))
-    on_gpu = SimpleNamespace(runtime=runtime, device=torch.device("cuda"), rank=1)
-    found = Trainer.check_nccl_network(on_gpu)
+    found = read_nccl_network(runtime, device=torch.device("cuda"), rank=1)
     assert found.network == "Socket" and found.devices == ["eth0"] and found.inter_node
     assert "rank 1: NCCL is not on the network it was told to use: NCCL_IB_HCA='mlx5_0'" in caplog.text
     # On CPU (gloo), or with the user's own NCCL_DEBUG (no directory): no verdict, no warning.
     caplog.clear()
-    assert Trainer.check_nccl_network(SimpleNamespace(**{**vars(on_gpu), "device": torch.device("cpu")})) is None
-    assert Trainer.check_nccl_network(SimpleNamespace(**{**vars(on_gpu), "runtime": SimpleNamespace()})) is None
+    assert read_nccl_network(runtime, device=torch.device("cpu"), rank=1) is None
+    assert read_nccl_network(SimpleNamespace(), device=torch.device("cuda"), rank=1) is None
     assert caplog.text == ""
 
     logged = []
     sink = SimpleNamespace(log_dict=lambda payload, name: logged.append((name, payload)), log_metrics=lambda m, step: 0)
     probe = AllReduceProbe(bus_bandwidth_bytes_per_s=1e9, latency_s=1e-4, size_bytes=64 * 2**20)
-    trainer = SimpleNamespace(
-        allreduce_probe=probe,
-        cfg=TrainingConfig(),
-        rank=0,
-        world_size=2,
-        sink=sink,
-        state=SimpleNamespace(global_step=7),
-        nccl_network=found,
-    )
-    Trainer.report_allreduce_probe(trainer)
+    NetworkChecks(probe, found, rank=0, world_size=2, min_allreduce_gbps=0.0).report(sink, global_step=7)
     ((name, payload),) = logged
     assert name == "nccl_network/step-7.json"
     assert payload["network"] == "Socket" and payload["mismatch"].startswith("NCCL_IB_HCA='mlx5_0'")

@@ -8,6 +8,7 @@ from training_core.config import OptimizerConfig, ScheduleConfig
 from training_core.loop import masked_step, resolve_precision, train_step
 from training_core.models import build_model
 from training_core.optim import build_optimizer, lr_factor
+from training_core.workloads.image import classification_loss
 
 
 def _setup(optimizer_name: str):
@@ -33,10 +34,17 @@ def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger(optimizer_
             micro_batches=[(inputs, targets)],
             autocast_dtype=None,
             max_grad_norm=0.5,
+            loss_fn=classification_loss,
         )
         micro = list(zip(inputs.chunk(num_micro), targets.chunk(num_micro)))
         accumulated = train_step(
-            model=model_b, optimizer=opt_b, scaler=scaler_b, micro_batches=micro, autocast_dtype=None, max_grad_norm=0.5
+            model=model_b,
+            optimizer=opt_b,
+            scaler=scaler_b,
+            micro_batches=micro,
+            autocast_dtype=None,
+            max_grad_norm=0.5,
+            loss_fn=classification_loss,
         )
         assert accumulated.num_samples == whole.num_samples == 16
         assert accumulated.num_tokens == whole.num_tokens == 0  # images: no tokens
@@ -63,6 +71,7 @@ def test_clipping_bounds_the_update_and_reports_the_norm_before_clipping():
         micro_batches=[(inputs, targets)],
         autocast_dtype=None,
         max_grad_norm=0.01,
+        loss_fn=classification_loss,
     )
     assert result.grad_norm > 0.01
     step = torch.sqrt(sum(((p - q) ** 2).sum() for p, q in zip(model.parameters(), before.parameters())))
@@ -89,6 +98,7 @@ def test_bf16_autocast_step_runs_on_cpu():
         micro_batches=[(inputs, targets)],
         autocast_dtype=torch.bfloat16,
         max_grad_norm=1.0,
+        loss_fn=classification_loss,
     )
     assert math.isfinite(result.loss.item())
 
@@ -118,7 +128,14 @@ def test_a_batch_with_inf_is_flagged_and_skip_nonfinite_leaves_weights_buffers_a
     optimizer = build_optimizer(OptimizerConfig(name="adamw", lr=0.05), model.parameters())
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     inputs, targets = torch.randn(8, 1, 8, 8, dtype=torch.float64), torch.randint(0, 10, (8,))
-    step = dict(model=model, optimizer=optimizer, scaler=scaler, autocast_dtype=None, max_grad_norm=1.0)
+    step = dict(
+        model=model,
+        optimizer=optimizer,
+        scaler=scaler,
+        autocast_dtype=None,
+        max_grad_norm=1.0,
+        loss_fn=classification_loss,
+    )
     assert not train_step(micro_batches=[(inputs, targets)], skip_nonfinite=skip_nonfinite, **step).nonfinite
     before = copy.deepcopy(model.state_dict())
     moments = copy.deepcopy(optimizer.state_dict()["state"])

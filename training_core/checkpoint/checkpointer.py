@@ -1,0 +1,283 @@
+"""Writing checkpoints: the save policy, asynchronous and sharded writes, failure counting and retention."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict
+from typing import Any, Callable, Protocol
+
+from training_core.checkpoint.layout import (
+    MANIFEST_FILE,
+    META_FILE,
+    SHARDS_DIR,
+    TRAINER_STATE_FILE,
+    CheckpointError,
+    reason,
+    step_name,
+)
+from training_core.checkpoint.manifest import CheckpointManifest, file_entry, manifest_for
+from training_core.checkpoint.meta import CheckpointMeta
+from training_core.checkpoint.snapshot import encode, snapshot, to_cpu, torch_bytes
+from training_core.checkpoint.storage import Storage, remove_local
+
+log = logging.getLogger("training_core")
+
+
+class SaveObserver(Protocol):
+    """Told the real outcome of each write (from the writer thread when saves are asynchronous)."""
+
+    def checkpoint_saved(self, *, duration_s: float, bytes_written: int) -> None: ...
+
+    def checkpoint_failed(self) -> None: ...
+
+
+class Checkpointer:
+    """Asynchronous, verified checkpoints with retention (keep the last ``keep_last`` and, when a metric
+    ranks them, the best one)."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        keep_last: int,
+        interval_steps: int = 0,
+        at_epoch_end: bool = True,
+        keep_best: bool = False,
+        best_mode: str = "max",
+        async_save: bool = True,
+        max_consecutive_failures: int = 1,
+        observer: SaveObserver | None = None,
+        shard_wait_s: float = 600.0,
+    ) -> None:
+        assert keep_last >= 1 and max_consecutive_failures >= 1, "validated by CheckpointConfig"
+        self.shard_wait_s = shard_wait_s
+        """How long rank 0 waits for the other ranks' shards of a sharded checkpoint to be on storage."""
+        self.storage = storage
+        self.interval_steps = interval_steps
+        self.at_epoch_end = at_epoch_end
+        self.max_consecutive_failures = max_consecutive_failures
+        self.consecutive_failures = 0
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.best_mode = best_mode
+        self.async_save = async_save
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._staging: dict[str, Any] = {}
+        self.num_saved = 0
+        self.num_failed = 0
+        self.bytes_written = 0
+        self.last_save_s = 0.0
+        self.observer = observer
+        self._last_stage_s = 0.0
+
+    def should_save(self, global_step: int, *, epoch_end: bool) -> bool:
+        """The save policy: every ``interval_steps`` optimizer steps, and at epoch ends when ``at_epoch_end``.
+        A step that is both an interval step and an epoch's last is saved once, at the epoch end (after
+        validation, so the checkpoint carries the epoch's metric). The final checkpoint is always saved."""
+        on_interval = bool(self.interval_steps) and global_step % self.interval_steps == 0
+        return (self.at_epoch_end or on_interval) if epoch_end else on_interval
+
+    def stage(self, **snapshot_args: Any) -> dict[str, Any]:
+        """:func:`snapshot` into buffers reused from save to save. It first lets the write in flight finish
+        (it reads those buffers), so with saves spaced wider than a write it costs a memory copy only."""
+        self._settle()
+        start = time.perf_counter()
+        state = snapshot(**snapshot_args, staging=self._staging if self.async_save else None)
+        self._last_stage_s = time.perf_counter() - start
+        return state
+
+    def save(self, global_step: int, state: dict[str, Any], *, metric: float | None = None) -> float:
+        """Queue ``state`` (from :func:`snapshot`) for writing; returns the seconds the caller was blocked.
+
+        A failed save is logged as an error and counted (``num_failed``); training goes on with the last
+        good checkpoint in place. Once ``max_consecutive_failures`` saves in a row have failed, this raises
+        :class:`CheckpointError`.
+        """
+        name = step_name(global_step)
+
+        def write() -> int:
+            files = encode(state)
+            manifest = manifest_for(files, global_step=global_step, metric=metric)
+            self.storage.write(name, files, manifest)
+            return sum(len(d) for d in files.values()) + len(manifest)
+
+        return self._submit(global_step, write, prune=True)
+
+    def save_sharded(
+        self,
+        global_step: int,
+        *,
+        model: Any,
+        optimizer: Any,
+        trainer_state: dict[str, Any] | None,
+        meta: CheckpointMeta | None,
+        metric: float | None = None,
+        process_group: Any = None,
+    ) -> float:
+        """Save a sharded checkpoint (``scaling.strategy=fsdp``): every rank calls it at the same step. Returns the
+        seconds the caller was blocked.
+
+        What the step waits for: a copy of this rank's shards of the model and optimizer state in host memory
+        (buffers reused from save to save). The rest runs in the background when ``async_save``: rank 0 removes what
+        an earlier attempt left of this step, every rank writes its shard to local disk through
+        ``torch.distributed.checkpoint`` (rank 0 adds ``.metadata``), hashes it, the hashes are gathered, and each
+        rank moves (local root) or uploads its files into the checkpoint's ``shards/``; rank 0 waits until every
+        shard is on storage at its size, then writes ``trainer_state.pt`` (scheduler, scaler, RNG), ``meta.json``
+        and, last, the manifest with every file's sha256, and prunes. The background collectives run on
+        ``process_group``: give it a group of its own (gloo) so they never meet training's collectives; None is the
+        default group, for callers that wait for the save before any other collective.
+        ``trainer_state`` and ``meta`` are rank 0's (tensors already on CPU); other ranks pass None. Failures count
+        as in :meth:`save`; a rank whose write failed raises at its next save or :meth:`wait`, and rank 0's save
+        fails when a shard does not arrive within ``shard_wait_s``."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self._settle()
+        started = time.perf_counter()
+        rank, world_size, name = dist.get_rank(), dist.get_world_size(), step_name(global_step)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = to_cpu(
+            {"model": model_state, "optimizer": optim_state}, self._staging if self.async_save else None, "sharded"
+        )
+        self._last_stage_s = time.perf_counter() - started
+
+        def write() -> int:
+            import torch.distributed.checkpoint as dcp
+
+            if rank == 0:
+                self.storage.discard(name)  # an earlier attempt's unfinished write of this step (it has no manifest)
+            staging = self.storage.staging_dir(name)
+            try:
+                # A collective: every rank returns only once rank 0 has discarded the leftovers above.
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), process_group=process_group)
+                own = {f"{SHARDS_DIR}/{f}": file_entry(os.path.join(staging, f)) for f in sorted(os.listdir(staging))}
+                gathered: list[Any] = [None] * world_size
+                dist.all_gather_object(gathered, own, group=process_group)
+                for relative in own:
+                    self.storage.put_file(name, relative, os.path.join(staging, relative.split("/", 1)[1]))
+            finally:
+                remove_local(staging)
+            written = sum(e.num_bytes for e in own.values())
+            if rank != 0:
+                return written
+            return written + self._finish_sharded(global_step, gathered, trainer_state, meta, metric)
+
+        return self._last_stage_s + self._submit(global_step, write, prune=rank == 0)
+
+    def _finish_sharded(
+        self,
+        global_step: int,
+        gathered: list[Any],
+        trainer_state: dict[str, Any] | None,
+        meta: CheckpointMeta | None,
+        metric: float | None,
+    ) -> int:
+        """Rank 0's end of a sharded save: once every rank's shards (``gathered``) are on storage, write the trainer
+        state, the metadata and, last, the manifest. Returns the bytes it wrote."""
+        assert trainer_state is not None and meta is not None, "rank 0 passes the trainer state and meta"
+        name = step_name(global_step)
+        shards = {relative: entry for per_rank in gathered for relative, entry in per_rank.items()}
+        self.storage.wait_for(name, {k: e.num_bytes for k, e in shards.items()}, timeout_s=self.shard_wait_s)
+        files = {
+            TRAINER_STATE_FILE: torch_bytes(trainer_state),
+            META_FILE: json.dumps(asdict(meta), indent=1).encode(),
+        }
+        manifest = manifest_for(files, global_step=global_step, metric=metric, shards=shards)
+        self.storage.add_files(name, files, manifest)
+        return sum(len(d) for d in files.values()) + len(manifest)
+
+    def _submit(self, global_step: int, write: Callable[[], int], *, prune: bool) -> float:
+        start = time.perf_counter()
+        self._settle()
+        if self.async_save:
+            self._thread = threading.Thread(
+                target=self._write_guarded, args=(global_step, write, prune), name="checkpoint-writer", daemon=True
+            )
+            self._thread.start()
+        else:
+            self._write(global_step, write, prune)
+        return time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Block until the save in flight is done; raise its error, if any. For the final checkpoint."""
+        self._join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _settle(self) -> None:
+        """Finish the save in flight; tolerate its failure until too many failed in a row."""
+        self._join()
+        if self._error is None:
+            return
+        error, self._error = self._error, None
+        if self.consecutive_failures >= self.max_consecutive_failures:
+            raise CheckpointError(
+                f"{self.consecutive_failures} checkpoint saves in a row failed; last: {error}"
+            ) from error
+
+    def _write_guarded(self, global_step: int, write: Callable[[], int], prune: bool) -> None:
+        try:
+            self._write(global_step, write, prune)
+        except BaseException as exc:  # reported by the next save() or wait() on the training thread
+            log.error("checkpoint save of step %d failed: %s", global_step, reason(exc))
+            self._error = (
+                exc
+                if isinstance(exc, CheckpointError)
+                else CheckpointError(f"checkpoint save of step {global_step} failed: {reason(exc)}")
+            )
+
+    def _write(self, global_step: int, write: Callable[[], int], prune: bool) -> None:
+        """Run ``write`` (it returns the bytes it wrote), count its outcome, and prune after a success."""
+        start = time.perf_counter()
+        name = step_name(global_step)
+        try:
+            num_bytes = write()
+        except BaseException:
+            self.num_failed += 1
+            self.consecutive_failures += 1
+            if self.observer is not None:
+                self.observer.checkpoint_failed()
+            raise
+        self.num_saved += 1
+        self.consecutive_failures = 0
+        self.bytes_written += num_bytes
+        self.last_save_s = time.perf_counter() - start
+        if self.observer is not None:
+            self.observer.checkpoint_saved(duration_s=self._last_stage_s + self.last_save_s, bytes_written=num_bytes)
+        log.info("checkpoint %s written in %.2fs", self.storage.display_uri(name), self.last_save_s)
+        if prune:
+            self._prune(keep=name)
+
+    def _prune(self, *, keep: str) -> None:
+        names = self.storage.list_steps()
+        retained = set(names[-self.keep_last :]) | {keep}
+        if self.keep_best:
+            best = self._best(names)
+            if best:
+                retained.add(best)
+        for name in names:
+            if name not in retained:
+                self.storage.delete(name)
+
+    def _best(self, names: list[str]) -> str | None:
+        scored = []
+        for name in names:
+            try:
+                where = f"{self.storage.display_uri(name)}/{MANIFEST_FILE}"
+                metric = CheckpointManifest.parse(self.storage.read(name, MANIFEST_FILE), where=where).metric
+            except (CheckpointError, FileNotFoundError):
+                continue  # not a candidate; load_latest_valid reports it when it matters
+            if metric is not None:
+                scored.append((metric if self.best_mode == "max" else -metric, name))
+        return max(scored)[1] if scored else None

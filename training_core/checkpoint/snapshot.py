@@ -1,0 +1,98 @@
+"""The state a checkpoint saves, detached from the live objects (tensors copied to CPU) and encoded to bytes."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict
+from typing import Any
+
+from training_core.checkpoint.layout import META_FILE, MODEL_FILE, TRAINER_STATE_FILE
+from training_core.checkpoint.meta import CheckpointMeta
+
+
+def to_cpu(obj: Any, staging: dict[str, Any] | None = None, path: str = "") -> Any:
+    """Deep copy of a state tree with every tensor copied to CPU, so later steps cannot change it.
+
+    With ``staging`` (a dict kept between saves) each tensor is copied into the buffer of the same path,
+    shape and dtype from the previous save: no fresh allocation and page faults on the step's time.
+    """
+    import torch
+
+    if isinstance(obj, torch.Tensor) and hasattr(obj, "device_mesh"):  # a DTensor: copy its shard, keep its layout
+        from torch.distributed.tensor import DTensor
+
+        local = to_cpu(obj.to_local(), staging, path)
+        return DTensor.from_local(
+            local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
+        )
+    if isinstance(obj, torch.Tensor):
+        if staging is None:
+            return obj.detach().to("cpu", copy=True)
+        buffer = staging.get(path)
+        if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
+            buffer = staging[path] = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=obj.is_cuda)
+        buffer.copy_(obj.detach(), non_blocking=obj.is_cuda)
+        return buffer
+    if isinstance(obj, dict):
+        return {k: to_cpu(v, staging, f"{path}/{k}") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v, staging, f"{path}/{i}") for i, v in enumerate(obj))
+    return obj
+
+
+def detached(state: Any) -> Any:
+    """A copy of a state tree with every tensor on CPU, which later steps cannot change."""
+    return to_cpu(state)
+
+
+def torch_bytes(obj: Any) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def snapshot(
+    *,
+    model,
+    optimizer=None,
+    scheduler=None,
+    scaler=None,
+    meta: CheckpointMeta,
+    torch_rng: dict | None = None,
+    replicas: dict[str, dict[str, Any]] | None = None,
+    staging: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The state to save, detached from the live objects (tensors copied to CPU, into ``staging`` buffers
+    when given: see :meth:`Checkpointer.stage`). ``replicas`` (local SGD) are every rank's own model and optimizer
+    state by rank, already on CPU."""
+    import torch
+
+    bare = getattr(model, "module", model)
+    trainer: dict[str, Any] = {}
+    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
+        if obj is not None:
+            trainer[name] = obj.state_dict()
+    if torch_rng:
+        trainer["rng"] = torch_rng
+    if replicas:
+        trainer["replicas"] = replicas
+    state = {
+        "model": to_cpu(bare.state_dict(), staging, "model"),
+        "trainer": to_cpu(trainer, staging, "trainer"),
+        "meta": asdict(meta),
+    }
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the non-blocking device-to-host copies must land before the writer reads them
+    return state
+
+
+def encode(state: dict[str, Any]) -> dict[str, bytes]:
+    """Files of a checkpoint (without the manifest) from a :func:`snapshot`."""
+    return {
+        MODEL_FILE: torch_bytes(state["model"]),
+        TRAINER_STATE_FILE: torch_bytes(state["trainer"]),
+        META_FILE: json.dumps(state["meta"], indent=1).encode(),
+    }

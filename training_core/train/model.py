@@ -1,0 +1,112 @@
+"""The model as a worker holds it (``scaling.strategy``, ``model.*``: channels-last, activation checkpointing and
+compilation of its blocks, FSDP shards or a DDP replica), and the trained model to MLflow (:class:`ModelExport`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from training_core import sharding
+from training_core.distributed import ddp_options
+
+if TYPE_CHECKING:
+    from training_core.config import TrainingConfig
+    from training_core.data import Manifest
+    from training_core.distributed import WorkerRuntime
+    from training_core.records import MlflowRun
+    from training_core.workloads import Workload
+
+
+@dataclass
+class HeldModel:
+    model: nn.Module
+    """The model as this worker trains it: FSDP-sharded, a DDP replica, or itself on one worker."""
+    channels_last: bool
+    """Its weights, and so its inputs, are channels-last (a GPU model with convolutions, ``model.channels_last``)."""
+    checkpoint_group: Any
+    """Sharded checkpoints' own (gloo) process group (their writes run collectives in the background); None
+    unsharded."""
+
+
+def hold_model(
+    model: nn.Module,
+    cfg: TrainingConfig,
+    workload: Workload,
+    runtime: WorkerRuntime,
+    *,
+    param_dtype: torch.dtype | None,
+) -> HeldModel:
+    """``model`` as this worker holds it: BatchNorm synced over GPU workers (``model.sync_batchnorm``),
+    channels-last on a GPU, its blocks checkpointed and compiled in place (block by block under FSDP: parameter
+    names and DDP's hooks stay as they are), then sharded (``scaling.strategy: fsdp``) or replicated."""
+    device, world_size = runtime.device, runtime.world_size
+    if cfg.model.sync_batchnorm and device.type == "cuda" and world_size > 1:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    sharded = cfg.scaling.strategy == "fsdp"
+    channels_last = cfg.model.channels_last and device.type == "cuda" and sharding.has_conv2d(model)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    blocks = sharding.model_blocks(model, workload)
+    sharding.apply_activation_checkpointing(
+        blocks, mode=cfg.model.activation_checkpointing, every_k=cfg.model.activation_checkpointing_every_k
+    )
+    if cfg.model.compile:
+        for module in blocks if sharded and blocks else [model]:
+            module.compile()
+    if sharded:
+        group = torch.distributed.new_group(backend="gloo")
+        shards = sharding.shard_model(
+            model, blocks, device=device, param_dtype=param_dtype, cpu_offload=cfg.scaling.fsdp_cpu_offload
+        )
+        return HeldModel(shards, channels_last, group)
+    if world_size == 1:
+        return HeldModel(runtime.prepare_model(model), channels_last, None)
+    return HeldModel(runtime.prepare_model(model, ddp_options(cfg.scaling)), channels_last, None)
+
+
+class ModelExport:
+    """What it takes to log the model: the run's MLflow run (None: no logging), and how to rebuild the model whole."""
+
+    def __init__(
+        self,
+        mlflow: MlflowRun | None,
+        cfg: TrainingConfig,
+        *,
+        manifest: Manifest,
+        workload: Workload,
+        rank: int,
+        sharded: bool,
+    ) -> None:
+        self.mlflow, self.cfg, self.manifest, self.workload = mlflow, cfg, manifest, workload
+        self.rank, self.sharded = rank, sharded
+
+    def wanted(self, *, full_budget: bool) -> bool:
+        """Whether the model is logged now: a slice that stops before the budget (a tuning rung) logs none, as only
+        a finished trial is registered, and logging costs seconds per slice."""
+        return self.mlflow is not None and full_budget
+
+    def log(self, model: nn.Module) -> str:
+        """Rank 0 logs ``model`` (a collective under FSDP); returns its ``models:/`` URI ("" on the other ranks)."""
+        whole = self.gathered(model) if self.sharded else model
+        if self.rank != 0:
+            return ""
+        from training_core.tracking import log_model
+
+        example = self.workload.example_input(self.manifest)
+        # A workload may free more input axes than the batch (a language model: the sequence length).
+        dynamic_axes = getattr(self.workload, "dynamic_axes", (0,))
+        return log_model(whole, example, self.mlflow, dynamic_axes=dynamic_axes)
+
+    def gathered(self, model: nn.Module) -> nn.Module | None:
+        """The FSDP model whole, in one process on rank 0's CPU (None on the other ranks): a collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return None
+        rebuilt = self.workload.build_model(self.cfg, self.manifest)
+        rebuilt.load_state_dict(full)
+        return rebuilt

@@ -1,0 +1,206 @@
+"""Where a run is and what it recorded (:class:`RunState`), what a checkpoint's meta holds of it, which checkpoint a
+run attempt resumes from (the same on every rank), and what each rank writes of one (:class:`CheckpointWrites`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from training_core import checkpoint as ckpt
+from training_core.distributed import all_reduce_sum
+from training_core.records import EpochRecord, StepLog
+from training_core.redact import redact
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from training_core.config import TrainingConfig
+    from training_core.data import Manifest
+
+
+@dataclass
+class RunState:
+    """Where the run is and what it recorded: everything a resume restores besides the stateful objects."""
+
+    epoch: int = 0
+    """Epoch the run is in (0-based)."""
+    step_in_epoch: int = 0
+    """Optimizer steps of ``epoch`` already taken."""
+    global_step: int = 0
+    best_metric: float | None = None
+    history: list[EpochRecord] = field(default_factory=list)
+    step_log: StepLog = field(default_factory=lambda: StepLog(capacity=ckpt.STEP_LOG_CAPACITY))
+    resumed_from_steps: list[int] = field(default_factory=list)
+    resume_timings: list[dict[str, float]] = field(default_factory=list)
+    clock_start: float = field(default_factory=time.monotonic)
+    """``time.monotonic()`` at which the run would have started had it never stopped (its clock continues)."""
+    data_remaining: list[tuple[int, int]] | None = None
+    """Positions of ``epoch``'s sample order left when this attempt resumed into it (the checkpoint's), or None:
+    the epoch's first ``step_in_epoch`` steps were taken on this number of workers (see :mod:`training_core.loader`)."""
+
+    @classmethod
+    def resumed(cls, meta: ckpt.CheckpointMeta, *, same_run: bool) -> RunState:
+        """The state a checkpoint saved, plus this resume. A fine-tune from another run (``same_run`` false)
+        starts its own clock."""
+        return cls(
+            epoch=meta.epoch,
+            step_in_epoch=meta.step_in_epoch,
+            global_step=meta.global_step,
+            data_remaining=[(a, b) for a, b in meta.data_remaining]
+            if meta.data_remaining or meta.data_exhausted
+            else None,
+            best_metric=meta.best_metric,
+            history=list(meta.history),
+            step_log=StepLog.from_list(meta.step_log, capacity=ckpt.STEP_LOG_CAPACITY),
+            resumed_from_steps=[*meta.resumed_from_steps, meta.global_step],
+            resume_timings=[
+                *meta.resume_timings,
+                {
+                    "from_step": float(meta.global_step),
+                    "restored_unix": time.time(),
+                    "preempted": float(meta.preempted),  # 1: the run stopped at this step, nothing recomputed
+                },
+            ],
+            clock_start=time.monotonic() - (meta.elapsed_s if same_run else 0.0),
+        )
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.clock_start
+
+    def first_step_taken(self, telemetry: Any) -> None:
+        """A resumed attempt's first step is done: when, and after a preemption the time the stop cost."""
+        timing = self.resume_timings[-1]
+        timing["first_step_unix"] = time.time()
+        if timing.get("preempted"):  # this attempt's start-up is what the preemption cost
+            timing["lost_s"] = telemetry.preemption_recovered(first_step_unix=timing["first_step_unix"])
+
+    def checkpoint_meta(
+        self,
+        cfg: TrainingConfig,
+        manifest: Manifest,
+        *,
+        data_left: list[tuple[int, int]],
+        epoch_partial: dict[str, float],
+        telemetry: dict[str, Any],
+        mlflow_run_id: str,
+        model_uri: str,
+        metric: float | None,
+        preempted: bool,
+        json_rng: dict[str, Any],
+        num_parameters: int,
+    ) -> ckpt.CheckpointMeta:
+        """What a checkpoint's ``meta.json`` records of this run now, ``data_left`` of its epoch's order untrained."""
+        return ckpt.CheckpointMeta(
+            model_name=cfg.model.name,
+            classes=manifest.classes,
+            input_shape=manifest.input_shape,
+            mean=manifest.mean,
+            std=manifest.std,
+            epoch=self.epoch,
+            step_in_epoch=self.step_in_epoch,
+            global_step=self.global_step,
+            config=redact(cfg.to_dict()),  # a record only: the run's real config stays in memory
+            best_metric=self.best_metric,
+            metric=metric,
+            history=list(self.history),
+            step_log=list(self.step_log.records),
+            rng=json_rng,
+            resumed_from_steps=list(self.resumed_from_steps),
+            resume_timings=[dict(t) for t in self.resume_timings],
+            epoch_partial=epoch_partial,
+            mlflow_run_id=mlflow_run_id,
+            mlflow_model_uri=model_uri,
+            elapsed_s=self.elapsed_s,
+            telemetry=telemetry,
+            data=manifest.description(),
+            data_remaining=[list(pair) for pair in data_left],
+            data_exhausted=self.step_in_epoch > 0 and not data_left,
+            preempted=preempted,
+            num_parameters=num_parameters,
+            saved_unix=time.time(),
+        )
+
+
+def choose_checkpoint(
+    storage: Any, *, resume_from: str, model: nn.Module, rank: int, world_size: int, device: torch.device
+) -> tuple[ckpt.LoadedCheckpoint | None, bool]:
+    """The newest valid checkpoint of this run under ``storage`` (a worker restart or a task retry), else the
+    ``resume_from`` checkpoint (a fine-tune, the next slice of a trial), else None; and whether it is this run's."""
+    loaded = ckpt.load_latest_valid(storage, expected_shapes=ckpt.model_state_shapes(model))
+    same_run = loaded is not None
+    if loaded is None and resume_from:
+        loaded = ckpt.load_directory(resume_from)
+    require_same_checkpoint(loaded, storage=storage, rank=rank, world_size=world_size, device=device)
+    return loaded, same_run
+
+
+def require_same_checkpoint(
+    loaded: ckpt.LoadedCheckpoint | None, *, storage: Any, rank: int, world_size: int, device: torch.device
+) -> None:
+    """Every rank chose its checkpoint on its own: all must have chosen the same step (a collective), or a
+    shard read while another rank wrote it, or a flaky read, would resume ranks from different states."""
+    step = float(loaded.meta.global_step) if loaded is not None else -1.0
+    total, squares = all_reduce_sum([step, step * step], device)
+    if squares * world_size != total * total:  # the steps' variance over the ranks is not 0
+        if loaded is not None:
+            loaded.release()
+        raise ckpt.CheckpointError(
+            f"rank {rank} chose the checkpoint of step {int(step)} (-1: none) but another rank chose another "
+            f"one under {storage.display_uri()}: storage changed while the ranks read it; a restart reads it again"
+        )
+
+
+def attempt_start_unix(runtime: Any, meta: ckpt.CheckpointMeta) -> float | None:
+    """When this attempt began: its worker process's start (a Ray Train restart starts new actors), but not
+    before the checkpoint it resumes was written (the actor may run in a process Ray started earlier, idle in
+    its pool). None when the runtime does not know its start."""
+    process_start = getattr(runtime, "started_unix", None)
+    return None if process_start is None else max(process_start, meta.saved_unix)
+
+
+class CheckpointWrites:
+    """Hands a checkpoint's objects to the :class:`~training_core.checkpoint.Checkpointer` the way this run holds
+    them (``scaling.strategy``)."""
+
+    def __init__(self, checkpointer: ckpt.Checkpointer, *, rank: int, sharded: bool, process_group: Any) -> None:
+        self.checkpointer, self.rank, self.sharded, self.process_group = checkpointer, rank, sharded, process_group
+
+    def write(
+        self,
+        global_step: int,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        scaler: torch.amp.GradScaler,
+        meta: ckpt.CheckpointMeta | None,
+        metric: float | None,
+        torch_rng: dict[str, Any],
+        replicas: dict[str, dict[str, Any]] | None,
+    ) -> None:
+        """This rank's part of the checkpoint of ``global_step`` (``meta``: rank 0's, None elsewhere)."""
+        if self.sharded:  # every rank writes its shard
+            trainer_state = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": torch_rng}
+            self.checkpointer.save_sharded(
+                global_step,
+                model=model,
+                optimizer=optimizer,
+                trainer_state=ckpt.detached(trainer_state) if self.rank == 0 else None,
+                meta=meta,
+                metric=metric,
+                process_group=self.process_group,
+            )
+        elif self.rank == 0:
+            staged = self.checkpointer.stage(
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                scaler=scaler,
+                meta=meta,
+                torch_rng=torch_rng,
+                replicas=replicas,
+            )
+            self.checkpointer.save(global_step, staged, metric=metric)
