@@ -17,11 +17,17 @@ import logging
 import math
 import os
 import re
-import reprlib
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from training_core.messages import (  # noqa: F401 - re-exported: importable from here too
+    MAX_QUOTE_CHARS,
+    clip,
+    invalid,
+    is_plain_file_name,
+    quote,
+)
 from training_core.redact import redact
 
 log = logging.getLogger(__name__)
@@ -96,66 +102,6 @@ def is_better(metric: str, value: float, than: float | None) -> bool:
     if than is None:
         return True
     return value > than if METRIC_DIRECTIONS[metric] == "max" else value < than
-
-
-MAX_QUOTE_CHARS = 200
-"""Longest quote of a value in an error message: the start of a long string or a big nested value is enough to
-find it, and a message stays readable (and small) whatever the input holds."""
-
-
-class _BoundedRepr(reprlib.Repr):
-    """``repr`` that looks at a bounded part of a value: a few items of each container, a few levels deep, the
-    two ends of a long string, and the size of a huge integer (whose full text Python refuses to write)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxlevel = 3
-        self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = self.maxdeque = self.maxarray = 6
-        self.maxdict = 6
-        self.maxstring = 120
-        self.maxother = 120
-        self.maxlong = 40
-
-    def repr_int(self, x: int, level: int) -> str:
-        if x.bit_length() > 128:
-            return f"<int of about {int(x.bit_length() * math.log10(2)) + 1} digits>"
-        return super().repr_int(x, level)
-
-
-_bounded_repr = _BoundedRepr()
-
-
-def clip(text: str, limit: int = MAX_QUOTE_CHARS) -> str:
-    """``text`` cut to ``limit`` characters, with ``...`` marking the cut."""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def quote(value: Any) -> str:
-    """``repr(value)`` bounded in size (and in the work it takes), for error messages, with the credentials of
-    any URL in it redacted (:func:`~training_core.redact.redact`)."""
-    # A string is redacted whole first, so the cut of a long one cannot split a URL's userinfo from its "@";
-    # containers are only redacted as their bounded repr, never walked (they may hold a billion items).
-    if isinstance(value, str) and len(value) <= 1_000_000:
-        value = redact(value)
-    return clip(redact(_bounded_repr.repr(value)))
-
-
-_PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
-
-
-def is_plain_file_name(name: Any) -> bool:
-    """Whether ``name``, read from a manifest, is a plain file name inside its directory: letters, digits, ``_``,
-    ``-`` and ``.``, not starting with ``.``. So no separator, no ``..``, no hidden file, no ``:`` of a URI scheme or
-    a drive: nothing a join could turn into a path out of the directory. The one rule for every manifest we read."""
-    return isinstance(name, str) and _PLAIN_FILE_NAME.fullmatch(name) is not None
-
-
-def invalid(path: str, value: Any, fix: str) -> typing.NoReturn:
-    """Raise the one kind of config error: the dotted field, the bad value and the fix.
-
-    The value is quoted bounded in size (:func:`quote`), and the field and the fix are clipped too, so a message
-    stays under a few kilobytes whatever the input."""
-    raise ValueError(f"{clip(path)}={quote(value)} is invalid: {clip(fix, 2000)}")
 
 
 def _choice(path: str, value: str, choices: tuple[str, ...]) -> None:

@@ -27,8 +27,9 @@ from typing import Iterator
 
 import numpy as np
 
-from training_core.config import DataConfig, clip, quote
+from training_core.config import DataConfig
 from training_core.files import UnreadableFile, open_regular
+from training_core.messages import clip, quote
 from training_core.redact import redact
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -113,7 +114,8 @@ def _synthetic(cfg: DataConfig) -> RawDataset:
     return RawDataset(splits={"train": (images, labels.astype(np.int64))}, classes=[f"class_{i}" for i in range(k)])
 
 
-def _existing(path: str, field: str = "data.path"):
+def existing_location(path: str, field: str = "data.path"):
+    """``(filesystem, path)`` of ``path``, which must exist; else a ``ValueError`` naming ``field``."""
     import fsspec
 
     try:
@@ -192,7 +194,7 @@ def cifar10_archive(path: str) -> Iterator[tarfile.TarFile]:
     """The tar archive at ``path``, open for streaming (only its first block is read here). Raises ``ValueError``
     naming ``data.path`` when nothing is there, it is a directory or no regular file (a FIFO, which would block the
     read, or a device), or it is not a tar archive."""
-    fs, fs_path = _existing(path)
+    fs, fs_path = existing_location(path)
     if fs.isdir(fs_path):
         raise ValueError(
             f"data.path={quote(path)} is invalid: it is a directory; point it at the cifar-10-python.tar.gz "

@@ -1,16 +1,17 @@
-"""Evaluation: a workload's metrics of a model over batches (all-reduced across ranks during training), and the
-test-split evaluation of a checkpoint where it fits: in one process (on a GPU when there is one), or on Ray Train
-workers holding the model as training did (FSDP shards), for a model that cannot be gathered in one process."""
+"""Evaluation: the test-split evaluation of a checkpoint where it fits: in one process (on a GPU when there is one),
+or on Ray Train workers holding the model as training did (FSDP shards), for a model that cannot be gathered in one
+process. A workload's metrics over batches (:func:`evaluate`) are :mod:`training_core.eval_sums`'s, re-exported here."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from training_core.config import clip
+from training_core.eval_sums import EvalResult, evaluate  # noqa: F401 - evaluate: importable from here too
+from training_core.messages import clip
 
 if TYPE_CHECKING:
     import torch
@@ -55,86 +56,6 @@ class EvalReport:
         return self.metrics[self.primary_metric]
 
 
-@dataclass
-class EvalResult:
-    """Evaluation sums (all-reduced when asked) and the workload's metrics of them."""
-
-    sums: dict[str, np.ndarray]
-    metrics: dict[str, float]
-
-    @property
-    def num_samples(self) -> int:
-        return int(self.sums.get("samples", 0))
-
-
-def evaluate(
-    model: nn.Module,
-    batches: Iterable[Mapping[str, np.ndarray]],
-    *,
-    workload: Workload,
-    to_device: Callable[[Mapping[str, np.ndarray]], Any],
-    device: torch.device,
-    autocast_dtype: torch.dtype | None = None,
-    all_reduce: bool = False,
-    lockstep: bool = False,
-) -> EvalResult:
-    """The workload's evaluation sums over ``batches`` and its metrics; ``all_reduce`` sums over all ranks.
-    ``lockstep`` (an FSDP model, whose forward is a collective): every rank runs as many forwards as the rank with
-    the most batches, those past its own batches uncounted."""
-    import torch
-
-    bare = getattr(model, "module", model)  # no DDP forward: ranks may hold different numbers of batches
-    was_training = bare.training
-    bare.eval()
-    totals: dict[str, torch.Tensor] = {}
-    for batch, counted in _in_lockstep(batches, device) if lockstep else ((b, True) for b in batches):
-        with (
-            torch.no_grad(),
-            torch.autocast(
-                device_type=device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None
-            ),
-        ):
-            sums = workload.eval_sums(bare, to_device(batch))
-        if not counted:
-            continue
-        for name, value in sums.items():
-            value = value.detach().double()
-            totals[name] = totals[name] + value if name in totals else value
-    bare.train(was_training)
-    names = sorted(totals)
-    if names:
-        flat = torch.cat([totals[n].reshape(-1) for n in names])
-        if all_reduce and torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(flat)
-        flat_values, offset, reduced = flat.cpu().numpy(), 0, {}
-        for name in names:
-            size = totals[name].numel()
-            reduced[name] = flat_values[offset : offset + size].reshape(totals[name].shape)
-            offset += size
-    else:
-        reduced = {}
-    # A rank with no batches has no sums to add; every rank must still join the all-reduce with the same shapes.
-    # The loop's shard assignment gives every rank a shard of each split, so no rank is ever empty.
-    return EvalResult(sums=reduced, metrics=workload.metrics(reduced))
-
-
-def _in_lockstep(batches: Iterable[Any], device: torch.device) -> Iterator[tuple[Any, bool]]:
-    """``(batch, True)`` for each of this rank's batches, then ``(its last batch, False)`` until every rank ran out
-    (one all-reduce per batch)."""
-    from training_core.distributed import all_reduce_sum
-
-    iterator, last = iter(batches), None
-    while True:
-        batch = next(iterator, None)
-        (num_ranks_with_a_batch,) = all_reduce_sum([float(batch is not None)], device)
-        if not num_ranks_with_a_batch:
-            return
-        if batch is not None:
-            last = batch
-        assert last is not None, "every rank holds a shard of each split (see the loop's shard assignment)"
-        yield (batch, True) if batch is not None else (last, False)
-
-
 def require_finite(figures: Mapping[str, float], *, what: str, fix: str) -> None:
     """Raise a ``ValueError`` naming every figure of ``what`` that is NaN or infinite, and ``fix``."""
     bad = ", ".join(f"{name}={value}" for name, value in figures.items() if not math.isfinite(value))
@@ -171,7 +92,7 @@ def evaluate_checkpoint(
     import torch
 
     from training_core.checkpoint import load_model
-    from training_core.data import ShardStream
+    from training_core.prepared import ShardStream
 
     manifest = _split_of(data_dir, split)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -201,7 +122,7 @@ DIVERGED_FIX = (
 
 def _split_of(data_dir: str, split: str):
     """The prepared data's manifest, which must hold ``split``."""
-    from training_core.data import Manifest
+    from training_core.prepared import Manifest
 
     manifest = Manifest.load(data_dir)
     if split not in manifest.splits:
@@ -212,7 +133,7 @@ def _split_of(data_dir: str, split: str):
 def require_same_data(meta, manifest, *, checkpoint_dir: str, data_dir: str) -> None:
     """Raise a ``ValueError`` unless the checkpoint (its metadata ``meta``) was trained on data like ``manifest``'s:
     the same classes, input shape, workload and spec."""
-    from training_core.data import Manifest
+    from training_core.prepared import Manifest
 
     trained_on = Manifest.from_description(meta.data) if meta.data else None
     if (
@@ -310,8 +231,8 @@ def _evaluate_worker(config: dict[str, Any]) -> None:
 
     from training_core import sharding
     from training_core.checkpoint import build_saved_model, load_directory, restore
-    from training_core.data import Manifest, ShardStream
     from training_core.distributed import RayTrainRuntime, all_reduce_sum
+    from training_core.prepared import Manifest, ShardStream
 
     torch.set_num_threads(config["torch_threads"])
     runtime = RayTrainRuntime()

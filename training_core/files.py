@@ -12,7 +12,7 @@ import os
 import stat
 from typing import Any
 
-from training_core.config import clip, quote
+from training_core.messages import clip, quote
 from training_core.redact import redact
 
 _PIECE_BYTES = 2**20
@@ -21,6 +21,11 @@ _PIECE_BYTES = 2**20
 class UnreadableFile(ValueError):
     """A file that is not a regular file, that is larger than allowed, or that cannot be opened. The message names
     the file and what it is; callers add the field it came from and the fix."""
+
+
+def join_path(directory: str, name: str) -> str:
+    """``name`` inside ``directory``, a local path or a URL, joined by one ``/``."""
+    return f"{directory.rstrip('/')}/{name}"
 
 
 def _is_local(fs: Any) -> bool:

@@ -25,7 +25,8 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from training_core.config import DATASETS_BY_WORKLOAD, DataConfig, WorkloadConfig, clip, quote
+from training_core.config import DATASETS_BY_WORKLOAD, DataConfig, WorkloadConfig
+from training_core.messages import clip, quote
 from training_core.redact import redact
 
 FINGERPRINT_VERSION = 1

@@ -35,9 +35,11 @@ from typing import Any, Iterator, NoReturn
 
 import numpy as np
 
-from training_core.config import DataConfig, clip, no_training_samples_error, quote
-from training_core.files import UnreadableFile, open_regular
+from training_core.config import DataConfig, no_training_samples_error
+from training_core.files import UnreadableFile, join_path, open_regular
+from training_core.messages import clip, quote
 from training_core.redact import redact
+from training_core.shard_files import plain_shard_name, shard_error
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +220,7 @@ def list_image_folder(cfg: DataConfig) -> ImageListing:
     split_dirs = {name: f"{name}/" for name in sorted(tree_names)} or {"train": ""}
     trees: dict[str, dict[str, list[str]]] = {}
     for split, prefix in split_dirs.items():
-        class_dirs = _folders(fs, _join(root, prefix), prefix, cfg, left_out) if prefix else top
+        class_dirs = _folders(fs, join_path(root, prefix), prefix, cfg, left_out) if prefix else top
         trees[split] = {cls: _images(fs, root, f"{prefix}{cls}/", cfg, left_out) for cls in class_dirs}
     _check_classes(cfg, trees, under="train/" if tree_names else "./")
     classes = sorted(trees["train"])
@@ -293,7 +295,7 @@ def _folders(fs: Any, path: str, prefix: str, cfg: DataConfig, left_out: LeftOut
 def _images(fs: Any, root: str, prefix: str, cfg: DataConfig, left_out: LeftOut) -> list[str]:
     """The images of class folder ``prefix``, as paths under ``data.path``; anything else is left out."""
     images = []
-    for entry in _entries(fs, _join(root, prefix), prefix, cfg):
+    for entry in _entries(fs, join_path(root, prefix), prefix, cfg):
         path = prefix + entry.name
         is_image = entry.name.lower().endswith(FOLDER_IMAGE_SUFFIXES)
         if entry.name.startswith("."):
@@ -367,9 +369,9 @@ def _printable(path: str) -> str:
 
 
 def _folder_root(cfg: DataConfig):
-    from training_core.datasets import _existing
+    from training_core.datasets import existing_location
 
-    fs, root = _existing(cfg.path)
+    fs, root = existing_location(cfg.path)
     if not fs.isdir(root):
         raise ValueError(
             f"data.path={quote(cfg.path)} is invalid: not a directory; point it at the root of <class>/<image> folders"
@@ -442,10 +444,6 @@ def _peak_rss_bytes() -> int:
     return 0
 
 
-def _join(directory: str, name: str) -> str:
-    return f"{directory.rstrip('/')}/{name}"
-
-
 SHARD_FORMAT = 3
 """What a shard task writes from given inputs; part of :func:`task_fingerprint`. 2: images the loader's decoder does
 not read as 8-bit stored as 8-bit PNGs. 3: also animated images (their first frame), PNGs libpng might refuse, and
@@ -467,13 +465,13 @@ def task_fingerprint(task: ShardTask) -> str:
 def kept_shard(fs, task: ShardTask) -> ShardResult | None:
     """A previous prep's shard of ``task`` when its record exists, was written from the same inputs (another image
     size, split seed or source changes them) and the file still has the recorded sha256."""
-    done = _join(task.out_dir, task.file + DONE_SUFFIX)
+    done = join_path(task.out_dir, task.file + DONE_SUFFIX)
     try:
         with fs.open(done, "rb") as f:
             result = ShardResult(**json.loads(f.read()))
         if result.inputs_sha256 != task_fingerprint(task):
             return None
-        with fs.open(_join(task.out_dir, task.file), "rb") as f:
+        with fs.open(join_path(task.out_dir, task.file), "rb") as f:
             digest = hashlib.file_digest(f, "sha256").hexdigest()  # in blocks: not the whole shard in memory
     except (FileNotFoundError, ValueError, TypeError):
         return None
@@ -501,7 +499,7 @@ def write_shard(task: ShardTask) -> ShardResult:
     sums, sq_sums, num_pixels = np.zeros(3), np.zeros(3), 0
     bad: list[str] = []
     reencoded: list[str] = []
-    with _ShardWriter(fs, _join(task.out_dir, task.file)) as writer:
+    with _ShardWriter(fs, join_path(task.out_dir, task.file)) as writer:
         for item, payload in _read_items(task):
             try:
                 if isinstance(payload, UnreadableFile):
@@ -533,7 +531,7 @@ def write_shard(task: ShardTask) -> ShardResult:
         inputs_sha256=task_fingerprint(task),
     )
     result.peak_rss_bytes = _peak_rss_bytes()
-    with fs.open(_join(task.out_dir, task.file + DONE_SUFFIX), "w") as f:
+    with fs.open(join_path(task.out_dir, task.file + DONE_SUFFIX), "w") as f:
         f.write(json.dumps(asdict(result)))
     return result
 
@@ -792,7 +790,7 @@ def _read_items(task: ShardTask) -> Iterator[tuple[ImageItem, bytes | Unreadable
         fs, root = fsspec.core.url_to_fs(task.root)
         for item in task.items:
             try:
-                yield item, _read_image(fs, _join(root, item.source), item.source)
+                yield item, _read_image(fs, join_path(root, item.source), item.source)
             except UnreadableFile as exc:
                 yield item, exc
         return
@@ -951,12 +949,9 @@ def shard_bytes(manifest: Any, shard: Any, data: DataConfig) -> bytes:
     (``data.cache_dir``, ``data.cache_max_bytes``), so an epoch after the first reads it from local disk."""
     import fsspec
 
-    from training_core.data import _join as join
-    from training_core.data import _plain_name, _shard_error
-
     where = f"shard {quote(shard.file)} in {clip(redact(manifest.directory), 500)}"
-    _plain_name(shard.file, lambda why: _shard_error(where, why))
-    url = join(manifest.directory, shard.file)
+    plain_shard_name(shard.file, lambda why: shard_error(where, why))
+    url = join_path(manifest.directory, shard.file)
     remote = "://" in manifest.directory and not manifest.directory.startswith("file://")
     cache = data.cache_dir or os.path.join(tempfile.gettempdir(), "training-shard-cache")
     cached = os.path.join(cache, shard.sha256 + SHARD_SUFFIX) if remote else ""
@@ -968,7 +963,7 @@ def shard_bytes(manifest: Any, shard: Any, data: DataConfig) -> bytes:
         payload = f.read()
     digest = hashlib.sha256(payload).hexdigest()
     if digest != shard.sha256:
-        _shard_error(where, f"is corrupt: sha256 {digest} != manifest {shard.sha256}")
+        shard_error(where, f"is corrupt: sha256 {digest} != manifest {shard.sha256}")
     if cached:
         _to_cache(cached, payload, max_bytes=data.cache_max_bytes)
     return payload
@@ -1088,8 +1083,6 @@ class EncodedImages:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from training_core.data import _shard_error
-
         where = f"shard {quote(shard.file)} in {clip(redact(manifest.directory), 500)}"
         payload = shard_bytes(manifest, shard, data)
         try:
@@ -1099,19 +1092,19 @@ class EncodedImages:
                 columns=["sample_id", "label", "image", "source"], use_threads=False
             )
         except (pa.ArrowException, OSError, ValueError) as exc:
-            _shard_error(where, f"is not a readable Parquet shard ({type(exc).__name__}: {clip(str(exc))})")
+            shard_error(where, f"is not a readable Parquet shard ({type(exc).__name__}: {clip(str(exc))})")
         types = {"sample_id": pa.int64(), "label": pa.int64(), "image": pa.binary()}
         for name, expected in types.items():
             if name not in table.column_names:  # ParquetFile.read leaves out a column it does not find
-                _shard_error(where, f"lacks column {name} ({expected}); it has {', '.join(table.column_names)}")
+                shard_error(where, f"lacks column {name} ({expected}); it has {', '.join(table.column_names)}")
             if table.schema.field(name).type != expected:
-                _shard_error(where, f"has column {name} of type {table.schema.field(name).type}; expected {expected}")
+                shard_error(where, f"has column {name} of type {table.schema.field(name).type}; expected {expected}")
         if table.num_rows != shard.num_samples:
-            _shard_error(where, f"holds {table.num_rows} samples; the manifest says {shard.num_samples}")
+            shard_error(where, f"holds {table.num_rows} samples; the manifest says {shard.num_samples}")
         labels = table.column("label").to_pylist()
         low, high = min(labels), max(labels)
         if [low, high] != shard.bounds.get("labels", [low, high]) or not 0 <= low <= high < manifest.num_classes:
-            _shard_error(where, f"holds labels {low}..{high}; the manifest has {manifest.num_classes} classes")
+            shard_error(where, f"holds labels {low}..{high}; the manifest has {manifest.num_classes} classes")
         sources = table.column("source") if "source" in table.column_names else None
         return cls(
             table.column("sample_id").to_pylist(),

@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from training_core.config import TrainingConfig, clip
+from training_core.config import TrainingConfig
+from training_core.messages import clip
 
 if TYPE_CHECKING:
     import pandas as pd

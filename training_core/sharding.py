@@ -42,7 +42,7 @@ def require_blocks(config: Any, manifest: Any, workload: Any) -> int:
     """``scaling.strategy=fsdp`` checked before any worker starts: the model (built on the meta device, so without
     its memory) must have blocks to shard one at a time. Returns how many; raises ``ValueError`` naming the fields
     and the fixes."""
-    from training_core.config import invalid
+    from training_core.messages import invalid
 
     try:
         with torch.device("meta"):

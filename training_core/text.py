@@ -34,8 +34,9 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from training_core.config import DataConfig, clip, quote
+from training_core.config import DataConfig
 from training_core.files import UnreadableFile, open_regular, read_regular_path
+from training_core.messages import clip, quote
 from training_core.redact import redact
 
 log = logging.getLogger(__name__)

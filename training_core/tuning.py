@@ -40,11 +40,11 @@ from training_core.config import (
     WorkloadConfig,
     build_dataclass,
     coerce,
-    invalid,
     load_layers,
     merge,
     parse_yaml,
 )
+from training_core.messages import invalid
 
 ALGORITHMS = ("random", "grid", "bayesian", "asha", "pbt")
 STRATEGIES = ("flyte", "ray_tune")

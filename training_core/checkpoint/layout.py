@@ -7,7 +7,7 @@ import json
 import re
 from typing import Any
 
-from training_core.config import clip, quote
+from training_core.messages import clip, quote
 
 MODEL_FILE = "model.pt"
 TRAINER_STATE_FILE = "trainer_state.pt"

@@ -22,8 +22,8 @@ from training_core.checkpoint.manifest import CheckpointManifest, ManifestEntry,
 from training_core.checkpoint.meta import CheckpointMeta, decode_meta
 from training_core.checkpoint.shard_metadata import check_shard_metadata, parse_shard_metadata
 from training_core.checkpoint.storage import Storage, open_storage, remove_local
-from training_core.config import quote
 from training_core.files import UnreadableFile, open_regular_local
+from training_core.messages import quote
 from training_core.redact import redact
 
 log = logging.getLogger("training_core")

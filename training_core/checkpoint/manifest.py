@@ -23,8 +23,8 @@ from training_core.checkpoint.layout import (
     listed,
     parse_json,
 )
-from training_core.config import is_plain_file_name, quote
 from training_core.files import open_regular_local
+from training_core.messages import is_plain_file_name, quote
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _MANIFEST_KEYS = ("global_step", "metric", "files", "written_at")
@@ -134,7 +134,7 @@ def _entry(name: str, entry: Any, *, where: str) -> ManifestEntry:
 
 def _check_file_name(name: Any, *, where: str, sharded: bool = False) -> None:
     """Refuse a file name read from a manifest unless it is a plain name inside the checkpoint's directory
-    (:func:`~training_core.config.is_plain_file_name`), or in a sharded checkpoint one of the names
+    (:func:`~training_core.messages.is_plain_file_name`), or in a sharded checkpoint one of the names
     ``torch.distributed.checkpoint`` gives its files in ``shards/``. Checked before anything is read."""
     if is_plain_file_name(name) or (sharded and isinstance(name, str) and SHARD_FILE_PATTERN.fullmatch(name)):
         return

@@ -18,7 +18,7 @@ from training_core.checkpoint.layout import (
     listed,
     parse_json,
 )
-from training_core.config import clip, quote
+from training_core.messages import clip, quote
 from training_core.records import EpochRecord, StepLog, StepRecord
 
 

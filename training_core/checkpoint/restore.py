@@ -25,7 +25,7 @@ def build_saved_model(meta: CheckpointMeta):
     """The model a checkpoint's metadata describes, freshly initialised, and its workload (user code is imported
     again): ``(model, workload)``. Load its weights with :func:`restore`."""
     from training_core.config import TrainingConfig
-    from training_core.data import Manifest
+    from training_core.prepared import Manifest
     from training_core.workloads import resolve_workload
 
     # The saved config is a (redacted) record: only the sections that shape the model (and that a workload's

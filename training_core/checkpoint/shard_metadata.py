@@ -16,7 +16,7 @@ from training_core.checkpoint.layout import (
     reason,
 )
 from training_core.checkpoint.manifest import CheckpointManifest
-from training_core.config import clip, is_plain_file_name, quote
+from training_core.messages import clip, is_plain_file_name, quote
 
 # What a ``torch.distributed.checkpoint`` ``.metadata`` pickle may name: its own records, torch's sizes, dtypes and
 # layouts, and a path. Anything else (a callable that runs code when unpickled) is refused.

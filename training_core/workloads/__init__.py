@@ -28,24 +28,16 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn, Protocol, runtime_checkable
 
-from training_core.config import (
-    IMPORT_PATH_FIX,
-    DataConfig,
-    TrainingConfig,
-    WorkloadConfig,
-    clip,
-    invalid,
-    is_import_path,
-    quote,
-)
+from training_core.config import IMPORT_PATH_FIX, DataConfig, TrainingConfig, WorkloadConfig, is_import_path
 from training_core.failures import UserCodeError, blames_user_code
+from training_core.messages import clip, invalid, quote
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
     from torch import nn
 
-    from training_core.data import Manifest
+    from training_core.prepared import Manifest
 
 BUILT_IN = ("image_classification", "causal_lm")
 PREFLIGHT_BATCH_SAMPLES = 8
@@ -334,7 +326,7 @@ def preflight(config: TrainingConfig, data_dir: str) -> Workload:
     """Resolve the workload and check ``config`` against the prepared data in ``data_dir``: what the drivers run
     before any worker starts, so user code that does not import, a model that does not fit the data or a bad
     field fails here, in seconds, naming the field."""
-    from training_core.data import Manifest
+    from training_core.prepared import Manifest
 
     workload = resolve_workload(config.workload)
     manifest = Manifest.load(data_dir)
@@ -362,8 +354,8 @@ def run_on_a_batch(config: TrainingConfig, manifest: Manifest, workload: UserWor
     every rank. No backward pass and no optimizer step: the batch costs the driver a forward or two."""
     import torch
 
-    from training_core.data import ShardStream
-    from training_core.evaluation import evaluate
+    from training_core.eval_sums import evaluate
+    from training_core.prepared import ShardStream
 
     cpu = torch.device("cpu")
     size = min(PREFLIGHT_BATCH_SAMPLES, config.loop.batch_size or PREFLIGHT_BATCH_SAMPLES)

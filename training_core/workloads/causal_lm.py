@@ -32,10 +32,12 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from training_core.config import DataConfig, ModelConfig, TrainingConfig, WorkloadConfig, clip, quote
-from training_core.data import ArraySpec, Manifest, write_shards
+from training_core.config import DataConfig, ModelConfig, TrainingConfig, WorkloadConfig
 from training_core.files import UnreadableFile, read_regular_path
+from training_core.messages import clip, quote
+from training_core.prepared import ArraySpec, Manifest, write_shards
 from training_core.redact import redact
+from training_core.shard_files import RERUN_PREP
 from training_core.text import (
     BYTE,
     MAX_TOKENIZER_BYTES,
@@ -104,7 +106,6 @@ _OVERRIDES = (
 """``model.*`` override -> the standard ``transformers`` config attribute (each config maps it to its own name,
 e.g. GPT-2's ``n_layer``, through ``attribute_map``)."""
 
-_RERUN = "re-run data prep (prepare_data) to rewrite the directory"
 
 MAX_EMBEDDING_BYTES = 32 * 2**30
 """The largest token embedding a built-in model is given (vocabulary x hidden size x 4 bytes of fp32), checked
@@ -433,7 +434,7 @@ class TextSpec:
         spec = manifest.spec
 
         def fail(key: str, why: str) -> None:
-            raise ValueError(f"{where}: spec.{key}={quote(spec.get(key))} is invalid: {why}; {_RERUN}")
+            raise ValueError(f"{where}: spec.{key}={quote(spec.get(key))} is invalid: {why}; {RERUN_PREP}")
 
         if spec.get("tokenizer") not in (BYTE, TOKENIZER_FILE):
             fail("tokenizer", f"expected {BYTE!r} or {TOKENIZER_FILE!r}")
@@ -494,10 +495,10 @@ def read_tokenizer(manifest: Manifest) -> TextTokenizer:
     try:
         payload = read_regular_path(location, max_bytes=MAX_TOKENIZER_BYTES)
     except UnreadableFile as exc:
-        raise ValueError(f"{where} cannot be read: {exc}; {_RERUN}") from None
+        raise ValueError(f"{where} cannot be read: {exc}; {RERUN_PREP}") from None
     digest = hashlib.sha256(payload).hexdigest()
     if digest != spec.tokenizer_sha256:
-        raise ValueError(f"{where} is corrupt: sha256 {digest} != manifest {spec.tokenizer_sha256}; {_RERUN}")
+        raise ValueError(f"{where} is corrupt: sha256 {digest} != manifest {spec.tokenizer_sha256}; {RERUN_PREP}")
     return tokenizer_from_description(payload.decode("utf-8"), where=where)
 
 

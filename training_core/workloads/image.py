@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
-from training_core.config import DataConfig, TrainingConfig, WorkloadConfig, clip, invalid, quote
-from training_core.data import ArraySpec, Manifest, split_samples, write_prepared
+from training_core.config import DataConfig, TrainingConfig, WorkloadConfig
+from training_core.messages import clip, invalid, quote
+from training_core.prepared import ArraySpec, Manifest, split_samples, write_prepared
 from training_core.workloads import (
     LossOutput,
     call_with_params,
@@ -86,8 +87,8 @@ class ImageClassification:
         """An image folder or the CIFAR-10 tarball as Parquet shards of encoded images (Ray tasks)."""
         from dataclasses import asdict
 
-        from training_core.data import ShardInfo, SplitInfo, write_manifest
         from training_core.image_shards import prepare_images
+        from training_core.prepared import ShardInfo, SplitInfo, write_manifest
 
         prep = prepare_images(cfg, out_dir)
         size = cfg.image_size or 32

@@ -1,0 +1,762 @@
+"""Prepared data: the manifest, the shard files and the per-worker shard stream (:mod:`training_core.data` re-exports
+them beside ``prepare``; the workloads write and read through this module).
+
+Data prep writes each split as ``num_shards`` ``.npz`` files (uint8 images, int64 labels; no pickles)
+plus ``manifest.json``: split counts, classes, input shape, normalisation stats and every shard with its
+sha256, sample count and label range. The directory may be local or any fsspec URI (``s3://...``).
+
+A manifest is data, never a path out: it is validated whole against its schema when read (every shard file a
+plain name inside the directory, counts that add up, label ranges within the classes), and each shard is checked
+against it when read (sha256, count, shape, dtypes, labels), so bad data fails when training starts, naming the
+file, rather than thousands of steps in.
+
+Worker ``rank`` of ``world_size`` streams only shards ``rank, rank + world_size, ...`` of a split, one shard
+in memory at a time. Every rank derives the same number of steps per epoch from the manifest, so DDP
+ranks never wait on a peer that ran out of data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import math
+import re
+import zipfile
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Iterator, Mapping, NoReturn
+
+import numpy as np
+
+from training_core.config import DataConfig, no_training_samples_error
+from training_core.files import join_path
+from training_core.messages import clip, quote
+from training_core.redact import redact
+from training_core.shard_files import RERUN_PREP, plain_shard_name, shard_error
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 4
+"""4 records the shard format (``npz`` arrays or ``parquet`` encoded images) and the bad samples prep skipped.
+3 names the workload and the arrays every sample has, with each shard's value bounds. 2 recorded each shard's
+label range, 1 none; both still load (images and labels)."""
+
+SPLIT_NAMES = ("train", "val", "test")
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass
+class ArraySpec:
+    """One array every sample of a prepared dataset has (images, labels, tokens, features)."""
+
+    dtype: str
+    """numpy dtype name: ``uint8``, ``uint16``, ``int32``, ``int64``, ``float32``."""
+    shape: list[int]
+    """One sample's shape (``[]`` for a scalar such as a label)."""
+    max_value: int | None = None
+    """Integer arrays whose values index something (labels, token ids): every value is in ``[0, max_value]``,
+    checked per shard against the shard's recorded bounds. ``None`` for other arrays."""
+
+
+@dataclass
+class ShardInfo:
+    file: str
+    """File name relative to the data directory."""
+    num_samples: int
+    sha256: str
+    bounds: dict[str, list[int]] = field(default_factory=dict)
+    """Per bounded array (``max_value`` set): the shard's smallest and largest value. Empty only in a
+    version-1 manifest."""
+
+
+@dataclass
+class SplitInfo:
+    num_samples: int
+    shards: list[ShardInfo]
+
+
+IMAGE_ARRAYS_V2 = ("images", "labels")
+
+
+@dataclass
+class Manifest:
+    dataset: str
+    classes: list[str]
+    """Class names, indexed by label; empty for a workload without classes (a language model)."""
+    input_shape: list[int]
+    """One model input sample's shape: channels, height, width for images; ``[seq_len]`` for text."""
+    mean: list[float]
+    """Per-channel mean of the training split on the 0..1 scale (images; empty where there is none)."""
+    std: list[float]
+    """Per-channel standard deviation of the training split on the 0..1 scale (images; empty otherwise)."""
+    splits: dict[str, SplitInfo]
+    workload: str = "image_classification"
+    """The workload that wrote the data (``workload.name``)."""
+    arrays: dict[str, ArraySpec] = field(default_factory=dict)
+    """What each shard stores per sample. Empty in a version-1/2 manifest: images and labels."""
+    spec: dict[str, Any] = field(default_factory=dict)
+    """The workload's own description of the data (a language model's vocabulary and tokenizer), JSON."""
+    format: str = "npz"
+    """How shards store samples: ``npz`` (the arrays, uint8 images at their prepared size) or ``parquet`` (images
+    encoded as they came, decoded and augmented by the loader; :mod:`training_core.image_shards`)."""
+    bad_samples: dict[str, Any] = field(default_factory=lambda: {"count": 0, "examples": []})
+    """Samples prep skipped because they did not decode: ``count`` and the first ``examples`` (``source: reason``)."""
+    version: int = MANIFEST_VERSION
+    directory: str = field(default="", compare=False)
+    """Where the manifest was read from (not stored)."""
+
+    def __post_init__(self) -> None:
+        if not self.arrays:  # written before version 3: images and labels
+            self.arrays = {
+                "images": ArraySpec("uint8", list(self.input_shape)),
+                "labels": ArraySpec("int64", [], max_value=len(self.classes) - 1),
+            }
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def split_counts(self) -> dict[str, int]:
+        return {name: split.num_samples for name, split in self.splits.items()}
+
+    def to_json(self) -> str:
+        """The manifest as written (version 3; an older one loaded keeps its own form)."""
+        payload = asdict(self)
+        payload.pop("directory")
+        if self.version < 4:
+            for key in ("format", "bad_samples"):
+                payload.pop(key)
+        if self.version < 3:
+            for key in ("workload", "arrays", "spec"):
+                payload.pop(key)
+            for split in payload["splits"].values():
+                for shard in split["shards"]:
+                    bounds = shard.pop("bounds")
+                    if self.version == 2:
+                        shard["label_min"], shard["label_max"] = bounds["labels"]
+        return json.dumps(payload, indent=2, sort_keys=True)
+
+    def description(self) -> dict[str, Any]:
+        """Everything but the splits: what a model trained on this data needs to be rebuilt (kept in checkpoints)."""
+        payload = json.loads(self.to_json())
+        payload.pop("splits")
+        return payload
+
+    @classmethod
+    def from_description(cls, raw: Mapping[str, Any]) -> "Manifest":
+        """The manifest :meth:`description` returned, with no splits (for rebuilding a model)."""
+        return _parse_manifest(
+            {**raw, "splits": {"train": {"num_samples": 0, "shards": []}}}, where="a description", directory=""
+        )
+
+    @classmethod
+    def from_json(cls, text: str, *, directory: str = "") -> "Manifest":
+        """The manifest in ``text``, validated whole before anything uses it: types, required and unknown keys,
+        ranges, every shard a plain file name inside ``directory``, counts that add up and label ranges within
+        the classes. Anything else raises ``ValueError`` naming the manifest file and the field."""
+        where = _where(directory)
+        try:
+            raw = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"{where} is not valid JSON ({clip(str(exc))}); {RERUN_PREP}") from None
+        return _parse_manifest(raw, where=where, directory=directory)
+
+    @classmethod
+    def load(cls, directory: str) -> "Manifest":
+        """The manifest of a prepared data directory (see :meth:`from_json`)."""
+        import fsspec
+
+        try:
+            with fsspec.open(join_path(directory, MANIFEST_NAME), "rb") as f:
+                payload = f.read()
+        except (FileNotFoundError, IsADirectoryError):
+            raise ValueError(
+                f"{_where(directory)} is missing: the directory holds no prepared data; {RERUN_PREP}"
+            ) from None
+        try:
+            text = payload.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"{_where(directory)} is not UTF-8 text ({exc.reason} at byte {exc.start}); {RERUN_PREP}"
+            ) from None
+        return cls.from_json(text, directory=directory)
+
+    def shards_for_rank(self, split: str, rank: int, world_size: int) -> list[ShardInfo]:
+        shards = self.splits[split].shards
+        if len(shards) < world_size:
+            raise ValueError(
+                f"split {split!r} has {len(shards)} shard(s) ({self.splits[split].num_samples} samples) for "
+                f"{world_size} "
+                f"workers; re-run data prep with data.num_shards >= {world_size}, and enough samples in the split "
+                "(data.val_fraction / data.test_fraction) for one shard per worker"
+            )
+        return shards[rank::world_size]
+
+    def steps_per_epoch(self, *, world_size: int, batch_size: int, grad_accum_steps: int) -> int:
+        """Optimizer steps every rank takes in one epoch: each trains an equal share of the training split."""
+        per_rank = self.splits["train"].num_samples // world_size
+        steps = per_rank // (batch_size * grad_accum_steps)
+        if steps == 0:
+            raise ValueError(
+                f"loop.batch_size={batch_size} is too large: with loop.grad_accum_steps={grad_accum_steps} and "
+                f"{world_size} workers each worker has {per_rank} training samples, not enough for one "
+                "step; lower loop.batch_size or scaling.num_workers"
+            )
+        return steps
+
+
+def _where(directory: str) -> str:
+    """The manifest file as an error names it, with any URL credentials redacted."""
+    return clip(redact(join_path(directory, MANIFEST_NAME) if directory else MANIFEST_NAME), 500)
+
+
+class _Schema:
+    """Checks one parsed manifest, raising ``ValueError`` with the manifest file and the field path."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, path: str, value: Any, why: str) -> NoReturn:
+        raise ValueError(f"{self.where}: {clip(path)}={quote(value)} is invalid: {why}; {RERUN_PREP}")
+
+    def mapping(self, path: str, value: Any, required: tuple[str, ...]) -> dict:
+        if not isinstance(value, dict):
+            self.fail(path, value, f"expected an object with the keys {', '.join(required)}")
+        missing = [k for k in required if k not in value]
+        unknown = [k for k in value if k not in required]
+        if missing or unknown:
+            listed = ", ".join(quote(k) for k in unknown[:10]) + (
+                f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+            )
+            found = f"lacks {', '.join(missing)}" if missing else f"has unknown key(s) {listed}"
+            raise ValueError(f"{self.where}: {clip(path)} {found}; its keys are {', '.join(required)}; {RERUN_PREP}")
+        return value
+
+    def integer(self, path: str, value: Any, minimum: int, maximum: float = math.inf) -> int:
+        # bool is an int in Python and JSON's true would pass as 1.
+        if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+            bound = f"{minimum}..{maximum}" if maximum != math.inf else f">= {minimum}"
+            self.fail(path, value, f"expected an integer {bound}")
+        return value
+
+    def text(self, path: str, value: Any) -> str:
+        if not isinstance(value, str) or not value:
+            self.fail(path, value, "expected a non-empty string")
+        return value
+
+    def items(self, path: str, value: Any, length: int | None = None) -> list:
+        if not isinstance(value, list) or (length is not None and len(value) != length):
+            self.fail(path, value, "expected a list" + (f" of {length}" if length is not None else ""))
+        return value
+
+    def numbers(self, path: str, value: Any, length: int, *, positive: bool) -> list[float]:
+        numbers = []
+        for index, item in enumerate(self.items(path, value, length)):
+            # An integer beyond a float's range is as unusable as JSON's Infinity or NaN.
+            number = float(item) if isinstance(item, float) or _small_int(item) else math.nan
+            if not math.isfinite(number):
+                self.fail(f"{path}[{index}]", item, "expected a finite number")
+            if positive and not number > 0:
+                self.fail(f"{path}[{index}]", item, "expected a number > 0")
+            numbers.append(number)
+        return numbers
+
+
+def _small_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**1000
+
+
+_TOP_KEYS = {
+    1: ("version", "dataset", "classes", "input_shape", "mean", "std", "splits"),
+    2: ("version", "dataset", "classes", "input_shape", "mean", "std", "splits"),
+    3: ("version", "workload", "dataset", "classes", "input_shape", "mean", "std", "arrays", "spec", "splits"),
+    4: (
+        "version", "workload", "dataset", "classes", "input_shape", "mean", "std", "arrays", "spec", "format",
+        "bad_samples", "splits",
+    ),
+}  # fmt: skip
+_SHARD_KEYS = {
+    1: ("file", "num_samples", "sha256"),
+    2: ("file", "num_samples", "sha256", "label_min", "label_max"),
+    3: ("file", "num_samples", "sha256", "bounds"),
+    4: ("file", "num_samples", "sha256", "bounds"),
+}
+SHARD_FORMATS = {"npz": ".npz", "parquet": ".parquet"}
+"""Shard formats and their files' suffix."""
+ARRAY_DTYPES = ("uint8", "uint16", "int32", "int64", "float32")
+"""What a shard may store: nothing numpy would need pickles or object arrays for."""
+
+
+def _parse_manifest(raw: Any, *, where: str, directory: str) -> Manifest:
+    schema = _Schema(where)
+    if isinstance(raw, dict):
+        version = raw.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version not in _SHARD_KEYS:
+            schema.fail("version", version, f"this code reads versions 1 to {MANIFEST_VERSION}")
+    raw = schema.mapping("manifest", raw, _TOP_KEYS[raw["version"] if isinstance(raw, dict) else MANIFEST_VERSION])
+    version = raw["version"]
+    classes = schema.items("classes", raw["classes"])
+    if not classes and version < 3:
+        schema.fail("classes", classes, "expected at least one class name")
+    for index, name in enumerate(classes):
+        schema.text(f"classes[{index}]", name)
+    if len(set(classes)) != len(classes):
+        schema.fail("classes", classes, "class names must be unique")
+    shape = schema.items("input_shape", raw["input_shape"], 3 if version < 3 else None)
+    if not shape:
+        schema.fail("input_shape", shape, "expected the shape of one input sample")
+    for index, size in enumerate(shape):
+        schema.integer(f"input_shape[{index}]", size, 1)
+    num_stats = shape[0] if version < 3 or raw["mean"] else 0
+    mean = schema.numbers("mean", raw["mean"], num_stats, positive=False)
+    std = schema.numbers("std", raw["std"], num_stats, positive=True)
+    arrays = _parse_arrays(schema, raw["arrays"]) if version >= 3 else {}
+    spec = raw.get("spec", {})
+    if not isinstance(spec, dict):
+        schema.fail("spec", spec, "expected a JSON object")
+    shard_format = raw.get("format", "npz")
+    if shard_format not in SHARD_FORMATS:
+        schema.fail("format", shard_format, f"expected one of {', '.join(SHARD_FORMATS)}")
+    bad_samples = raw.get("bad_samples", {"count": 0, "examples": []})
+    bad_samples = schema.mapping("bad_samples", bad_samples, ("count", "examples"))
+    schema.integer("bad_samples.count", bad_samples["count"], 0)
+    for index, example in enumerate(schema.items("bad_samples.examples", bad_samples["examples"])):
+        schema.text(f"bad_samples.examples[{index}]", example)
+    manifest = Manifest(
+        dataset=schema.text("dataset", raw["dataset"]),
+        classes=list(classes),
+        input_shape=list(shape),
+        mean=mean,
+        std=std,
+        splits={},
+        workload=schema.text("workload", raw["workload"]) if version >= 3 else "image_classification",
+        arrays=arrays,
+        spec=spec,
+        format=shard_format,
+        bad_samples=dict(bad_samples),
+        version=version,
+        directory=directory,
+    )
+    if shard_format == "parquet" and manifest.workload != "image_classification":
+        schema.fail("format", shard_format, "parquet shards hold encoded images (workload image_classification)")
+    splits_raw = raw["splits"]
+    if not isinstance(splits_raw, dict) or "train" not in splits_raw:
+        schema.fail("splits", splits_raw, f"expected an object of splits ({', '.join(SPLIT_NAMES)}) with train")
+    if version >= 3 and manifest.workload == "image_classification":
+        _check_image_manifest(schema, manifest, raw["arrays"])
+    bounded = {name: a.max_value for name, a in manifest.arrays.items() if a.max_value is not None}
+    files: set[str] = set()
+    for name, split_raw in splits_raw.items():
+        if name not in SPLIT_NAMES:
+            schema.fail("splits", name, f"a split is named {', '.join(SPLIT_NAMES)}")
+        split_raw = schema.mapping(f"splits.{name}", split_raw, ("num_samples", "shards"))
+        num_samples = schema.integer(f"splits.{name}.num_samples", split_raw["num_samples"], 0)
+        shards = []
+        for index, shard_raw in enumerate(schema.items(f"splits.{name}.shards", split_raw["shards"])):
+            path = f"splits.{name}.shards[{index}]"
+            shard_raw = schema.mapping(path, shard_raw, _SHARD_KEYS[version])
+            file = plain_shard_name(
+                shard_raw["file"], lambda why, p=path, v=shard_raw["file"]: schema.fail(f"{p}.file", v, why)
+            )
+            if file in files:
+                schema.fail(f"{path}.file", file, "another shard names the same file")
+            if version >= 4 and not file.endswith(SHARD_FORMATS[shard_format]):
+                suffix = SHARD_FORMATS[shard_format]
+                schema.fail(f"{path}.file", file, f"a {shard_format} shard's name ends in {suffix}")
+            files.add(file)
+            sha256 = shard_raw["sha256"]
+            if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
+                schema.fail(f"{path}.sha256", sha256, "expected 64 lowercase hex digits")
+            shard = ShardInfo(
+                file=file,
+                # Prep never writes an empty shard.
+                num_samples=schema.integer(f"{path}.num_samples", shard_raw["num_samples"], 1),
+                sha256=sha256,
+            )
+            if version == 2:
+                low = schema.integer(f"{path}.label_min", shard_raw["label_min"], 0, len(classes) - 1)
+                high = schema.integer(f"{path}.label_max", shard_raw["label_max"], low, len(classes) - 1)
+                shard.bounds = {"labels": [low, high]}
+            if version >= 3:
+                shard.bounds = _parse_bounds(schema, f"{path}.bounds", shard_raw["bounds"], bounded)
+            shards.append(shard)
+        total = sum(s.num_samples for s in shards)
+        if total != num_samples:
+            schema.fail(f"splits.{name}.num_samples", num_samples, f"its shards hold {total} samples")
+        manifest.splits[name] = SplitInfo(num_samples=num_samples, shards=shards)
+    return manifest
+
+
+def _check_image_manifest(schema: _Schema, manifest: Manifest, raw_arrays: Any) -> None:
+    """What image classification reads, as versions 1 and 2 always held it: class names, channels x height x width,
+    a mean and std per channel, and exactly its uint8 images and int64 labels, one label per class."""
+    if not manifest.classes:
+        schema.fail("classes", manifest.classes, "expected at least one class name")
+    shape = manifest.input_shape
+    if len(shape) != 3:
+        schema.fail("input_shape", shape, "expected a list of 3")
+    for name in ("mean", "std"):
+        if len(getattr(manifest, name)) != shape[0]:
+            schema.fail(name, getattr(manifest, name), f"expected a list of {shape[0]}")
+    expected = {
+        "images": ArraySpec("uint8", list(shape)),
+        "labels": ArraySpec("int64", [], max_value=len(manifest.classes) - 1),
+    }
+    if manifest.arrays != expected:
+        schema.fail(
+            "arrays",
+            raw_arrays,
+            f"image_classification data stores images uint8 {shape} and labels int64 [] with max_value "
+            f"{len(manifest.classes) - 1} (one per class)",
+        )
+
+
+def _parse_arrays(schema: _Schema, raw: Any) -> dict[str, ArraySpec]:
+    if not isinstance(raw, dict) or not raw:
+        schema.fail("arrays", raw, "expected an object of array name -> {dtype, shape, max_value}")
+    arrays = {}
+    for name, spec_raw in raw.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            schema.fail("arrays", name, "an array is named like a Python identifier")
+        spec_raw = schema.mapping(f"arrays.{name}", spec_raw, ("dtype", "shape", "max_value"))
+        if spec_raw["dtype"] not in ARRAY_DTYPES:
+            schema.fail(f"arrays.{name}.dtype", spec_raw["dtype"], f"expected one of {', '.join(ARRAY_DTYPES)}")
+        shape = schema.items(f"arrays.{name}.shape", spec_raw["shape"])
+        for index, size in enumerate(shape):
+            schema.integer(f"arrays.{name}.shape[{index}]", size, 1)
+        max_value = spec_raw["max_value"]
+        if max_value is not None:
+            if spec_raw["dtype"] == "float32":
+                schema.fail(f"arrays.{name}.max_value", max_value, "only integer arrays are bounded; use null")
+            schema.integer(f"arrays.{name}.max_value", max_value, 0, 2**62)
+        arrays[name] = ArraySpec(dtype=spec_raw["dtype"], shape=list(shape), max_value=max_value)
+    return arrays
+
+
+def _parse_bounds(schema: _Schema, path: str, raw: Any, bounded: dict[str, int]) -> dict[str, list[int]]:
+    raw = schema.mapping(path, raw, tuple(bounded))
+    bounds = {}
+    for name, limit in bounded.items():
+        pair = schema.items(f"{path}.{name}", raw[name], 2)
+        low = schema.integer(f"{path}.{name}[0]", pair[0], 0, limit)
+        high = schema.integer(f"{path}.{name}[1]", pair[1], low, limit)
+        bounds[name] = [low, high]
+    return bounds
+
+
+def write_prepared(
+    out_dir: str,
+    splits: Mapping[str, Mapping[str, np.ndarray]],
+    *,
+    template: Manifest,
+    num_shards: int,
+) -> Manifest:
+    """Write each split's arrays (name -> array, first axis the samples) as up to ``num_shards`` ``.npz`` shards
+    of consecutive samples (see :func:`write_shards`)."""
+    for name, arrays in splits.items():
+        _check_split(template, name, arrays)
+
+    def shards_of(arrays: Mapping[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        count = len(next(iter(arrays.values())))
+        for part in np.array_split(np.arange(count), min(num_shards, count)):
+            yield {key: value[part] for key, value in arrays.items()}
+
+    planned = {}
+    for name, arrays in splits.items():
+        count = len(next(iter(arrays.values())))
+        planned[name] = (min(num_shards, count), shards_of(arrays))
+    return write_shards(out_dir, planned, template=template)
+
+
+def write_shards(
+    out_dir: str,
+    splits: Mapping[str, tuple[int, Iterable[Mapping[str, np.ndarray]]]],
+    *,
+    template: Manifest,
+) -> Manifest:
+    """Write each split's shards (``(number of shards, shards)``, each shard name -> array, first axis the
+    samples) as ``.npz`` files under ``out_dir`` as they come, then the manifest: ``template``'s description with
+    the shards, their sha256 and the bounds of every bounded array. Only one shard is in memory at a time. Each
+    shard is checked against ``template.arrays`` first (names, dtypes, sample shapes, bounds), so a workload cannot
+    write data the readers would refuse. A shard file that already holds the same bytes (a prep that stopped half
+    way, run again) is left as it is."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(out_dir)
+    fs.makedirs(root, exist_ok=True)
+    split_infos, written, total = {}, 0, 0
+    for name, (num_shards, shards) in splits.items():
+        infos = []
+        for index, arrays in enumerate(shards):
+            _check_split(template, name, arrays)
+            buffer = io.BytesIO()
+            np.savez(buffer, **arrays)
+            payload = buffer.getvalue()
+            digest = hashlib.sha256(payload).hexdigest()
+            file = f"{name}-{index:05d}-of-{num_shards:05d}.npz"
+            total += 1
+            if not _holds(fs, join_path(root, file), payload, digest):
+                with fs.open(join_path(root, file), "wb") as f:
+                    f.write(payload)
+                written += 1
+            bounds = {
+                key: [int(arrays[key].min()), int(arrays[key].max())]
+                for key, spec in template.arrays.items()
+                if spec.max_value is not None
+            }
+            infos.append(
+                ShardInfo(file=file, num_samples=len(next(iter(arrays.values()))), sha256=digest, bounds=bounds)
+            )
+        assert len(infos) == num_shards, (name, len(infos), num_shards)
+        split_infos[name] = SplitInfo(num_samples=sum(shard.num_samples for shard in infos), shards=infos)
+    manifest = dataclasses.replace(template, splits=split_infos, version=MANIFEST_VERSION, directory=out_dir)
+    write_manifest(manifest)
+    kept = total - written
+    log.info(
+        "prepared %s (%s): %s; wrote %d of %d shards%s",
+        manifest.dataset,
+        manifest.workload,
+        manifest.split_counts(),
+        written,
+        total,
+        f"; {kept} already held the same bytes" if kept else "",
+    )
+    return manifest
+
+
+def _holds(fs: Any, path: str, payload: bytes, digest: str) -> bool:
+    """Whether ``path`` exists and holds ``payload`` (same size, same sha256)."""
+    try:
+        if fs.size(path) != len(payload):
+            return False
+        return hashlib.sha256(fs.cat_file(path)).hexdigest() == digest
+    except OSError:  # not there (FileNotFoundError), or unreadable: written again
+        return False
+
+
+def write_manifest(manifest: Manifest) -> None:
+    """Write ``manifest`` into its directory. Prep calls it after every shard is written: a directory with a
+    manifest is complete."""
+    import fsspec
+
+    with fsspec.open(join_path(manifest.directory, MANIFEST_NAME), "w") as f:
+        f.write(manifest.to_json())
+
+
+def _check_split(template: Manifest, split: str, arrays: Mapping[str, np.ndarray]) -> None:
+    if split not in SPLIT_NAMES:
+        raise ValueError(f"data prep made a split named {quote(split)}; splits are named {', '.join(SPLIT_NAMES)}")
+    if set(arrays) != set(template.arrays):
+        raise ValueError(
+            f"data prep made split {split!r} with arrays {sorted(arrays)}; the manifest declares "
+            f"{sorted(template.arrays)}"
+        )
+    counts = {len(a) for a in arrays.values()}
+    if len(counts) != 1 or not counts.pop():
+        raise ValueError(
+            f"data prep made split {split!r} with no samples or arrays of different lengths; fix the source"
+        )
+    for key, spec in template.arrays.items():
+        value = arrays[key]
+        if value.dtype != np.dtype(spec.dtype) or list(value.shape[1:]) != spec.shape:
+            raise ValueError(
+                f"data prep made array {key!r} of split {split!r} {value.dtype} {value.shape[1:]} per sample; the "
+                f"manifest declares {spec.dtype} {tuple(spec.shape)}"
+            )
+        if (
+            spec.max_value is not None
+            and value.size
+            and not 0 <= int(value.min()) <= int(value.max()) <= spec.max_value
+        ):
+            raise ValueError(
+                f"data prep made array {key!r} of split {split!r} with values {int(value.min())}..{int(value.max())}; "
+                f"expected 0..{spec.max_value}"
+            )
+
+
+def split_samples(
+    raw: Mapping[str, Mapping[str, np.ndarray]], cfg: DataConfig, *, source: str
+) -> dict[str, dict[str, np.ndarray]]:
+    """Shuffle ``raw["train"]`` (name -> array, first axis the samples) with ``data.split_seed`` and carve val (and
+    test, when the source has none) out of it by ``data.val_fraction`` / ``data.test_fraction``; a source's own
+    val or test split is kept as it is."""
+    rng = np.random.default_rng(cfg.split_seed)
+    train = raw["train"]
+    n = len(next(iter(train.values())))
+    order = rng.permutation(n)
+    train = {name: value[order] for name, value in train.items()}
+    n_test = 0 if "test" in raw else int(round(n * cfg.test_fraction))
+    n_val = 0 if "val" in raw else int(round(n * cfg.val_fraction))
+    for name, field_name, value, count in (
+        ("test", "test_fraction", cfg.test_fraction, n_test),
+        ("val", "val_fraction", cfg.val_fraction, n_val),
+    ):
+        if name not in raw and not count:
+            raise ValueError(
+                f"data.{field_name}={value!r} is invalid: {source} has no {name} split of its own and this fraction "
+                f"of its {n} samples rounds to 0; raise it to at least {1 / max(n, 1):.2g}"
+            )
+    if n_test + n_val >= n:
+        raise no_training_samples_error(cfg, n, source=source)
+    splits = {"train": {name: value[n_test + n_val :] for name, value in train.items()}}
+    if n_test:
+        splits["test"] = {name: value[:n_test] for name, value in train.items()}
+    if n_val:
+        splits["val"] = {name: value[n_test : n_test + n_val] for name, value in train.items()}
+    for name in ("val", "test"):
+        if name in raw:
+            splits[name] = dict(raw[name])
+    return splits
+
+
+def read_shard(manifest: Manifest, shard: ShardInfo, *, verify: bool = True) -> dict[str, np.ndarray]:
+    """One shard's arrays (name -> array, first axis the samples), checked against what the manifest records: the
+    sha256 (when ``verify``), the count, each array's dtype and sample shape, and the value bounds. A mismatch
+    raises ``ValueError`` naming the shard file and the fix."""
+    import fsspec
+
+    where = f"shard {quote(shard.file)} in {clip(redact(manifest.directory), 500)}"
+    plain_shard_name(shard.file, lambda why: shard_error(where, why))
+    with fsspec.open(join_path(manifest.directory, shard.file), "rb") as f:
+        payload = f.read()
+    if verify:
+        digest = hashlib.sha256(payload).hexdigest()
+        if digest != shard.sha256:
+            shard_error(where, f"is corrupt: sha256 {digest} != manifest {shard.sha256}")
+    try:
+        with np.load(io.BytesIO(payload), allow_pickle=False) as stored:
+            arrays = {name: stored[name] for name in manifest.arrays}
+    except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        shard_error(where, f"is not a readable shard ({type(exc).__name__}: {clip(str(exc))})")
+    for name, spec in manifest.arrays.items():
+        value, expected = arrays[name], (shard.num_samples, *spec.shape)
+        if value.dtype != np.dtype(spec.dtype) or value.shape != expected:
+            what = "images" if name == "images" else name  # the words of a version-1/2 manifest
+            shard_error(where, f"holds {what} {value.dtype} {value.shape}; the manifest says {spec.dtype} {expected}")
+        if spec.max_value is None:
+            continue
+        low, high = int(value.min()), int(value.max())
+        recorded = shard.bounds.get(name)
+        if recorded is not None and [low, high] != recorded:
+            shard_error(where, f"holds {name} {low}..{high}; the manifest says {recorded[0]}..{recorded[1]}")
+        if not 0 <= low <= high <= spec.max_value:
+            limit = f"{manifest.num_classes} classes" if name == "labels" else f"values 0..{spec.max_value}"
+            shard_error(where, f"holds {name} {low}..{high}; the manifest has {limit}")
+    return arrays
+
+
+class ArraySamples:
+    """An ``npz`` shard's samples: rows of its arrays, as stored."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
+        self.arrays = arrays
+
+    def __len__(self) -> int:
+        return len(next(iter(self.arrays.values())))
+
+    def sample(self, row: int, *, epoch: int, train: bool, seed: int = 0) -> dict[str, np.ndarray]:
+        return {name: value[row] for name, value in self.arrays.items()}
+
+
+class ShardStream:
+    """Batches of one split for one rank (see :mod:`training_core.loader` for the order and resume).
+
+    Training batches come from the rank's chunk of the epoch's global order, read, decoded and augmented in
+    ``data.loader_num_workers`` loader processes (Parquet shards of encoded images; ``.npz`` arrays are read in this
+    thread); evaluation reads the rank's shards ``rank, rank + world_size, ...`` in stored order.
+    """
+
+    def __init__(
+        self, manifest: Manifest, split: str, *, rank: int, world_size: int, data: DataConfig | None = None
+    ) -> None:
+        self.manifest = manifest
+        self.split = split
+        self.rank, self.world_size = rank, world_size
+        self.data = data or DataConfig()
+        self.all_shards = manifest.splits[split].shards
+        self.num_samples = manifest.splits[split].num_samples
+
+    def read(self, index: int) -> Any:
+        """Shard ``index`` of the split, verified, as indexable samples."""
+        shard = self.all_shards[index]
+        if self.manifest.format == "parquet":
+            from training_core.image_shards import EncodedImages
+
+            return EncodedImages.read(self.manifest, shard, self.data)
+        return ArraySamples(read_shard(self.manifest, shard))
+
+    def train_batches(
+        self,
+        *,
+        epoch: int,
+        seed: int,
+        batch_size: int,
+        num_batches: int,
+        start_batch: int = 0,
+        remaining: list[tuple[int, int]] | None = None,
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """Batches ``start_batch .. num_batches - 1`` of this rank's chunk of ``remaining`` (default: the whole
+        epoch), all full. A resume on the same workers passes the batches consumed as ``start_batch``; one on other
+        workers passes the checkpoint's ``remaining`` and ``start_batch=0``."""
+        from training_core.loader import EpochOrder, TrainBatches, loader_iter, plan_ranks
+
+        order = EpochOrder([s.num_samples for s in self.all_shards], seed=seed, epoch=epoch)
+        chunk = plan_ranks(remaining if remaining is not None else [(0, order.num_samples)], self.world_size)
+        batches = TrainBatches(
+            read=self.read,
+            order=order,
+            chunk=chunk[self.rank],
+            batch_size=batch_size,
+            num_batches=num_batches,
+            start_batch=start_batch,
+        )
+        return loader_iter(
+            batches.batches,
+            num_processes=min(self._loader_processes(), max(num_batches - start_batch, 0)),
+            prefetch_batches=self.data.loader_prefetch_batches,
+        )
+
+    def _loader_processes(self) -> int:
+        """Loader processes to fork, with what they import already imported here."""
+        # An npz shard holds decoded arrays: a loader process would only copy them through shared memory, and
+        # forking one per epoch costs more than the copy saves on small data.
+        if self.manifest.format != "parquet" or not self.data.loader_num_workers:
+            return 0
+        from training_core.image_shards import import_decoders
+
+        import_decoders()
+        return self.data.loader_num_workers
+
+    def eval_batches(self, *, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+        """Every sample of this rank's shards once, in stored order; the last batch of each shard may be short."""
+        from training_core.loader import loader_iter
+
+        self.manifest.shards_for_rank(self.split, self.rank, self.world_size)  # raises for too few shards
+        mine = list(range(len(self.all_shards)))[self.rank :: self.world_size]
+        if self.manifest.format == "npz":
+            return self._eval_arrays(mine, batch_size)
+
+        def source(worker: int, num_workers: int) -> Iterator[list[dict[str, Any]]]:
+            for index in mine[worker::num_workers]:
+                samples = self.read(index)
+                for start in range(0, len(samples), batch_size):
+                    rows = range(start, min(start + batch_size, len(samples)))
+                    yield [samples.sample(row, epoch=0, train=False) for row in rows]
+
+        # Whole shards per process: evaluation order is not a contract, only that every sample is seen once.
+        return loader_iter(
+            source,
+            num_processes=min(self._loader_processes(), len(mine)),
+            prefetch_batches=self.data.loader_prefetch_batches,
+        )
+
+    def _eval_arrays(self, mine: list[int], batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+        for index in mine:
+            arrays = read_shard(self.manifest, self.all_shards[index])
+            count = self.all_shards[index].num_samples
+            for start in range(0, count, batch_size):
+                yield {name: value[start : start + batch_size] for name, value in arrays.items()}
