@@ -368,16 +368,15 @@ class WorkloadConfig:
     """A built-in workload with user data: ``package.module:attribute`` of a callable ``(data_config)`` (the
     config's ``data`` section, a ``DataConfig``) returning a ``training_core.datasets.RawDataset``
     (``image_classification``) or a mapping of document name to text (``causal_lm``). Empty uses ``data.dataset``.
-    An ``image_classification`` source with a parameter named ``params`` is also given :attr:`params` as
-    ``params=``. A ``causal_lm`` source is called with the data section only."""
+    A source with a parameter named ``params`` is also given :attr:`params` as ``params=``."""
 
     params: dict[str, Any] = field(default_factory=dict)
     """The user's own hyperparameters: names (Python identifiers) to JSON values (numbers, strings, booleans, null,
     lists, mappings), at most :data:`MAX_WORKLOAD_PARAMS_BYTES` as JSON, e.g. ``{kernel_size: 5, dropout: 0.1}``. A
     user workload gets them as its ``params`` attribute: the mapping, or an instance of the dataclass it names as
-    ``params_type`` (validated before any worker starts); a ``workload.name`` factory, a ``model_factory``, or an
-    ``image_classification`` ``dataset_source`` with a parameter named ``params`` is also called with ``params=``
-    (the mapping, or an instance of the ``params_type`` the callable declares). Searchable as
+    ``params_type`` (validated before any worker starts); a ``workload.name`` factory, a ``model_factory`` or a
+    ``dataset_source`` with a parameter named ``params`` is also called with ``params=`` (the mapping, or an
+    instance of the ``params_type`` the callable declares). Searchable as
     ``workload.params.<name>``, logged as MLflow params, and part of the cache keys (prep's too where prep can read
     them: a user workload or a ``dataset_source``)."""
 

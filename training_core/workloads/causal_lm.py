@@ -22,6 +22,7 @@ Importing this module imports neither torch nor transformers: :class:`CausalLMMo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -59,7 +60,15 @@ from training_core.text import (
     tokenizer_from_description,
     tokenizer_threads,
 )
-from training_core.workloads import LossOutput, call_user, load_attribute, mean_of, to_device_async
+from training_core.workloads import (
+    LossOutput,
+    call_with_params,
+    factory_params,
+    load_attribute,
+    mean_of,
+    takes_params,
+    to_device_async,
+)
 from training_core.workloads.image import user_model
 
 if TYPE_CHECKING:
@@ -117,7 +126,8 @@ embedding, which no worker could allocate)."""
 class CausalLM:
     """Token ids in, next-token logits out. ``model_factory(config, manifest)`` (a ``torch.nn.Module`` whose
     ``forward(input_ids [N, T]) -> logits [N, T, manifest.spec["vocab_size"]]``) and ``dataset_source(data)`` (a
-    mapping of document name to text) replace the built-in model and text."""
+    mapping of document name to text) replace the built-in model and text; either is also given ``params=``
+    (``workload.params``, typed by its ``params_type`` if it declares one) when it has that parameter."""
 
     name = "causal_lm"
     primary_metric = "perplexity"
@@ -127,6 +137,7 @@ class CausalLM:
 
     def __init__(self, selected: WorkloadConfig | None = None) -> None:
         selected = selected or WorkloadConfig(name=self.name)
+        self.selected = selected
         self.model_factory = (
             load_attribute("workload.model_factory", selected.model_factory) if selected.model_factory else None
         )
@@ -158,7 +169,10 @@ class CausalLM:
             documents = read_documents(data, stats)
         else:
             source = f"workload.dataset_source={quote(self.dataset_source_path)}"
-            texts = call_user("workload.dataset_source", self.dataset_source_path, self.dataset_source, data)
+            params = factory_params(self.selected, self.dataset_source)
+            texts = call_with_params(
+                "workload.dataset_source", self.dataset_source_path, self.dataset_source, params, data
+            )
             documents = capped(mapping_documents(texts, source=source), data.max_text_bytes, stats)
         log.info(
             "tokenising %s %s",
@@ -291,8 +305,11 @@ class CausalLM:
 
         path = config.workload.model_factory
         try:
+            factory = self.model_factory
+            if takes_params(factory):
+                factory = functools.partial(factory, params=factory_params(config.workload, factory))
             with torch.device("meta"):
-                model = self.model_factory(config, manifest)
+                model = factory(config, manifest)
                 if not isinstance(model, nn.Module):
                     return  # build_model names the problem
                 logits = model(torch.zeros((1, min(spec.seq_len, 8)), dtype=torch.long))
