@@ -131,14 +131,25 @@ def local_processes(actors, node_id: bytes) -> list[RunProcess]:
     return processes
 
 
-def reap(processes: list[RunProcess], *, wait_s: float = RUN_EXIT_WAIT_S) -> list[RunProcess]:
-    """Wait up to ``wait_s`` for ``processes`` to exit, then ``SIGKILL`` the ones still there, logging a warning
-    that names each. Returns those killed."""
+KILLED_EXIT_WAIT_S = 5.0
+"""How long a killed process gets to be gone: ``SIGKILL`` is delivered asynchronously, and a process with many
+threads (a controller with Ray's core worker) took a moment to die after it."""
+
+
+def _wait_gone(processes: list[RunProcess], wait_s: float) -> list[RunProcess]:
+    """Poll until every one of ``processes`` has exited (or is a zombie), at most ``wait_s``: those still alive."""
     deadline = time.monotonic() + wait_s
     remaining = [p for p in processes if _alive(p)]
     while remaining and time.monotonic() < deadline:
         time.sleep(POLL_INTERVAL_S)
         remaining = [p for p in remaining if _alive(p)]
+    return remaining
+
+
+def reap(processes: list[RunProcess], *, wait_s: float = RUN_EXIT_WAIT_S) -> list[RunProcess]:
+    """Wait up to ``wait_s`` for ``processes`` to exit, then ``SIGKILL`` the ones still there, logging a warning
+    that names each, and wait up to :data:`KILLED_EXIT_WAIT_S` until they are gone. Returns those killed."""
+    remaining = _wait_gone(processes, wait_s)
     killed = []
     for process in remaining:
         if not _alive(process):
@@ -155,6 +166,8 @@ def reap(processes: list[RunProcess], *, wait_s: float = RUN_EXIT_WAIT_S) -> lis
             process.name,
             wait_s,
         )
+    for process in _wait_gone(killed, KILLED_EXIT_WAIT_S):
+        log.warning("Ray process %d (ray::%s) was sent SIGKILL and is still alive", process.pid, process.name)
     return killed
 
 
