@@ -39,7 +39,7 @@ line printed is the JSON.
     device lacks.
 
 With ``--device cpu`` every part runs at tiny sizes on the CPU; what only a GPU can give is null with its reason in
-``notes``. Nothing on this path imports Ray, Flyte or MLflow (tests/unit/test_device_check.py runs it with those
+``notes``. Nothing on this path imports Ray, Flyte or MLflow (tests/integration/test_device_check.py runs it with those
 unimportable in every process it starts).
 """
 
@@ -175,14 +175,14 @@ MIN_PART_S = 15
 GPU_TESTS = {
     "fsdp_bf16_ok": ("test_fsdp_precision", "test_bf16_"),
     "fp16_scaler_ok": ("test_fsdp_precision", "test_fp16_"),
-    "nccl_ok": ("test_nccl_network", ""),
+    "nccl_ok": ("test_nccl_network_on_gpu", ""),
     "eval_on_gpu_ok": ("test_evaluate_device", ""),
-    "batch_size_probe_ok": ("test_batch_size", ""),
+    "batch_size_probe_ok": ("test_batch_size_on_gpu", ""),
     "device_copy_ok": ("test_device_copy", ""),
     "fast_path_ok": ("test_fast_path", ""),
 }
 """Summary key -> (module of tests/gpu, test-name prefix) of the cases it stands for."""
-GPU_TEST_SELECTION = "cuda or test_batch_size"
+GPU_TEST_SELECTION = "cuda or test_batch_size_on_gpu"
 """pytest ``-k``: the cuda case of each parametrised test, and the GPU-only module."""
 
 

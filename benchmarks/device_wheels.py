@@ -15,7 +15,7 @@ Two things travel in it, both made here because the device cannot make them:
 
     .venv/bin/python benchmarks/device_wheels.py            # writes .device-carry/ (ignored by git)
 
-``tests/unit/test_device_check.py`` checks that the folder plus the repository's tracked files stay under 60 MiB.
+``tests/integration/test_device_check.py`` checks that the folder plus the repository's tracked files stay under 60 MiB.
 """
 
 from __future__ import annotations

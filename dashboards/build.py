@@ -64,6 +64,7 @@ def _timeseries(
     span: int = 8,
     min_value: float | None = None,
     max_value: float | None = None,
+    stacked: bool = False,
 ) -> timeseries_builder.Panel:
     panel = (
         timeseries_builder.Panel()
@@ -83,6 +84,8 @@ def _timeseries(
             .show_legend(True)
         )
     )
+    if stacked:
+        panel = panel.stacking(common_builder.StackingConfig().mode(common.StackingMode.NORMAL)).fill_opacity(60)
     if min_value is not None:
         panel = panel.min(min_value)
     if max_value is not None:
@@ -443,12 +446,60 @@ def _checkpoints_health_cost() -> list[Builder[dashboard.Panel]]:
     ]
 
 
+def _goodput_stragglers_progress() -> list[Builder[dashboard.Panel]]:
+    return [
+        _timeseries(
+            "Worker-hours by category",
+            "Where the job's worker-hours went, all workers and attempts, stacked: productive steps, data wait, "
+            "communication not hidden behind compute, checkpoint stalls, evaluation, start-up, steps recomputed after "
+            "a failure, preemption, hung, idle at the end. The stack's height is workers x wall time.",
+            "h",
+            [
+                (
+                    f"max by (execution, category) (training_job_goodput_seconds_total{{{JOB}}}) / 3600",
+                    "{{category}} {{execution}}",
+                )
+            ],
+            span=12,
+            min_value=0,
+            stacked=True,
+        ),
+        _timeseries(
+            "Goodput ratio",
+            "Productive worker-seconds over all of them, for the whole execution so far (all attempts).",
+            "percentunit",
+            [(f"max by (execution) (training_goodput_ratio{{{JOB}}})", "{{execution}}")],
+            span=12,
+            min_value=0,
+            max_value=1,
+        ),
+        _timeseries(
+            "Straggling ranks",
+            "1 while a rank's compute and data wait stay above the other ranks' median by "
+            "observability.straggler_threshold (the TrainingStraggler alert), per rank and cause (compute or data).",
+            "bool_on_off",
+            [(f"training_straggler{{{RANK}}} == 1", PER_RANK + " {{cause}}")],
+            span=12,
+        ),
+        _timeseries(
+            "Time to the end of the run",
+            "ETA to the run's last step: the recent step rate plus the validation and checkpoint time per step "
+            "measured so far.",
+            "s",
+            [(f"max by (execution) (training_eta_seconds{{{JOB}}} and on({RANK_KEY}) {RUNNING})", "{{execution}}")],
+            span=12,
+            min_value=0,
+        ),
+    ]
+
+
 ROWS: tuple[tuple[str, Callable[[], list[Builder[dashboard.Panel]]]], ...] = (
     ("Cluster overview", _cluster_overview),
     ("GPU metrics per GPU", _gpu_metrics),
     ("Training progress", _training_progress),
     ("Communication and data wait", _communication_and_data_wait),
     ("Checkpoints, system health and cost", _checkpoints_health_cost),
+    ("Goodput, stragglers and progress", _goodput_stragglers_progress),
 )
 """Row titles in dashboard order, each with the function that builds its panels."""
 
@@ -468,7 +519,7 @@ def _label_variable(name: str, label: str, query: str) -> dashboard_builder.Quer
 
 
 def build_training_dashboard() -> dashboard.Dashboard:
-    """The training dashboard: a Prometheus datasource variable, execution/model/rank variables, five rows."""
+    """The training dashboard: a Prometheus datasource variable, execution/model/rank variables, six rows."""
     board = (
         dashboard_builder.Dashboard("Flyte + Ray training")
         .uid(TRAINING_DASHBOARD_UID)

@@ -74,6 +74,9 @@ def register_model(tracking: TrackingConfig, model: TrainedModel, evaluation: Ev
                 ),
                 f"promotion        : {promotion.reason}",
                 "test metrics     : " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(test.metrics.items())),
+                f"goodput          : {model.goodput.goodput:.1%} of the worker-seconds productive over "
+                f"{model.goodput.attempts} attempt(s) ({model.goodput.startup_s:.0f} s start-up, "
+                f"{model.goodput.recomputed_s:.0f} s recomputed)",
                 f"mlflow tracking  : {redact(model.tracking_uri)}",
                 f"browse with      : {ui_command(model.tracking_uri)}",
                 f"training report  : {reports[0]}",

@@ -169,6 +169,8 @@ def training_sections(
         section("Throughput", _throughput(step_log), section_id="throughput"),
         section("GPU utilisation", _gpu_timeline(samples), section_id="gpu"),
         section("Cost", _cost(telemetry.get("cost") or {}), section_id="cost"),
+        section("Goodput", _goodput(telemetry.get("goodput"), telemetry.get("cost") or {}), section_id="goodput"),
+        section("Ranks", _ranks(telemetry.get("ranks") or []), section_id="ranks"),
     ]
 
 
@@ -288,6 +290,69 @@ def _preemption_rows(cost: Mapping[str, float], gpu_price: float, cpu_price: flo
         ("CPU lost to preemptions", f"{cpu_hours:.4f}", f"{cpu_price:.2f}", f"{cpu_hours * cpu_price:.4f}"),
         ("lost to preemptions", "", "", f"{total:.4f}"),
     ]
+
+
+def _goodput(saved: Mapping[str, Any] | None, cost: Mapping[str, float]) -> str:
+    """A stacked bar of worker-seconds per attempt by category, and a table with each category's seconds, share
+    and cost (its share of the job's cost)."""
+    from training_core.telemetry.goodput import CATEGORIES, ExecutionGoodput
+
+    execution = ExecutionGoodput.from_summary(saved)
+    if not execution.attempts:
+        return note("No goodput was recorded for this run (a checkpoint written before it was).")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 0.9 + 0.5 * len(execution.attempts)))
+    colors = plt.get_cmap("tab10").colors
+    for attempt in execution.attempts:
+        left = 0.0
+        for index, (name, value) in enumerate(zip(CATEGORIES, attempt.seconds.as_list())):
+            label = name if attempt is execution.attempts[0] else None
+            ax.barh(f"attempt {attempt.index}", value, left=left, color=colors[index % 10], label=label)
+            left += value
+    ax.set_xlabel("worker-seconds")
+    ax.invert_yaxis()
+    ax.legend(
+        ncols=5, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.45 - 0.1 * len(execution.attempts))
+    )
+    total_s, cost_usd = execution.seconds.total_s, float(cost.get("cost_usd", 0.0))
+    rows = [
+        (name, f"{value:.1f}", f"{value / total_s:.1%}" if total_s else "", f"{cost_usd * value / total_s:.4f}")
+        for name, value in zip(CATEGORIES, execution.seconds.as_list())
+        if total_s and value > 0
+    ]
+    return (
+        tiles([("goodput", f"{execution.goodput:.1%}"), ("attempts", str(len(execution.attempts)))])
+        + _png(fig)
+        + grid(["category", "worker-seconds", "share", "cost (USD)"], rows)
+        + note(
+            "Every second of every worker from the first attempt's start to the last checkpoint, by what it went"
+            " to; goodput is the productive share. Cost is each category's share of the job's cost."
+        )
+    )
+
+
+def _ranks(ranks: Sequence[Mapping[str, Any]]) -> str:
+    """Per rank: its seconds over the log windows and how often it was flagged as a straggler."""
+    if not ranks:
+        return note("No per-rank figures were recorded for this run.")
+    rows = [
+        (
+            r.get("rank", ""),
+            r.get("node", ""),
+            f"{float(r.get('compute_s', 0.0)):.2f}",
+            f"{float(r.get('data_wait_s', 0.0)):.2f}",
+            f"{float(r.get('comm_wait_s', 0.0)):.2f}",
+            int(r.get("flagged_windows", 0)),
+            r.get("cause") or "-",
+        )
+        for r in ranks
+    ]
+    header = ["rank", "node", "compute (s)", "data wait (s)", "comm. wait (s)", "straggler windows", "cause"]
+    return grid(header, rows) + note(
+        "This attempt's seconds over its log windows. A straggler computes (or waits for data) longer than the"
+        " other ranks' median by observability.straggler_threshold for observability.straggler_windows windows;"
+        " the others then wait for it in the all-reduce."
+    )
 
 
 # --- evaluation -----------------------------------------------------------------------------------------------

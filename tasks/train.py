@@ -23,7 +23,7 @@ from tasks.artifacts import (
 )
 from tasks.logs import show_task_logs
 from tasks.ray_config import ray_job_config
-from tasks.types import PreparedData, TrainedModel, TrainMetrics
+from tasks.types import PreparedData, TrainedModel, TrainGoodput, TrainMetrics
 from training_core.config import ScalingConfig, TrainingConfig
 from training_core.redact import redact
 
@@ -163,6 +163,7 @@ def trained_model(
         mlflow_run_id=run_id,
         mlflow_model_uri=meta.mlflow_model_uri,
         report=report,
+        goodput=TrainGoodput.from_summary(meta.telemetry.get("goodput")),
     )
 
 

@@ -116,6 +116,43 @@ class TrainMetrics:
 
 
 @dataclass
+class TrainGoodput:
+    """Where the job's worker-seconds went, summed over all workers and Flyte attempts (the categories of
+    ``training_core.telemetry.goodput``); all 0 for a checkpoint written before goodput was recorded."""
+
+    goodput: float = 0.0
+    """Productive worker-seconds over all of them (0-1)."""
+    attempts: int = 0
+    """Run attempts (the first, then one per resume: Ray Train restarts and Flyte retries)."""
+    productive_s: float = 0.0
+    data_wait_s: float = 0.0
+    communication_s: float = 0.0
+    """Communication not hidden behind compute."""
+    checkpoint_s: float = 0.0
+    evaluation_s: float = 0.0
+    startup_s: float = 0.0
+    """Scheduling to the first step: workers, imports, joining the group, the restore."""
+    recomputed_s: float = 0.0
+    """Steps trained again after a failure, from the last checkpoint."""
+    preempted_s: float = 0.0
+    hung_s: float = 0.0
+    idle_s: float = 0.0
+
+    @classmethod
+    def from_summary(cls, saved: Optional[dict]) -> "TrainGoodput":
+        """The figures of a checkpoint's ``meta.telemetry["goodput"]`` (None: not recorded)."""
+        from training_core.telemetry.goodput import CATEGORIES, ExecutionGoodput
+
+        execution = ExecutionGoodput.from_summary(saved)
+        seconds = dict(zip(CATEGORIES, execution.seconds.as_list()))
+        return cls(
+            goodput=execution.goodput,
+            attempts=len(execution.attempts),
+            **{f"{name}_s": value for name, value in seconds.items()},
+        )
+
+
+@dataclass
 class TrainedModel:
     """Output of ``train``: the final checkpoint and where MLflow tracked it."""
 
@@ -129,6 +166,8 @@ class TrainedModel:
     """``models:/m-...`` URI of the model logged with its signature."""
     report: FlyteFile
     """The training Deck as a standalone HTML page."""
+    goodput: TrainGoodput = field(default_factory=TrainGoodput)
+    """Where the job's worker-seconds went: goodput ratio and seconds per category, all workers and attempts."""
 
 
 @dataclass

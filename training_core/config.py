@@ -29,16 +29,17 @@ from training_core.messages import (  # noqa: F401 - re-exported: importable fro
     quote,
 )
 from training_core.redact import redact
+from training_core.registry import DATASET_SOURCES, IMAGE_MODELS, LM_SIZES, WORKLOADS, dataset_names
+from training_core.schema import (  # noqa: F401 - INT64_*: re-exported, importable from here too
+    INT64_MAX,
+    INT64_MIN,
+    UNKNOWN_KEY_KINDS,
+    SchemaError,
+    check,
+)
 
 log = logging.getLogger(__name__)
 
-IMAGE_DATASETS = ("digits", "synthetic", "cifar10", "image_folder")
-TEXT_DATASETS = ("stdlib", "text")
-DATASETS = IMAGE_DATASETS + TEXT_DATASETS
-MODELS = ("small_cnn", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "vit_b_16")
-LM_SIZES = ("gpt2-tiny", "gpt2-mini", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-"""Named GPT-2 sizes of the ``causal_lm`` workload (see :mod:`training_core.workloads.causal_lm`)."""
-DATASETS_BY_WORKLOAD = {"image_classification": IMAGE_DATASETS, "causal_lm": TEXT_DATASETS}
 IMPORT_PATH_FIX = "name user code as 'package.module:attribute' (e.g. 'examples.tabular_mlp.workload:build')"
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("cosine", "constant")
@@ -65,9 +66,6 @@ ENV_PREFIX = "TRAINING_CORE__"
 METRIC_DIRECTIONS = {"val_accuracy": "max", "val_loss": "min", "val_perplexity": "min"}
 """Which way each metric that ranks checkpoints and trials improves: ``max`` or ``min``."""
 
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-"""Range of every int field: counts, steps and sizes reach torch and numpy as int64."""
 
 MAX_EPOCHS = 1_000_000
 """Most ``loop.epochs``: far beyond any run, and it keeps epoch-based arithmetic (schedules, rungs) small."""
@@ -229,15 +227,16 @@ class DataConfig:
     """Bound of the shard cache in bytes: the least recently used shards are deleted beyond it."""
 
     def __post_init__(self) -> None:
-        _choice("data.dataset", self.dataset, DATASETS)
-        if self.dataset in ("cifar10", "image_folder", "text") and not self.path:
+        _choice("data.dataset", self.dataset, dataset_names())
+        source = DATASET_SOURCES[self.dataset]
+        if source.needs_path and not self.path:
             invalid(
                 "data.path", self.path, f"dataset {self.dataset!r} needs data.path set to a local path or s3:// URI"
             )
         _non_negative("data.image_size", self.image_size)
         _seed("data.split_seed", self.split_seed)
-        if self.dataset == "image_folder" and self.image_size == 0:
-            invalid("data.image_size", self.image_size, "image_folder needs a fixed size such as 64 or 224")
+        if source.needs_image_size and self.image_size == 0:
+            invalid("data.image_size", self.image_size, f"{self.dataset} needs a fixed size such as 64 or 224")
         _fraction("data.val_fraction", self.val_fraction)
         _fraction("data.test_fraction", self.test_fraction)
         if self.val_fraction + self.test_fraction >= 1:
@@ -341,15 +340,45 @@ class ModelConfig:
     """``torch.compile`` the model (after sharding or DDP): fused kernels, at the cost of compiling during the first
     steps (and again for a new input shape)."""
 
+    pretrained: str = ""
+    """Weights to start from (``image_classification``): a local path or ``s3://`` URI of a ``.safetensors`` state
+    dict, a ``.pt``/``.pth`` state dict (read with ``torch.load(weights_only=True)``) or a Hugging Face model
+    directory (``config.json`` plus ``model.safetensors`` or sharded safetensors with their index). Pickles
+    (``pytorch_model.bin``) are refused. Names and shapes must match ``model.name``'s model, checked before any
+    worker starts. A run resuming its own checkpoint keeps the checkpoint's weights. Empty: random initialisation."""
+
+    pretrained_sha256: str = ""
+    """The sha256 of the ``pretrained`` weights (of the file, or of a model directory's ``sha256sum``-style listing
+    of its files). Empty: computed before any worker starts and recorded here, so the MLflow params name the
+    weights' content. Set: pins the weights (a run whose weights have another hash fails), and the Flyte cache key,
+    which is the config, then names their content rather than their path."""
+
+    new_head: bool = False
+    """With ``pretrained``: re-initialise the classifier head (the model's last linear layer, e.g. a ResNet's
+    ``fc``) when its class count differs from the data's (1,000 ImageNet classes to 10), and log that it did."""
+
     def __post_init__(self) -> None:
         _choice("model.activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+        self._check_pretrained()
         _positive("model.activation_checkpointing_every_k", self.activation_checkpointing_every_k)
         if not self.name:
-            invalid("model.name", self.name, f"name an architecture, e.g. {', '.join(MODELS[:2])} or gpt2-tiny")
+            examples = ", ".join(list(IMAGE_MODELS)[:2])
+            invalid("model.name", self.name, f"name an architecture, e.g. {examples} or gpt2-tiny")
         for name in ("num_layers", "hidden_size", "num_heads", "context_length"):
             _non_negative(f"model.{name}", getattr(self, name))
         if self.num_heads and self.hidden_size and self.hidden_size % self.num_heads:
             invalid("model.num_heads", self.num_heads, f"it must divide model.hidden_size={self.hidden_size}")
+
+    def _check_pretrained(self) -> None:
+        scheme = self.pretrained.partition("://")[0] if "://" in self.pretrained else ""
+        if scheme not in ("", "s3", "file") or "\0" in self.pretrained:
+            invalid("model.pretrained", self.pretrained, "give a local path or an s3:// URI of the weights")
+        if self.pretrained_sha256 and not self.pretrained:
+            invalid("model.pretrained_sha256", self.pretrained_sha256, "it pins model.pretrained: set that too")
+        if self.pretrained_sha256 and not re.fullmatch(r"[0-9a-f]{64}", self.pretrained_sha256):
+            invalid("model.pretrained_sha256", self.pretrained_sha256, "give 64 lowercase hex digits (sha256sum's)")
+        if self.new_head and not self.pretrained:
+            invalid("model.new_head", self.new_head, "it re-initialises the head of model.pretrained: set that too")
 
 
 @dataclass
@@ -382,12 +411,12 @@ class WorkloadConfig:
 
     def __post_init__(self) -> None:
         self.params = checked_params(self.params)
-        from_user = self.name not in DATASETS_BY_WORKLOAD
+        from_user = self.name not in WORKLOADS
         if from_user and not is_import_path(self.name):
             invalid(
                 "workload.name",
                 self.name,
-                f"choose {', '.join(DATASETS_BY_WORKLOAD)} or {IMPORT_PATH_FIX}",
+                f"choose {', '.join(WORKLOADS)} or {IMPORT_PATH_FIX}",
             )
         for name in ("model_factory", "dataset_source"):
             value = getattr(self, name)
@@ -400,7 +429,7 @@ class WorkloadConfig:
         """This workload as data prep is given and cached by it: without the model factory, which prep never calls
         (a new model re-runs no prep), and without :attr:`params` where nothing prep runs can read them (a built-in
         workload on its own data)."""
-        prep_reads_params = self.name not in DATASETS_BY_WORKLOAD or bool(self.dataset_source)
+        prep_reads_params = self.name not in WORKLOADS or bool(self.dataset_source)
         return dataclasses.replace(self, model_factory="", params=self.params if prep_reads_params else {})
 
 
@@ -1008,6 +1037,15 @@ class ObservabilityConfig:
     cpu_hour_usd: float = 0.05
     """Price of one CPU-hour (a vCPU reserved for a worker) in USD."""
 
+    straggler_threshold: float = 0.2
+    """A rank whose compute and data wait in a log window (its step less its communication wait) exceed the other
+    ranks' median by more than this fraction (0.2: 20 %) for ``straggler_windows`` windows in a row is a straggler:
+    named in a warning, ``training_straggler`` and the ``TrainingStraggler`` alert, as compute- or data-bound."""
+
+    straggler_windows: int = 3
+    """Log windows in a row a rank must stay over ``straggler_threshold`` to be flagged as a straggler; one window
+    within it clears the flag."""
+
     def __post_init__(self) -> None:
         if self.pushgateway_url and not self.pushgateway_url.startswith(("http://", "https://")):
             invalid(
@@ -1024,6 +1062,14 @@ class ObservabilityConfig:
             invalid("observability.timeline_max_samples", self.timeline_max_samples, "it must be >= 2")
         _non_negative("observability.gpu_hour_usd", self.gpu_hour_usd)
         _non_negative("observability.cpu_hour_usd", self.cpu_hour_usd)
+        if not 0 < self.straggler_threshold <= 10:
+            invalid(
+                "observability.straggler_threshold",
+                self.straggler_threshold,
+                "give a fraction above the other ranks' median in (0, 10], such as 0.2 for 20 %",
+            )
+        if self.straggler_windows < 1:
+            invalid("observability.straggler_windows", self.straggler_windows, "it must be >= 1 log window")
 
     def resolved(self, environ: Mapping[str, str] | None = None) -> "ObservabilityConfig":
         """This config with ``pushgateway_url`` taken from ``TRAINING_PUSHGATEWAY_URL`` when it is empty. The
@@ -1182,9 +1228,9 @@ class TrainingConfig:
         """The dataset and model a built-in workload reads must be its own (a user workload reads them as it
         likes); a user model or dataset replaces the check of the name."""
         name = self.workload.name
-        if name not in DATASETS_BY_WORKLOAD:
+        if name not in WORKLOADS:
             return
-        datasets = DATASETS_BY_WORKLOAD[name]
+        datasets = dataset_names(name)
         if not self.workload.dataset_source and self.data.dataset not in datasets:
             invalid(
                 "data.dataset",
@@ -1193,7 +1239,7 @@ class TrainingConfig:
                 "workload.dataset_source to your own",
             )
         if name == "image_classification" and not self.workload.model_factory:
-            _choice("model.name", self.model.name, MODELS)
+            _choice("model.name", self.model.name, tuple(IMAGE_MODELS))
         if name == "causal_lm" and not self.workload.model_factory and self.model.name not in LM_SIZES:
             if not self.model.name.endswith("Config") or not self.model.name.isidentifier():
                 invalid(
@@ -1213,86 +1259,71 @@ class TrainingConfig:
 
 
 def build_dataclass(cls: type, raw: Mapping[str, Any], *, prefix: str) -> Any:
-    if not isinstance(raw, Mapping):
-        invalid(prefix.rstrip(".") or "config", raw, "expected a mapping of field names to values")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = [key for key in raw if not isinstance(key, str) or key not in fields]
-    if unknown:
-        where = prefix.rstrip(".") or "config"
-        names = sorted(
-            clip(key, 60) if isinstance(key, str) else f"{quote(key)} ({type(key).__name__})" for key in unknown
-        )
-        listed = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-        strings = "" if all(isinstance(key, str) for key in unknown) else "field names are strings; "
-        raise ValueError(
-            f"{where} has unknown field(s) {listed}: {strings}valid fields are {', '.join(sorted(fields))}"
-        )
-    kwargs = {}
-    for name, value in raw.items():
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            kwargs[name] = build_dataclass(hint, value, prefix=f"{prefix}{name}.")
-        else:
-            kwargs[name] = coerce(f"{prefix}{name}", value, hint)
-    return cls(**kwargs)
+    """``cls`` (a config dataclass) built from ``raw``, a partial nested mapping of config input, by the schema
+    layer in lax mode (:mod:`training_core.schema`): ``"3"`` and ``"yes"`` read as they always did, unknown fields
+    are refused, and each ``__post_init__`` runs. Errors name fields under ``prefix`` (``"loop."``)."""
+    try:
+        return check(cls, raw if prefix else _with_auto(raw), lax=True)
+    except SchemaError as exc:
+        _raise_config_error(exc, prefix.rstrip("."))
 
 
 def coerce(path: str, value: Any, hint: type) -> Any:
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        invalid(path, value, "expected true or false")
-    if hint is int and path in AUTO_FIELDS and isinstance(value, str) and value.strip().lower() == "auto":
+    """``value`` read as the config field ``path`` of type ``hint`` (see :func:`build_dataclass`)."""
+    if hint is int and path in AUTO_FIELDS and _is_auto(value):
         return AUTO
-    if hint in (int, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            invalid(path, value, f"expected a number ({hint.__name__})")
-        if hint is float:
-            try:
-                number = float(value)
-            except ValueError:
-                invalid(path, value, "expected a number (float)")
-            except OverflowError:  # an int beyond any float
-                number = math.inf
-            if not math.isfinite(number):
-                invalid(path, value, "expected a finite number (float), not inf or nan")
-            return number
-        if isinstance(value, float) and not math.isfinite(value):
-            invalid(path, value, "expected a finite whole number (int)")
-        try:
-            number = int(value)
-        except ValueError:
-            invalid(path, value, "expected a number (int)")
-        if not isinstance(value, str) and number != value:
-            invalid(path, value, "expected a whole number")
-        if not INT64_MIN <= number <= INT64_MAX:
-            invalid(path, value, "expected a whole number in [-2**63, 2**63 - 1] (int64)")
-        return number
-    if hint is str:
-        if not isinstance(value, str):
-            invalid(path, value, "expected a string")
-        return value
-    if hint is Any:  # a JSON value: the dataclass that holds it checks it (e.g. WorkloadConfig.params)
-        return value
-    if typing.get_origin(hint) is dict:
-        key_type, value_type = typing.get_args(hint)
-        if not isinstance(value, Mapping):
-            invalid(path, value, "expected a mapping")
-        return {
-            coerce(f"{path} key", k, key_type): coerce(f"{path}[{clip(str(k), 60)}]", v, value_type)
-            for k, v in value.items()
-        }
-    if typing.get_origin(hint) is list:
-        (item,) = typing.get_args(hint)
-        if isinstance(value, (str, bytes)) or not isinstance(value, typing.Sequence):
-            invalid(path, value, "expected a list")
-        if dataclasses.is_dataclass(item):
-            return [build_dataclass(item, v, prefix=f"{path}[{i}].") for i, v in enumerate(value)]
-        return [coerce(f"{path}[{i}]", v, item) for i, v in enumerate(value)]
-    raise AssertionError(f"unsupported config field type {hint!r} at {path}")
+    try:
+        return check(hint, value, lax=True)
+    except SchemaError as exc:
+        _raise_config_error(exc, path)
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def _with_auto(raw: Any) -> Any:
+    """``raw`` with ``auto`` in an :data:`AUTO_FIELDS` field stored as :data:`AUTO`."""
+    for path in AUTO_FIELDS:
+        section, name = path.split(".")
+        fields = raw.get(section) if isinstance(raw, Mapping) else None
+        if isinstance(fields, Mapping) and _is_auto(fields.get(name)):
+            raw = {**raw, section: {**fields, name: AUTO}}
+    return raw
+
+
+_CONFIG_FIXES = {
+    "dataclass_type": "expected a mapping of field names to values",
+    "string_type": "expected a string",
+    "dict_type": "expected a mapping",
+    "list_type": "expected a list",
+}
+
+
+def _raise_config_error(exc: SchemaError, base: str) -> typing.NoReturn:
+    """The config error for the schema layer's ``exc``: the unknown fields of the shallowest
+    section first, as the config always reported them, else the first problem."""
+    unknown = sorted((p for p in exc.problems if p.kind in UNKNOWN_KEY_KINDS), key=lambda p: p.path.count("."))
+    if unknown:
+        keys = [p.key for p in unknown if p.path == unknown[0].path]
+        _unknown_fields(_joined(base, unknown[0].path) or "config", keys, unknown[0].fields)
+    problem = exc.problems[0]
+    if problem.error is not None:
+        raise problem.error
+    invalid(_joined(base, problem.path) or "config", problem.value, _CONFIG_FIXES.get(problem.kind, problem.fix))
+
+
+def _joined(base: str, path: str) -> str:
+    if not base or not path or path[0] in "[ ":
+        return base + path
+    return f"{base}.{path}"
+
+
+def _unknown_fields(where: str, unknown: list[Any], fields: tuple[str, ...]) -> typing.NoReturn:
+    names = sorted(clip(key, 60) if isinstance(key, str) else f"{quote(key)} ({type(key).__name__})" for key in unknown)
+    listed = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    strings = "" if all(isinstance(key, str) for key in unknown) else "field names are strings; "
+    raise ValueError(f"{where} has unknown field(s) {listed}: {strings}valid fields are {', '.join(sorted(fields))}")
 
 
 MAX_YAML_DEPTH = 32
@@ -1375,6 +1406,64 @@ def _register_core_schema(loader_class: type) -> None:
         loader_class.add_implicit_resolver(f"tag:yaml.org,2002:{tag}", re.compile(f"^(?:{pattern})$"), list(first))
 
 
+def _compose_node(loader: Any, parent: Any, index: Any) -> Any:
+    """``compose_node`` of the config loader: anchors and aliases refused, nesting bounded."""
+    import yaml
+    from yaml.events import AliasEvent
+
+    event = loader.peek_event()
+    if isinstance(event, AliasEvent) or event.anchor is not None:
+        sign = "*" if isinstance(event, AliasEvent) else "&"
+        raise loader.refused(
+            None,
+            None,
+            f"found {sign}{clip(event.anchor, 60)}: anchors and aliases are not supported in config input; "
+            "write each value out in full",
+            event.start_mark,
+        )
+    loader.depth = getattr(loader, "depth", 0) + 1
+    try:
+        if loader.depth > MAX_YAML_DEPTH:
+            raise loader.refused(
+                None,
+                None,
+                f"values nest deeper than {MAX_YAML_DEPTH} levels; config fields are at most four deep",
+                event.start_mark,
+            )
+        return yaml.SafeLoader.compose_node(loader, parent, index)
+    finally:
+        loader.depth -= 1
+
+
+def _construct_mapping(loader: Any, node: Any, deep: bool = False) -> dict:
+    """``construct_mapping`` of the config loader: keys hashable, each key once."""
+    import yaml
+
+    if not isinstance(node, yaml.MappingNode):
+        raise loader.refused(None, None, f"expected a mapping, found a {node.id}", node.start_mark)
+    mapping: dict = {}
+    first_lines: dict = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:
+            raise loader.refused(
+                None, None, f"a {type(key).__name__} cannot be a key: field names are strings", key_node.start_mark
+            ) from None
+        if key in mapping:
+            raise loader.refused(
+                None,
+                None,
+                f"duplicate key {quote(key)} (first at line {first_lines[key]}): YAML would keep only the "
+                "last one; write each key once, merging the two",
+                key_node.start_mark,
+            )
+        first_lines[key] = key_node.start_mark.line + 1
+        mapping[key] = loader.construct_object(value_node, deep=deep)
+    return mapping
+
+
 @functools.cache
 def _yaml_loader() -> type:
     """The ``yaml.SafeLoader`` all config input is read with.
@@ -1388,7 +1477,6 @@ def _yaml_loader() -> type:
     """
     import yaml
     from yaml.constructor import ConstructorError
-    from yaml.events import AliasEvent
 
     class Refused(ConstructorError):
         """Input this loader refuses on purpose; its ``problem`` says what to write instead."""
@@ -1398,58 +1486,8 @@ def _yaml_loader() -> type:
         yaml_constructors: dict = {}
         yaml_multi_constructors: dict = {}
         refused = Refused
-
-        def compose_node(self, parent, index):
-            event = self.peek_event()
-            if isinstance(event, AliasEvent) or event.anchor is not None:
-                sign = "*" if isinstance(event, AliasEvent) else "&"
-                raise Refused(
-                    None,
-                    None,
-                    f"found {sign}{clip(event.anchor, 60)}: anchors and aliases are not supported in config input; "
-                    "write each value out in full",
-                    event.start_mark,
-                )
-            self.depth = getattr(self, "depth", 0) + 1
-            try:
-                if self.depth > MAX_YAML_DEPTH:
-                    raise Refused(
-                        None,
-                        None,
-                        f"values nest deeper than {MAX_YAML_DEPTH} levels; config fields are at most four deep",
-                        event.start_mark,
-                    )
-                return super().compose_node(parent, index)
-            finally:
-                self.depth -= 1
-
-        def construct_mapping(self, node, deep=False):
-            if not isinstance(node, yaml.MappingNode):
-                raise Refused(None, None, f"expected a mapping, found a {node.id}", node.start_mark)
-            mapping: dict = {}
-            first_lines: dict = {}
-            for key_node, value_node in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                try:
-                    hash(key)
-                except TypeError:
-                    raise Refused(
-                        None,
-                        None,
-                        f"a {type(key).__name__} cannot be a key: field names are strings",
-                        key_node.start_mark,
-                    ) from None
-                if key in mapping:
-                    raise Refused(
-                        None,
-                        None,
-                        f"duplicate key {quote(key)} (first at line {first_lines[key]}): YAML would keep only the "
-                        "last one; write each key once, merging the two",
-                        key_node.start_mark,
-                    )
-                first_lines[key] = key_node.start_mark.line + 1
-                mapping[key] = self.construct_object(value_node, deep=deep)
-            return mapping
+        compose_node = _compose_node
+        construct_mapping = _construct_mapping
 
     _register_core_schema(ConfigLoader)
     return ConfigLoader

@@ -31,6 +31,7 @@ from training_core.config import DataConfig
 from training_core.files import UnreadableFile, open_regular
 from training_core.messages import clip, quote
 from training_core.redact import redact
+from training_core.registry import DATASET_SOURCES, load
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
@@ -72,19 +73,16 @@ class RawDataset:
 
 
 def load_raw(cfg: DataConfig) -> RawDataset:
-    """Read the dataset ``cfg`` names. Raises ``ValueError`` naming ``data.path`` when it is missing or
+    """Read the dataset ``cfg`` names, through its registered reader
+    (:data:`training_core.registry.DATASET_SOURCES`). Raises ``ValueError`` naming ``data.path`` when it is missing or
     is not what the dataset expects."""
-    loaders = {
-        "digits": _digits,
-        "synthetic": _synthetic,
-        "cifar10": _cifar10,
-    }
-    if cfg.dataset not in loaders:
+    source = DATASET_SOURCES.get(cfg.dataset)
+    if source is None or source.workload != "image_classification" or not source.read:
         raise ValueError(
             f"data.dataset={cfg.dataset!r} is not read into memory: training_core.data.prepare writes it as Parquet "
             "shards of encoded images (training_core.image_shards)"
         )
-    raw = loaders[cfg.dataset](cfg)
+    raw = load(source.read)(cfg)
     if cfg.image_size:
         raw.splits = {name: (resize_images(x, cfg.image_size), y) for name, (x, y) in raw.splits.items()}
     source = f"data.dataset={cfg.dataset!r}" + (f" at data.path={quote(cfg.path)}" if cfg.path else "")
@@ -92,7 +90,7 @@ def load_raw(cfg: DataConfig) -> RawDataset:
     return raw
 
 
-def _digits(cfg: DataConfig) -> RawDataset:
+def read_digits(cfg: DataConfig) -> RawDataset:
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
@@ -103,7 +101,7 @@ def _digits(cfg: DataConfig) -> RawDataset:
     )
 
 
-def _synthetic(cfg: DataConfig) -> RawDataset:
+def read_synthetic(cfg: DataConfig) -> RawDataset:
     """Class templates plus noise: learnable, so benchmarks train a real signal, and sized at will."""
     rng = np.random.default_rng(cfg.split_seed)
     side, k, n = cfg.synthetic_image_size, cfg.synthetic_num_classes, cfg.synthetic_num_samples
@@ -162,7 +160,7 @@ _PICKLE_ERRORS = (
 )
 
 
-def _cifar10(cfg: DataConfig) -> RawDataset:
+def read_cifar10(cfg: DataConfig) -> RawDataset:
     batches = dict(cifar10_members(cfg.path))
     train = [batches[name] for name in CIFAR10_BATCHES[:5]]
     splits = {

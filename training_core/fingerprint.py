@@ -25,17 +25,16 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from training_core.config import DATASETS_BY_WORKLOAD, DataConfig, WorkloadConfig
+from training_core.config import DataConfig, WorkloadConfig
 from training_core.messages import clip, quote
 from training_core.redact import redact
+from training_core.registry import DATASET_SOURCES, WORKLOADS
 
 FINGERPRINT_VERSION = 1
 """Bump when what the fingerprint covers or how it is computed changes."""
 CONTENT_HASH_MAX_BYTES = 64 * 2**20
 """Bytes of one source's local files read for content hashes (about a tenth of a second); files past it are keyed
 by size and modification time."""
-PATH_SOURCES = ("cifar10", "image_folder", "text")
-"""Built-in sources that read ``data.path`` (the others ignore it)."""
 _CHUNK_BYTES = 2**20
 _VERSION_KEYS = ("ETag", "etag", "md5Hash", "generation", "version_id", "LastModified", "last_modified", "mtime")
 """What an object store's listing says changes with an object's bytes, first found first (S3's ETag)."""
@@ -101,7 +100,7 @@ def user_code_paths(workload: WorkloadConfig) -> list[tuple[str, str]]:
     """(field, import path) of the user code that prepares data: a user workload, or a built-in's dataset source
     (the model factory never prepares data)."""
     found = []
-    if workload.name not in DATASETS_BY_WORKLOAD:
+    if workload.name not in WORKLOADS:
         found.append(("workload.name", workload.name))
     if workload.dataset_source:
         found.append(("workload.dataset_source", workload.dataset_source))
@@ -112,7 +111,7 @@ def data_locations(data: DataConfig, workload: WorkloadConfig) -> list[tuple[str
     """(field, local path or URL) of the files prep reads: ``data.path`` where the source or user code reads it,
     and a ``tokenizer.json`` for a workload other than images."""
     found = []
-    if data.path and (user_code_paths(workload) or data.dataset in PATH_SOURCES):
+    if data.path and (user_code_paths(workload) or DATASET_SOURCES[data.dataset].needs_path):
         found.append(("data.path", data.path))
     if data.tokenizer != "byte" and workload.name != "image_classification":
         found.append(("data.tokenizer", data.tokenizer))

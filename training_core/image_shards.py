@@ -39,6 +39,7 @@ from training_core.config import DataConfig, no_training_samples_error
 from training_core.files import UnreadableFile, join_path, open_regular
 from training_core.messages import clip, quote
 from training_core.redact import redact
+from training_core.registry import DATASET_SOURCES, DatasetSource, load
 from training_core.shard_files import plain_shard_name, shard_error
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ class ShardTask:
     split: str
     file: str
     kind: str
-    """``image_folder`` or ``cifar10``."""
+    """``data.dataset``: an encoded source of :data:`training_core.registry.DATASET_SOURCES` (``image_folder``,
+    ``cifar10``)."""
     root: str
     """``data.path``."""
     out_dir: str
@@ -383,11 +385,30 @@ def check_source(cfg: DataConfig) -> None:
     """The checks of an image source that need no listing and no Ray cluster: ``data.path`` exists, an image folder
     is a directory, a CIFAR-10 tarball opens as a tar archive. Raises ``ValueError`` naming ``data.path``; the
     prep driver checks the rest (classes, splits, members) before any shard task."""
-    if cfg.dataset == "cifar10":
-        from training_core.datasets import cifar10_archive
+    load(encoded_source(cfg.dataset).check_images)(cfg)
 
-        with cifar10_archive(cfg.path):
-            return
+
+def encoded_source(dataset: str) -> DatasetSource:
+    """The registered encoded image source ``dataset`` names, else a ``ValueError`` naming ``data.dataset``."""
+    source = DATASET_SOURCES.get(dataset)
+    if source is None or not source.list_images:
+        encoded = ", ".join(name for name, known in DATASET_SOURCES.items() if known.list_images)
+        raise ValueError(
+            f"data.dataset={quote(dataset)} is invalid: it is not an encoded image source; choose one of {encoded}"
+        )
+    return source
+
+
+def check_cifar10(cfg: DataConfig) -> None:
+    """``data.path`` opens as a tar archive."""
+    from training_core.datasets import cifar10_archive
+
+    with cifar10_archive(cfg.path):
+        return
+
+
+def check_image_folder(cfg: DataConfig) -> None:
+    """``data.path`` is a directory."""
     _folder_root(cfg)
 
 
@@ -784,7 +805,8 @@ def _stored(payload: bytes) -> tuple[bytes, str]:
 def _read_items(task: ShardTask) -> Iterator[tuple[ImageItem, bytes | UnreadableFile]]:
     """Each item with its encoded bytes, or what made its file unreadable (a file that became a FIFO or a dangling
     symlink after the listing, one larger than :data:`MAX_IMAGE_BYTES`): that item is a bad sample."""
-    if task.kind == "image_folder":
+    layout = encoded_source(task.kind).layout
+    if layout == "files":
         import fsspec
 
         fs, root = fsspec.core.url_to_fs(task.root)
@@ -794,6 +816,8 @@ def _read_items(task: ShardTask) -> Iterator[tuple[ImageItem, bytes | Unreadable
             except UnreadableFile as exc:
                 yield item, exc
         return
+    if layout != "cifar_batches":
+        raise ValueError(f"data.dataset={quote(task.kind)} has an unknown layout {layout!r}: files or cifar_batches")
     by_member: dict[str, list[tuple[int, ImageItem]]] = {}
     for item in task.items:
         member, row = item.source.rsplit("#", 1)
@@ -875,42 +899,14 @@ def prepare_images(cfg: DataConfig, out_dir: str) -> ImagePrep:
     samples. Raises ``ValueError`` naming ``data.max_bad_samples`` when more samples than it allows are bad."""
     import fsspec
 
-    lister = list_cifar10 if cfg.dataset == "cifar10" else list_image_folder
-    listing = lister(cfg)
-    splits = dict(listing.splits)
-    splits = {**assign_splits(splits.pop("train"), cfg, own=listing.own), **splits}
-    for name in ("val", "test"):
-        if name not in splits:
-            field_name = f"data.{name}_fraction"
-            raise ValueError(
-                f"{field_name}={getattr(cfg, f'{name}_fraction')!r} is invalid: data.path={quote(cfg.path)} has no "
-                f"{name} split of its own and this fraction of its {len(splits['train'])} training images holds none; "
-                "raise it or add more images"
-            )
+    listing = load(encoded_source(cfg.dataset).list_images)(cfg)
+    splits = _checked_splits(listing, cfg)
     fs, root = fsspec.core.url_to_fs(out_dir)
     fs.makedirs(root, exist_ok=True)
     tasks = shard_tasks(splits, cfg, kind=cfg.dataset, out_dir=out_dir)
     results = run_tasks(tasks, num_workers=cfg.prep_num_workers)
-    num_bad = sum(r.num_bad for r in results)
-    examples = [e for r in results for e in r.bad_examples][:MAX_BAD_EXAMPLES]
-    if num_bad:
-        log.warning("data prep skipped %d bad sample(s) of %s, first: %s", num_bad, redact(cfg.path), examples)
-    if num_bad > cfg.max_bad_samples:
-        raise ValueError(
-            f"data prep found {num_bad} bad (undecodable) sample(s) in data.path={quote(cfg.path)}, more than "
-            f"data.max_bad_samples={cfg.max_bad_samples}; the first: {clip('; '.join(examples[:3]), 600)}. Remove or "
-            "replace those files, or raise data.max_bad_samples to skip them"
-        )
-    empty = sorted({r.split for r in results} - {r.split for r in results if r.num_samples})
-    if empty:
-        raise ValueError(
-            f"data.path={quote(cfg.path)} is invalid: every image of split(s) {', '.join(empty)} is bad; fix the source"
-        )
-    train = [r for r in results if r.split == "train"]
-    count = sum(r.num_pixels for r in train)
-    mean = np.sum([r.pixel_sum for r in train], axis=0) / count
-    var = np.sum([r.pixel_sq_sum for r in train], axis=0) / count - mean**2
-    std = np.sqrt(np.maximum(var, 0.0))
+    num_bad, examples = _check_bad_samples(results, cfg)
+    mean, std = _pixel_moments([r for r in results if r.split == "train"])
     num_reencoded = sum(r.num_reencoded for r in results)
     reencoded = [e for r in results for e in r.reencoded_examples][:MAX_BAD_EXAMPLES]
     if num_reencoded:
@@ -939,6 +935,51 @@ def prepare_images(cfg: DataConfig, out_dir: str) -> ImagePrep:
         num_reencoded=num_reencoded,
         reencoded_examples=reencoded,
     )
+
+
+def _checked_splits(listing: ImageListing, cfg: DataConfig) -> dict[str, list[ImageItem]]:
+    """The listing's splits, ``train`` split into train/val/test where the source has no val or test of its own;
+    raises ``ValueError`` naming the fraction when one of them holds no image."""
+    splits = dict(listing.splits)
+    splits = {**assign_splits(splits.pop("train"), cfg, own=listing.own), **splits}
+    for name in ("val", "test"):
+        if name not in splits:
+            field_name = f"data.{name}_fraction"
+            raise ValueError(
+                f"{field_name}={getattr(cfg, f'{name}_fraction')!r} is invalid: data.path={quote(cfg.path)} has no "
+                f"{name} split of its own and this fraction of its {len(splits['train'])} training images holds none; "
+                "raise it or add more images"
+            )
+    return splits
+
+
+def _check_bad_samples(results: list[ShardResult], cfg: DataConfig) -> tuple[int, list[str]]:
+    """The shards' bad samples (their number, the first few), logged; raises ``ValueError`` when more than
+    ``data.max_bad_samples`` are bad or a split is left without a sample."""
+    num_bad = sum(r.num_bad for r in results)
+    examples = [e for r in results for e in r.bad_examples][:MAX_BAD_EXAMPLES]
+    if num_bad:
+        log.warning("data prep skipped %d bad sample(s) of %s, first: %s", num_bad, redact(cfg.path), examples)
+    if num_bad > cfg.max_bad_samples:
+        raise ValueError(
+            f"data prep found {num_bad} bad (undecodable) sample(s) in data.path={quote(cfg.path)}, more than "
+            f"data.max_bad_samples={cfg.max_bad_samples}; the first: {clip('; '.join(examples[:3]), 600)}. Remove or "
+            "replace those files, or raise data.max_bad_samples to skip them"
+        )
+    empty = sorted({r.split for r in results} - {r.split for r in results if r.num_samples})
+    if empty:
+        raise ValueError(
+            f"data.path={quote(cfg.path)} is invalid: every image of split(s) {', '.join(empty)} is bad; fix the source"
+        )
+    return num_bad, examples
+
+
+def _pixel_moments(train: list[ShardResult]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and standard deviation of the training shards' pixels."""
+    count = sum(r.num_pixels for r in train)
+    mean = np.sum([r.pixel_sum for r in train], axis=0) / count
+    var = np.sum([r.pixel_sq_sum for r in train], axis=0) / count - mean**2
+    return mean, np.sqrt(np.maximum(var, 0.0))
 
 
 # ---------------------------------------------------------------------------------------------- the loader's side

@@ -88,6 +88,13 @@ class TorchDistributedRuntime:
             model, device_ids=device_ids, output_device=device_ids[0] if device_ids else None, **(ddp_kwargs or {})
         )
 
+    @property
+    def started_unix(self) -> float:
+        """The worker process's start: the attempt's start-up (imports, joining the group) counts from it."""
+        import psutil
+
+        return psutil.Process().create_time()
+
     def report(self, metrics: dict[str, float]) -> None:
         if self.rank == 0:
             with open(self.records_path, "a", encoding="utf-8") as f:

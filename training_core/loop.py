@@ -23,7 +23,7 @@ import torch
 from training_core import checkpoint as ckpt
 from training_core import nccl_network, preemption, sharding
 from training_core.batch_size import BatchPlanner
-from training_core.config import METRIC_DIRECTIONS, TrainingConfig
+from training_core.config import TrainingConfig
 from training_core.data import Manifest, ShardStream
 from training_core.distributed import (
     CommTimer,
@@ -36,16 +36,16 @@ from training_core.failures import DIVERGED_METRIC, TrainingDiverged, is_collect
 from training_core.metrics import MetricSink, MlflowSink, build_sink, flatten
 from training_core.optim import apply_hyperparameters, build_optimizer, build_scheduler
 from training_core.records import EpochRecord, WorkerArgs
-from training_core.redact import redact
 from training_core.rng import gather_rng_states, restore_rng, seed_everything
 from training_core.telemetry import JobLabels, build_telemetry
-from training_core.train.epoch_data import EpochData
+from training_core.train.accounting import RunAccounting
+from training_core.train.epoch_data import EpochData, run_length
 from training_core.train.guards import DivergenceGuard, OomRetry, PreemptionWatch
 from training_core.train.local_sgd import LocalSgd
 from training_core.train.meter import EPOCH_FIGURE_PREFIX, Reporter, StepMeter  # noqa: F401 - re-exported
 from training_core.train.model import ModelExport, hold_model
 from training_core.train.network_checks import NetworkChecks
-from training_core.train.run_state import CheckpointWrites, RunState, attempt_start_unix, choose_checkpoint
+from training_core.train.run_state import CheckpointWrites, RunState, choose_checkpoint
 from training_core.train.step import (  # noqa: F401 - masked_step: importable from here too
     StepResult,
     masked_step,
@@ -89,7 +89,9 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
         planner = BatchPlanner(self.model, self.workload, manifest, self.runtime, sharded=self.sharded)
         self.cfg = cfg = planner.plan(cfg)
-        self.plan_length(cfg)
+        self.steps_per_epoch, self.total_steps, self.end_epoch = run_length(
+            manifest, cfg.loop, world_size=self.world_size
+        )
         self.scheduler = build_scheduler(cfg.schedule, self.optimizer, total_steps=self.total_steps)
         self.preemption = PreemptionWatch(cfg.checkpoint.preemption_grace_s, self.runtime)
         self.scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
@@ -117,16 +119,6 @@ class Trainer:
         self.telemetry = self.start_telemetry(cfg)
         self.oom = OomRetry(cfg.loop, rank=self.rank, telemetry=self.telemetry)
 
-    def plan_length(self, cfg: TrainingConfig) -> None:
-        """The run's length in optimizer steps (``loop.epochs``, ``loop.max_steps``) and the epoch it stops at."""
-        self.steps_per_epoch = self.manifest.steps_per_epoch(
-            world_size=self.world_size, batch_size=cfg.loop.batch_size, grad_accum_steps=cfg.loop.grad_accum_steps
-        )
-        self.total_steps = self.steps_per_epoch * cfg.loop.epochs
-        if cfg.loop.max_steps:
-            self.total_steps = min(self.total_steps, cfg.loop.max_steps)
-        self.end_epoch = cfg.loop.stop_at_epoch or cfg.loop.epochs
-
     def start_telemetry(self, cfg: TrainingConfig) -> Any:
         """This rank's telemetry (``observability``), told the job-start all-reduce check's figures."""
         mlflow = self.args.mlflow
@@ -139,40 +131,27 @@ class Trainer:
             if self.rank == 0 and mlflow
             else None,
         )
-        probe = self.network.probe
-        if probe is not None:
-            telemetry.allreduce_probe(
-                bus_bandwidth_bytes_per_s=probe.bus_bandwidth_bytes_per_s, latency_s=probe.latency_s
-            )
+        self.network.tell(telemetry)
         return telemetry
 
     def connect_outputs(self) -> None:
         """Checkpoint storage and the metric sink (after telemetry: the checkpointer reports to it)."""
-        cfg, root = self.cfg, self.args.checkpoint_root
-        self.checkpointer = ckpt.Checkpointer(
-            ckpt.open_storage(root, cfg.checkpoint),
-            keep_last=cfg.checkpoint.keep_last,
-            interval_steps=cfg.checkpoint.interval_steps,
-            at_epoch_end=cfg.checkpoint.at_epoch_end,
-            keep_best=cfg.checkpoint.keep_best,
-            best_mode=METRIC_DIRECTIONS[cfg.checkpoint.best_metric],
-            async_save=cfg.checkpoint.async_save,
-            max_consecutive_failures=cfg.checkpoint.max_consecutive_save_failures,
-            observer=self.telemetry,
-        )
-        mlflow = self.args.mlflow
+        cfg, mlflow = self.cfg, self.args.mlflow
+        self.writes = CheckpointWrites.open(
+            self.args.checkpoint_root, cfg.checkpoint, observer=self.telemetry, rank=self.rank, sharded=self.sharded,
+            process_group=self.checkpoint_group,
+        )  # fmt: skip
+        self.checkpointer = self.writes.checkpointer
         self.sink: MetricSink = build_sink(
             rank=self.rank,
             tracking_uri=mlflow.tracking_uri if mlflow else None,
             run_id=mlflow.run_id if mlflow else None,
         )
-        self.writes = CheckpointWrites(
-            self.checkpointer, rank=self.rank, sharded=self.sharded, process_group=self.checkpoint_group
-        )
         self.guard = DivergenceGuard(cfg, self.runtime, telemetry=self.telemetry, checkpointer=self.checkpointer)
         self.report = Reporter(
-            self.meter, telemetry=self.telemetry, sink=self.sink, comm_timer=self.comm_timer, guard=self.guard
-        )
+            self.meter, telemetry=self.telemetry, sink=self.sink, comm_timer=self.comm_timer, guard=self.guard,
+            accounting=RunAccounting.for_run(cfg, self.runtime, total_steps=self.total_steps),
+        )  # fmt: skip
 
     def resume(self) -> None:
         """Restore the newest valid checkpoint of this run (a worker restart or a task retry), else the
@@ -208,23 +187,10 @@ class Trainer:
         state.resume_timings[-1]["num_workers"] = float(self.world_size)  # an elastic run's shrink or growth
         self.meter.restore_epoch_sums(loaded.meta.epoch_partial)
         if same_run:  # a fine-tune from another run starts its own clock, cost and restart count
-            self.telemetry.resumed(
-                loaded.meta.telemetry,
-                global_step=state.global_step,
-                elapsed_s=loaded.meta.elapsed_s,
-                num_restarts=len(state.resumed_from_steps),
-                num_preemptions=sum(int(t.get("preempted", 0.0)) for t in state.resume_timings),
-                attempt_start_unix=attempt_start_unix(self.runtime, loaded.meta),
-            )
+            state.resume_telemetry(self.telemetry, loaded, runtime=self.runtime, accounting=self.report.accounting)
         restore_rng(self.rank, loaded.meta.rng, loaded.trainer.get("rng", {}))
         if self.rank == 0:
-            log.warning(
-                "resumed from %s: epoch %d, step %d of it, global step %d",
-                redact(loaded.uri),
-                state.epoch,
-                state.step_in_epoch,
-                state.global_step,
-            )
+            state.log_resumed(loaded.uri)
         return state
 
     def train(self) -> None:
@@ -332,24 +298,17 @@ class Trainer:
             all_reduce=True,
             lockstep=self.sharded,
         ).metrics
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr, best_metric = self.optimizer.param_groups[0]["lr"], self.cfg.checkpoint.best_metric
         return self.report.close_epoch(
-            val,
-            self.state,
-            epoch=epoch,
-            steps_in_epoch=steps_in_epoch,
-            lr=lr,
-            best_metric=self.cfg.checkpoint.best_metric,
+            val, self.state, epoch=epoch, steps_in_epoch=steps_in_epoch, lr=lr, best_metric=best_metric
         )
 
     def log_model(self, epoch: int) -> str:
         """Rank 0 logs the model to MLflow when the run trained its full budget (:class:`ModelExport`); returns its
         ``models:/`` URI, or "" (a collective: every rank checks the weights first)."""
-        full_budget = self.state.global_step >= self.total_steps or epoch == self.cfg.loop.epochs - 1
-        if not self.export.wanted(full_budget=full_budget):
-            return ""
-        self.guard.require_finite_weights(self.model, "the MLflow model", global_step=self.state.global_step)
-        return self.export.log(self.model)
+        step = self.state.global_step
+        full_budget = step >= self.total_steps or epoch == self.cfg.loop.epochs - 1
+        return self.export.log_checked(self.model, self.guard, full_budget=full_budget, global_step=step)
 
     def save_checkpoint(self, *, metric: float | None = None, model_uri: str = "", preempted: bool = False) -> None:
         """Every rank calls this at the same steps (the weight check and the RNG gather are collectives); rank 0
@@ -357,6 +316,7 @@ class Trainer:
         step = self.state.global_step
         self.guard.require_finite_weights(self.model, f"the checkpoint of step {step}", global_step=step)
         json_rng, torch_rng = gather_rng_states(self.world_size)
+        self.report.sync_goodput(self.state)
         replicas = self.local_sgd.gather_replicas(self.model, self.optimizer, step)
         started = time.perf_counter()
         self.writes.write(
@@ -370,7 +330,7 @@ class Trainer:
             torch_rng=torch_rng,
             replicas=replicas,
         )
-        self.sink.log_metrics({"checkpoint_stall_s": time.perf_counter() - started}, step=step)
+        self.report.checkpoint_stall(time.perf_counter() - started, global_step=step)
 
     def checkpoint_meta(
         self, *, metric: float | None, model_uri: str, preempted: bool, json_rng: dict[str, Any]
@@ -383,7 +343,7 @@ class Trainer:
             self.manifest,
             data_left=self.epoch_data.left(self.state.step_in_epoch),
             epoch_partial=self.meter.epoch_sums(),
-            telemetry=self.telemetry.snapshot(),
+            telemetry=self.report.telemetry_snapshot(),
             mlflow_run_id=self.args.mlflow.run_id if self.args.mlflow else "",
             model_uri=model_uri,
             metric=metric,

@@ -1,17 +1,16 @@
-"""Model registry: torchvision classifiers and a small CNN, adapted to the data's shape.
+"""The image models: torchvision classifiers and a small CNN, adapted to the data's shape.
 
 ``build_model(name, num_classes=..., input_shape=(C, H, W))`` returns a randomly initialised
-``nn.Module`` mapping ``N x C x H x W`` float inputs to ``N x num_classes`` logits.
+``nn.Module`` mapping ``N x C x H x W`` float inputs to ``N x num_classes`` logits, built by the function
+:data:`training_core.registry.IMAGE_MODELS` names for ``name``.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
 
-from training_core.config import MODELS
+from training_core.registry import IMAGE_MODELS, load
 
 # Below this side length the ImageNet stem (7x7 stride-2 conv + max-pool) would shrink the image to
 # nothing, so small inputs get a 3x3 stride-1 stem, as CIFAR ResNets do.
@@ -36,22 +35,20 @@ class SmallCNN(nn.Module):
         return self.head(torch.flatten(self.features(x), 1))
 
 
-def _resnet(factory_name: str) -> Callable[..., nn.Module]:
-    def build(*, in_channels: int, num_classes: int, side: int) -> nn.Module:
-        import torchvision
+def resnet(name: str, *, in_channels: int, num_classes: int, side: int) -> nn.Module:
+    """torchvision's ResNet of that ``name`` (``resnet18`` ... ``resnet152``)."""
+    import torchvision
 
-        model = getattr(torchvision.models, factory_name)(weights=None, num_classes=num_classes)
-        if side <= SMALL_INPUT_MAX_SIDE:
-            model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
-            model.maxpool = nn.Identity()
-        elif in_channels != 3:
-            model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
-        return model
-
-    return build
+    model = getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
+    if side <= SMALL_INPUT_MAX_SIDE:
+        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    elif in_channels != 3:
+        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    return model
 
 
-def _vit_b_16(*, in_channels: int, num_classes: int, side: int) -> nn.Module:
+def vit_b_16(name: str, *, in_channels: int, num_classes: int, side: int) -> nn.Module:
     from torchvision.models.vision_transformer import VisionTransformer
 
     # ViT-B/16 geometry; the patch shrinks for small images so there are at least 4x4 patches.
@@ -72,22 +69,14 @@ def _vit_b_16(*, in_channels: int, num_classes: int, side: int) -> nn.Module:
     return model
 
 
-def _small_cnn(*, in_channels: int, num_classes: int, side: int) -> nn.Module:
+def small_cnn(name: str, *, in_channels: int, num_classes: int, side: int) -> nn.Module:
     return SmallCNN(in_channels=in_channels, num_classes=num_classes)
 
 
-_BUILDERS: dict[str, Callable[..., nn.Module]] = {
-    "small_cnn": _small_cnn,
-    **{name: _resnet(name) for name in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")},
-    "vit_b_16": _vit_b_16,
-}
-assert set(_BUILDERS) == set(MODELS), "config.MODELS and the registry must list the same models"
-
-
 def build_model(name: str, *, num_classes: int, input_shape: tuple[int, int, int] | list[int]) -> nn.Module:
-    if name not in _BUILDERS:
-        raise ValueError(f"model.name={name!r} is invalid: choose one of {', '.join(_BUILDERS)}")
+    if name not in IMAGE_MODELS:
+        raise ValueError(f"model.name={name!r} is invalid: choose one of {', '.join(IMAGE_MODELS)}")
     channels, height, width = input_shape
     if height != width:
         raise ValueError(f"input_shape={tuple(input_shape)} is not square; set data.image_size to resize images")
-    return _BUILDERS[name](in_channels=channels, num_classes=num_classes, side=height)
+    return load(IMAGE_MODELS[name])(name, in_channels=channels, num_classes=num_classes, side=height)

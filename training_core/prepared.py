@@ -34,6 +34,7 @@ from training_core.config import DataConfig, no_training_samples_error
 from training_core.files import join_path
 from training_core.messages import clip, quote
 from training_core.redact import redact
+from training_core.schema import is_int
 from training_core.shard_files import RERUN_PREP, plain_shard_name, shard_error
 
 log = logging.getLogger(__name__)
@@ -237,8 +238,7 @@ class _Schema:
         return value
 
     def integer(self, path: str, value: Any, minimum: int, maximum: float = math.inf) -> int:
-        # bool is an int in Python and JSON's true would pass as 1.
-        if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+        if not is_int(value) or not minimum <= value <= maximum:
             bound = f"{minimum}..{maximum}" if maximum != math.inf else f">= {minimum}"
             self.fail(path, value, f"expected an integer {bound}")
         return value
@@ -267,7 +267,7 @@ class _Schema:
 
 
 def _small_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**1000
+    return is_int(value) and abs(value) < 2**1000
 
 
 _TOP_KEYS = {
@@ -285,6 +285,7 @@ _SHARD_KEYS = {
     3: ("file", "num_samples", "sha256", "bounds"),
     4: ("file", "num_samples", "sha256", "bounds"),
 }
+_BAD_KEYS = ("count", "examples")
 SHARD_FORMATS = {"npz": ".npz", "parquet": ".parquet"}
 """Shard formats and their files' suffix."""
 ARRAY_DTYPES = ("uint8", "uint16", "int32", "int64", "float32")
@@ -292,12 +293,29 @@ ARRAY_DTYPES = ("uint8", "uint16", "int32", "int64", "float32")
 
 
 def _parse_manifest(raw: Any, *, where: str, directory: str) -> Manifest:
+    """The manifest in ``raw`` (parsed JSON of any of versions 1 to :data:`MANIFEST_VERSION`), checked whole."""
     schema = _Schema(where)
     if isinstance(raw, dict):
         version = raw.get("version")
-        if not isinstance(version, int) or isinstance(version, bool) or version not in _SHARD_KEYS:
+        if not is_int(version) or version not in _SHARD_KEYS:
             schema.fail("version", version, f"this code reads versions 1 to {MANIFEST_VERSION}")
     raw = schema.mapping("manifest", raw, _TOP_KEYS[raw["version"] if isinstance(raw, dict) else MANIFEST_VERSION])
+    manifest = _parse_header(schema, raw, directory)
+    splits_raw = raw["splits"]
+    if not isinstance(splits_raw, dict) or "train" not in splits_raw:
+        schema.fail("splits", splits_raw, f"expected an object of splits ({', '.join(SPLIT_NAMES)}) with train")
+    if manifest.version >= 3 and manifest.workload == "image_classification":
+        _check_image_manifest(schema, manifest, raw["arrays"])
+    files: set[str] = set()
+    for name, split_raw in splits_raw.items():
+        if name not in SPLIT_NAMES:
+            schema.fail("splits", name, f"a split is named {', '.join(SPLIT_NAMES)}")
+        manifest.splits[name] = _parse_split(schema, manifest, name, split_raw, files)
+    return manifest
+
+
+def _parse_header(schema: _Schema, raw: dict, directory: str) -> Manifest:
+    """Everything of the manifest ``raw`` (its keys checked) but its splits."""
     version = raw["version"]
     classes = schema.items("classes", raw["classes"])
     if not classes and version < 3:
@@ -319,10 +337,9 @@ def _parse_manifest(raw: Any, *, where: str, directory: str) -> Manifest:
     if not isinstance(spec, dict):
         schema.fail("spec", spec, "expected a JSON object")
     shard_format = raw.get("format", "npz")
-    if shard_format not in SHARD_FORMATS:
+    if not isinstance(shard_format, str) or shard_format not in SHARD_FORMATS:
         schema.fail("format", shard_format, f"expected one of {', '.join(SHARD_FORMATS)}")
-    bad_samples = raw.get("bad_samples", {"count": 0, "examples": []})
-    bad_samples = schema.mapping("bad_samples", bad_samples, ("count", "examples"))
+    bad_samples = schema.mapping("bad_samples", raw.get("bad_samples", {"count": 0, "examples": []}), _BAD_KEYS)
     schema.integer("bad_samples.count", bad_samples["count"], 0)
     for index, example in enumerate(schema.items("bad_samples.examples", bad_samples["examples"])):
         schema.text(f"bad_samples.examples[{index}]", example)
@@ -343,52 +360,49 @@ def _parse_manifest(raw: Any, *, where: str, directory: str) -> Manifest:
     )
     if shard_format == "parquet" and manifest.workload != "image_classification":
         schema.fail("format", shard_format, "parquet shards hold encoded images (workload image_classification)")
-    splits_raw = raw["splits"]
-    if not isinstance(splits_raw, dict) or "train" not in splits_raw:
-        schema.fail("splits", splits_raw, f"expected an object of splits ({', '.join(SPLIT_NAMES)}) with train")
-    if version >= 3 and manifest.workload == "image_classification":
-        _check_image_manifest(schema, manifest, raw["arrays"])
-    bounded = {name: a.max_value for name, a in manifest.arrays.items() if a.max_value is not None}
-    files: set[str] = set()
-    for name, split_raw in splits_raw.items():
-        if name not in SPLIT_NAMES:
-            schema.fail("splits", name, f"a split is named {', '.join(SPLIT_NAMES)}")
-        split_raw = schema.mapping(f"splits.{name}", split_raw, ("num_samples", "shards"))
-        num_samples = schema.integer(f"splits.{name}.num_samples", split_raw["num_samples"], 0)
-        shards = []
-        for index, shard_raw in enumerate(schema.items(f"splits.{name}.shards", split_raw["shards"])):
-            path = f"splits.{name}.shards[{index}]"
-            shard_raw = schema.mapping(path, shard_raw, _SHARD_KEYS[version])
-            file = plain_shard_name(
-                shard_raw["file"], lambda why, p=path, v=shard_raw["file"]: schema.fail(f"{p}.file", v, why)
-            )
-            if file in files:
-                schema.fail(f"{path}.file", file, "another shard names the same file")
-            if version >= 4 and not file.endswith(SHARD_FORMATS[shard_format]):
-                suffix = SHARD_FORMATS[shard_format]
-                schema.fail(f"{path}.file", file, f"a {shard_format} shard's name ends in {suffix}")
-            files.add(file)
-            sha256 = shard_raw["sha256"]
-            if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
-                schema.fail(f"{path}.sha256", sha256, "expected 64 lowercase hex digits")
-            shard = ShardInfo(
-                file=file,
-                # Prep never writes an empty shard.
-                num_samples=schema.integer(f"{path}.num_samples", shard_raw["num_samples"], 1),
-                sha256=sha256,
-            )
-            if version == 2:
-                low = schema.integer(f"{path}.label_min", shard_raw["label_min"], 0, len(classes) - 1)
-                high = schema.integer(f"{path}.label_max", shard_raw["label_max"], low, len(classes) - 1)
-                shard.bounds = {"labels": [low, high]}
-            if version >= 3:
-                shard.bounds = _parse_bounds(schema, f"{path}.bounds", shard_raw["bounds"], bounded)
-            shards.append(shard)
-        total = sum(s.num_samples for s in shards)
-        if total != num_samples:
-            schema.fail(f"splits.{name}.num_samples", num_samples, f"its shards hold {total} samples")
-        manifest.splits[name] = SplitInfo(num_samples=num_samples, shards=shards)
     return manifest
+
+
+def _parse_split(schema: _Schema, manifest: Manifest, name: str, raw: Any, files: set[str]) -> SplitInfo:
+    """The split ``name`` of ``manifest``; ``files`` (the shard files of the splits before it) gains its own."""
+    raw = schema.mapping(f"splits.{name}", raw, ("num_samples", "shards"))
+    num_samples = schema.integer(f"splits.{name}.num_samples", raw["num_samples"], 0)
+    shards = [
+        _parse_shard(schema, manifest, f"splits.{name}.shards[{index}]", shard_raw, files)
+        for index, shard_raw in enumerate(schema.items(f"splits.{name}.shards", raw["shards"]))
+    ]
+    total = sum(s.num_samples for s in shards)
+    if total != num_samples:
+        schema.fail(f"splits.{name}.num_samples", num_samples, f"its shards hold {total} samples")
+    return SplitInfo(num_samples=num_samples, shards=shards)
+
+
+def _parse_shard(schema: _Schema, manifest: Manifest, path: str, raw: Any, files: set[str]) -> ShardInfo:
+    """The shard at ``path`` of ``manifest``: a plain file name no other shard names, its hash and its bounds."""
+    version, shard_format = manifest.version, manifest.format
+    raw = schema.mapping(path, raw, _SHARD_KEYS[version])
+    file = plain_shard_name(raw["file"], lambda why, v=raw["file"]: schema.fail(f"{path}.file", v, why))
+    if file in files:
+        schema.fail(f"{path}.file", file, "another shard names the same file")
+    if version >= 4 and not file.endswith(SHARD_FORMATS[shard_format]):
+        schema.fail(f"{path}.file", file, f"a {shard_format} shard's name ends in {SHARD_FORMATS[shard_format]}")
+    files.add(file)
+    sha256 = raw["sha256"]
+    if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
+        schema.fail(f"{path}.sha256", sha256, "expected 64 lowercase hex digits")
+    # Prep never writes an empty shard.
+    shard = ShardInfo(
+        file=file, num_samples=schema.integer(f"{path}.num_samples", raw["num_samples"], 1), sha256=sha256
+    )
+    if version == 2:
+        last = len(manifest.classes) - 1
+        low = schema.integer(f"{path}.label_min", raw["label_min"], 0, last)
+        high = schema.integer(f"{path}.label_max", raw["label_max"], low, last)
+        shard.bounds = {"labels": [low, high]}
+    if version >= 3:
+        bounded = {name: a.max_value for name, a in manifest.arrays.items() if a.max_value is not None}
+        shard.bounds = _parse_bounds(schema, f"{path}.bounds", raw["bounds"], bounded)
+    return shard
 
 
 def _check_image_manifest(schema: _Schema, manifest: Manifest, raw_arrays: Any) -> None:

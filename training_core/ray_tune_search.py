@@ -95,18 +95,9 @@ def _trial_driver(tune_config: dict[str, Any]) -> None:
     from training_core.trainer import fit
 
     cfg = TuningConfig.from_dict(tune_config["tuning"])
-    params = _params(cfg.search_space, tune_config)
-    trial_cfg: TrainingConfig = apply_params(cfg.base, params)
+    trial_cfg: TrainingConfig = apply_params(cfg.base, _params(cfg.search_space, tune_config))
     trial_id = tune.get_context().get_trial_id()
-    resume_from, epoch, run_id = None, 0, ""
-    restored = tune.get_checkpoint()
-    if restored is not None:
-        with restored.as_directory() as directory, open(os.path.join(directory, POINTER_FILE), encoding="utf-8") as f:
-            pointer = json.load(f)
-        resume_from, epoch = pointer["uri"], pointer["epoch"]
-        # Tune restores a trial from its own checkpoint after a failure, or from another's (PBT exploit):
-        # only the former continues the trial's MLflow run; a copy with new hyperparameters gets a new one.
-        run_id = pointer["mlflow_run_id"] if pointer["tune_trial_id"] == trial_id else ""
+    resume_from, epoch, run_id = _restored_pointer(tune.get_checkpoint(), trial_id)
     log_params = not run_id
     tracking_uri, run_id = tracking.resume_or_create_run(
         trial_cfg.tracking,
@@ -133,8 +124,7 @@ def _trial_driver(tune_config: dict[str, Any]) -> None:
                 resume_from=resume_from,
                 log_params=log_params,
             )
-        log_params, resume_from, trained = False, result.checkpoint_uri, stop - epoch
-        epoch = stop
+        log_params, resume_from, trained, epoch = False, result.checkpoint_uri, stop - epoch, stop
         metrics = {
             cfg.metric: result.metrics.metric(cfg.metric),
             "epoch": epoch,
@@ -142,14 +132,31 @@ def _trial_driver(tune_config: dict[str, Any]) -> None:
             "checkpoint_uri": result.checkpoint_uri,
             "mlflow_run_id": run_id,
         }
-        with tempfile.TemporaryDirectory() as directory:
-            with open(os.path.join(directory, POINTER_FILE), "w", encoding="utf-8") as f:
-                json.dump(
-                    {"uri": result.checkpoint_uri, "epoch": epoch, "mlflow_run_id": run_id, "tune_trial_id": trial_id},
-                    f,
-                )
-            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(directory))
+        pointer = {"uri": result.checkpoint_uri, "epoch": epoch, "mlflow_run_id": run_id, "tune_trial_id": trial_id}
+        _report_slice(metrics, pointer)
     tracking.finish_run(tracking_uri, run_id)
+
+
+def _restored_pointer(restored: Any, trial_id: str) -> tuple[str | None, int, str]:
+    """``(resume_from, epoch, mlflow run id)`` of the Tune checkpoint a trial starts from; ``(None, 0, "")`` without
+    one."""
+    if restored is None:
+        return None, 0, ""
+    with restored.as_directory() as directory, open(os.path.join(directory, POINTER_FILE), encoding="utf-8") as f:
+        pointer = json.load(f)
+    # Tune restores a trial from its own checkpoint after a failure, or from another's (PBT exploit):
+    # only the former continues the trial's MLflow run; a copy with new hyperparameters gets a new one.
+    return pointer["uri"], pointer["epoch"], pointer["mlflow_run_id"] if pointer["tune_trial_id"] == trial_id else ""
+
+
+def _report_slice(metrics: dict[str, Any], pointer: dict[str, Any]) -> None:
+    """A slice's metrics to Tune, with a Tune checkpoint holding ``pointer`` (its training checkpoint)."""
+    from ray import tune
+
+    with tempfile.TemporaryDirectory() as directory:
+        with open(os.path.join(directory, POINTER_FILE), "w", encoding="utf-8") as f:
+            json.dump(pointer, f)
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(directory))
 
 
 def run_search(
@@ -164,38 +171,6 @@ def run_search(
 
     if not ray.is_initialized():
         start_local_cluster()  # as the product's Ray task starts a local one
-    scheduler, search_alg = None, None
-    if cfg.algorithm == "asha":
-        from ray.tune.schedulers import ASHAScheduler
-
-        scheduler = ASHAScheduler(
-            time_attr="epoch",
-            max_t=cfg.base.loop.epochs,
-            grace_period=cfg.asha.min_epochs,
-            reduction_factor=cfg.asha.eta,
-        )
-    elif cfg.algorithm == "pbt":
-        from ray.tune.schedulers import PopulationBasedTraining
-
-        numeric = [s for s in cfg.search_space if s.numeric]
-        factors = sorted(cfg.pbt.perturbation_factors)
-        scheduler = PopulationBasedTraining(
-            time_attr="epoch",
-            perturbation_interval=cfg.pbt.interval_epochs,
-            hyperparam_mutations={_key(s.path): tune_space([s])[_key(s.path)] for s in numeric},
-            quantile_fraction=cfg.pbt.quantile,
-            resample_probability=cfg.pbt.resample_probability,
-            perturbation_factors=(factors[-1], factors[0]),
-        )
-    if cfg.algorithm == "bayesian":
-        from ray.tune.search import ConcurrencyLimiter
-        from ray.tune.search.optuna import OptunaSearch
-
-        search_alg = ConcurrencyLimiter(OptunaSearch(seed=cfg.seed), max_concurrent=cfg.max_concurrency)
-    else:
-        from ray.tune.search import BasicVariantGenerator
-
-        search_alg = BasicVariantGenerator(random_state=cfg.seed, max_concurrent=cfg.max_concurrency)
     param_space = {
         **tune_space(cfg.search_space),
         "tuning": cfg.to_dict(),
@@ -212,33 +187,72 @@ def run_search(
             metric=cfg.metric,
             mode=cfg.mode,
             num_samples=cfg.num_trials,
-            scheduler=scheduler,
-            search_alg=search_alg,
+            scheduler=_scheduler(cfg),
+            search_alg=_search_algorithm(cfg),
             max_concurrent_trials=cfg.max_concurrency,
         ),
         run_config=tune.RunConfig(
             name=run_name, storage_path=storage_path, failure_config=tune.FailureConfig(max_failures=1)
         ),
     )
-    grid = tuner.fit()
-    outcomes = []
-    for index, result in enumerate(grid):
-        frame = result.metrics_dataframe
-        rows = [] if frame is None or frame.empty else frame.to_dict("records")
-        last = rows[-1] if rows else {}
-        epochs_trained = int(last.get("epoch", 0))
-        outcomes.append(
-            TrialOutcome(
-                trial_id=index,
-                params=_params(cfg.search_space, result.config),
-                scores=[float(r[cfg.metric]) for r in rows],
-                score_epochs=[int(r["epoch"]) for r in rows],
-                epochs_trained=epochs_trained,
-                epochs_used=int(sum(r["slice_epochs"] for r in rows)),
-                checkpoint_uri=str(last.get("checkpoint_uri", "")),
-                mlflow_run_id=str(last.get("mlflow_run_id", "")),
-                status="done" if epochs_trained >= cfg.base.loop.epochs else "stopped",
-                error=redact(repr(result.error)) if result.error else "",
-            )
+    return [_outcome(index, result, cfg) for index, result in enumerate(tuner.fit())]
+
+
+def _scheduler(cfg: TuningConfig) -> Any:
+    """Ray Tune's trial scheduler for ``cfg.algorithm``: ASHA, PBT, or None (FIFO)."""
+    if cfg.algorithm == "asha":
+        from ray.tune.schedulers import ASHAScheduler
+
+        return ASHAScheduler(
+            time_attr="epoch",
+            max_t=cfg.base.loop.epochs,
+            grace_period=cfg.asha.min_epochs,
+            reduction_factor=cfg.asha.eta,
         )
-    return outcomes
+    if cfg.algorithm == "pbt":
+        from ray.tune.schedulers import PopulationBasedTraining
+
+        numeric = [s for s in cfg.search_space if s.numeric]
+        factors = sorted(cfg.pbt.perturbation_factors)
+        return PopulationBasedTraining(
+            time_attr="epoch",
+            perturbation_interval=cfg.pbt.interval_epochs,
+            hyperparam_mutations={_key(s.path): tune_space([s])[_key(s.path)] for s in numeric},
+            quantile_fraction=cfg.pbt.quantile,
+            resample_probability=cfg.pbt.resample_probability,
+            perturbation_factors=(factors[-1], factors[0]),
+        )
+    return None
+
+
+def _search_algorithm(cfg: TuningConfig) -> Any:
+    """Ray Tune's search algorithm: OptunaSearch (``bayesian``), else random sampling; at most
+    ``max_concurrency`` trials at once."""
+    if cfg.algorithm == "bayesian":
+        from ray.tune.search import ConcurrencyLimiter
+        from ray.tune.search.optuna import OptunaSearch
+
+        return ConcurrencyLimiter(OptunaSearch(seed=cfg.seed), max_concurrent=cfg.max_concurrency)
+    from ray.tune.search import BasicVariantGenerator
+
+    return BasicVariantGenerator(random_state=cfg.seed, max_concurrent=cfg.max_concurrency)
+
+
+def _outcome(index: int, result: Any, cfg: TuningConfig) -> TrialOutcome:
+    """Trial ``index``'s outcome from its Ray Tune result: the metric after each slice, the last slice's pointer."""
+    frame = result.metrics_dataframe
+    rows = [] if frame is None or frame.empty else frame.to_dict("records")
+    last = rows[-1] if rows else {}
+    epochs_trained = int(last.get("epoch", 0))
+    return TrialOutcome(
+        trial_id=index,
+        params=_params(cfg.search_space, result.config),
+        scores=[float(r[cfg.metric]) for r in rows],
+        score_epochs=[int(r["epoch"]) for r in rows],
+        epochs_trained=epochs_trained,
+        epochs_used=int(sum(r["slice_epochs"] for r in rows)),
+        checkpoint_uri=str(last.get("checkpoint_uri", "")),
+        mlflow_run_id=str(last.get("mlflow_run_id", "")),
+        status="done" if epochs_trained >= cfg.base.loop.epochs else "stopped",
+        error=redact(repr(result.error)) if result.error else "",
+    )

@@ -38,6 +38,7 @@ from training_core.config import DataConfig
 from training_core.files import UnreadableFile, open_regular, read_regular_path
 from training_core.messages import clip, quote
 from training_core.redact import redact
+from training_core.registry import DATASET_SOURCES, dataset_names, load
 
 log = logging.getLogger(__name__)
 
@@ -261,15 +262,22 @@ class SourceStats:
 
 
 def read_documents(data: DataConfig, stats: SourceStats) -> Iterator[Document]:
-    """The documents of ``data.dataset`` (``stdlib`` or ``text``), in sorted order, capped by
-    ``data.max_text_bytes``; ``stats`` counts what was read. Empty documents are skipped."""
-    if data.dataset == "stdlib":
-        documents = stdlib_documents(stats)
-    elif data.dataset == "text":
-        documents = path_documents(data.path, data.text_field, stats)
-    else:
+    """The documents of ``data.dataset`` (a registered ``causal_lm`` source: ``stdlib``, ``text``), in sorted order,
+    capped by ``data.max_text_bytes``; ``stats`` counts what was read. Empty documents are skipped."""
+    if data.dataset not in dataset_names("causal_lm"):
         raise _text_dataset_error(data)
+    documents = load(DATASET_SOURCES[data.dataset].read)(data, stats)
     return capped(documents, data.max_text_bytes, stats)
+
+
+def stdlib_source(data: DataConfig, stats: SourceStats) -> Iterator[Document]:
+    """``data.dataset='stdlib'``: the Python standard library's source files."""
+    return stdlib_documents(stats)
+
+
+def path_source(data: DataConfig, stats: SourceStats) -> Iterator[Document]:
+    """``data.dataset='text'``: the text files at ``data.path``."""
+    return path_documents(data.path, data.text_field, stats)
 
 
 def check_text_source(data: DataConfig) -> None:
@@ -277,7 +285,7 @@ def check_text_source(data: DataConfig) -> None:
     ``data.path`` that cannot be listed, holds no text file or fewer than 3 ``.txt`` files and nothing else (a split
     is by document), or a ``data.tokenizer`` that cannot be read: what can fail before a cluster starts for the
     prep."""
-    if data.dataset not in ("stdlib", "text"):
+    if data.dataset not in dataset_names("causal_lm"):
         raise _text_dataset_error(data)
     if data.dataset == "text":
         files = text_files(data.path)[2]
@@ -290,8 +298,9 @@ def check_text_source(data: DataConfig) -> None:
 
 def _text_dataset_error(data: DataConfig) -> ValueError:
     return ValueError(
-        f"data.dataset={quote(data.dataset)} is invalid: workload.name='causal_lm' reads 'stdlib' or 'text'; "
-        "choose one of them, or set workload.dataset_source to your own"
+        f"data.dataset={quote(data.dataset)} is invalid: workload.name='causal_lm' reads "
+        f"{' or '.join(map(repr, dataset_names('causal_lm')))}; choose one of them, or set workload.dataset_source "
+        "to your own"
     )
 
 

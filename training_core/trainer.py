@@ -83,10 +83,7 @@ def fit(
     credentials, here and in every worker (:func:`~training_core.redact.install_log_redaction`).
     """
     import ray
-    from ray.train import FailureConfig, RunConfig
-    from ray.train.torch import TorchConfig
 
-    from training_core.loop import train_loop_per_worker
     from training_core.workloads import code_paths, preflight
 
     install_log_redaction()
@@ -108,6 +105,18 @@ def fit(
         warmup_steps_excluded=warmup_steps_excluded,
         code_paths=code_paths(cfg.workload),
     )
+    _run_workers(cfg, args, run_name=run_name, storage_path=storage_path)
+    return collect_final(cfg, root, checkpoint_dir, what=f"Ray Train run {run_name!r}")
+
+
+def _run_workers(cfg: TrainingConfig, args: WorkerArgs, *, run_name: str, storage_path: str) -> None:
+    """The Ray Train run of ``args``' workers to its end; raises the root cause of a deterministic failure and a
+    divergence the workers reported."""
+    from ray.train import FailureConfig, RunConfig
+    from ray.train.torch import TorchConfig
+
+    from training_core.loop import train_loop_per_worker
+
     trainer = fail_fast_trainer(
         train_loop_per_worker,
         train_loop_config=args.to_dict(),
@@ -130,7 +139,6 @@ def fit(
     diverged = (result.metrics or {}).get(DIVERGED_METRIC)
     if diverged:  # reported by the workers instead of raised, so Ray Train did not restart them (see the loop)
         raise TrainingDiverged(diverged)
-    return collect_final(cfg, root, checkpoint_dir, what=f"Ray Train run {run_name!r}")
 
 
 def fail_fast_trainer(*args, **kwargs):

@@ -225,6 +225,19 @@ class TuningConfig:
     """Bayesian (TPE) settings."""
 
     def __post_init__(self) -> None:
+        self._check_strategy()
+        if self.num_trials < 1:
+            invalid("num_trials", self.num_trials, "it must be >= 1")
+        if self.max_concurrency < 1:
+            invalid("max_concurrency", self.max_concurrency, "it must be >= 1")
+        if not self.search_space:
+            invalid("search_space", self.search_space, "name at least one field to search")
+        self._check_search_space()
+        self._check_budget()
+
+    def _check_strategy(self) -> None:
+        """``algorithm``, ``strategy`` and ``metric``, and that the strategy runs the algorithm and ranks the metric;
+        sets ``metric_mode``."""
         if self.algorithm not in ALGORITHMS:
             invalid("algorithm", self.algorithm, f"choose one of {', '.join(ALGORITHMS)}")
         if self.strategy not in STRATEGIES:
@@ -244,12 +257,9 @@ class TuningConfig:
                 f"strategy='ray_tune' ranks on {', '.join(METRIC_DIRECTIONS)}; use strategy='flyte' to rank on a "
                 "workload's own metric",
             )
-        if self.num_trials < 1:
-            invalid("num_trials", self.num_trials, "it must be >= 1")
-        if self.max_concurrency < 1:
-            invalid("max_concurrency", self.max_concurrency, "it must be >= 1")
-        if not self.search_space:
-            invalid("search_space", self.search_space, "name at least one field to search")
+
+    def _check_search_space(self) -> None:
+        """Each path once, none of ``scaling``, and every value a trial can take a valid config on ``base``."""
         paths = [p.path for p in self.search_space]
         sized = [path for path in paths if path.startswith("scaling.")]
         if sized:
@@ -274,6 +284,9 @@ class TuningConfig:
                     from training_core.workloads import check_params
 
                     check_params(trial.workload)  # the user's params_type refuses the value before any trial
+
+    def _check_budget(self) -> None:
+        """The algorithm's budget: the grid within ``num_trials``, epochs for ASHA and PBT, PBT's population."""
         if self.algorithm == "grid" and len(grid_points(self.search_space)) > self.num_trials:
             size = len(grid_points(self.search_space))
             invalid(

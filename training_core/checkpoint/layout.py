@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from training_core.messages import clip, quote
+from training_core.schema import is_count, is_int, is_mapping, is_number  # noqa: F401 - re-exported for checkpoint/
 
 MODEL_FILE = "model.pt"
 TRAINER_STATE_FILE = "trainer_state.pt"
@@ -63,19 +64,3 @@ def parse_json(data: bytes, *, where: str) -> Any:
         return json.loads(data)
     except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser's stack
         raise CheckpointError(f"{where} is not valid JSON: {reason(exc)}") from None
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_count(value: Any) -> bool:
-    return is_int(value) and value >= 0
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def is_mapping(value: Any) -> bool:
-    return isinstance(value, dict)

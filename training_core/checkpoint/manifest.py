@@ -6,8 +6,9 @@ import hashlib
 import json
 import re
 import time
+import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from training_core.checkpoint.layout import (
     CHECKPOINT_FILES,
@@ -25,10 +26,10 @@ from training_core.checkpoint.layout import (
 )
 from training_core.files import open_regular_local
 from training_core.messages import is_plain_file_name, quote
+from training_core.schema import UNKNOWN_KEY_KINDS, Count, Problem, Rule, SchemaError, check, describe
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _MANIFEST_KEYS = ("global_step", "metric", "files", "written_at")
-_OPTIONAL_MANIFEST_KEYS = ("format",)
 
 
 @dataclass(frozen=True)
@@ -72,25 +73,10 @@ class CheckpointManifest:
             raise CheckpointError(
                 f"{where} holds {quote(raw)}: expected a JSON object with {', '.join(_MANIFEST_KEYS)}"
             )
-        unknown = [key for key in raw if key not in _MANIFEST_KEYS + _OPTIONAL_MANIFEST_KEYS]
-        missing = [key for key in _MANIFEST_KEYS if key not in raw]
-        if unknown or missing:
-            found = f"unknown key(s) {listed(unknown)}" if unknown else f"no {', '.join(missing)}"
-            raise CheckpointError(f"{where} has {found}: expected exactly the keys {', '.join(_MANIFEST_KEYS)}")
-        checks = {
-            "global_step": (is_count, "an integer >= 0"),
-            "metric": (lambda v: v is None or is_number(v), "a number or null"),
-            "written_at": (is_number, "a number (seconds since the epoch)"),
-            "files": (is_mapping, f"an object of {', '.join(CHECKPOINT_FILES)}"),
-        }
-        for key, (is_valid, expected) in checks.items():
-            if not is_valid(raw[key]):
-                raise CheckpointError(f"{where} key {key}={quote(raw[key])} is invalid: expected {expected}")
-        format = raw.get("format", "full")
-        if format not in FORMATS:
-            raise CheckpointError(
-                f"{where} key format={quote(format)} is invalid: expected one of {', '.join(FORMATS)}"
-            )
+        try:
+            format = check(_Written, raw).format
+        except SchemaError as exc:
+            raise _manifest_error(exc.problems, raw, where=where) from None
         for name in raw["files"]:
             _check_file_name(name, where=where, sharded=format == "sharded")
         names = set(raw["files"])
@@ -114,6 +100,29 @@ class CheckpointManifest:
             written_at=raw["written_at"],
             format=format,
         )
+
+
+@dataclass(frozen=True)
+class _Written:
+    """The keys of ``manifest.json`` and their types, as written (the schema layer checks them)."""
+
+    global_step: Count
+    metric: float | None
+    files: Annotated[dict[str, Any], Rule(is_mapping, f"an object of {', '.join(CHECKPOINT_FILES)}")]
+    written_at: Annotated[float, Rule(is_number, "a number (seconds since the epoch)")]
+    format: Annotated[str, Rule(FORMATS.__contains__, f"one of {', '.join(FORMATS)}")] = "full"
+
+
+def _manifest_error(problems: list[Problem], raw: dict[str, Any], *, where: str) -> CheckpointError:
+    """The message of the first of the schema layer's ``problems`` with the manifest ``raw``."""
+    unknown = [p.key for p in problems if p.kind in UNKNOWN_KEY_KINDS]
+    missing = [p.path for p in problems if p.kind == "missing"]
+    if unknown or missing:
+        found = f"unknown key(s) {listed(unknown)}" if unknown else f"no {', '.join(missing)}"
+        return CheckpointError(f"{where} has {found}: expected exactly the keys {', '.join(_MANIFEST_KEYS)}")
+    key = problems[0].path
+    expected = describe(typing.get_type_hints(_Written, include_extras=True)[key])
+    return CheckpointError(f"{where} key {key}={quote(raw[key])} is invalid: expected {expected}")
 
 
 def _entry(name: str, entry: Any, *, where: str) -> ManifestEntry:

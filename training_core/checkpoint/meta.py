@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 from training_core.checkpoint.layout import (
     MAX_REASON_CHARS,
@@ -20,35 +21,46 @@ from training_core.checkpoint.layout import (
 )
 from training_core.messages import clip, quote
 from training_core.records import EpochRecord, StepLog, StepRecord
+from training_core.schema import UNKNOWN_KEY_KINDS, Count, Problem, Rule, SchemaError, check, describe
+
+_EPOCH_RECORDS = "a list of epoch records (objects of numbers)"
+_STEP_RECORDS = "a list of step records (objects of numbers)"
+_RNG_STATES = "an object of per-rank 'python' and 'numpy' RNG states"
+_INTERVALS = "a list of [start, stop] pairs of integers >= 0"
+_DESCRIPTION = "a JSON object (the prepared data's description)"
 
 
 @dataclass
 class CheckpointMeta:
     model_name: str
     classes: list[str]
-    input_shape: list[int]
+    input_shape: list[Count]
     mean: list[float]
     std: list[float]
-    epoch: int
+    epoch: Count
     """Epoch the run is in (0-based); with ``step_in_epoch == 0`` it has not started yet."""
-    global_step: int
+    global_step: Count
     """Optimizer steps completed."""
-    config: dict[str, Any]
-    step_in_epoch: int = 0
+    config: Annotated[dict[str, Any], Rule(is_mapping, "a JSON object (the resolved config)")]
+    step_in_epoch: Count = 0
     """Optimizer steps of ``epoch`` already taken: a resume skips exactly these batches."""
     best_metric: float | None = None
     """Best value so far of the metric that ranks checkpoints (see ``CheckpointConfig``)."""
     metric: float | None = None
     """This checkpoint's value of that metric, when it was measured here."""
-    history: list[EpochRecord] = field(default_factory=list)
+    history: Annotated[list[EpochRecord], Rule(_list_of(_record_of(EpochRecord)), _EPOCH_RECORDS)] = field(
+        default_factory=list
+    )
     """One record per completed epoch: train/val loss and accuracy, LR, throughput."""
-    step_log: list[StepRecord] = field(default_factory=list)
+    step_log: Annotated[list[StepRecord], Rule(_list_of(_record_of(StepRecord)), _STEP_RECORDS)] = field(
+        default_factory=list
+    )
     """Logged step windows (loss, accuracy, LR, grad norm, samples/s), at most ``STEP_LOG_CAPACITY``: once full,
     adjacent windows are merged (see :class:`~training_core.records.StepLog`), so the file's size does not grow
     with the run's length. Every window is in MLflow at full resolution."""
-    rng: dict[str, Any] = field(default_factory=dict)
+    rng: Annotated[dict[str, Any], Rule(_is_rng_states, _RNG_STATES)] = field(default_factory=dict)
     """Python and numpy RNG states per rank (JSON-safe); torch states live in ``trainer_state.pt``."""
-    resumed_from_steps: list[int] = field(default_factory=list)
+    resumed_from_steps: list[Count] = field(default_factory=list)
     """Global step each resume of this run started from (worker restarts, task retries)."""
     resume_timings: list[dict[str, float]] = field(default_factory=list)
     """Per resume: ``from_step``, ``restored_unix`` (state loaded), ``first_step_unix`` (first step done),
@@ -61,15 +73,15 @@ class CheckpointMeta:
     mlflow_run_id: str = ""
     elapsed_s: float = 0.0
     """Seconds the run has trained so far, across resumes (the clock of ``step_log``'s ``elapsed_s``)."""
-    num_parameters: int = 0
+    num_parameters: Count = 0
     """The model's parameter count (0 in checkpoints written before it): where it can be evaluated, without loading
     it (:func:`~training_core.evaluation.evaluation_placement`)."""
-    saved_unix: float = 0.0
+    saved_unix: Annotated[float, Rule(is_number, "a number (Unix time)")] = 0.0
     """Unix time this metadata was written (0 in checkpoints written before it)."""
     preempted: bool = False
     """Written just in time because a worker was told to stop (SIGTERM): the run stopped at this very step, so
     a resume from it recomputes nothing."""
-    data_remaining: list[list[int]] = field(default_factory=list)
+    data_remaining: Annotated[list[list[int]], Rule(_list_of(_is_interval), _INTERVALS)] = field(default_factory=list)
     """Positions of ``epoch``'s global sample order not trained yet, as ``[start, stop)`` intervals
     (:mod:`training_core.loader`); empty at an epoch's start and in checkpoints written before it (which resume
     on the same number of workers only)."""
@@ -77,7 +89,7 @@ class CheckpointMeta:
     """Every sample of ``epoch``'s order was trained (``data_remaining`` is empty because nothing is left, not
     because the field predates it): written when a worker is told to stop at an epoch's last step, before its
     validation. A resume, on any number of workers, trains no more of that epoch."""
-    data: dict[str, Any] = field(default_factory=dict)
+    data: Annotated[dict[str, Any], Rule(is_mapping, _DESCRIPTION)] = field(default_factory=dict)
     """The prepared data's description (:meth:`~training_core.data.Manifest.description`: workload, arrays, spec)
     that rebuilds the model; empty in checkpoints written before workloads (image classification)."""
     telemetry: dict[str, Any] = field(default_factory=dict)
@@ -101,28 +113,29 @@ class CheckpointMeta:
         its value (quoted bounded in size) and what was expected."""
         if not isinstance(raw, dict):
             raise ValueError(f"{where} holds {quote(raw)}: expected a JSON object of checkpoint metadata")
-        fields = dataclasses.fields(cls)
-        unknown = [key for key in raw if key not in _META_FIELD_TYPES]
-        if unknown:
-            raise ValueError(
-                f"{where} has unknown field(s) {listed(unknown)}: it was not written by this module; "
-                f"valid fields are {', '.join(f.name for f in fields)}"
-            )
-        required = [
-            f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        ]
-        missing = [name for name in required if name not in raw]
-        if missing:
-            raise ValueError(f"{where} lacks the required field(s) {', '.join(missing)}")
-        for key, value in raw.items():
-            is_valid, expected = _META_FIELD_TYPES[key]
-            if not is_valid(value):
-                raise ValueError(f"{where} field {key}={quote(value)} is invalid: expected {expected}")
-        return cls(**raw)
+        try:
+            return check(cls, raw)
+        except SchemaError as exc:
+            raise _meta_error(exc.problems, raw, where=where) from None
 
 
-def _is_str(value: Any) -> bool:
-    return isinstance(value, str)
+def _meta_error(problems: list[Problem], raw: dict[str, Any], *, where: str) -> Exception:
+    """The message of the first of the schema layer's ``problems`` with ``raw``: unknown fields first, then missing
+    ones, then a field's value; a record's own check (``__post_init__``) as it raised."""
+    unknown = [p.key for p in problems if p.kind in UNKNOWN_KEY_KINDS]
+    if unknown:
+        return ValueError(
+            f"{where} has unknown field(s) {listed(unknown)}: it was not written by this module; "
+            f"valid fields are {', '.join(f.name for f in dataclasses.fields(CheckpointMeta))}"
+        )
+    missing = [p.path for p in problems if p.kind == "missing"]
+    if missing:
+        return ValueError(f"{where} lacks the required field(s) {', '.join(missing)}")
+    if problems[0].error is not None:
+        return problems[0].error
+    key = problems[0].path.split(".")[0].split("[")[0]
+    expected = describe(typing.get_type_hints(CheckpointMeta, include_extras=True)[key])
+    return ValueError(f"{where} field {key}={quote(raw[key])} is invalid: expected {expected}")
 
 
 def _list_of(is_item: Callable[[Any], bool]) -> Callable[[Any], bool]:
@@ -168,39 +181,8 @@ def _is_rng_states(value: Any) -> bool:
     return True
 
 
-_META_FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "model_name": (_is_str, "a string"),
-    "classes": (_list_of(_is_str), "a list of strings"),
-    "input_shape": (_list_of(is_count), "a list of integers >= 0"),
-    "mean": (_list_of(is_number), "a list of numbers"),
-    "std": (_list_of(is_number), "a list of numbers"),
-    "epoch": (is_count, "an integer >= 0"),
-    "global_step": (is_count, "an integer >= 0"),
-    "config": (is_mapping, "a JSON object (the resolved config)"),
-    "step_in_epoch": (is_count, "an integer >= 0"),
-    "best_metric": (lambda v: v is None or is_number(v), "a number or null"),
-    "metric": (lambda v: v is None or is_number(v), "a number or null"),
-    "history": (_list_of(_record_of(EpochRecord)), "a list of epoch records (objects of numbers)"),
-    "step_log": (_list_of(_record_of(StepRecord)), "a list of step records (objects of numbers)"),
-    "rng": (_is_rng_states, "an object of per-rank 'python' and 'numpy' RNG states"),
-    "resumed_from_steps": (_list_of(is_count), "a list of integers >= 0"),
-    "resume_timings": (_list_of(_numbers_by_name), "a list of objects of numbers"),
-    "epoch_partial": (_numbers_by_name, "an object of numbers"),
-    "mlflow_model_uri": (_is_str, "a string"),
-    "mlflow_run_id": (_is_str, "a string"),
-    "elapsed_s": (is_number, "a number"),
-    "telemetry": (is_mapping, "a JSON object"),
-    "data_remaining": (
-        _list_of(lambda v: isinstance(v, list) and len(v) == 2 and all(is_count(x) for x in v)),
-        "a list of [start, stop] pairs of integers >= 0",
-    ),
-    "data_exhausted": (lambda v: isinstance(v, bool), "true or false"),
-    "data": (is_mapping, "a JSON object (the prepared data's description)"),
-    "preempted": (lambda v: isinstance(v, bool), "true or false"),
-    "num_parameters": (is_count, "an integer >= 0"),
-    "saved_unix": (is_number, "a number (Unix time)"),
-}
-"""How each field of :class:`CheckpointMeta` is checked when read from JSON, and what the message says it expects."""
+def _is_interval(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(is_count(x) for x in value)
 
 
 def decode_meta(data: bytes, *, where: str) -> CheckpointMeta:

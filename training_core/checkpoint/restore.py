@@ -26,6 +26,7 @@ def build_saved_model(meta: CheckpointMeta):
     again): ``(model, workload)``. Load its weights with :func:`restore`."""
     from training_core.config import TrainingConfig
     from training_core.prepared import Manifest
+    from training_core.pretrained import without_pretrained
     from training_core.workloads import resolve_workload
 
     # The saved config is a (redacted) record: only the sections that shape the model (and that a workload's
@@ -34,6 +35,8 @@ def build_saved_model(meta: CheckpointMeta):
     # One worker: the run's layout does not shape the model, and the default one (2 workers) would refuse the data
     # section of a run trained on fewer shards (data.num_shards >= scaling.num_workers).
     sections = {k: meta.config[k] for k in ("workload", "data", "model") if k in meta.config}
+    if isinstance(sections.get("model"), dict):  # the checkpoint holds the weights: not the pretrained ones, maybe gone
+        pass
     config = TrainingConfig.from_dict({**sections, "scaling": {"num_workers": 1}})
     if meta.data:
         manifest = Manifest.from_description(meta.data)

@@ -34,6 +34,11 @@ The modules, one per part (each docstring states its contract):
 - ``cost``: the job's cost (:func:`job_cost`).
 - ``timeline``: the bounded timeline of rank 0's samples for the Deck (:class:`Timeline`).
 - ``mlflow_system``: rank 0's samples under MLflow's system-metric names (:func:`mlflow_system_metrics`).
+- ``goodput``: every worker-second in one category, per attempt and across retries (:class:`goodput.GoodputClock`,
+  :class:`goodput.ExecutionGoodput`).
+- ``stragglers``: the rank that slows the others, and why (:class:`stragglers.StragglerDetector`).
+- ``eta``: steps done and left, the recent rate, the time to the end and to the next checkpoint
+  (:class:`eta.EtaEstimator`).
 
 Importing this package is light: prometheus_client, pynvml and psutil are imported where they are used.
 """

@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from training_core.telemetry.goodput import CATEGORIES as GOODPUT_CATEGORIES
+from training_core.telemetry.stragglers import CAUSES as STRAGGLER_CAUSES
+
 JOB_LABELS: tuple[str, ...] = ("execution", "node", "attempt", "rank", "model")
 """Labels on every series: Flyte execution name, node id, retry attempt, Ray Train world rank, model name."""
 
@@ -36,6 +39,9 @@ class MetricSpec:
     extra_labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
     """Histogram bucket upper bounds (histograms only)."""
+    label_values: tuple[str, ...] = ()
+    """The values of the one extra label, when known in advance: the exporter creates each series (at 0) from the
+    start, so a stacked panel or a ratio never misses one."""
 
     @property
     def series(self) -> tuple[str, ...]:
@@ -215,6 +221,36 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "training_job_cost_usd", "gauge", "Cost of the job so far: GPU-hours and CPU-hours times the configured prices."
+    ),
+    # --- goodput, stragglers, progress (training_core.telemetry.goodput, .stragglers, .eta) ---
+    MetricSpec(
+        "training_job_goodput_seconds_total",
+        "counter",
+        "Worker-seconds of the job (all workers, all attempts) by what they went to: productive steps, data wait, "
+        "communication not hidden behind compute, checkpoint stalls, evaluation, start-up, steps recomputed after a "
+        "failure, preemption, hung, idle at the end. The categories add up to workers x wall time (rank 0).",
+        ("category",),
+        label_values=GOODPUT_CATEGORIES,
+    ),
+    MetricSpec(
+        "training_goodput_ratio",
+        "gauge",
+        "Productive worker-seconds over all of them, for the whole execution so far, all attempts (rank 0).",
+    ),
+    MetricSpec(
+        "training_straggler",
+        "gauge",
+        "1 while this rank is flagged as a straggler for the cause (compute or data), else 0: its compute and data "
+        "wait above the other ranks' median by observability.straggler_threshold for "
+        "observability.straggler_windows log windows.",
+        ("cause",),
+        label_values=STRAGGLER_CAUSES,
+    ),
+    MetricSpec(
+        "training_eta_seconds",
+        "gauge",
+        "Seconds until the run's last step: the recent step rate, plus the validation and checkpoint time per step "
+        "measured so far.",
     ),
 )
 

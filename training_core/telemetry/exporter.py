@@ -29,6 +29,8 @@ from typing import Any, Mapping, Protocol
 from training_core.config import ObservabilityConfig, ScalingConfig
 from training_core.telemetry.catalog import JOB_LABELS, METRICS, PUSHGATEWAY_JOB
 from training_core.telemetry.cost import JobCost, job_cost
+from training_core.telemetry.goodput import CATEGORIES as GOODPUT_CATEGORIES
+from training_core.telemetry.goodput import ExecutionGoodput
 from training_core.telemetry.gpu import GpuReading, NvmlGpus
 from training_core.telemetry.host import HostReading, HostSampler
 from training_core.telemetry.mlflow_system import SystemMetricsSink, mlflow_system_metrics
@@ -90,6 +92,12 @@ class Telemetry(Protocol):
 
     def nonfinite_steps(self, count: int) -> None: ...
 
+    def stragglers(self, causes: Mapping[str, float]) -> None: ...
+
+    def progress(self, *, eta_s: float) -> None: ...
+
+    def goodput(self, execution: ExecutionGoodput) -> None: ...
+
     def checkpoint_saved(self, *, duration_s: float, bytes_written: int) -> None: ...
 
     def checkpoint_failed(self) -> None: ...
@@ -140,6 +148,15 @@ class NullTelemetry:
     def nonfinite_steps(self, count: int) -> None:
         pass
 
+    def stragglers(self, causes: Mapping[str, float]) -> None:
+        pass
+
+    def progress(self, *, eta_s: float) -> None:
+        pass
+
+    def goodput(self, execution: ExecutionGoodput) -> None:
+        pass
+
     def checkpoint_saved(self, *, duration_s: float, bytes_written: int) -> None:
         pass
 
@@ -180,32 +197,10 @@ class PrometheusTelemetry:
         system_sink: SystemMetricsSink | None = None,
         start_threads: bool = True,
     ) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
         self.cfg, self.scaling, self.labels, self.world_size = cfg, scaling, labels, world_size
         self.is_rank0 = labels.rank == "0"
         self.system_sink = system_sink if self.is_rank0 else None
-        self._metrics_registry = CollectorRegistry(auto_describe=False)
-        self.registry = CollectorRegistry(auto_describe=False)
-        """What is exported: the catalogue's metrics, nothing else."""
-        self.registry.register(_WithoutCreated(self._metrics_registry))
-        kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
-        self._families: dict[str, Any] = {}
-        for spec in METRICS:
-            kwargs: dict[str, Any] = {
-                "registry": self._metrics_registry,
-                "labelnames": (*JOB_LABELS, *spec.extra_labels),
-            }
-            if spec.kind == "histogram":
-                kwargs["buckets"] = spec.buckets
-            # prometheus_client appends "_total" to counters itself.
-            name = spec.name.removesuffix("_total") if spec.kind == "counter" else spec.name
-            self._families[spec.name] = kinds[spec.kind](name, spec.help, **kwargs)
-        job = labels.as_dict()
-        # Series with only the job labels exist from the start (counters at 0); children bound once here keep
-        # the per-step path free of label lookups.
-        self._m = {spec.name: self._families[spec.name].labels(**job) for spec in METRICS if not spec.extra_labels}
-        self._job = job
+        self._register_metrics(labels)
         self._m["training_world_size"].set(world_size)
         self._m["training_run_finished"].set(0)
         # Until the first logged step the clock reads the start: a rank stuck before any step (a hung collective,
@@ -227,6 +222,7 @@ class PrometheusTelemetry:
         self._http_server = None
         self._host_totals: dict[str, float] = {}
         self._global_step = 0
+        self._goodput_reported: dict[str, float] = {}
 
         self.gpus = NvmlGpus.open() if cfg.nvml else None
         self._m["training_gpus"].set(len(self.gpus.handles) if self.gpus else 0)
@@ -238,6 +234,36 @@ class PrometheusTelemetry:
         if start_threads:
             self._thread = threading.Thread(target=self._run, name="telemetry", daemon=True)
             self._thread.start()
+
+    def _register_metrics(self, labels: JobLabels) -> None:
+        """The catalogue's metric families in a registry of their own, exported through :attr:`registry`, and the
+        series that carry only the job ``labels``."""
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self._metrics_registry = CollectorRegistry(auto_describe=False)
+        self.registry = CollectorRegistry(auto_describe=False)
+        """What is exported: the catalogue's metrics, nothing else."""
+        self.registry.register(_WithoutCreated(self._metrics_registry))
+        kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+        self._families: dict[str, Any] = {}
+        for spec in METRICS:
+            kwargs: dict[str, Any] = {
+                "registry": self._metrics_registry,
+                "labelnames": (*JOB_LABELS, *spec.extra_labels),
+            }
+            if spec.kind == "histogram":
+                kwargs["buckets"] = spec.buckets
+            # prometheus_client appends "_total" to counters itself.
+            name = spec.name.removesuffix("_total") if spec.kind == "counter" else spec.name
+            self._families[spec.name] = kinds[spec.kind](name, spec.help, **kwargs)
+        job = labels.as_dict()
+        # Series with only the job labels exist from the start (counters at 0); children bound once here keep
+        # the per-step path free of label lookups.
+        self._m = {spec.name: self._families[spec.name].labels(**job) for spec in METRICS if not spec.extra_labels}
+        self._job = job
+        for spec in METRICS:  # series whose extra label's values are known exist from the start too
+            for value in spec.label_values:
+                self._families[spec.name].labels(**job, **{spec.extra_labels[0]: value})
 
     # --- from the loop (training thread) ---
 
@@ -328,6 +354,29 @@ class PrometheusTelemetry:
     def nonfinite_steps(self, count: int) -> None:
         """``count`` more steps had a non-finite loss or gradient norm (read at a log window's end)."""
         self._m["training_nonfinite_steps_total"].inc(count)
+
+    def stragglers(self, causes: Mapping[str, float]) -> None:
+        """This rank's straggler flags at a log window's end: 1 for the cause it is flagged for, else 0."""
+        for cause, value in causes.items():
+            self._families["training_straggler"].labels(**self._job, cause=cause).set(value)
+
+    def progress(self, *, eta_s: float) -> None:
+        """The run's ETA at a log window's end (:mod:`~training_core.telemetry.eta`)."""
+        self._m["training_eta_seconds"].set(eta_s)
+
+    def goodput(self, execution: ExecutionGoodput) -> None:
+        """The execution's goodput so far, all ranks and attempts (rank 0): counters by their increase."""
+        if not self.is_rank0:
+            return
+        with self._lock:
+            for name, total in zip(GOODPUT_CATEGORIES, execution.seconds.as_list()):
+                increase = total - self._goodput_reported.get(name, 0.0)
+                if increase > 0:
+                    self._families["training_job_goodput_seconds_total"].labels(**self._job, category=name).inc(
+                        increase
+                    )
+                    self._goodput_reported[name] = total
+            self._m["training_goodput_ratio"].set(execution.goodput)
 
     # --- from the checkpoint writer thread ---
 

@@ -2,8 +2,9 @@
 
 - :mod:`~training_core.train.step`: one optimizer step over micro-batches (``train_step``), precision, masking.
 - :mod:`~training_core.train.meter`: the sums behind every record, and where the records go.
+- :mod:`~training_core.train.accounting`: goodput, stragglers and the ETA at each log window and checkpoint.
 - :mod:`~training_core.train.run_state`: where a run is, what a checkpoint holds of it, resume and writes.
-- :mod:`~training_core.train.epoch_data`: which samples an epoch trains, and what is left of them.
+- :mod:`~training_core.train.epoch_data`: the run's length, which samples an epoch trains, and what is left of them.
 - :mod:`~training_core.train.model`: how a worker holds the model, and the trained model to MLflow.
 - :mod:`~training_core.train.local_sgd`: local SGD's averaging and its per-rank replicas.
 - :mod:`~training_core.train.guards`: out-of-memory retries, non-finite steps and weights, preemption.

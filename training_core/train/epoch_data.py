@@ -1,5 +1,6 @@
-"""Which samples an epoch trains on this attempt (see :mod:`training_core.loader`): from the epoch's start, or from
-the positions a checkpoint left, on any number of workers; and what is left of them for the next checkpoint."""
+"""The run's length in steps, which samples an epoch trains on this attempt (see :mod:`training_core.loader`): from
+the epoch's start, or from the positions a checkpoint left, on any number of workers; and what is left of them for the
+next checkpoint."""
 
 from __future__ import annotations
 
@@ -9,7 +10,19 @@ from training_core.loader import check_intervals, remaining_after, steps_left
 
 if TYPE_CHECKING:
     from training_core.config import LoopConfig
-    from training_core.data import ShardStream
+    from training_core.data import Manifest, ShardStream
+
+
+def run_length(manifest: Manifest, loop: LoopConfig, *, world_size: int) -> tuple[int, int, int]:
+    """The run's steps per epoch, its length in optimizer steps (``loop.epochs``, ``loop.max_steps``) and the epoch
+    it stops at."""
+    steps_per_epoch = manifest.steps_per_epoch(
+        world_size=world_size, batch_size=loop.batch_size, grad_accum_steps=loop.grad_accum_steps
+    )
+    total_steps = steps_per_epoch * loop.epochs
+    if loop.max_steps:
+        total_steps = min(total_steps, loop.max_steps)
+    return steps_per_epoch, total_steps, loop.stop_at_epoch or loop.epochs
 
 
 class EpochData:

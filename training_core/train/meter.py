@@ -5,6 +5,7 @@ steady state, and the window's non-finite steps, counted on the device so no ste
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -14,6 +15,7 @@ import torch
 from training_core.config import is_better
 from training_core.distributed import all_reduce_sum
 from training_core.records import EpochRecord, StepRecord
+from training_core.train.accounting import RunAccounting, WindowTimes, goodput_metrics
 from training_core.train.step import StepResult
 
 if TYPE_CHECKING:
@@ -246,9 +248,18 @@ class Reporter:
     rank 0's."""
 
     def __init__(
-        self, meter: StepMeter, *, telemetry: Any, sink: MetricSink, comm_timer: CommTimer, guard: DivergenceGuard
+        self,
+        meter: StepMeter,
+        *,
+        telemetry: Any,
+        sink: MetricSink,
+        comm_timer: CommTimer,
+        guard: DivergenceGuard,
+        accounting: RunAccounting | None = None,
     ) -> None:
         self.meter, self.telemetry, self.sink, self.comm_timer, self.guard = meter, telemetry, sink, comm_timer, guard
+        self.accounting = accounting
+        """Goodput, stragglers and ETA (:mod:`training_core.train.accounting`); None: not accounted."""
 
     def step(self, result: StepResult, state: RunState, *, step_time_s: float, data_wait_s: float) -> None:
         """A finished step's times (and its all-reduce time) into the meter's sums and the telemetry."""
@@ -256,6 +267,10 @@ class Reporter:
         self.meter.step(
             result, global_step=state.global_step, step_time_s=step_time_s, data_wait_s=data_wait_s, comm_s=comm_s
         )
+        if self.accounting is not None:
+            self.accounting.step(
+                global_step=state.global_step, step_time_s=step_time_s, data_wait_s=data_wait_s, comm_wait_s=comm_s
+            )
         self.telemetry.step(
             duration_s=step_time_s,
             num_samples=result.num_samples,
@@ -268,9 +283,12 @@ class Reporter:
         """Close the log window: its non-finite steps meet ``loop.nonfinite_policy`` first (all ranks read the same
         reduced count, so all stop together, before anything non-finite is logged or saved), then its record is
         emitted unless no step of it was finite."""
+        w = self.meter.window
+        times = WindowTimes(steps=w.steps, step_s=w.time_s, data_wait_s=w.data_s, comm_wait_s=w.comm_s)
         record, nonfinite = self.meter.close_window(
             global_step=state.global_step, epoch=epoch, lr=lr, elapsed_s=state.elapsed_s
         )
+        self.account_window(times, global_step=state.global_step)
         if nonfinite.num_steps:
             self.guard.window(nonfinite, lr=lr, global_step=state.global_step)
         if math.isfinite(record.train_loss):
@@ -279,7 +297,8 @@ class Reporter:
     def emit(self, record: StepRecord, state: RunState) -> None:
         """The one place a window's record goes: the step log, the metric sink and the telemetry."""
         state.step_log.append(record)
-        self.sink.log_metrics(record.metrics(), step=record.step)
+        progress = self.accounting.progress_metrics() if self.accounting is not None else {}
+        self.sink.log_metrics(record.metrics() | progress, step=record.step)
         self.telemetry.window(record.metrics(), global_step=record.step)
 
     def close_epoch(
@@ -287,6 +306,8 @@ class Reporter:
     ) -> EpochRecord:
         """The epoch's record from its sums and its validation figures ``val`` (finite: checked first), into the
         history, the telemetry and the sink; the run's best ``best_metric`` so far updated."""
+        if self.accounting is not None:  # validation ran since the epoch's last step (or the stall after it)
+            self.accounting.stall("evaluation", time.monotonic() - self.accounting.clock.cursor_s)
         self.guard.require_finite_validation(val["loss"], global_step=state.global_step)
         record = self.meter.close_epoch(
             epoch=epoch, global_step=state.global_step, steps_in_epoch=steps_in_epoch, val=val, lr=lr
@@ -297,3 +318,34 @@ class Reporter:
         if is_better(best_metric, record.metric(best_metric), state.best_metric):
             state.best_metric = record.metric(best_metric)
         return record
+
+    def account_window(self, times: WindowTimes, *, global_step: int) -> None:
+        """The closed window into the accounting (a collective), and its verdicts into the telemetry."""
+        if self.accounting is None:
+            return
+        self.accounting.window(times, global_step=global_step)
+        self.telemetry.stragglers(self.accounting.own_causes())
+        progress = self.accounting.progress
+        if progress is not None and progress.eta_s is not None:
+            self.telemetry.progress(eta_s=progress.eta_s)
+        self.telemetry.goodput(self.accounting.execution)
+
+    def checkpoint_stall(self, seconds: float, *, global_step: int) -> None:
+        """A checkpoint write held the loop for ``seconds``: into the sink and the accounting."""
+        self.sink.log_metrics({"checkpoint_stall_s": seconds}, step=global_step)
+        if self.accounting is not None:
+            self.accounting.stall("checkpoint", seconds)
+
+    def sync_goodput(self, state: RunState) -> None:
+        """Before a checkpoint: the ranks' goodput summed (a collective) for its meta, the telemetry and the sink."""
+        if self.accounting is None:
+            return
+        done = state.global_step >= self.accounting.total_steps
+        execution = self.accounting.sync(outcome="finished" if done else "running")
+        self.telemetry.goodput(execution)
+        self.sink.log_metrics(goodput_metrics(execution), step=state.global_step)
+
+    def telemetry_snapshot(self) -> dict[str, Any]:
+        """A checkpoint's ``meta.telemetry``: the telemetry's, and the accounting's goodput and rank table."""
+        accounted = self.accounting.snapshot() if self.accounting is not None else {}
+        return self.telemetry.snapshot() | accounted

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from training_core.data import Manifest
     from training_core.distributed import WorkerRuntime
     from training_core.records import MlflowRun
+    from training_core.train.guards import DivergenceGuard
     from training_core.workloads import Workload
 
 
@@ -87,6 +88,13 @@ class ModelExport:
         """Whether the model is logged now: a slice that stops before the budget (a tuning rung) logs none, as only
         a finished trial is registered, and logging costs seconds per slice."""
         return self.mlflow is not None and full_budget
+
+    def log_checked(self, model: nn.Module, guard: DivergenceGuard, *, full_budget: bool, global_step: int) -> str:
+        """When :meth:`wanted`: :meth:`log` once the weights are checked finite (a collective); else ""."""
+        if not self.wanted(full_budget=full_budget):
+            return ""
+        guard.require_finite_weights(model, "the MLflow model", global_step=global_step)
+        return self.log(model)
 
     def log(self, model: nn.Module) -> str:
         """Rank 0 logs ``model`` (a collective under FSDP); returns its ``models:/`` URI ("" on the other ranks)."""

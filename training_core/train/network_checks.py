@@ -43,6 +43,13 @@ class NetworkChecks:
         nccl = read_nccl_network(runtime, device=runtime.device, rank=rank)
         return cls(probe, nccl, rank=rank, world_size=world_size, min_allreduce_gbps=min_allreduce_gbps)
 
+    def tell(self, telemetry: Any) -> None:
+        """The all-reduce check's figures to this rank's telemetry (nothing on one rank)."""
+        if self.probe is not None:
+            telemetry.allreduce_probe(
+                bus_bandwidth_bytes_per_s=self.probe.bus_bandwidth_bytes_per_s, latency_s=self.probe.latency_s
+            )
+
     def report(self, sink: MetricSink, *, global_step: int) -> None:
         """Rank 0: the all-reduce check to MLflow (at the step training starts from), and a warning when its bus
         bandwidth is below ``scaling.min_allreduce_gbps``."""

@@ -3,11 +3,13 @@ run attempt resumes from (the same on every rank), and what each rank writes of 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from training_core import checkpoint as ckpt
+from training_core.config import METRIC_DIRECTIONS
 from training_core.distributed import all_reduce_sum
 from training_core.records import EpochRecord, StepLog
 from training_core.redact import redact
@@ -16,8 +18,10 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from training_core.config import TrainingConfig
+    from training_core.config import CheckpointConfig, TrainingConfig
     from training_core.data import Manifest
+
+log = logging.getLogger("training_core")
 
 
 @dataclass
@@ -76,6 +80,32 @@ class RunState:
         timing["first_step_unix"] = time.time()
         if timing.get("preempted"):  # this attempt's start-up is what the preemption cost
             timing["lost_s"] = telemetry.preemption_recovered(first_step_unix=timing["first_step_unix"])
+
+    def log_resumed(self, uri: str) -> None:
+        """Where the run resumed: the checkpoint (``uri``, credentials redacted) and its position."""
+        log.warning(
+            "resumed from %s: epoch %d, step %d of it, global step %d",
+            redact(uri),
+            self.epoch,
+            self.step_in_epoch,
+            self.global_step,
+        )
+
+    def resume_telemetry(
+        self, telemetry: Any, loaded: ckpt.LoadedCheckpoint, *, runtime: Any, accounting: Any = None
+    ) -> None:
+        """``telemetry`` continues the clock, cost and restart count of the run ``loaded`` was saved by, and
+        ``accounting`` (a :class:`~training_core.train.accounting.RunAccounting`) its goodput."""
+        if accounting is not None:
+            accounting.resumed(loaded.meta, attempt_start_unix=attempt_start_unix(runtime, loaded.meta))
+        telemetry.resumed(
+            loaded.meta.telemetry,
+            global_step=self.global_step,
+            elapsed_s=loaded.meta.elapsed_s,
+            num_restarts=len(self.resumed_from_steps),
+            num_preemptions=sum(int(t.get("preempted", 0.0)) for t in self.resume_timings),
+            attempt_start_unix=attempt_start_unix(runtime, loaded.meta),
+        )
 
     def checkpoint_meta(
         self,
@@ -167,6 +197,25 @@ class CheckpointWrites:
 
     def __init__(self, checkpointer: ckpt.Checkpointer, *, rank: int, sharded: bool, process_group: Any) -> None:
         self.checkpointer, self.rank, self.sharded, self.process_group = checkpointer, rank, sharded, process_group
+
+    @classmethod
+    def open(
+        cls, root: str, checkpoint: CheckpointConfig, *, observer: Any, rank: int, sharded: bool, process_group: Any
+    ) -> CheckpointWrites:
+        """The writes of a run whose checkpoints go under ``root`` by the ``checkpoint`` policy, reported to
+        ``observer``."""
+        checkpointer = ckpt.Checkpointer(
+            ckpt.open_storage(root, checkpoint),
+            keep_last=checkpoint.keep_last,
+            interval_steps=checkpoint.interval_steps,
+            at_epoch_end=checkpoint.at_epoch_end,
+            keep_best=checkpoint.keep_best,
+            best_mode=METRIC_DIRECTIONS[checkpoint.best_metric],
+            async_save=checkpoint.async_save,
+            max_consecutive_failures=checkpoint.max_consecutive_save_failures,
+            observer=observer,
+        )
+        return cls(checkpointer, rank=rank, sharded=sharded, process_group=process_group)
 
     def write(
         self,

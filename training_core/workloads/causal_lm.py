@@ -38,6 +38,8 @@ from training_core.files import UnreadableFile, read_regular_path
 from training_core.messages import clip, quote
 from training_core.prepared import ArraySpec, Manifest, write_shards
 from training_core.redact import redact
+from training_core.registry import LM_SIZES as GPT2_SIZES
+from training_core.schema import is_int
 from training_core.shard_files import RERUN_PREP
 from training_core.text import (
     BYTE,
@@ -60,16 +62,9 @@ from training_core.text import (
     tokenizer_from_description,
     tokenizer_threads,
 )
-from training_core.workloads import (
-    LossOutput,
-    call_with_params,
-    factory_params,
-    load_attribute,
-    mean_of,
-    takes_params,
-    to_device_async,
-)
 from training_core.workloads.image import user_model
+from training_core.workloads.protocol import LossOutput, mean_of, to_device_async
+from training_core.workloads.user_code import call_with_params, factory_params, load_attribute, takes_params
 
 if TYPE_CHECKING:
     import torch
@@ -77,27 +72,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class LMSize:
-    """A named GPT-2 size."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    context_length: int
-
-
-GPT2_SIZES = {
-    "gpt2-tiny": LMSize(num_layers=2, hidden_size=64, num_heads=2, context_length=256),
-    "gpt2-mini": LMSize(num_layers=4, hidden_size=256, num_heads=4, context_length=512),
-    "gpt2": LMSize(num_layers=12, hidden_size=768, num_heads=12, context_length=1024),
-    "gpt2-medium": LMSize(num_layers=24, hidden_size=1024, num_heads=16, context_length=1024),
-    "gpt2-large": LMSize(num_layers=36, hidden_size=1280, num_heads=20, context_length=1024),
-    "gpt2-xl": LMSize(num_layers=48, hidden_size=1600, num_heads=25, context_length=1024),
-}
-"""``config.LM_SIZES``: OpenAI's four GPT-2 sizes (124 M to 1.5 B parameters with their 50 257-token vocabulary)
-and two small ones for tests and quick runs."""
 
 GPT2_ATTENTION = "sdpa"
 """Attention kernel of the GPT-2 sizes. On CPU it gives the same logits as ``eager`` run after run and whatever
@@ -204,26 +178,31 @@ class CausalLM:
                 stats.records,
                 quote(data.text_field),
             )
-        streams = {
-            split: SplitStream(spill, index, eot_id=tokenizer.eot_id)
-            for split, index in split_documents(spill.sizes, data, source=source).items()
-        }
-        for split, stream in streams.items():
-            if not num_sequences(stream.num_tokens, data.seq_len):
-                fraction = (
-                    "lower data.val_fraction or data.test_fraction"
-                    if split == "train"
-                    else f"raise data.{split}_fraction"
-                )
-                raise ValueError(
-                    f"data.seq_len={data.seq_len} is invalid: the {split} split of {source} ({len(stream.index)} "
-                    f"documents, {stream.num_tokens} tokens) holds less than one sequence of seq_len + 1 tokens; "
-                    f"lower data.seq_len, {fraction}, or add text (data.max_text_bytes, more documents)"
-                )
-        documents_per_split = {split: len(stream.index) for split, stream in streams.items()}
-        tokens_per_split = {split: stream.num_tokens for split, stream in streams.items()}
+        streams = _split_streams(spill, data, tokenizer, source)
         if tokenizer.kind == TOKENIZER_FILE:
             _write_text(out_dir, TOKENIZER_FILE, tokenizer.json_text)
+        template = self._manifest_template(data, tokenizer, stats, streams)
+        log.info(
+            "tokenised %s: %d documents, %d bytes, tokens per split %s (tokenizer %s, vocabulary %d)",
+            source,
+            len(spill.sizes),
+            stats.text_bytes,
+            template.spec["tokens"],
+            tokenizer.kind,
+            tokenizer.vocab_size,
+        )
+        shards = {}
+        for split, stream in streams.items():
+            packed = packed_shards(stream, seq_len=data.seq_len, num_shards=data.num_shards)
+            count = min(data.num_shards, num_sequences(stream.num_tokens, data.seq_len))
+            shards[split] = (count, ({"tokens": tokens} for tokens in packed))
+        return write_shards(out_dir, shards, template=template)
+
+    def _manifest_template(
+        self, data: DataConfig, tokenizer: TextTokenizer, stats: SourceStats, streams: dict[str, SplitStream]
+    ) -> Manifest:
+        """The prepared data's manifest without its shards: the tokenizer, the sequence length and each split's
+        documents and tokens (``spec``)."""
         spec = {
             "tokenizer": tokenizer.kind,
             "tokenizer_sha256": tokenizer.sha256,
@@ -231,14 +210,14 @@ class CausalLM:
             "eot_id": tokenizer.eot_id,
             "seq_len": data.seq_len,
             "text_bytes": stats.text_bytes,
-            "documents": documents_per_split,
-            "tokens": tokens_per_split,
+            "documents": {split: len(stream.index) for split, stream in streams.items()},
+            "tokens": {split: stream.num_tokens for split, stream in streams.items()},
         }
         if stats.surrogates_replaced:
             spec["surrogates_replaced"] = stats.surrogates_replaced
         if data.dataset == "text" and self.dataset_source is None:
             spec["path"] = redact(data.path)
-        template = Manifest(
+        return Manifest(
             dataset=data.dataset if self.dataset_source is None else self.dataset_source_path,
             classes=[],
             input_shape=[data.seq_len],
@@ -249,21 +228,6 @@ class CausalLM:
             arrays={"tokens": ArraySpec("int32", [data.seq_len + 1], max_value=tokenizer.vocab_size - 1)},
             spec=spec,
         )
-        log.info(
-            "tokenised %s: %d documents, %d bytes, tokens per split %s (tokenizer %s, vocabulary %d)",
-            source,
-            len(spill.sizes),
-            stats.text_bytes,
-            tokens_per_split,
-            tokenizer.kind,
-            tokenizer.vocab_size,
-        )
-        shards = {}
-        for split, stream in streams.items():
-            packed = packed_shards(stream, seq_len=data.seq_len, num_shards=data.num_shards)
-            count = min(data.num_shards, num_sequences(stream.num_tokens, data.seq_len))
-            shards[split] = (count, ({"tokens": tokens} for tokens in packed))
-        return write_shards(out_dir, shards, template=template)
 
     # ------------------------------------------------------------------------------------------------- models
 
@@ -456,11 +420,11 @@ class TextSpec:
         if spec.get("tokenizer") not in (BYTE, TOKENIZER_FILE):
             fail("tokenizer", f"expected {BYTE!r} or {TOKENIZER_FILE!r}")
         vocab_size, seq_len, eot_id = spec.get("vocab_size"), spec.get("seq_len"), spec.get("eot_id")
-        if not _is_int(vocab_size) or vocab_size < 2:
+        if not is_int(vocab_size) or vocab_size < 2:
             fail("vocab_size", "expected an integer >= 2")
-        if not _is_int(seq_len) or manifest.input_shape != [seq_len]:
+        if not is_int(seq_len) or manifest.input_shape != [seq_len]:
             fail("seq_len", f"the manifest's input_shape is {manifest.input_shape}")
-        if eot_id is not None and (not _is_int(eot_id) or not 0 <= eot_id < vocab_size):
+        if eot_id is not None and (not is_int(eot_id) or not 0 <= eot_id < vocab_size):
             fail("eot_id", f"expected null or an id below the vocabulary ({vocab_size})")
         sha256 = spec.get("tokenizer_sha256")
         if not isinstance(sha256, str) or (spec["tokenizer"] == TOKENIZER_FILE and len(sha256) != 64):
@@ -476,7 +440,7 @@ def embedding_bytes(lm_config: Any) -> int | None:
     the config names no hidden size."""
     text_config = lm_config.get_text_config()
     vocab_size, hidden_size = getattr(text_config, "vocab_size", None), getattr(text_config, "hidden_size", None)
-    if not (_is_int(vocab_size) and _is_int(hidden_size)):
+    if not (is_int(vocab_size) and is_int(hidden_size)):
         return None
     return vocab_size * hidden_size * 4
 
@@ -497,10 +461,6 @@ def _check_embedding_size(config: TrainingConfig, lm_config: Any, spec: TextSpec
     )
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def read_tokenizer(manifest: Manifest) -> TextTokenizer:
     """The tokenizer the data in ``manifest.directory`` was prepared with: ``byte``, or its ``tokenizer.json``
     copy, checked against the recorded sha256."""
@@ -517,6 +477,28 @@ def read_tokenizer(manifest: Manifest) -> TextTokenizer:
     if digest != spec.tokenizer_sha256:
         raise ValueError(f"{where} is corrupt: sha256 {digest} != manifest {spec.tokenizer_sha256}; {RERUN_PREP}")
     return tokenizer_from_description(payload.decode("utf-8"), where=where)
+
+
+def _split_streams(
+    spill: TokenSpill, data: DataConfig, tokenizer: TextTokenizer, source: str
+) -> dict[str, SplitStream]:
+    """The spilled documents split by document into train/val/test streams; raises ``ValueError`` naming
+    ``data.seq_len`` when a split holds less than one sequence."""
+    streams = {
+        split: SplitStream(spill, index, eot_id=tokenizer.eot_id)
+        for split, index in split_documents(spill.sizes, data, source=source).items()
+    }
+    for split, stream in streams.items():
+        if not num_sequences(stream.num_tokens, data.seq_len):
+            fraction = (
+                "lower data.val_fraction or data.test_fraction" if split == "train" else f"raise data.{split}_fraction"
+            )
+            raise ValueError(
+                f"data.seq_len={data.seq_len} is invalid: the {split} split of {source} ({len(stream.index)} "
+                f"documents, {stream.num_tokens} tokens) holds less than one sequence of seq_len + 1 tokens; "
+                f"lower data.seq_len, {fraction}, or add text (data.max_text_bytes, more documents)"
+            )
+    return streams
 
 
 def _write_text(out_dir: str, name: str, text: str) -> None:
@@ -629,7 +611,7 @@ def context_length(lm_config: Any) -> int | None:
     """Positions a model of ``lm_config`` attends over; ``None`` when the config sets no limit (a state-space
     model)."""
     value = getattr(lm_config.get_text_config(), "max_position_embeddings", None)
-    return value if _is_int(value) and value > 0 else None
+    return value if is_int(value) and value > 0 else None
 
 
 def build_lm(model: ModelConfig, *, vocab_size: int, eot_id: int | None) -> nn.Module:
@@ -676,30 +658,7 @@ def _define_model_class() -> type:
             """``input_ids`` [N, T] followed by ``max_new_tokens`` greedy tokens; after a sequence's end-of-text
             token the rest of it is end-of-text. A prompt that leaves the context too little room for the new
             tokens is read from its end (the new tokens are then limited to the context less one)."""
-            if max_new_tokens <= 0:
-                return input_ids
-            context = self.context_length
-            kept = input_ids if context is None else input_ids[:, -max(1, context - max_new_tokens) :]
-            new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - kept.shape[1])
-            pad_id = self.eot_id if self.eot_id is not None else 0
-            was_training = self.training
-            self.eval()
-            try:
-                output = self.lm.generate(
-                    input_ids=kept,
-                    attention_mask=torch.ones_like(kept),
-                    max_new_tokens=new_tokens,
-                    do_sample=False,
-                    num_beams=1,
-                    pad_token_id=pad_id,
-                    eos_token_id=self.eot_id,
-                )
-            finally:
-                self.train(was_training)
-            generated = output[:, kept.shape[1] :]
-            # generate stops once every sequence has ended: the rest is end-of-text, so the shape is always the same.
-            padding = generated.new_full((len(generated), new_tokens - generated.shape[1]), pad_id)
-            return torch.cat([input_ids, generated, padding], dim=1)
+            return _generate(self, input_ids, max_new_tokens) if max_new_tokens > 0 else input_ids
 
         def generate_text(self, prompt: str, max_new_tokens: int) -> str:
             """``prompt`` followed by its greedy continuation of up to ``max_new_tokens`` tokens, up to an
@@ -724,6 +683,35 @@ def _define_model_class() -> type:
 
     CausalLMModel.__qualname__ = "CausalLMModel"
     return CausalLMModel
+
+
+def _generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """:meth:`CausalLMModel.generate` for a positive ``max_new_tokens``: the Hugging Face model's greedy
+    ``generate`` in eval mode, padded with end-of-text to ``max_new_tokens``."""
+    import torch
+
+    context = model.context_length
+    kept = input_ids if context is None else input_ids[:, -max(1, context - max_new_tokens) :]
+    new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - kept.shape[1])
+    pad_id = model.eot_id if model.eot_id is not None else 0
+    was_training = model.training
+    model.eval()
+    try:
+        output = model.lm.generate(
+            input_ids=kept,
+            attention_mask=torch.ones_like(kept),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            num_beams=1,
+            pad_token_id=pad_id,
+            eos_token_id=model.eot_id,
+        )
+    finally:
+        model.train(was_training)
+    generated = output[:, kept.shape[1] :]
+    # generate stops once every sequence has ended: the rest is end-of-text, so the shape is always the same.
+    padding = generated.new_full((len(generated), new_tokens - generated.shape[1]), pad_id)
+    return torch.cat([input_ids, generated, padding], dim=1)
 
 
 _DEFINE_LOCK = threading.Lock()

@@ -10,15 +10,9 @@ import numpy as np
 from training_core.config import DataConfig, TrainingConfig, WorkloadConfig
 from training_core.messages import clip, invalid, quote
 from training_core.prepared import ArraySpec, Manifest, split_samples, write_prepared
-from training_core.workloads import (
-    LossOutput,
-    call_with_params,
-    factory_params,
-    load_optional,
-    mean_of,
-    prep_uses_ray,
-    to_device_async,
-)
+from training_core.registry import DATASET_SOURCES
+from training_core.workloads.protocol import LossOutput, mean_of, to_device_async
+from training_core.workloads.user_code import call_with_params, factory_params, load_optional
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +38,7 @@ class ImageClassification:
         from training_core.datasets import RawDataset, load_raw, resize_images
 
         cfg = data
-        if prep_uses_ray(cfg, self.selected):
+        if self.dataset_source is None and DATASET_SOURCES[cfg.dataset].list_images:
             return self.prepare_encoded(cfg, out_dir)
         if self.dataset_source is None:
             raw, source = load_raw(cfg), f"data.dataset={cfg.dataset!r}"
@@ -137,8 +131,42 @@ class ImageClassification:
             )
         if self.model_factory is not None:
             check_user_model(config, manifest, self.model_factory, self.example_input(manifest))
+        if config.model.pretrained:
+            self.check_pretrained(config, manifest)
+
+    def check_pretrained(self, config: TrainingConfig, manifest: Manifest) -> None:
+        """Read ``model.pretrained`` and match it against the model (built on the meta device, so without its
+        memory): bad weights or names and shapes that do not fit fail here, before any worker starts. Records the
+        weights' sha256 in ``config.model.pretrained_sha256`` (in place), so the workers verify that they read the
+        same weights and the MLflow params name them."""
+        import torch
+
+        from training_core.pretrained import plan_loading, read_pretrained
+
+        model_cfg = config.model
+        weights = read_pretrained(model_cfg.pretrained, expected_sha256=model_cfg.pretrained_sha256)
+        try:
+            with torch.device("meta"):
+                model = self.new_model(config, manifest)
+        except Exception:  # noqa: BLE001 - a user's model whose construction needs real tensors: built on CPU
+            model = self.new_model(config, manifest)
+        plan_loading(weights.source, model, weights.state_dict, new_head=model_cfg.new_head, model_name=model_cfg.name)
+        model_cfg.pretrained_sha256 = weights.sha256
 
     def build_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
+        """The model, with the ``model.pretrained`` weights loaded when there are some (not into a model on the
+        meta device, which holds no values). A resumed run's checkpoint is restored over them afterwards."""
+        model = self.new_model(config, manifest)
+        if config.model.pretrained and not any(p.is_meta for p in model.parameters()):
+            from training_core.pretrained import load_into, read_pretrained
+
+            model_cfg = config.model
+            weights = read_pretrained(model_cfg.pretrained, expected_sha256=model_cfg.pretrained_sha256)
+            load_into(model, weights, new_head=model_cfg.new_head, model_name=model_cfg.name)
+        return model
+
+    def new_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
+        """The model ``workload.model_factory`` or ``model.name`` builds, randomly initialised."""
         if self.model_factory is not None:
             return user_model(config, manifest, self.model_factory)
         from training_core.models import build_model

@@ -23,7 +23,7 @@ import numpy as np
 from training_core.config import DataConfig, TrainingConfig, invalid, quote
 from training_core.data import ARRAY_DTYPES, SPLIT_NAMES, ArraySpec, Manifest, split_samples, write_prepared
 from training_core.redact import redact
-from training_core.workloads import LossOutput, mean_of, to_device_async
+from training_core.workloads.protocol import LossOutput, mean_of, to_device_async
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,125 @@
+"""What a workload is: the :class:`Workload` protocol, the :class:`LossOutput` of a training batch, the check that an
+object implements the protocol (:func:`check_workload`), and small helpers the built-in workloads share."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
+
+from training_core.config import DataConfig, TrainingConfig
+from training_core.messages import invalid, quote
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from training_core.prepared import Manifest
+
+
+@dataclass
+class LossOutput:
+    """What a workload makes of one training batch."""
+
+    loss: torch.Tensor
+    """0-dim mean loss over the batch's units (samples, tokens): what ``backward`` runs on."""
+    sums: dict[str, torch.Tensor]
+    """Additive 0-dim figures of the batch (``correct``, ``samples``, ``tokens``...), summed over micro-batches,
+    steps and ranks by the loop and turned into metrics by :meth:`Workload.metrics`."""
+    num_samples: int
+    """Samples in the batch (what samples/s counts)."""
+    num_tokens: int = 0
+    """Tokens in the batch (what tokens/s counts); 0 for a workload without tokens. Known on the host, so counting
+    it never waits for the device."""
+
+
+@runtime_checkable
+class Workload(Protocol):
+    """A model family with its data and objective. Methods run on every rank; none may keep per-batch state."""
+
+    name: str
+    """Shown in logs, records and checkpoints."""
+    primary_metric: str
+    """The evaluation metric that ranks models and gates registration: a key of :meth:`metrics`."""
+    primary_mode: str
+    """``max`` when higher ``primary_metric`` is better (accuracy), ``min`` when lower is (perplexity, loss)."""
+
+    def prepare_data(self, data: DataConfig, out_dir: str) -> Manifest:
+        """Read the raw data ``data`` names, split it, and write shards and the manifest to ``out_dir`` (through
+        :func:`training_core.data.write_prepared`)."""
+        ...
+
+    def check(self, config: TrainingConfig, manifest: Manifest) -> None:
+        """Raise ``ValueError`` naming the field when ``config`` cannot train on ``manifest`` (runs in the driver,
+        before any worker starts)."""
+        ...
+
+    def build_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
+        """A randomly initialised model for the prepared data (the loop seeds the RNGs first)."""
+        ...
+
+    def to_device(self, manifest: Manifest, device: torch.device) -> Callable[[Mapping[str, np.ndarray]], Any]:
+        """A function from a batch of stored arrays (name -> array, first axis the samples) to what
+        :meth:`loss` and :meth:`eval_sums` take, on ``device``."""
+        ...
+
+    def loss(self, model: nn.Module, batch: Any) -> LossOutput:
+        """Forward ``batch`` through ``model`` (possibly a DDP wrapper: call it, not its ``module``)."""
+        ...
+
+    def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        """Additive evaluation figures of one batch (any shape: a confusion matrix is one), under ``no_grad``.
+        Must include ``loss_sum`` and the count the loss is averaged over."""
+        ...
+
+    def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
+        """Metrics from summed figures: those of :meth:`loss` (a training window) or of :meth:`eval_sums`
+        (always with ``loss`` and ``primary_metric``). ``accuracy``, when there is one, is what records call
+        accuracy."""
+        ...
+
+    def example_input(self, manifest: Manifest) -> np.ndarray:
+        """A small batch of model input, for the MLflow signature."""
+        ...
+
+
+_PROTOCOL_METHODS = ("prepare_data", "check", "build_model", "to_device", "loss", "eval_sums", "metrics")
+
+
+_PROTOCOL_ATTRIBUTES = ("name", "primary_metric", "primary_mode")
+
+
+def check_workload(field: str, path: str, workload: Any) -> Workload:
+    """``workload`` when it has every attribute and method of :class:`Workload`, else ``ValueError`` naming what
+    is missing."""
+    missing = [a for a in _PROTOCOL_ATTRIBUTES if not hasattr(workload, a)]
+    missing += [f"{m}()" for m in (*_PROTOCOL_METHODS, "example_input") if not callable(getattr(workload, m, None))]
+    if missing:
+        raise ValueError(
+            f"{field}={quote(path)} is invalid: it returned a {type(workload).__name__}, which is not a workload: it "
+            f"lacks {', '.join(missing)}; implement the training_core.workloads.Workload protocol"
+        )
+    if getattr(workload, "primary_mode", None) not in ("max", "min"):
+        invalid(f"{field} (its primary_mode)", workload.primary_mode, "it must be 'max' or 'min'")
+    if not isinstance(workload.primary_metric, str) or not workload.primary_metric:
+        invalid(f"{field} (its primary_metric)", workload.primary_metric, "it must name a metric, e.g. 'accuracy'")
+    return workload
+
+
+def to_device_async(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` on ``device``. On a GPU the host copy is pinned first, so the copy is asynchronous and overlaps the
+    step's kernels (a copy from pageable memory blocks); elsewhere it is a zero-copy view."""
+    import torch
+
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def mean_of(sums: Mapping[str, Any], numerator: str, denominator: str) -> float:
+    """``sums[numerator] / sums[denominator]``, NaN when either is missing or the count is 0."""
+    if numerator not in sums or denominator not in sums or not float(sums[denominator]):
+        return math.nan
+    return float(sums[numerator]) / float(sums[denominator])
