@@ -311,9 +311,7 @@ def _goodput(saved: Mapping[str, Any] | None, cost: Mapping[str, float]) -> str:
             left += value
     ax.set_xlabel("worker-seconds")
     ax.invert_yaxis()
-    ax.legend(
-        ncols=5, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.45 - 0.1 * len(execution.attempts))
-    )
+    ax.legend(ncols=5, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.35))
     total_s, cost_usd = execution.seconds.total_s, float(cost.get("cost_usd", 0.0))
     rows = [
         (name, f"{value:.1f}", f"{value / total_s:.1%}" if total_s else "", f"{cost_usd * value / total_s:.4f}")

@@ -86,6 +86,9 @@ class SearchState:
     tracking_uri: str
     parent_run_id: str
     """The search's MLflow run; every trial's run is its child."""
+    pretrained_sha256: str = ""
+    """The sha256 of ``base.model.pretrained``'s weights, computed by ``start_search`` (uncached): the trials'
+    configs carry it, so the cached ``train_trial``'s key names the weights' content, not only their path."""
 
 
 @dataclass
@@ -132,8 +135,12 @@ def plan_round(config: TuningConfig, state: SearchState) -> list[TrialSlice]:
         if trial.status != "pending":
             continue
         trial_config = tuning.apply_params(config.base, trial.params)
+        model = trial_config.model
+        if state.pretrained_sha256 and model.pretrained == config.base.model.pretrained:  # not a searched path
+            model = dataclasses.replace(model, pretrained_sha256=state.pretrained_sha256)
         trial_config = dataclasses.replace(
             trial_config,
+            model=model,
             loop=dataclasses.replace(trial_config.loop, stop_at_epoch=stop if stop < trial_config.loop.epochs else 0),
             tracking=dataclasses.replace(
                 trial_config.tracking, parent_run_id=state.parent_run_id, run_id=trial.mlflow_run_id
@@ -148,7 +155,10 @@ def start_search(config: TuningConfig) -> SearchState:
     """Open (or, for a re-run of the same search, reopen) the search's MLflow parent run and draw the first
     round's trials."""
     from training_core import tracking
+    from training_core.pretrained import pinned_sha256
 
+    # Before the MLflow run opens: weights that cannot be read fail the search here, naming model.pretrained.
+    pretrained_sha256 = pinned_sha256(config.base.model.pretrained, config.base.model.pretrained_sha256)
     key = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
     tracking_uri, parent_run_id = tracking.find_or_create_run(
         config.base.tracking,
@@ -165,7 +175,13 @@ def start_search(config: TuningConfig) -> SearchState:
         payload=config.to_dict(),
     )
     trials = [Trial(trial_id=i, params=params) for i, params in enumerate(tuning.initial_params(config))]
-    return SearchState(round_index=0, trials=trials, tracking_uri=tracking_uri, parent_run_id=parent_run_id)
+    return SearchState(
+        round_index=0,
+        trials=trials,
+        tracking_uri=tracking_uri,
+        parent_run_id=parent_run_id,
+        pretrained_sha256=pretrained_sha256,
+    )
 
 
 @task(retries=2, requests=Resources(cpu="500m", mem="1Gi"))

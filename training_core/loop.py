@@ -150,7 +150,7 @@ class Trainer:
         self.guard = DivergenceGuard(cfg, self.runtime, telemetry=self.telemetry, checkpointer=self.checkpointer)
         self.report = Reporter(
             self.meter, telemetry=self.telemetry, sink=self.sink, comm_timer=self.comm_timer, guard=self.guard,
-            accounting=RunAccounting.for_run(cfg, self.runtime, total_steps=self.total_steps),
+            accounting=RunAccounting.for_run(cfg, self.runtime, total_steps=self.total_steps, end_epoch=self.end_epoch),
         )  # fmt: skip
 
     def resume(self) -> None:

@@ -18,6 +18,7 @@ ranks never wait on a peer that ran out of data.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -25,8 +26,8 @@ import logging
 import math
 import re
 import zipfile
-from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, NoReturn
+from dataclasses import asdict, dataclass, field, make_dataclass
+from typing import Annotated, Any, Iterable, Iterator, Mapping, NoReturn
 
 import numpy as np
 
@@ -34,7 +35,7 @@ from training_core.config import DataConfig, no_training_samples_error
 from training_core.files import join_path
 from training_core.messages import clip, quote
 from training_core.redact import redact
-from training_core.schema import is_int
+from training_core.schema import UNKNOWN_KEY_KINDS, Count, Problem, Rule, SchemaError, check, is_int, is_mapping
 from training_core.shard_files import RERUN_PREP, plain_shard_name, shard_error
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ def _where(directory: str) -> str:
 
 
 class _Schema:
-    """Checks one parsed manifest, raising ``ValueError`` with the manifest file and the field path."""
+    """Words the checks of one parsed manifest: ``ValueError`` with the manifest file and the field path."""
 
     def __init__(self, where: str) -> None:
         self.where = where
@@ -224,28 +225,30 @@ class _Schema:
     def fail(self, path: str, value: Any, why: str) -> NoReturn:
         raise ValueError(f"{self.where}: {clip(path)}={quote(value)} is invalid: {why}; {RERUN_PREP}")
 
-    def mapping(self, path: str, value: Any, required: tuple[str, ...]) -> dict:
-        if not isinstance(value, dict):
-            self.fail(path, value, f"expected an object with the keys {', '.join(required)}")
-        missing = [k for k in required if k not in value]
-        unknown = [k for k in value if k not in required]
-        if missing or unknown:
-            listed = ", ".join(quote(k) for k in unknown[:10]) + (
-                f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
-            )
-            found = f"lacks {', '.join(missing)}" if missing else f"has unknown key(s) {listed}"
-            raise ValueError(f"{self.where}: {clip(path)} {found}; its keys are {', '.join(required)}; {RERUN_PREP}")
-        return value
+    def keys(self, path: str, missing: list[str], unknown: list[Any], keys: Iterable[str]) -> NoReturn:
+        listed = ", ".join(quote(k) for k in unknown[:10]) + (f" and {len(unknown) - 10} more" if unknown[10:] else "")
+        found = f"lacks {', '.join(missing)}" if missing else f"has unknown key(s) {listed}"
+        raise ValueError(f"{self.where}: {clip(path)} {found}; its keys are {', '.join(keys)}; {RERUN_PREP}")
+
+    def problem(self, problems: list[Problem]) -> NoReturn:
+        """The schema layer's ``problems`` as the first check meets them: a mapping's missing keys, then its unknown
+        keys, before anything inside it."""
+        first, kinds = problems[0], ("missing", *UNKNOWN_KEY_KINDS)  # pydantic's order: depth first, keys in order
+        at = first.loc[:-2] if first.loc[-1:] == ("[key]",) else first.loc  # a bad key: before its value
+        keyed = [p for p in problems if p.kind in kinds and p.loc[:-1] == at[: len(p.loc) - 1]]
+        if keyed:  # the outermost mapping around the first problem that lacks keys or has unknown ones
+            owner = min((p.loc[:-1] for p in keyed), key=len)
+            same = [p for p in keyed if p.loc[:-1] == owner]
+            missing = [p.loc[-1] for p in same if p.kind == "missing"]
+            self.keys(_path(owner), missing, [p.key for p in same if p.kind != "missing"], same[0].fields)
+        fields = ", ".join(first.fields)
+        why = {"dataclass_type": f"expected an object with the keys {fields}", "list_type": "expected a list"}
+        self.fail(_path(first.loc), first.value, why.get(first.kind, first.fix))
 
     def integer(self, path: str, value: Any, minimum: int, maximum: float = math.inf) -> int:
         if not is_int(value) or not minimum <= value <= maximum:
             bound = f"{minimum}..{maximum}" if maximum != math.inf else f">= {minimum}"
             self.fail(path, value, f"expected an integer {bound}")
-        return value
-
-    def text(self, path: str, value: Any) -> str:
-        if not isinstance(value, str) or not value:
-            self.fail(path, value, "expected a non-empty string")
         return value
 
     def items(self, path: str, value: Any, length: int | None = None) -> list:
@@ -257,7 +260,7 @@ class _Schema:
         numbers = []
         for index, item in enumerate(self.items(path, value, length)):
             # An integer beyond a float's range is as unusable as JSON's Infinity or NaN.
-            number = float(item) if isinstance(item, float) or _small_int(item) else math.nan
+            number = float(item) if isinstance(item, float) or (is_int(item) and abs(item) < 2**1000) else math.nan
             if not math.isfinite(number):
                 self.fail(f"{path}[{index}]", item, "expected a finite number")
             if positive and not number > 0:
@@ -266,142 +269,143 @@ class _Schema:
         return numbers
 
 
-def _small_int(value: Any) -> bool:
-    return is_int(value) and abs(value) < 2**1000
+def _path(loc: tuple) -> str:
+    """A location in the manifest as its messages name it: ``splits.train.shards[0].file``."""
+    loc = loc[:-2] if loc[-1:] == ("[key]",) else loc  # a bad key: the mapping holds it
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)[1:] or "manifest"
 
 
-_TOP_KEYS = {
-    1: ("version", "dataset", "classes", "input_shape", "mean", "std", "splits"),
-    2: ("version", "dataset", "classes", "input_shape", "mean", "std", "splits"),
-    3: ("version", "workload", "dataset", "classes", "input_shape", "mean", "std", "arrays", "spec", "splits"),
-    4: (
-        "version", "workload", "dataset", "classes", "input_shape", "mean", "std", "arrays", "spec", "format",
-        "bad_samples", "splits",
-    ),
-}  # fmt: skip
-_SHARD_KEYS = {
-    1: ("file", "num_samples", "sha256"),
-    2: ("file", "num_samples", "sha256", "label_min", "label_max"),
-    3: ("file", "num_samples", "sha256", "bounds"),
-    4: ("file", "num_samples", "sha256", "bounds"),
-}
-_BAD_KEYS = ("count", "examples")
 SHARD_FORMATS = {"npz": ".npz", "parquet": ".parquet"}
 """Shard formats and their files' suffix."""
 ARRAY_DTYPES = ("uint8", "uint16", "int32", "int64", "float32")
 """What a shard may store: nothing numpy would need pickles or object arrays for."""
 
+# What a manifest holds, for the schema layer (strict; Any: checked after it, against other keys).
+_Text = Annotated[str, Rule(lambda v: isinstance(v, str) and v != "", "a non-empty string")]
+_Size = Annotated[int, Rule(lambda v: is_int(v) and v >= 1, "an integer >= 1")]  # prep never writes an empty shard
+_Dtype = Annotated[str, Rule(ARRAY_DTYPES.__contains__, f"one of {', '.join(ARRAY_DTYPES)}")]
+_Array = make_dataclass("_Array", [("dtype", _Dtype), ("shape", list[_Size]), ("max_value", Any)], frozen=True)
+_ArrayName = Annotated[str, Rule(str.isidentifier, "", "an array is named like a Python identifier")]
+_Arrays = Annotated[
+    dict[_ArrayName, _Array],
+    Rule(lambda v: isinstance(v, dict) and v, "an object of array name -> {dtype, shape, max_value}", keep_type=True),
+]
+_Format = Annotated[str, Rule(lambda v: isinstance(v, str) and v in SHARD_FORMATS, "one of npz, parquet")]
+_BadSamples = make_dataclass("_BadSamples", [("count", Count), ("examples", list[_Text])], frozen=True)
+_Sha256 = Annotated[str, Rule(lambda v: isinstance(v, str) and _SHA256.fullmatch(v), "64 lowercase hex digits")]
+_SplitName = Annotated[str, Rule(SPLIT_NAMES.__contains__, "", f"a split is named {', '.join(SPLIT_NAMES)}")]
+_WITH_TRAIN = Rule(lambda v: isinstance(v, dict) and "train" in v, "", keep_type=True,
+    fix=f"expected an object of splits ({', '.join(SPLIT_NAMES)}) with train")  # fmt: skip
+_LIST_OF_3 = Rule(lambda v: isinstance(v, list) and len(v) == 3, "a list of 3", keep_type=True)
+_ALL = (1, 2, 3, 4)
+_TOP = {  # each key of a manifest, in its order: the versions that have it, and its type (see _on_disk)
+    "version": (_ALL, Any), "workload": ((3, 4), _Text), "dataset": (_ALL, _Text), "classes": (_ALL, list[_Text]),
+    "input_shape": (_ALL, list[_Size]), "mean": (_ALL, Any), "std": (_ALL, Any), "arrays": ((3, 4), _Arrays),
+    "spec": ((3, 4), Annotated[dict, Rule(is_mapping, "a JSON object")]), "format": ((4,), _Format),
+    "bad_samples": ((4,), _BadSamples), "splits": (_ALL, Any),
+}  # fmt: skip
+_SHARD = {  # the same for each shard of a split
+    "file": (_ALL, Any), "num_samples": (_ALL, _Size), "sha256": (_ALL, _Sha256), "label_min": ((2,), Any),
+    "label_max": ((2,), Any), "bounds": ((3, 4), Any),
+}  # fmt: skip
+
+
+@functools.cache
+def _on_disk(version: int) -> type:
+    """A manifest of ``version`` as written: its keys, in order, and their types."""
+
+    def fields(table: dict, **types: Any) -> list:
+        return [(key, types.get(key, hint)) for key, (versions, hint) in table.items() if version in versions]
+
+    shard = make_dataclass("_Shard", fields(_SHARD))
+    split = make_dataclass("_Split", [("num_samples", Count), ("shards", list[shard])])
+    splits = Annotated[dict[_SplitName, split], _WITH_TRAIN]
+    shape = {"input_shape": Annotated[list[_Size], _LIST_OF_3]} if version < 3 else {}
+    return make_dataclass(f"_ManifestV{version}", fields(_TOP, splits=splits, **shape))
+
 
 def _parse_manifest(raw: Any, *, where: str, directory: str) -> Manifest:
     """The manifest in ``raw`` (parsed JSON of any of versions 1 to :data:`MANIFEST_VERSION`), checked whole."""
     schema = _Schema(where)
-    if isinstance(raw, dict):
-        version = raw.get("version")
-        if not is_int(version) or version not in _SHARD_KEYS:
-            schema.fail("version", version, f"this code reads versions 1 to {MANIFEST_VERSION}")
-    raw = schema.mapping("manifest", raw, _TOP_KEYS[raw["version"] if isinstance(raw, dict) else MANIFEST_VERSION])
-    manifest = _parse_header(schema, raw, directory)
-    splits_raw = raw["splits"]
-    if not isinstance(splits_raw, dict) or "train" not in splits_raw:
-        schema.fail("splits", splits_raw, f"expected an object of splits ({', '.join(SPLIT_NAMES)}) with train")
+    version = raw.get("version") if isinstance(raw, dict) else MANIFEST_VERSION
+    if not is_int(version) or version not in _ALL:
+        schema.fail("version", version, f"this code reads versions 1 to {MANIFEST_VERSION}")
+    try:
+        disk = check(_on_disk(version), raw)
+    except SchemaError as exc:
+        schema.problem(exc.problems)
+    manifest = _parse_header(schema, disk, directory)
     if manifest.version >= 3 and manifest.workload == "image_classification":
         _check_image_manifest(schema, manifest, raw["arrays"])
     files: set[str] = set()
-    for name, split_raw in splits_raw.items():
-        if name not in SPLIT_NAMES:
-            schema.fail("splits", name, f"a split is named {', '.join(SPLIT_NAMES)}")
-        manifest.splits[name] = _parse_split(schema, manifest, name, split_raw, files)
+    for name, split in disk.splits.items():
+        manifest.splits[name] = _parse_split(schema, manifest, name, split, files)
     return manifest
 
 
-def _parse_header(schema: _Schema, raw: dict, directory: str) -> Manifest:
-    """Everything of the manifest ``raw`` (its keys checked) but its splits."""
-    version = raw["version"]
-    classes = schema.items("classes", raw["classes"])
-    if not classes and version < 3:
-        schema.fail("classes", classes, "expected at least one class name")
-    for index, name in enumerate(classes):
-        schema.text(f"classes[{index}]", name)
-    if len(set(classes)) != len(classes):
-        schema.fail("classes", classes, "class names must be unique")
-    shape = schema.items("input_shape", raw["input_shape"], 3 if version < 3 else None)
-    if not shape:
-        schema.fail("input_shape", shape, "expected the shape of one input sample")
-    for index, size in enumerate(shape):
-        schema.integer(f"input_shape[{index}]", size, 1)
-    num_stats = shape[0] if version < 3 or raw["mean"] else 0
-    mean = schema.numbers("mean", raw["mean"], num_stats, positive=False)
-    std = schema.numbers("std", raw["std"], num_stats, positive=True)
-    arrays = _parse_arrays(schema, raw["arrays"]) if version >= 3 else {}
-    spec = raw.get("spec", {})
-    if not isinstance(spec, dict):
-        schema.fail("spec", spec, "expected a JSON object")
-    shard_format = raw.get("format", "npz")
-    if not isinstance(shard_format, str) or shard_format not in SHARD_FORMATS:
-        schema.fail("format", shard_format, f"expected one of {', '.join(SHARD_FORMATS)}")
-    bad_samples = schema.mapping("bad_samples", raw.get("bad_samples", {"count": 0, "examples": []}), _BAD_KEYS)
-    schema.integer("bad_samples.count", bad_samples["count"], 0)
-    for index, example in enumerate(schema.items("bad_samples.examples", bad_samples["examples"])):
-        schema.text(f"bad_samples.examples[{index}]", example)
+def _parse_header(schema: _Schema, disk: Any, directory: str) -> Manifest:
+    """Everything of the manifest ``disk`` (its types checked) but its splits."""
+    version = disk.version
+    if not disk.classes and version < 3:
+        schema.fail("classes", disk.classes, "expected at least one class name")
+    if len(set(disk.classes)) != len(disk.classes):
+        schema.fail("classes", disk.classes, "class names must be unique")
+    if not disk.input_shape:
+        schema.fail("input_shape", disk.input_shape, "expected the shape of one input sample")
+    num_stats = disk.input_shape[0] if version < 3 or disk.mean else 0
+    mean = schema.numbers("mean", disk.mean, num_stats, positive=False)
+    std = schema.numbers("std", disk.std, num_stats, positive=True)
+    kept = {key: getattr(disk, key) for key in ("workload", "spec", "format") if hasattr(disk, key)}  # else defaults
+    if version >= 3:
+        kept["arrays"] = _parse_arrays(schema, disk.arrays)
+    if version >= 4:
+        kept["bad_samples"] = asdict(disk.bad_samples)
     manifest = Manifest(
-        dataset=schema.text("dataset", raw["dataset"]),
-        classes=list(classes),
-        input_shape=list(shape),
+        dataset=disk.dataset,
+        classes=list(disk.classes),
+        input_shape=list(disk.input_shape),
         mean=mean,
         std=std,
         splits={},
-        workload=schema.text("workload", raw["workload"]) if version >= 3 else "image_classification",
-        arrays=arrays,
-        spec=spec,
-        format=shard_format,
-        bad_samples=dict(bad_samples),
         version=version,
         directory=directory,
+        **kept,
     )
-    if shard_format == "parquet" and manifest.workload != "image_classification":
-        schema.fail("format", shard_format, "parquet shards hold encoded images (workload image_classification)")
+    if manifest.format == "parquet" and manifest.workload != "image_classification":
+        schema.fail("format", manifest.format, "parquet shards hold encoded images (workload image_classification)")
     return manifest
 
 
-def _parse_split(schema: _Schema, manifest: Manifest, name: str, raw: Any, files: set[str]) -> SplitInfo:
+def _parse_split(schema: _Schema, manifest: Manifest, name: str, split: Any, files: set[str]) -> SplitInfo:
     """The split ``name`` of ``manifest``; ``files`` (the shard files of the splits before it) gains its own."""
-    raw = schema.mapping(f"splits.{name}", raw, ("num_samples", "shards"))
-    num_samples = schema.integer(f"splits.{name}.num_samples", raw["num_samples"], 0)
     shards = [
-        _parse_shard(schema, manifest, f"splits.{name}.shards[{index}]", shard_raw, files)
-        for index, shard_raw in enumerate(schema.items(f"splits.{name}.shards", raw["shards"]))
+        _parse_shard(schema, manifest, f"splits.{name}.shards[{index}]", shard, files)
+        for index, shard in enumerate(split.shards)
     ]
     total = sum(s.num_samples for s in shards)
-    if total != num_samples:
-        schema.fail(f"splits.{name}.num_samples", num_samples, f"its shards hold {total} samples")
-    return SplitInfo(num_samples=num_samples, shards=shards)
+    if total != split.num_samples:
+        schema.fail(f"splits.{name}.num_samples", split.num_samples, f"its shards hold {total} samples")
+    return SplitInfo(num_samples=split.num_samples, shards=shards)
 
 
-def _parse_shard(schema: _Schema, manifest: Manifest, path: str, raw: Any, files: set[str]) -> ShardInfo:
+def _parse_shard(schema: _Schema, manifest: Manifest, path: str, disk: Any, files: set[str]) -> ShardInfo:
     """The shard at ``path`` of ``manifest``: a plain file name no other shard names, its hash and its bounds."""
     version, shard_format = manifest.version, manifest.format
-    raw = schema.mapping(path, raw, _SHARD_KEYS[version])
-    file = plain_shard_name(raw["file"], lambda why, v=raw["file"]: schema.fail(f"{path}.file", v, why))
+    file = plain_shard_name(disk.file, lambda why: schema.fail(f"{path}.file", disk.file, why))
     if file in files:
         schema.fail(f"{path}.file", file, "another shard names the same file")
     if version >= 4 and not file.endswith(SHARD_FORMATS[shard_format]):
         schema.fail(f"{path}.file", file, f"a {shard_format} shard's name ends in {SHARD_FORMATS[shard_format]}")
     files.add(file)
-    sha256 = raw["sha256"]
-    if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
-        schema.fail(f"{path}.sha256", sha256, "expected 64 lowercase hex digits")
-    # Prep never writes an empty shard.
-    shard = ShardInfo(
-        file=file, num_samples=schema.integer(f"{path}.num_samples", raw["num_samples"], 1), sha256=sha256
-    )
+    shard = ShardInfo(file=file, num_samples=disk.num_samples, sha256=disk.sha256)
     if version == 2:
         last = len(manifest.classes) - 1
-        low = schema.integer(f"{path}.label_min", raw["label_min"], 0, last)
-        high = schema.integer(f"{path}.label_max", raw["label_max"], low, last)
+        low = schema.integer(f"{path}.label_min", disk.label_min, 0, last)
+        high = schema.integer(f"{path}.label_max", disk.label_max, low, last)
         shard.bounds = {"labels": [low, high]}
     if version >= 3:
         bounded = {name: a.max_value for name, a in manifest.arrays.items() if a.max_value is not None}
-        shard.bounds = _parse_bounds(schema, f"{path}.bounds", raw["bounds"], bounded)
+        shard.bounds = _parse_bounds(schema, f"{path}.bounds", disk.bounds, bounded)
     return shard
 
 
@@ -429,30 +433,21 @@ def _check_image_manifest(schema: _Schema, manifest: Manifest, raw_arrays: Any) 
         )
 
 
-def _parse_arrays(schema: _Schema, raw: Any) -> dict[str, ArraySpec]:
-    if not isinstance(raw, dict) or not raw:
-        schema.fail("arrays", raw, "expected an object of array name -> {dtype, shape, max_value}")
-    arrays = {}
-    for name, spec_raw in raw.items():
-        if not isinstance(name, str) or not name.isidentifier():
-            schema.fail("arrays", name, "an array is named like a Python identifier")
-        spec_raw = schema.mapping(f"arrays.{name}", spec_raw, ("dtype", "shape", "max_value"))
-        if spec_raw["dtype"] not in ARRAY_DTYPES:
-            schema.fail(f"arrays.{name}.dtype", spec_raw["dtype"], f"expected one of {', '.join(ARRAY_DTYPES)}")
-        shape = schema.items(f"arrays.{name}.shape", spec_raw["shape"])
-        for index, size in enumerate(shape):
-            schema.integer(f"arrays.{name}.shape[{index}]", size, 1)
-        max_value = spec_raw["max_value"]
-        if max_value is not None:
-            if spec_raw["dtype"] == "float32":
-                schema.fail(f"arrays.{name}.max_value", max_value, "only integer arrays are bounded; use null")
-            schema.integer(f"arrays.{name}.max_value", max_value, 0, 2**62)
-        arrays[name] = ArraySpec(dtype=spec_raw["dtype"], shape=list(shape), max_value=max_value)
-    return arrays
+def _parse_arrays(schema: _Schema, disk: dict[str, _Array]) -> dict[str, ArraySpec]:
+    for name, spec in disk.items():
+        if spec.max_value is not None and spec.dtype == "float32":
+            schema.fail(f"arrays.{name}.max_value", spec.max_value, "only integer arrays are bounded; use null")
+        if spec.max_value is not None:
+            schema.integer(f"arrays.{name}.max_value", spec.max_value, 0, 2**62)
+    return {name: ArraySpec(spec.dtype, list(spec.shape), spec.max_value) for name, spec in disk.items()}
 
 
 def _parse_bounds(schema: _Schema, path: str, raw: Any, bounded: dict[str, int]) -> dict[str, list[int]]:
-    raw = schema.mapping(path, raw, tuple(bounded))
+    if not isinstance(raw, dict):
+        schema.fail(path, raw, f"expected an object with the keys {', '.join(bounded)}")
+    missing, unknown = [k for k in bounded if k not in raw], [k for k in raw if k not in bounded]
+    if missing or unknown:
+        schema.keys(path, missing, unknown, bounded)
     bounds = {}
     for name, limit in bounded.items():
         pair = schema.items(f"{path}.{name}", raw[name], 2)

@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, NoReturn
 
 from training_core.files import UnreadableFile, join_path, open_regular, read_regular
 from training_core.messages import clip, invalid, is_plain_file_name, quote
@@ -51,6 +51,7 @@ CONVERT = (
 
 PRETRAINED_FIELDS = ("pretrained", "pretrained_sha256", "new_head")
 """The ``model`` fields that say which weights a run started from."""
+REPIN = "name the weights the run was pinned to, or clear model.pretrained_sha256 to take these"
 
 log = logging.getLogger("training_core")
 
@@ -94,7 +95,7 @@ class HeadPlan:
     classes: tuple[int, int] = (0, 0)
 
 
-def fail(source: str, fix: str) -> Any:
+def fail(source: str, fix: str) -> NoReturn:
     """The one error of this module: ``model.pretrained``, its value and the fix."""
     invalid(FIELD, source, fix)
 
@@ -173,6 +174,17 @@ def weights_sha256(files: WeightFiles) -> str:
     return combined_sha256(files, [_file_sha256(files.source, files.fs, path) for path in files.files])
 
 
+def pinned_sha256(pretrained: str, pinned: str = "") -> str:
+    """The sha256 that identifies the weights at ``pretrained`` (streamed, :func:`weights_sha256`); empty without
+    weights. With ``pinned`` (``model.pretrained_sha256``), weights of another hash are refused."""
+    if not pretrained:
+        return ""
+    found = weights_sha256(locate(pretrained))
+    if pinned and found != pinned:
+        fail(pretrained, f"its sha256 is {found}, not model.pretrained_sha256={pinned}: the weights changed; {REPIN}")
+    return found
+
+
 def combined_sha256(files: WeightFiles, digests: list[str]) -> str:
     """The one sha256 of ``files`` from the sha256 of each of them (in the same order)."""
     if files.kind != "huggingface":
@@ -206,8 +218,7 @@ def read_pretrained(source: str, *, expected_sha256: str = "") -> PretrainedWeig
     if expected_sha256 and sha256 != expected_sha256:
         fail(
             source,
-            f"its sha256 is {sha256}, not model.pretrained_sha256={expected_sha256}: the weights changed; name the "
-            "weights the run was pinned to, or clear model.pretrained_sha256 to take these",
+            f"its sha256 is {sha256}, not model.pretrained_sha256={expected_sha256}: the weights changed; {REPIN}",
         )
     state_dict: dict[str, torch.Tensor] = {}
     for path in files.weight_files:

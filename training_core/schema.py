@@ -50,7 +50,9 @@ class Problem:
     key: Any = None
     """The unknown key (``kind`` in :data:`UNKNOWN_KEY_KINDS`)."""
     fields: tuple[str, ...] = ()
-    """For an unknown key: the fields its dataclass has."""
+    """For an unknown or missing key, or a value that is not an object: the fields its dataclass has."""
+    loc: tuple = ()
+    """pydantic's location of the problem (keys and indices), for readers that word the path their own way."""
 
 
 class SchemaError(ValueError):
@@ -64,19 +66,25 @@ class SchemaError(ValueError):
 @dataclass(frozen=True)
 class Rule:
     """``Annotated`` metadata of a field whose check is more than its type (``Annotated[int, Rule(is_count, "an
-    integer >= 0")]``): ``is_valid`` decides alone, and ``expected`` is what messages say the field holds."""
+    integer >= 0")]``): ``is_valid`` decides alone, and ``expected`` is what messages say the field holds. With
+    ``keep_type`` the rule decides first and the type's own validation follows (``Annotated[list[Dim], Rule(...,
+    keep_type=True)]`` checks the list, then each item). ``fix`` words a refusal that is not ``expected ...``."""
 
     is_valid: Callable[[Any], bool]
     expected: str
+    fix: str = ""
+    keep_type: bool = False
 
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
         from pydantic_core import core_schema
 
+        if self.keep_type:
+            return core_schema.no_info_before_validator_function(self.checked, handler(source))
         return core_schema.no_info_plain_validator_function(self.checked)
 
     def checked(self, value: Any) -> Any:
         if not self.is_valid(value):
-            raise Fix(f"expected {self.expected}")
+            raise Fix(self.fix or f"expected {self.expected}")
         return value
 
 
@@ -216,13 +224,16 @@ def _problem(cls: type, error: Any) -> Problem:
     cause = (error.get("ctx") or {}).get("error")
     fix = str(cause) if isinstance(cause, Fix) else error["msg"]
     own_error = cause if isinstance(cause, BaseException) and not isinstance(cause, Fix) else None
+    keyed = error["type"] in (*UNKNOWN_KEY_KINDS, "missing")
+    path, owner = _resolve(cls, loc[:-1] if keyed else loc)  # an unknown or missing key: its dataclass
+    fields = tuple(f.name for f in dataclasses.fields(owner)) if dataclasses.is_dataclass(owner) else ()
     if error["type"] in UNKNOWN_KEY_KINDS:
-        path, owner = _resolve(cls, loc[:-1])
-        fields = tuple(f.name for f in dataclasses.fields(owner)) if dataclasses.is_dataclass(owner) else ()
         # A key that is not a string is the input itself (its location holds its text).
         key = error["input"] if error["type"] == "invalid_key" else loc[-1]
-        return Problem(path, error["input"], error["type"], fix, key=key, fields=fields)
-    return Problem(field_path(cls, loc), error["input"], error["type"], fix, error=own_error)
+        return Problem(path, error["input"], error["type"], fix, key=key, fields=fields, loc=loc)
+    if keyed:  # missing: the path is the field's
+        path = field_path(cls, loc)
+    return Problem(path, error["input"], error["type"], fix, own_error, fields=fields, loc=loc)
 
 
 def field_path(cls: type, loc: tuple) -> str:

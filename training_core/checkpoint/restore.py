@@ -36,7 +36,7 @@ def build_saved_model(meta: CheckpointMeta):
     # section of a run trained on fewer shards (data.num_shards >= scaling.num_workers).
     sections = {k: meta.config[k] for k in ("workload", "data", "model") if k in meta.config}
     if isinstance(sections.get("model"), dict):  # the checkpoint holds the weights: not the pretrained ones, maybe gone
-        pass
+        sections["model"] = without_pretrained(sections["model"])
     config = TrainingConfig.from_dict({**sections, "scaling": {"num_workers": 1}})
     if meta.data:
         manifest = Manifest.from_description(meta.data)

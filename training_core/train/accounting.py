@@ -86,6 +86,9 @@ class RunAccounting:
     eta: EtaEstimator
     start_unix: float
     attempt_index: int = 0
+    end_epoch: int = 0
+    """The epoch this call of the run stops before (``loop.stop_at_epoch`` for a slice): its last checkpoint ends the
+    attempt as finished."""
     prior: ExecutionGoodput = field(default_factory=ExecutionGoodput)
     ranks: list[RankTotals] = field(default_factory=list)
     execution: ExecutionGoodput = field(default_factory=ExecutionGoodput)
@@ -94,9 +97,9 @@ class RunAccounting:
     flagged: tuple[Straggler, ...] = ()
 
     @classmethod
-    def for_run(cls, cfg: TrainingConfig, runtime: Any, *, total_steps: int) -> RunAccounting:
+    def for_run(cls, cfg: TrainingConfig, runtime: Any, *, total_steps: int, end_epoch: int) -> RunAccounting:
         """The accounting of a run of ``cfg`` on ``runtime``'s rank (a collective, see :meth:`start`)."""
-        return cls.start(
+        accounting = cls.start(
             rank=runtime.rank,
             world_size=runtime.world_size,
             device=runtime.device,
@@ -106,6 +109,8 @@ class RunAccounting:
             windows=cfg.observability.straggler_windows,
             started_unix=getattr(runtime, "started_unix", None),
         )
+        accounting.end_epoch = end_epoch
+        return accounting
 
     @classmethod
     def start(
@@ -146,7 +151,7 @@ class RunAccounting:
         if attempt_start_unix is not None and attempt_start_unix <= time.time():
             self.clock.cursor_s += attempt_start_unix - self.start_unix
             self.start_unix = attempt_start_unix
-        if prior.attempts:
+        if prior.attempts and prior.attempts[-1].outcome != "finished":  # a slice's end is no interruption
             settled = settle_interrupted(prior.attempts[-1], resumed_unix=self.start_unix, preempted=meta.preempted)
             prior = prior.with_attempt(settled)
         self.prior, self.execution = prior, prior

@@ -340,7 +340,7 @@ class Reporter:
         """Before a checkpoint: the ranks' goodput summed (a collective) for its meta, the telemetry and the sink."""
         if self.accounting is None:
             return
-        done = state.global_step >= self.accounting.total_steps
+        done = state.global_step >= self.accounting.total_steps or state.epoch >= self.accounting.end_epoch
         execution = self.accounting.sync(outcome="finished" if done else "running")
         self.telemetry.goodput(execution)
         self.sink.log_metrics(goodput_metrics(execution), step=state.global_step)

@@ -29,7 +29,7 @@ import math
 import os
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Mapping, NoReturn, Sequence
 
 import numpy as np
 
@@ -39,7 +39,7 @@ from training_core.messages import clip, quote
 from training_core.prepared import ArraySpec, Manifest, write_shards
 from training_core.redact import redact
 from training_core.registry import LM_SIZES as GPT2_SIZES
-from training_core.schema import is_int
+from training_core.schema import Rule, SchemaError, check, is_int
 from training_core.shard_files import RERUN_PREP
 from training_core.text import (
     BYTE,
@@ -400,11 +400,11 @@ class CausalLM:
 class TextSpec:
     """What ``manifest.spec`` of prepared text records (written by :meth:`CausalLM.prepare_data`)."""
 
-    tokenizer: str
+    tokenizer: Annotated[str, Rule((BYTE, TOKENIZER_FILE).__contains__, f"{BYTE!r} or {TOKENIZER_FILE!r}")]
     """``byte``, or ``tokenizer.json``: the copy of the tokenizer in the data directory."""
-    tokenizer_sha256: str
+    tokenizer_sha256: Annotated[str, Rule(lambda v: isinstance(v, str), "the sha256 of tokenizer.json")]
     """sha256 of that copy (empty for ``byte``)."""
-    vocab_size: int
+    vocab_size: Annotated[int, Rule(lambda v: is_int(v) and v >= 2, "an integer >= 2")]
     eot_id: int | None
     seq_len: int
 
@@ -412,27 +412,29 @@ class TextSpec:
     def from_manifest(cls, manifest: Manifest) -> "TextSpec":
         """The spec, checked against the manifest's arrays; anything else raises ``ValueError`` naming the key."""
         where = f"manifest.json in {clip(redact(manifest.directory or '(a description)'), 500)}"
-        spec = manifest.spec
+        # Its own keys (a spec also records the source and what prep replaced); a key left out reads as null.
+        spec = {key: manifest.spec.get(key) for key in cls.__dataclass_fields__}
+        input_shape = f"the manifest's input_shape is {manifest.input_shape}"
+        below = f"expected null or an id below the vocabulary ({spec['vocab_size']})"
 
-        def fail(key: str, why: str) -> None:
-            raise ValueError(f"{where}: spec.{key}={quote(spec.get(key))} is invalid: {why}; {RERUN_PREP}")
+        def fail(key: str, why: str) -> NoReturn:
+            raise ValueError(f"{where}: spec.{key}={quote(spec[key])} is invalid: {why}; {RERUN_PREP}")
 
-        if spec.get("tokenizer") not in (BYTE, TOKENIZER_FILE):
-            fail("tokenizer", f"expected {BYTE!r} or {TOKENIZER_FILE!r}")
-        vocab_size, seq_len, eot_id = spec.get("vocab_size"), spec.get("seq_len"), spec.get("eot_id")
-        if not is_int(vocab_size) or vocab_size < 2:
-            fail("vocab_size", "expected an integer >= 2")
-        if not is_int(seq_len) or manifest.input_shape != [seq_len]:
-            fail("seq_len", f"the manifest's input_shape is {manifest.input_shape}")
-        if eot_id is not None and (not is_int(eot_id) or not 0 <= eot_id < vocab_size):
-            fail("eot_id", f"expected null or an id below the vocabulary ({vocab_size})")
-        sha256 = spec.get("tokenizer_sha256")
-        if not isinstance(sha256, str) or (spec["tokenizer"] == TOKENIZER_FILE and len(sha256) != 64):
+        try:
+            text = check(cls, spec)
+        except SchemaError as exc:  # seq_len and eot_id: the words of the checks against the manifest below
+            key = exc.problems[0].path
+            fail(key, {"seq_len": input_shape, "eot_id": below}.get(key, exc.problems[0].fix))
+        if manifest.input_shape != [text.seq_len]:
+            fail("seq_len", input_shape)
+        if text.eot_id is not None and not 0 <= text.eot_id < text.vocab_size:
+            fail("eot_id", below)
+        if text.tokenizer == TOKENIZER_FILE and len(text.tokenizer_sha256) != 64:
             fail("tokenizer_sha256", "expected the sha256 of tokenizer.json")
         tokens = manifest.arrays.get("tokens")
-        if tokens is None or tokens.shape != [seq_len + 1] or tokens.max_value != vocab_size - 1:
+        if tokens is None or tokens.shape != [text.seq_len + 1] or tokens.max_value != text.vocab_size - 1:
             fail("vocab_size", f"the manifest's arrays are {manifest.arrays}")
-        return cls(spec["tokenizer"], sha256, vocab_size, eot_id, seq_len)
+        return text
 
 
 def embedding_bytes(lm_config: Any) -> int | None:
