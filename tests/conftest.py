@@ -63,6 +63,23 @@ for _name, _value in {
     os.environ[_name] = _value
 
 
+TESTS_DIR = Path(__file__).resolve().parent
+TIERS = ("unit", "integration", "distributed", "flyte", "tools", "gpu")
+"""The suite's tiers: each is a folder of ``tests/`` and a marker (``pytest -m integration``) that every test in the
+folder carries, set by :func:`pytest_collection_modifyitems`. docs/testing.md says what belongs in which."""
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark each test with its tier, the folder of ``tests/`` it is in."""
+    for item in items:
+        try:
+            tier = item.path.relative_to(TESTS_DIR).parts[0]
+        except ValueError:
+            continue  # a test outside tests/ (an inner session's, in a temporary directory)
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+
+
 LEFTOVER_WAIT_S = float(os.environ.get("FRT_LEFTOVER_WAIT_S", "10"))
 """How long the session's Ray processes get to exit once its cluster has stopped (a worker notices its raylet's
 end within a second or two). ``FRT_LEFTOVER_WAIT_S`` sets it for a session that leaves one on purpose (a test's)."""
@@ -284,3 +301,15 @@ def process_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def digits_dir(tmp_path_factory) -> str:
+    """The default data (scikit-learn's digits, ``DataConfig()``: 4 shards a split), prepared once per session.
+    Read only: a test that changes prepared data prepares its own."""
+    from training_core.config import DataConfig
+    from training_core.data import prepare
+
+    out = tmp_path_factory.mktemp("digits")
+    prepare(DataConfig(), str(out))
+    return str(out)

@@ -231,8 +231,7 @@ def _problem(cls: type, error: Any) -> Problem:
         # A key that is not a string is the input itself (its location holds its text).
         key = error["input"] if error["type"] == "invalid_key" else loc[-1]
         return Problem(path, error["input"], error["type"], fix, key=key, fields=fields, loc=loc)
-    if keyed:  # missing: the path is the field's
-        path = field_path(cls, loc)
+    path = field_path(cls, loc) if keyed else path  # a missing key: the field's own path
     return Problem(path, error["input"], error["type"], fix, own_error, fields=fields, loc=loc)
 
 

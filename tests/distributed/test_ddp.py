@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from training_core.config import DataConfig, OptimizerConfig, TrainingConfig
-from training_core.data import Manifest, ShardStream, prepare
+from training_core.config import OptimizerConfig, TrainingConfig
+from training_core.data import Manifest, ShardStream
 from training_core.loop import train_step
 from training_core.models import build_model
 from training_core.optim import build_optimizer
@@ -71,13 +71,6 @@ def _ddp_worker(config: dict) -> None:
     torch.save(model.module.state_dict(), out / f"rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps({"allreduce_calls": calls["n"], "sample_hashes": seen}))
     ray.train.report({"rank": rank})
-
-
-@pytest.fixture(scope="module")
-def digits_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("digits")
-    prepare(DataConfig(num_shards=4), str(out))
-    return str(out)
 
 
 def test_ddp_on_two_gloo_workers_equals_one_process_on_the_union_of_their_batches(ray_session, digits_dir, tmp_path):

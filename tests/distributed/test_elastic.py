@@ -20,9 +20,9 @@ import pytest
 
 from benchmarks.common import TwoNodeCluster
 from tests.conftest import REPO_ROOT
-from tests.distributed.sample_recorder import records_dir
-from tests.image_data import write_jpegs
-from tests.unit.test_run_worker import InProcessRuntime
+from tests.helpers.image_data import write_jpegs
+from tests.helpers.runtime import InProcessRuntime
+from tests.helpers.sample_recorder import records_dir
 from training_core import checkpoint as ckpt
 from training_core.config import DataConfig, TrainingConfig
 from training_core.data import Manifest, ShardStream, prepare
@@ -69,7 +69,7 @@ def two_nodes():
 
 def _config(tree: Path) -> dict:
     return {
-        "workload": {"name": "tests.distributed.sample_recorder:SampleRecorder"},
+        "workload": {"name": "tests.helpers.sample_recorder:SampleRecorder"},
         "data": {"dataset": "image_folder", "path": str(tree), "image_size": 16, "num_shards": 4},
         "model": {"name": "small_cnn"},
         "loop": {"epochs": 1, "batch_size": BATCH_SIZE},

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from training_core import checkpoint as ckpt
-from training_core.config import DataConfig, TrainingConfig
-from training_core.data import prepare
+from training_core.config import TrainingConfig
 from training_core.launch import launch
 
 # Figures that depend on the clock; everything else in an epoch record is a function of the computation.
@@ -23,13 +22,6 @@ TIMING_KEYS = {
     "data_wait_s",
     "elapsed_s",
 }
-
-
-@pytest.fixture(scope="module")
-def digits_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("digits")
-    prepare(DataConfig(num_shards=4), str(out))
-    return str(out)
 
 
 def _config() -> TrainingConfig:

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from tests.conftest import session_ray_processes
-from tests.distributed import exit_blocker
+from tests.helpers import exit_blocker
 from training_core.config import TrainingConfig
 from training_core.data import prepare
 from training_core.ray_processes import start_ticks
@@ -65,7 +65,7 @@ def test_a_controller_that_cannot_exit_is_killed_and_named_when_fit_returns(
     ray_session, session_root, data_dir, tmp_path, monkeypatch, caplog
 ):
     record_dir = tmp_path / "blocked"
-    monkeypatch.setenv("RAY_TRAIN_CALLBACKS", "tests.distributed.exit_blocker.BlockedExit")
+    monkeypatch.setenv("RAY_TRAIN_CALLBACKS", "tests.helpers.exit_blocker.BlockedExit")
     monkeypatch.setenv(exit_blocker.RECORD_DIR_ENV, str(record_dir))
     before = session_ray_processes(session_root)
     try:

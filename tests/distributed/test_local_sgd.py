@@ -7,12 +7,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import pytest
 import torch
 
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
-from training_core.data import Manifest, ShardStream, prepare
+from training_core.data import Manifest, ShardStream
 from training_core.launch import launch
 from training_core.optim import build_optimizer, build_scheduler
 from training_core.rng import seed_everything
@@ -40,13 +39,6 @@ def _config() -> TrainingConfig:
             "observability": {"enabled": False},
         }
     )
-
-
-@pytest.fixture(scope="module")
-def digits_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("digits")
-    prepare(_config().data, str(out))
-    return str(out)
 
 
 def _simulate(cfg: TrainingConfig, data_dir: str) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:

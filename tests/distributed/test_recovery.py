@@ -14,18 +14,12 @@ import torch
 
 from tests.conftest import session_train_workers
 from training_core import checkpoint as ckpt
-from training_core.config import DataConfig, TrainingConfig
+from training_core.config import TrainingConfig
 from training_core.data import Manifest, prepare
+from training_core.telemetry.goodput import ExecutionGoodput
 from training_core.trainer import checkpoint_root, fit
 
 INTERVAL_STEPS = 5
-
-
-@pytest.fixture(scope="module")
-def digits_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("digits")
-    prepare(DataConfig(num_shards=4), str(out))
-    return str(out)
 
 
 # A GPT sharded by FSDP (2 blocks), on 34 steps of text per epoch: its checkpoints are sharded ones.
@@ -180,6 +174,16 @@ def test_a_worker_killed_or_told_to_stop_mid_epoch_resumes_bit_identical(
     # workers saved the step they were at and stopped there: the resume recomputes nothing.
     assert latest_before_kill <= resumed_from
     assert result.meta.resume_timings[-1]["preempted"] == float(stop_signal == signal.SIGTERM)
+    # Goodput across the restart: the interrupted attempt's time after its last checkpoint settled by the resume
+    # (lost to the preemption after a SIGTERM, else work recomputed), the restarted one's start-up (or, after a
+    # preemption, the preemption's) before its first step; every worker-second of both attributed.
+    first, second = ExecutionGoodput.from_summary(result.meta.telemetry["goodput"]).attempts
+    if stop_signal == signal.SIGTERM:
+        assert first.seconds.preempted > 0 and second.seconds.preempted > 0 and first.seconds.recomputed == 0
+    else:
+        assert first.seconds.recomputed > 0 and second.seconds.startup > 0
+    assert first.end_unix == second.start_unix and second.outcome == "finished"
+    assert 0.98 <= ExecutionGoodput((first, second)).attributed_fraction <= 1.02
     if stop_signal == signal.SIGSTOP:
         # Detected by the peer's collective timeout; that rank kills the hung one's worker (SIGKILL after
         # RAY_kill_worker_timeout_milliseconds, 1 s), so the group restarts at once: starting and importing 2 workers

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT, VENV_BIN
+from tests.helpers.pyflyte import pyflyte_run_entity, squashed
 
 LAUNCH_PLANS = str(REPO_ROOT / "workflows" / "launch_plans.py")
 # One worker, three steps of the smallest model: the whole pipeline in well under a minute.
@@ -24,19 +25,7 @@ TINY_CONFIG = {
 def pyflyte_run_launch_plan(
     name: str, *args: str, cwd: Path, env: dict[str, str], timeout_s: int = 600
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(VENV_BIN / "pyflyte"), "run", LAUNCH_PLANS, name, *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-
-
-def _squashed(text: str) -> str:
-    """pyflyte's rich output wraps anywhere, even inside words: compare with whitespace and box lines removed."""
-    return re.sub(r"[\s│]+", "", text)
+    return pyflyte_run_entity(LAUNCH_PLANS, name, *args, cwd=cwd, env=env, timeout_s=timeout_s)
 
 
 def test_nightly_training_runs_locally_through_pyflyte_with_a_tiny_config(ray_address, tmp_path, subprocess_env):
@@ -62,7 +51,7 @@ def test_nightly_training_does_not_accept_its_fixed_resume_from_input(tmp_path, 
         "nightly_training", "--resume_from", str(tmp_path), cwd=tmp_path, env=subprocess_env, timeout_s=120
     )
     assert result.returncode != 0
-    assert _squashed("No such option '--resume_from'") in _squashed(result.stdout + result.stderr)
+    assert squashed("No such option '--resume_from'") in squashed(result.stdout + result.stderr)
 
 
 def test_alert_recipients_come_from_the_environment_with_a_documented_default():
@@ -90,6 +79,6 @@ def test_every_launch_plan_is_addressed_by_its_variable_name(tmp_path, subproces
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    listed = _squashed(result.stdout)
+    listed = squashed(result.stdout)
     for name in ("nightly_training", "weekly_tuning", "scaling_benchmark"):
-        assert _squashed(f"{name} launch plan (workflows.launch_plans.{name}) (LP Name: {name})") in listed, name
+        assert squashed(f"{name} launch plan (workflows.launch_plans.{name}) (LP Name: {name})") in listed, name

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.flyte.test_training_pipeline import pyflyte_run
+from tests.helpers.pyflyte import flat, pyflyte_run
 
 CONFIG = REPO_ROOT / "examples" / "gpt_stdlib.yaml"
 MODEL_NAME = "stdlib-gpt"
@@ -61,7 +61,7 @@ def test_a_tiny_gpt_beats_half_the_unigram_perplexity_and_its_champion_loads_and
     version = client.get_model_version_by_alias(MODEL_NAME, "champion")
     test_perplexity = float(version.tags["test_perplexity"])
     assert test_perplexity <= unigram / 2, (test_perplexity, unigram)
-    assert "test_perplexity" in _flat(output) and "(alias 'champion' -> v1)" in output
+    assert "test_perplexity" in flat(output) and "(alias 'champion' -> v1)" in output
     run = client.get_run(version.run_id)
     assert run.data.metrics["test_perplexity"] == pytest.approx(test_perplexity)
     assert run.data.metrics["test_accuracy"] > 0.3  # next-byte accuracy of Python source
@@ -93,7 +93,3 @@ def test_the_evaluation_report_shows_perplexity_the_validation_curve_and_continu
     for section_id in ("metrics", "validation", "continuations"):
         assert f"id='{section_id}'" in page
     assert "perplexity (lower is better)" in page and "id='confusion'" not in page
-
-
-def _flat(text: str) -> str:
-    return re.sub(r"[\s│]+", " ", text)

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from tests.conftest import REPO_ROOT, VENV_BIN
-from tests.image_data import odd_image_folder
+from tests.helpers.image_data import odd_image_folder
 from training_core.data import Manifest
 
 

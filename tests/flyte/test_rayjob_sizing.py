@@ -22,7 +22,7 @@ from tasks.ray_config import PREP_GROUP, PREP_HEAD, WORKER_GROUP
 from tasks.train import train
 from tasks.tuning import SearchState, Trial, train_trial, tune_with_ray
 from tasks.types import PreparedData, TrainedModel, TrainMetrics
-from tests.flyte.compile import RayJobShape, compile_dynamic, rayjob_shape
+from tests.helpers.flyte_compile import RayJobShape, compile_dynamic, rayjob_shape
 from training_core import checkpoint as ckpt
 from training_core import tuning
 from training_core.config import DataConfig, ScalingConfig, Toleration, TrainingConfig, WorkloadConfig

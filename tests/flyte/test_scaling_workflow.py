@@ -17,7 +17,7 @@ from tasks.scaling_benchmark import scaling_report, torch_baseline
 from tasks.train import train
 from tasks.types import PreparedData
 from tests.conftest import REPO_ROOT, VENV_BIN
-from tests.flyte.compile import compile_dynamic
+from tests.helpers.flyte_compile import compile_dynamic
 from training_core.config import TrainingConfig
 from training_core.scaling_benchmark import point_config, scaling_preset
 from workflows.scaling_benchmark import ray_point, scaling_benchmark

@@ -19,7 +19,7 @@ import yaml
 
 from examples.signal_cnn.make_data import signals
 from tests.conftest import REPO_ROOT
-from tests.flyte.test_training_pipeline import pyflyte_run
+from tests.helpers.pyflyte import pyflyte_run
 
 EXAMPLE_DIR = REPO_ROOT / "examples" / "signal_cnn"
 MODEL_NAME = "signal-cnn"

@@ -168,7 +168,7 @@ def test_a_prep_attempt_killed_half_way_is_retried_into_its_directory_and_writes
     ray_address, tmp_path, subprocess_env
 ):
     from tasks.types import PreparedData
-    from tests.image_data import write_jpegs
+    from tests.helpers.image_data import write_jpegs
     from training_core.config import DataConfig, WorkloadConfig
     from training_core.data import Manifest
     from training_core.image_shards import DONE_SUFFIX

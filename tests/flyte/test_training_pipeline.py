@@ -4,38 +4,15 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from tests.conftest import REPO_ROOT, VENV_BIN
+from tests.helpers.pyflyte import flat, pyflyte_run, squashed
 
-WORKFLOW = str(REPO_ROOT / "workflows" / "training.py")
 MODEL_NAME = "digits-classifier"
-
-
-def pyflyte_run(*args: str, cwd: Path, env: dict[str, str], timeout_s: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(VENV_BIN / "pyflyte"), "run", WORKFLOW, "training_pipeline", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-
-
-def _flat(text: str) -> str:
-    """pyflyte's rich tracebacks wrap lines; compare messages with whitespace collapsed."""
-    return re.sub(r"[\s│]+", " ", text)
-
-
-def _squashed(text: str) -> str:
-    """Rich also wraps inside long words (paths): compare with every space and box character removed."""
-    return re.sub(r"[\s│]+", "", text)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +40,9 @@ def test_default_run_reaches_95_percent_and_registers_a_loadable_champion(defaul
 
     workdir, _, output = default_run
     accuracy = float(re.search(r"test metrics\s*:.*\baccuracy ([0-9.]+)", output).group(1))
+    goodput_line = re.search(r"^goodput\s*: ([0-9.]+)% of the worker-seconds productive over 1 attempt", output, re.M)
+    goodput = float(goodput_line.group(1))
+    assert 0 < goodput < 100
     assert accuracy >= 0.95
     assert re.search(rf"registered model : {MODEL_NAME} version 1 \(alias 'champion' -> v1\)", output)
     tracking_uri = f"sqlite:///{workdir / 'mlflow.db'}"
@@ -106,8 +86,13 @@ def test_default_run_logs_params_metrics_config_and_model_to_mlflow(default_run)
         "step_time_s",
         "val_accuracy",
         "test_accuracy",
+        "eta_s",  # each window's ETA; the execution's goodput at each checkpoint
+        "goodput",
+        "goodput_productive_s",
+        "goodput_startup_s",
     ):
         assert key in run.data.metrics, key
+    assert 0 < run.data.metrics["goodput"] < 1
     history = client.get_metric_history(run.info.run_id, "train_loss")
     assert len(history) >= 20 and history[-1].value < history[0].value
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
@@ -121,7 +106,7 @@ def test_default_run_logs_params_metrics_config_and_model_to_mlflow(default_run)
 
 
 SECTIONS = {
-    "training": ["summary", "loss", "accuracy", "learning-rate", "throughput", "gpu", "cost"],
+    "training": ["summary", "loss", "accuracy", "learning-rate", "throughput", "gpu", "cost", "goodput", "ranks"],
     # The validation curve comes from the trained model's epoch records, which a pipeline run always has.
     "evaluation": ["metrics", "validation", "confusion", "per-class"],
 }
@@ -161,7 +146,7 @@ def test_a_worse_second_run_from_a_yaml_file_does_not_move_the_champion(default_
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
     assert re.search(rf"registered model : {MODEL_NAME} version 2 \(alias 'champion' unchanged\)", output)
-    assert "does not beat 'champion' version 1" in _flat(output)
+    assert "does not beat 'champion' version 1" in flat(output)
 
     from mlflow.tracking import MlflowClient
 
@@ -235,9 +220,9 @@ def test_bad_input_fails_before_any_ray_worker_starts(config, expected, tmp_path
     result = pyflyte_run(
         "--config", config.replace("{tmp}", str(tmp_path)), cwd=tmp_path, env=subprocess_env, timeout_s=300
     )
-    output = _flat(result.stdout + result.stderr)
+    output = flat(result.stdout + result.stderr)
     assert result.returncode != 0
-    assert _squashed(expected.replace("{tmp}", str(tmp_path))) in _squashed(output)
+    assert squashed(expected.replace("{tmp}", str(tmp_path))) in squashed(output)
     # A model that does not fit the data is found by the train task's preflight: inside the Ray task, whose
     # plugin starts the local Ray instance first, but before Ray Train starts a controller or any worker.
     found_in_train_task = request.node.callspec.id in ("lm-sequence-above-context",)
@@ -271,7 +256,7 @@ def test_resume_from_an_earlier_checkpoint_continues_training_instead_of_startin
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
-    assert f"resumed from {earlier}" in _flat(output)
+    assert f"resumed from {earlier}" in flat(output)
     (final,) = [
         p
         for p in session_root.rglob(ckpt.step_name((default_epochs + 2) * steps_per_epoch))

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO_ROOT
-from tests.flyte.test_training_pipeline import _flat, _squashed, pyflyte_run
+from tests.helpers.pyflyte import flat, pyflyte_run, squashed
 
 EXAMPLE_CONFIG = REPO_ROOT / "examples" / "tabular_mlp.yaml"
 BROKEN_CONFIG = REPO_ROOT / "examples" / "broken_workload.yaml"
@@ -179,10 +179,10 @@ def test_user_code_that_cannot_train_fails_in_seconds_before_any_ray_worker_star
     started = time.monotonic()
     result = pyflyte_run("--config", str(config), cwd=tmp_path, env=subprocess_env, timeout_s=300)
     elapsed_s = time.monotonic() - started
-    output = _flat(result.stdout + result.stderr)
+    output = flat(result.stdout + result.stderr)
     assert result.returncode != 0
     assert "Error encountered while executing 'tasks.data.prepare_data'" in output
-    assert _squashed(expected) in _squashed(output)
+    assert squashed(expected) in squashed(output)
     for sign_of_ray in SIGNS_OF_RAY:
         assert sign_of_ray not in output
     assert elapsed_s < 90, elapsed_s

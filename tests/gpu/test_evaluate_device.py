@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_run_worker import InProcessRuntime
+from tests.helpers.runtime import InProcessRuntime
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
 from training_core.data import prepare

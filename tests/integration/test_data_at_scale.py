@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.image_data import write_jpegs
+from tests.helpers.image_data import write_jpegs
 from training_core.config import DataConfig
 from training_core.data import Manifest, ShardStream, prepare
 from training_core.image_shards import prepare_images
@@ -317,7 +317,7 @@ def test_a_resume_on_another_number_of_workers_trains_each_sample_of_the_epoch_o
 
 
 def test_a_cifar10_format_tarball_is_prepared_and_a_resnet18_with_augmentation_learns_it(ray_session, tmp_path):
-    from tests.image_data import write_cifar_tarball
+    from tests.helpers.image_data import write_cifar_tarball
     from training_core.config import TrainingConfig
     from training_core.evaluation import evaluate_checkpoint
     from training_core.trainer import fit
@@ -358,7 +358,7 @@ def test_a_run_killed_on_two_workers_resumes_on_one_and_trains_each_sample_of_th
     import threading
 
     from tests.conftest import session_train_workers
-    from tests.distributed.sample_recorder import recorded, records_dir
+    from tests.helpers.sample_recorder import recorded, records_dir
     from training_core import checkpoint as ckpt
     from training_core.config import TrainingConfig
     from training_core.trainer import checkpoint_root, fit
@@ -372,7 +372,7 @@ def test_a_run_killed_on_two_workers_resumes_on_one_and_trains_each_sample_of_th
     def config(num_workers: int) -> TrainingConfig:
         return TrainingConfig.from_dict(
             {
-                "workload": {"name": "tests.distributed.sample_recorder:SampleRecorder"},
+                "workload": {"name": "tests.helpers.sample_recorder:SampleRecorder"},
                 "data": {"dataset": "image_folder", "path": str(tree), "image_size": 16, "num_shards": 4},
                 "model": {"name": "small_cnn"},
                 "loop": {"epochs": 1, "batch_size": 8},

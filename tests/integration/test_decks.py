@@ -31,7 +31,7 @@ def chromium_installed() -> None:
 
 WINDOW_WIDTH_PX = 1200
 STEPS_PER_EPOCH, EPOCHS, LOG_EVERY_STEPS = 19, 5, 5
-TRAINING_SECTIONS = ["summary", "loss", "accuracy", "learning-rate", "throughput", "gpu", "cost"]
+TRAINING_SECTIONS = ["summary", "loss", "accuracy", "learning-rate", "throughput", "gpu", "cost", "goodput", "ranks"]
 EVALUATION_SECTIONS = ["metrics", "confusion", "per-class"]
 DIGITS = [str(d) for d in range(10)]
 
@@ -105,7 +105,22 @@ def _telemetry(*, num_gpus: int) -> dict:
             "cpu_hour_usd": 0.05,
             "cost_usd": gpu_hours * 2.5 + cpu_hours * 0.05,
         },
-    }
+        "goodput": {"attempts": [_attempt(0, "failed", productive=30.0, recomputed=6.0), _attempt(1, "finished")]},
+        "ranks": [
+            {"rank": 0, "node": "node-a", "compute_s": 10.0, "data_wait_s": 0.5, "comm_wait_s": 4.0},
+            {"rank": 1, "node": "node-b", "compute_s": 14.0, "data_wait_s": 0.5, "comm_wait_s": 0.2,
+             "flagged_windows": 7, "cause": "compute"},
+        ],
+    }  # fmt: skip
+
+
+def _attempt(index: int, outcome: str, *, productive: float = 20.0, recomputed: float = 0.0) -> dict:
+    """One attempt of ``meta.telemetry["goodput"]`` on 2 workers: 48 worker-seconds in all."""
+    seconds = {"productive": productive, "startup": 4.0, "checkpoint": 2.0, "recomputed": recomputed}
+    seconds["communication"] = 48.0 - sum(seconds.values())
+    start = 1000.0 + 30.0 * index
+    return {"index": index, "num_workers": 2, "start_unix": start, "end_unix": start + 24.0, "outcome": outcome,
+            "seconds": seconds}  # fmt: skip
 
 
 def _training_sections(*, num_gpus: int, timed: bool = True, telemetry: dict | None = None) -> list[str]:
@@ -308,12 +323,18 @@ def _assert_rendered(
 @needs_chromium
 def test_training_report_with_gpus_renders_in_chromium_with_every_section_and_a_non_blank_picture(tmp_path):
     sections = _training_sections(num_gpus=2)
-    _assert_rendered(tmp_path, "Training report", sections, expected_ids=TRAINING_SECTIONS, plots=5, height_px=2400)
+    _assert_rendered(tmp_path, "Training report", sections, expected_ids=TRAINING_SECTIONS, plots=6, height_px=3200)
     gpu_section = sections[TRAINING_SECTIONS.index("gpu")]
     assert "No GPU" not in gpu_section
     cost_section = sections[TRAINING_SECTIONS.index("cost")]
     for figure in ("0.0133", "0.0267", "2.50", "0.05", "0.0347"):  # GPU-h, CPU-h, prices, total USD
         assert figure in cost_section, figure
+    # Goodput: 50 of 96 worker-seconds productive; recomputed 6 s is 6.2 % of them and of the 0.0347 USD.
+    goodput_section = sections[TRAINING_SECTIONS.index("goodput")]
+    for figure in ("52.1%", "attempt", "recomputed", "6.0", "6.2%", "0.0022"):
+        assert figure in goodput_section, figure
+    ranks_section = sections[TRAINING_SECTIONS.index("ranks")]
+    assert "node-b" in ranks_section and "compute" in ranks_section and "14.00" in ranks_section
 
 
 @needs_chromium
@@ -377,6 +398,7 @@ def test_a_run_without_telemetry_or_elapsed_time_still_gets_every_section_with_c
     page = _Page("".join(sections))
     assert page.section_ids == TRAINING_SECTIONS
     assert len(page.images) == 4  # loss, accuracy, LR, throughput against the step axis
+    assert "No goodput was recorded" in sections[TRAINING_SECTIONS.index("goodput")]
     assert "no telemetry was recorded" in sections[TRAINING_SECTIONS.index("gpu")]
     assert "No cost was recorded" in sections[TRAINING_SECTIONS.index("cost")]
 

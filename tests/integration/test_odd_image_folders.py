@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.image_data import odd_image_folder, write_jpegs
+from tests.helpers.image_data import odd_image_folder, write_jpegs
 from training_core.config import DataConfig
 from training_core.data import Manifest, ShardStream, prepare
 

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tests.conftest import REPO_ROOT, VENV_BIN
+from tests.helpers.checkpoints import checkpoint_meta, checkpoint_state
 from training_core import checkpoint as ckpt
 
 
@@ -63,30 +64,6 @@ class OutageProxy:
                     pass
 
 
-def _state(step: int):
-    import torch
-
-    from training_core.models import build_model
-
-    model = build_model("small_cnn", num_classes=10, input_shape=(1, 8, 8))
-    return ckpt.snapshot(model=model, meta=_meta(step), torch_rng={"0": {"cpu": torch.get_rng_state()}})
-
-
-def _meta(step: int) -> ckpt.CheckpointMeta:
-    from training_core.config import TrainingConfig
-
-    return ckpt.CheckpointMeta(
-        model_name="small_cnn",
-        classes=[str(i) for i in range(10)],
-        input_shape=[1, 8, 8],
-        mean=[0.3],
-        std=[0.2],
-        epoch=0,
-        global_step=step,
-        config=TrainingConfig().to_dict(),
-    )
-
-
 def test_a_sharded_checkpoint_on_s3_is_verified_downloaded_restored_and_a_corrupt_shard_falls_back(s3_server, tmp_path):
     """The FSDP path on an object store: each rank uploads its shard, rank 0 waits for them and writes the manifest
     last; a resume downloads and verifies every shard, restores, and removes its download."""
@@ -125,7 +102,12 @@ def test_a_sharded_checkpoint_on_s3_is_verified_downloaded_restored_and_a_corrup
         for step in (1, 2):
             train_step(model, optimizer)
             checkpointer.save_sharded(
-                step, model=model, optimizer=optimizer, trainer_state={"rng": {}}, meta=_meta(step), metric=None
+                step,
+                model=model,
+                optimizer=optimizer,
+                trainer_state={"rng": {}},
+                meta=checkpoint_meta(step),
+                metric=None,
             )
             checkpointer.wait()
             if step == 1:
@@ -161,11 +143,11 @@ def test_a_save_during_an_s3_outage_retries_and_succeeds_once_it_is_back(s3_serv
     }
     storage = ckpt.CheckpointStorage("s3://flyte/outage-test", storage_options=options, retries=6, retry_wait_s=0.5)
     checkpointer = ckpt.Checkpointer(storage, keep_last=2)
-    checkpointer.save(1, _state(1))
+    checkpointer.save(1, checkpoint_state(1))
     checkpointer.wait()
 
     proxy.down()
-    checkpointer.save(2, _state(2))  # in the background, against a dead endpoint
+    checkpointer.save(2, checkpoint_state(2))  # in the background, against a dead endpoint
     time.sleep(3)
     proxy.up()
     checkpointer.wait()
@@ -183,12 +165,12 @@ def test_a_save_during_a_long_outage_fails_clearly_and_keeps_the_last_valid_chec
     }
     storage = ckpt.CheckpointStorage("s3://flyte/long-outage", storage_options=options, retries=2, retry_wait_s=0.2)
     checkpointer = ckpt.Checkpointer(storage, keep_last=2, async_save=False)
-    checkpointer.save(1, _state(1))
+    checkpointer.save(1, checkpoint_state(1))
     proxy.down()
     with pytest.raises(
         ckpt.CheckpointError, match=r"uploading s3://flyte/long-outage/step-000000002/.* failed after 3 attempt"
     ):
-        checkpointer.save(2, _state(2))
+        checkpointer.save(2, checkpoint_state(2))
     proxy.up()
     direct = ckpt.CheckpointStorage("s3://flyte/long-outage")
     assert ckpt.load_latest_valid(direct).meta.global_step == 1
@@ -206,7 +188,7 @@ def test_an_image_folder_on_s3_goes_through_pyflyte_run_with_its_shards_and_chec
     import pandas as pd
     import s3fs
 
-    from tests.image_data import write_jpegs
+    from tests.helpers.image_data import write_jpegs
     from training_core.data import Manifest
 
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
@@ -276,7 +258,7 @@ def test_checkpoint_objects_can_be_server_side_encrypted(s3_server):
 
     config = CheckpointConfig(s3_server_side_encryption="AES256")
     storage = ckpt.open_storage("s3://flyte/encrypted", config, storage_options={"skip_instance_cache": True})
-    ckpt.Checkpointer(storage, keep_last=1, async_save=False).save(1, _state(1))
+    ckpt.Checkpointer(storage, keep_last=1, async_save=False).save(1, checkpoint_state(1))
     client = boto3.client("s3", endpoint_url=s3_server["endpoint"])
     keys = [o["Key"] for o in client.list_objects_v2(Bucket="flyte", Prefix="encrypted/")["Contents"]]
     assert {k.rsplit("/", 1)[1] for k in keys} == {

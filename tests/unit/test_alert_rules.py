@@ -1,20 +1,18 @@
 """The Prometheus alert rules have a promtool unit test with one firing and one non-firing case per alert at least,
 read only catalogue metrics, and each links to its runbook section. That promtool accepts them and their unit tests
-pass is checked in ``tests/tools/test_alert_rules.py``."""
+pass is checked in ``tests/tools/test_alert_rules_promtool.py``."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import yaml
 
 from dashboards.promql import metric_names
+from tests.conftest import REPO_ROOT
+from tests.helpers.alert_rules import RULE_TESTS_PATH, RULES_PATH, alerts
 from training_core.telemetry.catalog import series_names
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-RULES_PATH = REPO_ROOT / "dashboards" / "alerts.rules.yml"
-RULE_TESTS_PATH = REPO_ROOT / "dashboards" / "alerts.test.yml"
 RUNBOOK_PATH = REPO_ROOT / "deployment" / "runbook.md"
 
 # Other components (the PrometheusRule, docs) refer to these names.
@@ -28,12 +26,8 @@ EXPECTED_ALERTS = {
     "TrainingCommunicationHigh",
     "TrainingGpuUtilizationLow",
     "TrainingGpuTemperatureHigh",
+    "TrainingStraggler",
 }
-
-
-def _alerts() -> list[dict]:
-    groups = yaml.safe_load(RULES_PATH.read_text(encoding="utf-8"))["groups"]
-    return [rule for group in groups for rule in group["rules"] if "alert" in rule]
 
 
 def _github_anchor(heading: str) -> str:
@@ -49,7 +43,7 @@ def _runbook_sections() -> dict[str, str]:
 
 
 def test_the_rule_file_has_exactly_the_alerts_other_components_name() -> None:
-    names = [rule["alert"] for rule in _alerts()]
+    names = [rule["alert"] for rule in alerts()]
     assert len(names) == len(set(names))
     assert set(names) == EXPECTED_ALERTS
 
@@ -73,14 +67,14 @@ def test_every_alert_has_a_firing_and_a_non_firing_unit_test_case() -> None:
                 assert set(alert.get("exp_annotations", {})) >= {"summary", "description", "runbook_url"}, case[
                     "alertname"
                 ]
-    names = {rule["alert"] for rule in _alerts()}
+    names = {rule["alert"] for rule in alerts()}
     assert names - firing == set(), "alerts without a firing case"
     assert names - quiet == set(), "alerts without a non-firing case"
 
 
 def test_every_alert_expression_names_only_catalogue_metrics() -> None:
     catalogue = series_names()
-    for rule in _alerts():
+    for rule in alerts():
         names = metric_names(rule["expr"])
         assert names, f"{rule['alert']} reads no metric"
         assert names <= catalogue, (
@@ -90,7 +84,7 @@ def test_every_alert_expression_names_only_catalogue_metrics() -> None:
 
 def test_every_alert_has_a_severity_a_summary_a_description_and_a_runbook_section() -> None:
     sections = _runbook_sections()
-    for rule in _alerts():
+    for rule in alerts():
         name = rule["alert"]
         assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
         annotations = rule["annotations"]
@@ -102,7 +96,7 @@ def test_every_alert_has_a_severity_a_summary_a_description_and_a_runbook_sectio
 
 
 def test_the_runbook_has_one_section_per_alert_and_no_other() -> None:
-    assert set(_runbook_sections().values()) == {rule["alert"] for rule in _alerts()}
+    assert set(_runbook_sections().values()) == {rule["alert"] for rule in alerts()}
 
 
 def test_gauge_alerts_ignore_ranks_that_have_finished() -> None:
@@ -113,6 +107,6 @@ def test_gauge_alerts_ignore_ranks_that_have_finished() -> None:
         "TrainingNonFiniteSteps",
         "TrainingCheckpointFailures",
     }
-    for rule in _alerts():
+    for rule in alerts():
         if rule["alert"] not in counters:
             assert "training_run_finished == 0" in rule["expr"], rule["alert"]

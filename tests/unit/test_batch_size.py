@@ -7,6 +7,7 @@ import contextlib
 import pytest
 import torch
 
+from tests.helpers.memory import RSS_BASE
 from training_core import batch_size
 from training_core.config import TrainingConfig
 from training_core.models import build_model
@@ -81,8 +82,8 @@ from training_core.data import Manifest
 from training_core.loop import run_worker
 from training_core.records import WorkerArgs
 from training_core.workloads import resolve_workload
-from tests.unit.test_batch_size import RSS_BASE, measured_step_memory
-from tests.unit.test_run_worker import InProcessRuntime
+from tests.helpers.memory import RSS_BASE, measured_step_memory
+from tests.helpers.runtime import InProcessRuntime
 
 mode, data_dir = sys.argv[1], sys.argv[2]
 if mode == "measure":
@@ -108,32 +109,6 @@ else:
     peak = status_bytes("VmHWM")
     print("RESULT " + json.dumps({"growth": peak - before}))
 """
-
-
-def measured_step_memory(cfg: TrainingConfig, data_dir: str) -> tuple[int, int]:
-    """``(fixed_bytes, bytes_per_sample)`` of a CPU training step of ``cfg``'s model on rank 0's data, measured as
-    the loop measures them (asynchronous checkpoints on)."""
-    from training_core.data import Manifest, ShardStream
-    from training_core.workloads import resolve_workload
-
-    manifest, workload = Manifest.load(data_dir), resolve_workload(cfg.workload)
-    model = workload.build_model(cfg, manifest)
-    to_device = workload.to_device(manifest, torch.device("cpu"))
-    stream = ShardStream(manifest, "train", rank=0, world_size=1)
-    probes = tuple(to_device(next(stream.train_batches(epoch=0, seed=0, batch_size=n, num_batches=1))) for n in (1, 2))
-    return batch_size.measure(
-        model, workload.loss, probes, device=torch.device("cpu"), optimizer_name=cfg.optimizer.name,
-        momentum=cfg.optimizer.momentum, no_sync=lambda m: contextlib.nullcontext(), checkpoint_staging=True,
-    )  # fmt: skip
-
-
-RSS_BASE = {
-    "data": {"dataset": "synthetic", "synthetic_image_size": 32, "synthetic_num_samples": 512, "num_shards": 1},
-    "model": {"name": "resnet18"},
-    "loop": {"epochs": 1, "max_steps": 3},
-    "scaling": {"num_workers": 1},
-    "observability": {"enabled": False},
-}
 
 
 def _rss_step(*args: str) -> tuple[dict, str]:

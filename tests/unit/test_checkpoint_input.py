@@ -18,6 +18,7 @@ import os
 import pickle
 import re
 import shutil
+import typing
 import uuid
 from pathlib import Path
 
@@ -25,10 +26,10 @@ import pytest
 import torch
 
 from training_core import checkpoint as ckpt
-from training_core.checkpoint import meta as checkpoint_meta
 from training_core.config import TrainingConfig
 from training_core.records import EpochRecord, StepRecord
 from training_core.rng import gather_rng_states
+from training_core.schema import describe
 
 MAX_MESSAGE_CHARS = 4096
 OLDER, NEWER = "step-000000010", "step-000000020"
@@ -248,7 +249,9 @@ def test_a_checkpoint_written_before_typed_records_passes_every_check():
 
 
 def test_every_meta_field_has_a_schema_check():
-    assert set(checkpoint_meta._META_FIELD_TYPES) == {f.name for f in dataclasses.fields(ckpt.CheckpointMeta)}
+    hints = typing.get_type_hints(ckpt.CheckpointMeta, include_extras=True)
+    assert set(hints) == {f.name for f in dataclasses.fields(ckpt.CheckpointMeta)}
+    assert all(describe(hint).split()[0] in ("a", "an", "true") for hint in hints.values())
 
 
 def test_unknown_meta_fields_are_listed_up_to_ten_each_bounded():

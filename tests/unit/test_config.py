@@ -1,6 +1,7 @@
 import pytest
 
-from training_core.config import MODELS, TrainingConfig, load_config
+from training_core.config import TrainingConfig, load_config
+from training_core.registry import IMAGE_MODELS
 
 
 def test_defaults_build_and_round_trip_through_a_dict():
@@ -12,7 +13,7 @@ def test_defaults_build_and_round_trip_through_a_dict():
 @pytest.mark.parametrize(
     ("overrides", "field", "bad", "fix"),
     [
-        ({"model": {"name": "resnet9000"}}, "model.name", "'resnet9000'", ", ".join(MODELS)),
+        ({"model": {"name": "resnet9000"}}, "model.name", "'resnet9000'", ", ".join(IMAGE_MODELS)),
         ({"data": {"dataset": "mnist"}}, "data.dataset", "'mnist'", "digits, synthetic, cifar10, image_folder"),
         ({"optimizer": {"name": "lion"}}, "optimizer.name", "'lion'", "sgd, adam, adamw"),
         ({"loop": {"batch_size": 0}}, "loop.batch_size", "0", "set loop.global_batch_size"),
@@ -78,8 +79,8 @@ def test_unknown_field_lists_the_valid_ones():
     with pytest.raises(
         ValueError,
         match=r"model has unknown field\(s\) nmae: valid fields are activation_checkpointing, "
-        r"activation_checkpointing_every_k, channels_last, compile, context_length, hidden_size, name, num_heads, "
-        r"num_layers, sync_batchnorm",
+        r"activation_checkpointing_every_k, channels_last, compile, context_length, hidden_size, name, new_head, "
+        r"num_heads, num_layers, pretrained, pretrained_sha256, sync_batchnorm",
     ):
         TrainingConfig.from_dict({"model": {"nmae": "x"}})
 

@@ -1,16 +1,16 @@
 """The Grafana dashboard is generated code: the committed JSON is what the builder writes, its queries read only
-series the exporter produces, and its layout is the five rows operators expect. promtool's check of the queries is
-in ``tests/tools/test_dashboards.py``."""
+series the exporter produces, and its layout is the six rows operators expect. promtool's check of the queries is
+in ``tests/tools/test_dashboards_promtool.py``."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from dashboards import build
 from dashboards.promql import metric_names
+from tests.helpers.dashboards import all_panels, committed, panel_queries, variable_queries, visual_panels
 from training_core.telemetry.catalog import series_names
 
 DASHBOARD_DIR = Path(build.__file__).resolve().parent
@@ -55,34 +55,13 @@ EXPECTED_ROWS = {
         "Host network",
         "Host disk",
     ],
+    "Goodput, stragglers and progress": [
+        "Worker-hours by category",
+        "Goodput ratio",
+        "Straggling ranks",
+        "Time to the end of the run",
+    ],
 }
-
-
-def _committed() -> dict:
-    return json.loads(build.TRAINING_DASHBOARD_PATH.read_text(encoding="utf-8"))
-
-
-def _all_panels(panels: list[dict]) -> list[dict]:
-    """Every panel, rows' nested panels included (Grafana nests them in collapsed rows)."""
-    found = []
-    for panel in panels:
-        found.append(panel)
-        found.extend(_all_panels(panel.get("panels", [])))
-    return found
-
-
-def _visual_panels(board: dict) -> list[dict]:
-    return [panel for panel in _all_panels(board["panels"]) if panel["type"] != "row"]
-
-
-def _panel_queries(board: dict) -> list[tuple[str, str]]:
-    return [(panel["title"], target["expr"]) for panel in _visual_panels(board) for target in panel["targets"]]
-
-
-def _variable_queries(board: dict) -> list[tuple[str, str]]:
-    return [
-        (variable["name"], variable["query"]) for variable in board["templating"]["list"] if variable["type"] == "query"
-    ]
 
 
 def test_committed_dashboard_json_is_exactly_what_the_builder_generates() -> None:
@@ -161,7 +140,7 @@ def test_the_metric_name_extractor_finds_metrics_and_nothing_else(expr: str, exp
 
 def test_every_panel_query_names_only_catalogue_metrics() -> None:
     catalogue = series_names()
-    queries = _panel_queries(_committed())
+    queries = panel_queries(committed())
     assert len(queries) >= 30
     for title, expr in queries:
         names = metric_names(expr)
@@ -172,7 +151,7 @@ def test_every_panel_query_names_only_catalogue_metrics() -> None:
 
 
 def test_every_template_variable_query_names_only_catalogue_metrics() -> None:
-    variables = dict(_variable_queries(_committed()))
+    variables = dict(variable_queries(committed()))
     assert sorted(variables) == ["execution", "model", "rank"]
     for name, query in variables.items():
         assert query.startswith("label_values(") and query.rstrip(")").endswith(name)
@@ -180,14 +159,14 @@ def test_every_template_variable_query_names_only_catalogue_metrics() -> None:
 
 
 def test_the_dashboard_has_a_prometheus_datasource_variable() -> None:
-    variables = {variable["name"]: variable for variable in _committed()["templating"]["list"]}
+    variables = {variable["name"]: variable for variable in committed()["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
 
 
 def test_every_panel_has_the_datasource_variable_a_unit_and_queries_filtered_by_execution_and_model() -> None:
     datasource = {"type": "prometheus", "uid": "${datasource}"}
-    for panel in _visual_panels(_committed()):
+    for panel in visual_panels(committed()):
         assert panel["datasource"] == datasource, panel["title"]
         assert panel["fieldConfig"]["defaults"].get("unit"), f"panel {panel['title']!r} has no unit"
         assert panel["targets"], f"panel {panel['title']!r} has no query"
@@ -196,10 +175,10 @@ def test_every_panel_has_the_datasource_variable_a_unit_and_queries_filtered_by_
             assert "$execution" in target["expr"] and "$model" in target["expr"], (panel["title"], target["expr"])
 
 
-def test_the_dashboard_has_the_five_rows_with_their_panels_in_order() -> None:
+def test_the_dashboard_has_the_six_rows_with_their_panels_in_order() -> None:
     rows: dict[str, list[str]] = {}
     current = None
-    for panel in _committed()["panels"]:
+    for panel in committed()["panels"]:
         if panel["type"] == "row":
             current = panel["title"]
             rows[current] = [nested["title"] for nested in panel.get("panels", [])]
@@ -210,7 +189,7 @@ def test_the_dashboard_has_the_five_rows_with_their_panels_in_order() -> None:
 
 
 def test_units_match_what_the_panels_show() -> None:
-    units = {panel["title"]: panel["fieldConfig"]["defaults"]["unit"] for panel in _visual_panels(_committed())}
+    units = {panel["title"]: panel["fieldConfig"]["defaults"]["unit"] for panel in visual_panels(committed())}
     assert units["GPU utilisation"] == "percentunit"
     assert units["GPU memory used vs total"] == "bytes"
     assert units["GPU temperature"] == "celsius"
@@ -222,7 +201,7 @@ def test_units_match_what_the_panels_show() -> None:
 
 
 def test_panel_ids_are_unique_and_panels_stay_inside_the_24_column_grid() -> None:
-    panels = _all_panels(_committed()["panels"])
+    panels = all_panels(committed()["panels"])
     ids = [panel["id"] for panel in panels]
     assert len(ids) == len(set(ids))
     for panel in panels:

@@ -5,7 +5,7 @@ import tarfile
 import numpy as np
 import pytest
 
-from tests.image_data import write_cifar_tarball
+from tests.helpers.image_data import write_cifar_tarball
 from training_core.config import DataConfig
 from training_core.data import Manifest, ShardStream, prepare, read_shard
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.image_data import (
+from tests.helpers.image_data import (
     animated,
     png_with_a_flipped_idat_crc,
     png_with_too_little_image_data,

@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from training_core.config import MODELS
 from training_core.models import build_model
+from training_core.registry import IMAGE_MODELS
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", IMAGE_MODELS)
 @pytest.mark.parametrize("input_shape", [(1, 8, 8), (3, 32, 32)])
 def test_every_registered_model_adapts_to_the_input_and_class_count(name, input_shape):
     torch.manual_seed(0)

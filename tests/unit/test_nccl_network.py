@@ -1,8 +1,9 @@
 """The NCCL network check on NCCL's own INFO lines (the formats of NCCL 2.x logs), and the rules of the variables
-that tell NCCL what to use. The check itself, after a real NCCL collective, is tests/gpu/test_nccl_network.py."""
+that tell NCCL what to use. The check itself, after a real NCCL collective, is tests/gpu/test_nccl_network_on_gpu.py."""
 
 from pathlib import Path
 
+from tests.helpers.nccl_logs import FALLBACK_LOG
 from training_core import nccl_network
 from training_core.nccl_network import NcclNetwork, mismatch, parse
 
@@ -14,14 +15,6 @@ gpu01:4121:4160 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB [RO];
 gpu01:4121:4160 [0] NCCL INFO Using network IB
 gpu01:4121:4160 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC
 gpu01:4121:4160 [0] NCCL INFO Channel 00/0 : 8[0] -> 0[0] [receive] via NET/IB/0
-"""
-# The same job where the pods had no RDMA device: NCCL fell back to TCP sockets without a warning.
-FALLBACK_LOG = """\
-gpu01:4121:4121 [0] NCCL INFO Bootstrap : Using eth0:10.1.0.11<0>
-gpu01:4121:4160 [0] NCCL INFO NET/IB : No device found.
-gpu01:4121:4160 [0] NCCL INFO NET/Socket : Using [0]eth0:10.1.0.11<0>
-gpu01:4121:4160 [0] NCCL INFO Using network Socket
-gpu01:4121:4160 [0] NCCL INFO Channel 00/0 : 8[0] -> 0[0] [receive] via NET/Socket/0
 """
 # One node: the network is set up but every peer is reached through P2P or shared memory.
 LOCAL_LOG = """\

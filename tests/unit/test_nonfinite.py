@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_run_worker import InProcessRuntime
+from tests.helpers.runtime import InProcessRuntime
 from training_core import checkpoint as ckpt
 from training_core import loop
 from training_core.config import LoopConfig, TrainingConfig

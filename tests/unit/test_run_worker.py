@@ -10,12 +10,13 @@ import dataclasses
 import logging
 import os
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.runtime import InProcessRuntime
 from training_core import checkpoint as ckpt
 from training_core import preemption
 from training_core.config import TrainingConfig
@@ -23,29 +24,7 @@ from training_core.data import prepare
 from training_core.failures import WorkerPreempted, classify
 from training_core.loop import run_worker
 from training_core.records import WorkerArgs
-
-
-@dataclass
-class InProcessRuntime:
-    """The loop's runtime for a single rank in the calling process (what Ray Train gives each worker)."""
-
-    rank: int = 0
-    world_size: int = 1
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    reports: list[dict[str, float]] = field(default_factory=list)
-
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.to(self.device)
-
-    def report(self, metrics: dict[str, float]) -> None:
-        self.reports.append(metrics)
-
-
-@pytest.fixture(scope="module")
-def digits_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("digits")
-    prepare(TrainingConfig().data, str(out))
-    return str(out)
+from training_core.telemetry.goodput import ExecutionGoodput
 
 
 def _config(compile: bool = False, **loop) -> TrainingConfig:
@@ -74,7 +53,7 @@ def _final(root: Path) -> ckpt.LoadedCheckpoint:
     return loaded
 
 
-def test_run_worker_reports_each_epoch_logs_windows_and_leaves_a_final_checkpoint(digits_dir, tmp_path):
+def test_run_worker_reports_each_epoch_logs_windows_and_leaves_a_final_checkpoint(digits_dir, tmp_path, capsys):
     runtime = _run(_config(), data_dir=digits_dir, root=tmp_path / "ckpt")
 
     assert [r["epoch"] for r in runtime.reports] == [1.0, 2.0]
@@ -101,6 +80,14 @@ def test_run_worker_reports_each_epoch_logs_windows_and_leaves_a_final_checkpoin
         assert step % 4 == 0 or step % 7 == 0 or step % steps_per_epoch == 0
     # Retention: the final checkpoint plus at most keep_last - 1 older ones.
     assert len(ckpt.CheckpointStorage(str(tmp_path / "ckpt")).list_steps()) <= 3
+    # Where the seconds went: every one of the attempt attributed, to steps, checkpoints and validation.
+    (attempt,) = ExecutionGoodput.from_summary(meta.telemetry["goodput"]).attempts
+    assert attempt.outcome == "finished" and 0.98 <= attempt.attributed_fraction <= 1.02
+    assert min(attempt.seconds.productive, attempt.seconds.checkpoint, attempt.seconds.evaluation) > 0
+    # Each window's console line carries the progress and the ETA (0 at the last step).
+    lines = [line for line in capsys.readouterr().err.splitlines() if "train_loss=" in line]
+    assert len(lines) == len(meta.step_log) and all("eta_s=" in line for line in lines[1:])
+    assert lines[-1].endswith("eta_s=0 progress=1")
 
 
 def test_run_worker_in_two_calls_ends_bit_identical_to_one_call(digits_dir, tmp_path):
@@ -119,6 +106,10 @@ def test_run_worker_in_two_calls_ends_bit_identical_to_one_call(digits_dir, tmp_
         assert torch.equal(state["exp_avg"], whole_moments[index]["exp_avg"])
     assert whole.meta.history[-1].val_loss == sliced.meta.history[-1].val_loss
     assert sliced.meta.resumed_from_steps == [whole.meta.global_step // 2]
+    # A slice that ended where it was told to is a finished attempt: the time between the calls is no one's.
+    first_slice, second_slice = ExecutionGoodput.from_summary(sliced.meta.telemetry["goodput"]).attempts
+    assert first_slice.outcome == second_slice.outcome == "finished" and first_slice.seconds.recomputed == 0
+    assert first_slice.end_unix < second_slice.start_unix and second_slice.seconds.startup > 0
 
 
 def test_run_worker_resumes_mid_epoch_from_an_interval_checkpoint_bit_identical(digits_dir, tmp_path):
@@ -136,6 +127,12 @@ def test_run_worker_resumes_mid_epoch_from_an_interval_checkpoint_bit_identical(
     resumed = _final(mid)
 
     assert resumed.meta.resumed_from_steps == [7]
+    # The interrupted attempt's work after its checkpoint is counted as recomputed, and the second attempt starts
+    # with its own start-up; both attempts' seconds add up to workers x wall.
+    first, second = ExecutionGoodput.from_summary(resumed.meta.telemetry["goodput"]).attempts
+    assert first.outcome == "failed" and first.seconds.recomputed > 0 and first.end_unix == second.start_unix
+    assert second.outcome == "finished" and second.seconds.startup > 0 and second.seconds.recomputed == 0
+    assert 0.98 <= ExecutionGoodput((first, second)).attributed_fraction <= 1.02
     for name, tensor in whole.model.items():
         assert torch.equal(tensor, resumed.model[name]), name
     # The epoch's record counts the steps before the resume too.
@@ -380,11 +377,12 @@ def test_the_all_reduce_check_goes_to_mlflow_and_warns_below_the_configured_floo
 
 def test_a_gpu_worker_reads_nccls_network_choice_and_names_the_variable_it_ignored(tmp_path, monkeypatch, caplog):
     """The Trainer's side of the NCCL network check, on this process's own debug file as NCCL writes it (the file
-    after a real NCCL collective is tests/gpu/test_nccl_network.py): the warning on the rank, the MLflow record."""
+    after a real NCCL collective is tests/gpu/test_nccl_network_on_gpu.py): the warning on the rank, the MLflow
+    record."""
     import os
     from types import SimpleNamespace
 
-    from tests.unit.test_nccl_network import FALLBACK_LOG
+    from tests.helpers.nccl_logs import FALLBACK_LOG
     from training_core.distributed import AllReduceProbe
     from training_core.train.network_checks import NetworkChecks, read_nccl_network
 
@@ -421,7 +419,7 @@ def test_an_auto_batch_size_takes_the_largest_micro_batch_the_budget_fits_and_ke
 ):
     """The budget is set between what micro-batches of 8 and 16 need (measured the way the loop measures): the
     loop takes 8 with 4 accumulation steps, and trains exactly as that explicit setting does."""
-    from tests.unit.test_batch_size import measured_step_memory
+    from tests.helpers.memory import measured_step_memory
 
     fixed, per_sample = measured_step_memory(_config(epochs=1), digits_dir)
     assert fixed > 0 and per_sample > 0
@@ -467,7 +465,7 @@ def test_an_elastic_job_on_fewer_workers_keeps_the_global_batch_by_accumulating(
 @dataclass
 class OutOfMemoryAbove(InProcessRuntime):
     """A device with room for ``max_batch`` samples: a training forward of more raises CUDA's out-of-memory error,
-    as PyTorch raises it on a GPU (the loop's handling is the same; tests/gpu/test_batch_size.py measures a real
+    as PyTorch raises it on a GPU (the loop's handling is the same; tests/gpu/test_batch_size_on_gpu.py measures a real
     GPU's memory)."""
 
     max_batch: int = 0

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_run_worker import InProcessRuntime
+from tests.helpers.runtime import InProcessRuntime
 from training_core.config import TrainingConfig
 from training_core.data import prepare
 from training_core.loop import run_worker

@@ -413,3 +413,31 @@ def test_ports_picked_for_servers_are_free_consecutive_and_below_the_ephemeral_r
         with socket.socket() as a, socket.socket() as b, socket.socket() as c:
             for s, port in zip((a, b, c), range(first, first + 3)):
                 s.bind(("0.0.0.0", port))
+
+
+def test_goodput_counters_grow_by_each_categorys_increase_and_straggler_and_eta_gauges_follow_the_latest_window():
+    from training_core.telemetry.goodput import AttemptGoodput, ExecutionGoodput, GoodputSeconds
+
+    def execution(productive: float, checkpoint: float) -> ExecutionGoodput:
+        seconds = GoodputSeconds(productive=productive, checkpoint=checkpoint, startup=2.0)
+        return ExecutionGoodput((AttemptGoodput(0, 2, 100.0, 110.0, "running", seconds),))
+
+    telemetry = _telemetry()
+    telemetry.goodput(execution(6.0, 1.0))
+    telemetry.goodput(execution(14.0, 1.0))  # a later window: the counters take the increase only
+    assert _value(telemetry, "training_job_goodput_seconds_total", category="productive") == 14.0
+    assert _value(telemetry, "training_job_goodput_seconds_total", category="checkpoint") == 1.0
+    assert _value(telemetry, "training_job_goodput_seconds_total", category="hung") == 0.0
+    assert _value(telemetry, "training_goodput_ratio") == pytest.approx(14.0 / 17.0)
+    telemetry.stragglers({"compute": 1.0, "data": 0.0})
+    telemetry.stragglers({"compute": 0.0, "data": 1.0})
+    assert _value(telemetry, "training_straggler", cause="compute") == 0.0
+    assert _value(telemetry, "training_straggler", cause="data") == 1.0
+    telemetry.progress(eta_s=42.5)
+    assert _value(telemetry, "training_eta_seconds") == 42.5
+    telemetry.close(finished=False)
+    other_rank = _telemetry(dataclasses.replace(LABELS, rank="1"))
+    other_rank.goodput(execution(6.0, 1.0))  # rank 0 alone counts the job's
+    assert _value(other_rank, "training_job_goodput_seconds_total", category="productive") == 0.0
+    other_rank.close(finished=False)
+    NullTelemetry().goodput(execution(1.0, 1.0))  # observability off: in step with the exporter, does nothing

@@ -656,7 +656,7 @@ def test_the_example_names_data_path_and_the_fix_for_a_table_it_cannot_train_on(
 def test_the_example_trains_evaluates_and_its_checkpoint_predicts_raw_rows_in_process(table_dir, tmp_path):
     import pandas as pd
 
-    from tests.unit.test_run_worker import InProcessRuntime
+    from tests.helpers.runtime import InProcessRuntime
     from training_core import checkpoint as ckpt
     from training_core.evaluation import evaluate_checkpoint
     from training_core.loop import run_worker

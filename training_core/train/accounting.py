@@ -125,16 +125,18 @@ class RunAccounting:
         windows: int,
         started_unix: float | None,
     ) -> RunAccounting:
-        """A fresh attempt's accounting, its clock started at ``started_unix`` (the worker process's start; now when
-        unknown). A collective: the ranks exchange their host names once."""
-        nodes = gather_hostnames(world_size)
+        """A fresh attempt's accounting, its clock started at the earliest rank's ``started_unix`` (its worker
+        process's start; now when unknown): every rank counts from the same moment, so the ranks' seconds add up to
+        workers x wall. A collective: the ranks exchange their host names and starts once."""
         now_unix, now_s = time.time(), time.monotonic()
-        start_unix = min(now_unix, started_unix) if started_unix is not None else now_unix
+        own_start_unix = min(now_unix, started_unix) if started_unix is not None else now_unix
+        nodes, starts = zip(*gather_hosts(world_size, own_start_unix))
+        start_unix = min(starts)
         return cls(
             rank=rank,
             world_size=world_size,
             device=device,
-            nodes=nodes,
+            nodes=list(nodes),
             total_steps=total_steps,
             interval_steps=interval_steps,
             clock=GoodputClock(start_s=now_s - (now_unix - start_unix)),
@@ -144,13 +146,15 @@ class RunAccounting:
             ranks=[RankTotals(rank=r, node=n) for r, n in enumerate(nodes)],
         )
 
-    def resumed(self, meta: ckpt.CheckpointMeta, *, attempt_start_unix: float | None) -> None:
+    def resumed(self, meta: ckpt.CheckpointMeta) -> None:
         """This attempt resumes ``meta``'s run: the earlier attempts' goodput is carried, the last one settled up to
-        this attempt's start, and this attempt's time before its first step is start-up (or the preemption's)."""
+        this attempt's start (not before the checkpoint was written: Ray may place a restarted worker in a process
+        its pool started earlier), and this attempt's time before its first step is start-up (or the
+        preemption's). The same on every rank: no collective."""
         prior = ExecutionGoodput.from_summary(meta.telemetry.get(GOODPUT_KEY))
-        if attempt_start_unix is not None and attempt_start_unix <= time.time():
-            self.clock.cursor_s += attempt_start_unix - self.start_unix
-            self.start_unix = attempt_start_unix
+        attempt_start_unix = min(time.time(), max(self.start_unix, meta.saved_unix))
+        self.clock.cursor_s += attempt_start_unix - self.start_unix
+        self.start_unix = attempt_start_unix
         if prior.attempts and prior.attempts[-1].outcome != "finished":  # a slice's end is no interruption
             settled = settle_interrupted(prior.attempts[-1], resumed_unix=self.start_unix, preempted=meta.preempted)
             prior = prior.with_attempt(settled)
@@ -253,16 +257,16 @@ class RunAccounting:
                 totals.cause = flagged[window.rank].cause
 
 
-def gather_hostnames(world_size: int) -> list[str]:
-    """Every rank's host name, by rank (a collective when a process group is up)."""
+def gather_hosts(world_size: int, start_unix: float) -> list[tuple[str, float]]:
+    """Every rank's host name and ``start_unix``, by rank (a collective when a process group is up)."""
     import torch.distributed as dist
 
-    own = socket.gethostname()
+    own = (socket.gethostname(), start_unix)
     if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
         return [own] * world_size
-    names: list[Any] = [None] * world_size
-    dist.all_gather_object(names, own)
-    return [str(n) for n in names]
+    found: list[Any] = [None] * world_size
+    dist.all_gather_object(found, own)
+    return [(str(name), float(start)) for name, start in found]
 
 
 def goodput_metrics(execution: ExecutionGoodput) -> dict[str, float]:

@@ -97,7 +97,7 @@ class RunState:
         """``telemetry`` continues the clock, cost and restart count of the run ``loaded`` was saved by, and
         ``accounting`` (a :class:`~training_core.train.accounting.RunAccounting`) its goodput."""
         if accounting is not None:
-            accounting.resumed(loaded.meta, attempt_start_unix=attempt_start_unix(runtime, loaded.meta))
+            accounting.resumed(loaded.meta)
         telemetry.resumed(
             loaded.meta.telemetry,
             global_step=self.global_step,

@@ -412,8 +412,7 @@ class TextSpec:
     def from_manifest(cls, manifest: Manifest) -> "TextSpec":
         """The spec, checked against the manifest's arrays; anything else raises ``ValueError`` naming the key."""
         where = f"manifest.json in {clip(redact(manifest.directory or '(a description)'), 500)}"
-        # Its own keys (a spec also records the source and what prep replaced); a key left out reads as null.
-        spec = {key: manifest.spec.get(key) for key in cls.__dataclass_fields__}
+        spec = {key: manifest.spec.get(key) for key in cls.__dataclass_fields__}  # its own keys; one left out is null
         input_shape = f"the manifest's input_shape is {manifest.input_shape}"
         below = f"expected null or an id below the vocabulary ({spec['vocab_size']})"
 

@@ -1,6 +1,6 @@
 """A Ray Train callback for tests: the run's controller cannot exit, as one caught in Ray's exit deadlock.
 
-With ``RAY_TRAIN_CALLBACKS=tests.distributed.exit_blocker.BlockedExit`` in the driver's environment, Ray Train builds
+With ``RAY_TRAIN_CALLBACKS=tests.helpers.exit_blocker.BlockedExit`` in the driver's environment, Ray Train builds
 a :class:`BlockedExit` there and runs it in the run's controller, where it starts a thread that never ends and is not a
 daemon. At the end of the run the controller leaves its raylet as usual, then its interpreter waits for that thread
 forever, and a ``SIGTERM`` only sends it down the same path: only ``SIGKILL`` ends it. The controller records its pid

@@ -9,14 +9,14 @@ import subprocess
 
 import yaml
 
-from tests.tools.executables import promtool
-from tests.unit.test_dashboards import _committed, _panel_queries, _variable_queries
+from tests.helpers.dashboards import committed, panel_queries, variable_queries
+from tests.helpers.executables import promtool
 
 
 def test_every_panel_query_is_valid_promql_to_promtool(tmp_path) -> None:
-    board = _committed()
+    board = committed()
     rules = []
-    for index, (_, expr) in enumerate(_panel_queries(board) + _variable_queries(board)):
+    for index, (_, expr) in enumerate(panel_queries(board) + variable_queries(board)):
         if expr.startswith("label_values("):
             expr = expr[len("label_values(") : expr.rindex(",")]
         concrete = re.sub(r"\$__rate_interval", "1m", expr)

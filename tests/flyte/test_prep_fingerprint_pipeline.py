@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO_ROOT, VENV_BIN
-from tests.flyte.test_training_pipeline import pyflyte_run
+from tests.helpers.pyflyte import pyflyte_run
 
 WORKLOAD = "fp_user_data.workload:NpzMLP"
 USER_CODE = '''"""A user's workload: the example's MLP on the features and labels of an .npz at data.path."""

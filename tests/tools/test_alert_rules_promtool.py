@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import subprocess
 
-from tests.tools.executables import promtool
-from tests.unit.test_alert_rules import RULE_TESTS_PATH, RULES_PATH, _alerts
+from tests.helpers.alert_rules import RULE_TESTS_PATH, RULES_PATH, alerts
+from tests.helpers.executables import promtool
 
 
 def test_promtool_check_rules_accepts_the_rule_file() -> None:
     result = subprocess.run([promtool(), "check", "rules", str(RULES_PATH)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"SUCCESS: {len(_alerts())} rules found" in result.stdout
+    assert f"SUCCESS: {len(alerts())} rules found" in result.stdout
 
 
 def test_promtool_unit_tests_of_the_rules_pass() -> None:

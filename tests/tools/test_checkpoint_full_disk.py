@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.unit.test_checkpoint import _state
+from tests.helpers.checkpoints import checkpoint_meta, checkpoint_state
 from training_core import checkpoint as ckpt
 
 
@@ -43,12 +43,12 @@ def test_disk_full_keeps_the_previous_checkpoint_and_reports_the_error(small_dis
 
         storage.write = write_until_full
     checkpointer = ckpt.Checkpointer(storage, keep_last=3, max_consecutive_failures=2)
-    checkpointer.save(1, _state(1))
-    checkpointer.save(2, _state(2))  # fails in the background ...
+    checkpointer.save(1, checkpoint_state(1))
+    checkpointer.save(2, checkpoint_state(2))  # fails in the background ...
     with caplog.at_level(logging.ERROR, logger="training_core"):
-        checkpointer.save(3, _state(3))  # ... is reported, tolerated once, and this one fails too
+        checkpointer.save(3, checkpoint_state(3))  # ... is reported, tolerated once, and this one fails too
         with pytest.raises(ckpt.CheckpointError, match="2 checkpoint saves in a row failed.*No space left on device"):
-            checkpointer.save(4, _state(4))
+            checkpointer.save(4, checkpoint_state(4))
     assert "checkpoint save of step 2 failed" in caplog.text and "No space left on device" in caplog.text
     assert checkpointer.num_failed == 2
     assert storage.list_steps() == ["step-000000001"]
@@ -65,7 +65,6 @@ def test_a_sharded_save_on_a_full_disk_keeps_the_previous_checkpoint_and_cleans_
     import torch
     import torch.distributed as dist
 
-    from tests.integration.test_s3 import _meta
     from training_core import sharding
     from training_core.models import build_model
 
@@ -94,7 +93,12 @@ def test_a_sharded_save_on_a_full_disk_keeps_the_previous_checkpoint_and_cleans_
 
         def save(step: int) -> None:
             checkpointer.save_sharded(
-                step, model=model, optimizer=optimizer, trainer_state={"rng": {}}, meta=_meta(step), metric=None
+                step,
+                model=model,
+                optimizer=optimizer,
+                trainer_state={"rng": {}},
+                meta=checkpoint_meta(step),
+                metric=None,
             )
 
         save(1)

@@ -238,13 +238,16 @@ def test_a_user_dataset_source_never_puts_one_document_in_two_splits(tmp_path):
     workload = resolve_workload(
         TrainingConfig.from_dict(
             {
-                "workload": {"name": "causal_lm", "dataset_source": "tests.unit.test_causal_lm:marked_documents"},
+                "workload": {
+                    "name": "causal_lm",
+                    "dataset_source": "tests.integration.test_causal_lm:marked_documents",
+                },
                 "model": {"name": "gpt2-tiny"},
             }
         ).workload
     )
     manifest = workload.prepare_data(DataConfig(dataset="stdlib", seq_len=16, num_shards=1), str(tmp_path))
-    assert manifest.dataset == "tests.unit.test_causal_lm:marked_documents"
+    assert manifest.dataset == "tests.integration.test_causal_lm:marked_documents"
     markers = {}
     for split in ("train", "val", "test"):
         decoded = bytes(unpack(all_tokens(manifest, split)).astype(np.uint8)).decode()  # EOT (256) wraps to 0
@@ -427,10 +430,11 @@ def test_a_model_rebuilt_from_a_checkpoints_description_trains_but_has_no_tokeni
 def test_the_named_sizes_have_gpt2s_parameter_counts():
     from transformers import AutoModelForCausalLM
 
-    from training_core.config import LM_SIZES, ModelConfig
+    from training_core.config import ModelConfig
+    from training_core.registry import LM_SIZES
     from training_core.workloads.causal_lm import GPT2_SIZES
 
-    assert tuple(GPT2_SIZES) == LM_SIZES
+    assert GPT2_SIZES is LM_SIZES
     expected_millions = {"gpt2": 124, "gpt2-medium": 355, "gpt2-large": 774, "gpt2-xl": 1558}
     for name, millions in expected_millions.items():
         config = model_config(ModelConfig(name=name), vocab_size=50257, eot_id=50256)
@@ -615,7 +619,7 @@ def right_vocab_model(config: TrainingConfig, manifest: Manifest) -> torch.nn.Mo
 
 
 def test_a_vocabulary_mismatch_is_an_error(stdlib_manifest):
-    config = lm_config(workload={"model_factory": "tests.unit.test_causal_lm:wrong_vocab_model"})
+    config = lm_config(workload={"model_factory": "tests.integration.test_causal_lm:wrong_vocab_model"})
     with pytest.raises(
         ValueError,
         match=r"workload.model_factory='.*wrong_vocab_model' is invalid: .* \[1, 8, 256\], .* vocabulary of 257",
@@ -628,7 +632,7 @@ def test_a_vocabulary_mismatch_is_an_error(stdlib_manifest):
     ):
         CausalLM().check(lm_config(model={"name": "Gemma3Config"}), stdlib_manifest)
 
-    config = lm_config(workload={"model_factory": "tests.unit.test_causal_lm:right_vocab_model"})
+    config = lm_config(workload={"model_factory": "tests.integration.test_causal_lm:right_vocab_model"})
     workload = resolve_workload(config.workload)
     workload.check(config, stdlib_manifest)
     model = workload.build_model(config, stdlib_manifest)

@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from deployment import generate
-from tests.tools.executables import kubectl
-from tests.unit.test_k8s_manifests import (
+from tests.helpers.executables import kubectl
+from tests.helpers.k8s_manifests import (
     DEPLOYMENT_DIR,
     REPO_ROOT,
     SECRET_TEXT,

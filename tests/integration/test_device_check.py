@@ -145,7 +145,7 @@ def test_pytests_cases_become_pass_fail_or_skipped_verdicts_with_the_first_line(
         "def test_bf16_trains(device):\n    pass\n"
         "def test_fp16_scales():\n    assert 1 == 2, 'scale stayed 65536.0'\n"
     )
-    (tmp_path / "test_nccl_network.py").write_text(
+    (tmp_path / "test_nccl_network_on_gpu.py").write_text(
         "import pytest\n@pytest.mark.skip(reason='no GPU on this machine')\ndef test_network():\n    pass\n"
     )
     report = tmp_path / "report.xml"
