@@ -59,7 +59,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     TMPDIR=/tmp \
     RAY_USAGE_STATS_ENABLED=0 \
     MPLCONFIGDIR=/tmp/matplotlib
-# The platform's Ray settings (training_core/ray_settings.py, PROCESS_ENV; a test keeps them equal) for every
+# The platform's Ray settings (training_core/parallel/ray_settings.py, PROCESS_ENV; a test keeps them equal) for every
 # container of this image, also Ray pods that are not the platform's RayJobs (deployment/kustomize/examples): Ray
 # workers at nice 0, and glibc's malloc keeping a training step's freed memory mapped.
 ENV RAY_worker_niceness=0 \

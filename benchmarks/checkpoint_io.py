@@ -38,7 +38,7 @@ def _state(model_name: str):
     from training_core import checkpoint as ckpt
     from training_core.config import OptimizerConfig, TrainingConfig
     from training_core.models import build_model
-    from training_core.optim import build_optimizer
+    from training_core.train.optim import build_optimizer
 
     torch.manual_seed(0)
     model = build_model(model_name, num_classes=1000, input_shape=(3, 32, 32))
@@ -87,8 +87,8 @@ def _sharded_worker(rank: int, spec: dict, out: dict) -> None:
     import torch.distributed as dist
 
     from training_core import checkpoint as ckpt
-    from training_core import sharding
     from training_core.config import ModelConfig, TrainingConfig
+    from training_core.parallel import sharding
     from training_core.workloads.causal_lm import build_lm
 
     torch.set_num_threads(1)
@@ -141,7 +141,7 @@ def _sharded_figures(model: str, repeats: int, workdir: str) -> dict:
     """Save and stall seconds of a sharded checkpoint, the slowest rank's, in fresh processes."""
     import torch.multiprocessing as mp
 
-    from training_core.launch import free_port
+    from training_core.runners.launch import free_port
 
     with mp.Manager() as manager:
         out = manager.dict()
@@ -220,7 +220,7 @@ def main() -> None:
                 stall_s.append(time.perf_counter() - start)
             async_checkpointer.wait()  # keep the write out of the next stall measurement
 
-        from training_core.launch import free_port
+        from training_core.runners.launch import free_port
 
         port = free_port()
         moto = _start_moto(port, os.path.join(workdir, "moto.log"))

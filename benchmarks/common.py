@@ -42,11 +42,12 @@ def ray_train_worker_pids() -> list[int]:
 def start_ray(*, num_cpus: int, num_gpus: int | None = None) -> dict[str, str] | str:
     """Connect to ``RAY_ADDRESS`` when it is set (that cluster as it is: returns ``"external cluster"``), else start a
     local cluster of ``num_cpus`` CPUs the way the product's Ray task does: the platform's process settings
-    and ``ray.init`` arguments (:func:`training_core.ray_settings.start_local_cluster`). A benchmark adds nothing
+    and ``ray.init`` arguments (:func:`training_core.parallel.ray_settings.start_local_cluster`). A benchmark adds
+    nothing
     a user does not get. Returns the process settings in effect."""
     import ray
 
-    from training_core.ray_settings import start_local_cluster
+    from training_core.parallel.ray_settings import start_local_cluster
 
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])
@@ -82,7 +83,7 @@ class TwoNodeCluster:
     def _start(self, name: str, args: list[str]):
         import subprocess
 
-        from training_core.ray_settings import apply_process_env
+        from training_core.parallel.ray_settings import apply_process_env
 
         apply_process_env(self.env)
         ray = Path(sys.executable).parent / "ray"

@@ -61,7 +61,7 @@ def make_tree(root: Path, *, images: int, side: int, classes: int = 4, seed: int
 
 def prep_seconds(tree: Path, out: Path, *, image_size: int, num_shards: int, num_workers: int):
     from training_core.config import DataConfig
-    from training_core.image_shards import prepare_images
+    from training_core.data.image_shards import prepare_images
 
     shutil.rmtree(out, ignore_errors=True)
     cfg = DataConfig(
@@ -94,7 +94,7 @@ print(time.perf_counter() - start)
 
 def bpe_tokenizer(path: Path, *, vocab_size: int) -> Path:
     """A byte-level BPE ``tokenizer.json`` trained on 1 MB of the standard library (GPT-2's kind of tokenizer)."""
-    from training_core import text
+    from training_core.data import text
 
     root = Path(text.stdlib_root())
     sample, files = [], iter(text.stdlib_files())
@@ -167,7 +167,7 @@ def decode_samples_per_s(manifest, *, processes: int, count: int) -> float:
     import multiprocessing
 
     from training_core.config import DataConfig
-    from training_core.image_shards import EncodedImages, import_decoders
+    from training_core.data.image_shards import EncodedImages, import_decoders
 
     import_decoders()
     shard_samples = EncodedImages.read(manifest, manifest.splits["train"].shards[0], DataConfig())
@@ -321,7 +321,7 @@ def fit_data_wait(tree: Path, work: Path, *, image_size: int, epochs: int) -> di
     the share of step time spent waiting for data, over every step and over steps after each epoch's first (whose
     wait includes starting the loader processes and reading the first shards)."""
     from training_core.config import TrainingConfig
-    from training_core.trainer import fit
+    from training_core.runners.ray_train import fit
 
     data = {"dataset": "image_folder", "path": str(tree), "image_size": image_size, "num_shards": 8}
     cfg = TrainingConfig.from_dict(

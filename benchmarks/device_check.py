@@ -17,7 +17,8 @@ line printed is the JSON.
 2. ``nvml``: the platform's NVML reader sees the GPU (``nvml_ok``).
 3. ``matmul_peak``: the best FLOP/s of a square bf16 matmul (``matmul_peak_flops``), MFU's denominator.
 4. ``prepare``: the synthetic images and the tokenised text the measured parts train on (untimed).
-5. ``resnet50``: ResNet-50, 224 px, batch 128, bf16 autocast, channels-last: our loop (``training_core.launch``, the
+5. ``resnet50``: ResNet-50, 224 px, batch 128, bf16 autocast, channels-last: our loop
+(``training_core.runners.launch``, the
    plain ``torch.distributed`` launcher, one GPU) against ``loop_overhead.py``'s bare loop on the same data, each in a
    fresh process, steady state: ``resnet50_images_per_s`` (ours) and ``resnet50_ratio`` (ours / bare).
 6. ``gpt2_eager`` (and 9. ``gpt2_compiled``): GPT-2 124M (its 50,257-token vocabulary: a BPE trained on the standard
@@ -356,7 +357,7 @@ def padded_bpe_tokenizer(path: Path, *, text_bytes: int, vocab_size: int) -> Pat
     from tokenizers import Tokenizer
 
     from benchmarks.common import train_bpe_tokenizer
-    from training_core import text
+    from training_core.data import text
 
     root, files, sample = Path(text.stdlib_root()), iter(text.stdlib_files()), []
     while sum(map(len, sample)) < text_bytes:
@@ -388,7 +389,7 @@ def part_prepare(ctx: Context) -> PartResult:
 
 def launch_ours(cfg, data_dir: Path, *, warmup_steps: int, workdir: Path):
     """Our loop on one worker under the plain ``torch.distributed`` launcher: the run's last epoch record."""
-    from training_core.launch import launch
+    from training_core.runners.launch import launch
 
     result = launch(
         cfg,
@@ -512,9 +513,9 @@ class _Messages:
 def run_in_this_process(cfg, data_dir: Path, workdir: Path, use_gpu: bool) -> list[str]:
     """Our loop in this process (``TorchDistributedRuntime``, as a launched rank runs it, on GPU 0 with
     ``use_gpu``); the log's messages."""
-    from training_core.launch import TorchDistributedRuntime, free_port
-    from training_core.loop import run_worker
     from training_core.records import WorkerArgs
+    from training_core.runners.launch import TorchDistributedRuntime, free_port
+    from training_core.train.loop import run_worker
 
     args = WorkerArgs.build(cfg, data_dir=str(data_dir), checkpoint_root=str(workdir / "ckpt"), run_name=workdir.name)
     runtime = TorchDistributedRuntime.connect(

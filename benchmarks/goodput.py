@@ -1,7 +1,7 @@
 """Goodput, stragglers and ETA on real processes: where a job's worker-seconds went, how fast a slowed rank is named,
 how close the ETA comes to the real end, and what the accounting costs the loop.
 
-Runs 2 gloo workers with the plain ``torch.distributed`` launcher (:func:`training_core.launch.launch`: the same
+Runs 2 gloo workers with the plain ``torch.distributed`` launcher (:func:`training_core.runners.launch.launch`: the same
 loop as under Ray Train, started in seconds) on scikit-learn's digits, with a linear user model
 (``workload.model_factory``) whose forward sleeps on one rank when this module's environment asks:
 
@@ -89,7 +89,7 @@ def config(*, epochs: int, log_interval_steps: int, interval_steps: int, max_ste
 
 def run(cfg, data_dir: str, root: str, *, env: dict[str, str], log_path: str | None = None):
     """One launch with ``env`` set for its workers, their stderr into ``log_path`` when given."""
-    from training_core.launch import launch
+    from training_core.runners.launch import launch
 
     saved_env = {name: os.environ.get(name) for name in (SLOW_RANK_ENV, KILL_AFTER_ENV)}
     os.environ.update(env)
@@ -170,9 +170,9 @@ def overhead(block_steps: int, block_pairs: int) -> dict[str, float]:
     """The accounting's per-step and per-window calls against none, on the loop's own steps in this process."""
     import torch
 
-    from training_core.loop import train_step
     from training_core.models import build_model as build_builtin
     from training_core.train.accounting import RunAccounting, WindowTimes
+    from training_core.train.loop import train_step
     from training_core.workloads.image import classification_loss
 
     torch.set_num_threads(1)

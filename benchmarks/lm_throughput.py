@@ -182,7 +182,7 @@ def run_bare(config: dict[str, Any], data_dir: str, warmup_steps: int) -> dict[s
 def run_ours(config: dict[str, Any], data_dir: str, warmup_steps: int, *, workdir: str) -> dict[str, Any]:
     """``fit`` of the same config: our loop in one Ray Train worker."""
     from training_core.config import TrainingConfig
-    from training_core.trainer import fit
+    from training_core.runners.ray_train import fit
 
     result = fit(
         TrainingConfig.from_dict(config),

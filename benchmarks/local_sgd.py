@@ -35,7 +35,7 @@ def main() -> None:
 
     from training_core.config import TrainingConfig
     from training_core.data import prepare
-    from training_core.launch import launch
+    from training_core.runners.launch import launch
 
     scratch = Path(tempfile.mkdtemp(prefix="local-sgd-"))
     base = {

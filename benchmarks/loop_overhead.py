@@ -149,7 +149,7 @@ def ours_config(setup: Setup) -> TrainingConfig:
 
 
 def ours(manifest_dir: str, setup: Setup, *, workdir: str) -> dict:
-    from training_core.trainer import fit
+    from training_core.runners.ray_train import fit
 
     result = fit(
         ours_config(setup),

@@ -41,12 +41,12 @@ def _worker(rank: int, spec: dict, out: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from training_core import sharding
     from training_core.config import TrainingConfig
     from training_core.data import Manifest
-    from training_core.launch import TorchDistributedRuntime
-    from training_core.loop import train_step
-    from training_core.optim import build_optimizer
+    from training_core.parallel import sharding
+    from training_core.runners.launch import TorchDistributedRuntime
+    from training_core.train.loop import train_step
+    from training_core.train.optim import build_optimizer
     from training_core.workloads import resolve_workload
     from training_core.workloads.causal_lm import TextSpec
 
@@ -109,7 +109,7 @@ def _run(model: str, strategy: str, data: dict, *, ac: str = "none", steps: int 
     """Both workers' figures (the larger of the two per figure) for one configuration, in fresh processes."""
     import torch.multiprocessing as mp
 
-    from training_core.launch import free_port
+    from training_core.runners.launch import free_port
 
     with mp.Manager() as manager:
         out = manager.dict()
@@ -170,7 +170,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     os.environ.setdefault("TMPDIR", tempfile.gettempdir())
-    from training_core.ray_settings import apply_process_env
+    from training_core.parallel.ray_settings import apply_process_env
 
     apply_process_env()  # the workers start with the environment of the platform's Ray workers (glibc reads it then)
 

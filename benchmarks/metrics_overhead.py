@@ -44,7 +44,7 @@ def start_pushgateway(workdir: str) -> tuple[subprocess.Popen, str]:
     binary = shutil.which("prometheus-pushgateway")
     if binary is None:
         sys.exit("prometheus-pushgateway is not installed: run `make system-packages`")
-    from training_core.launch import free_port
+    from training_core.runners.launch import free_port
 
     port = free_port()
     process = subprocess.Popen(
@@ -100,7 +100,7 @@ def measure_costs(gateway_url: str, interval_s: float) -> dict[str, float]:
 def measure_in_process(gateway_url: str, args: argparse.Namespace, *, interval_s: float | None) -> dict[str, object]:
     """Alternate blocks of training steps with the telemetry on and off in this one process.
 
-    The steps are the loop's own (:func:`training_core.loop.train_step` on the same model, optimizer and
+    The steps are the loop's own (:func:`training_core.train.loop.train_step` on the same model, optimizer and
     batches), and the telemetry calls are the loop's: ``step()`` every step, ``window()`` every 5 steps. An "on"
     block has a live :class:`~training_core.telemetry.PrometheusTelemetry` whose background thread samples the
     host and NVML and pushes to the Pushgateway every ``interval_s``; an "off" block calls a
@@ -113,9 +113,9 @@ def measure_in_process(gateway_url: str, args: argparse.Namespace, *, interval_s
     import torch
 
     from training_core.config import ObservabilityConfig, ScalingConfig
-    from training_core.loop import train_step
     from training_core.models import build_model
     from training_core.telemetry import JobLabels, NullTelemetry, PrometheusTelemetry
+    from training_core.train.loop import train_step
     from training_core.workloads.image import classification_loss
 
     torch.set_num_threads(1)
@@ -192,7 +192,7 @@ def train(
     data_dir: str, workdir: str, *, telemetry_on: bool, gateway_url: str, args: argparse.Namespace, run_index: int
 ) -> float:
     from training_core.config import TrainingConfig
-    from training_core.trainer import fit
+    from training_core.runners.ray_train import fit
 
     observability = (
         {

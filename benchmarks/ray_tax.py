@@ -54,8 +54,8 @@ WORKER_PARTS = (
     ("ray_train_report", "report ("),
     ("telemetry", "training_core/telemetry"),
     ("train_step", "train_step ("),
-    ("data", "training_core/data.py"),
-    ("loop_other", "training_core/loop.py"),
+    ("data", "training_core/data/__init__.py"),
+    ("loop_other", "training_core/train/loop.py"),
     ("actor_main_thread", "main_loop ("),
 )
 
@@ -118,8 +118,8 @@ def main() -> None:
 
     from training_core.config import TrainingConfig
     from training_core.data import prepare
+    from training_core.runners.ray_train import fit
     from training_core.scaling_benchmark import point_config, scaling_preset
-    from training_core.trainer import fit
 
     preset = scaling_preset().to_dict()
     preset["data"].update(synthetic_num_samples=16384, synthetic_image_size=32)

@@ -58,7 +58,7 @@ def child(workdir: str, interval: int, collective_timeout_s: int, min_workers: i
 
     from training_core.config import DataConfig, TrainingConfig
     from training_core.data import prepare
-    from training_core.trainer import fit
+    from training_core.runners.ray_train import fit
 
     prepare(DataConfig(), os.path.join(workdir, "data"))
     start_ray(num_cpus=4)  # as the product starts a local cluster; room for a restarted worker group

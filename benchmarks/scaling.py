@@ -1,8 +1,8 @@
 """Scaling efficiency of our loop under Ray Train, and its parity with plain ``torch.distributed``.
 
 What ``scaling_benchmark`` (``workflows/scaling_benchmark.py``) measures, outside Flyte: for each worker count, the
-same config (the workflow's preset, longer) is trained by :func:`training_core.trainer.fit` (Ray Train) and by
-:func:`training_core.launch.launch` (processes spawned here, the same loop without Ray). Throughput is steady
+same config (the workflow's preset, longer) is trained by :func:`training_core.runners.ray_train.fit` (Ray Train) and by
+:func:`training_core.runners.launch.launch` (processes spawned here, the same loop without Ray). Throughput is steady
 state, over all workers: the first ``--warmup-steps`` steps and epoch boundaries are left out of both.
 
 - ``efficiency_n = throughput_n / (n * throughput_1)`` for each launcher (against the smallest count when 1
@@ -20,12 +20,13 @@ copies of ``loop_overhead.py``'s bare PyTorch loop at once (one thread each, no 
 throughput over ``n`` times one copy's is ``independent_efficiency_n``. DDP can only lose to it: ranks wait for
 each other at every all-reduce, so whatever delays one rank (another process taking its core) stalls all.
 
-Both launchers run as the product ships them (:mod:`training_core.ray_settings`): the Ray cluster is started the
+Both launchers run as the product ships them (:mod:`training_core.parallel.ray_settings`): the Ray cluster is started
+the
 way a local ``pyflyte run`` starts it (``start_local_cluster``: the platform's process settings, Ray workers at
 nice 0 and glibc's malloc in one arena keeping freed memory mapped, then ``ray.init`` with log streaming and the
 dashboard as the product sets it, and its daemons under ``SCHED_IDLE``), and the plain launcher's ranks get the
 same process settings from
-:func:`training_core.launch.launch`. To measure
+:func:`training_core.runners.launch.launch`. To measure
 without one of them, set the variable yourself (``RAY_worker_niceness=15``: Ray's own default); the settings in
 effect are in the result. When ``RAY_ADDRESS`` is set, that cluster is used as it is. The load average before
 and after is recorded: other processes on the machine take cores from multi-worker runs first.
@@ -53,9 +54,9 @@ FIGURES = ("samples_per_s", "step_time_p50_s", "step_time_p95_s", "allreduce_fra
 
 def run_point(launcher: str, cfg, *, data_dir: str, workdir: str, warmup_steps: int):
     """Train ``cfg`` with one launcher; the point's steady-state figures."""
-    from training_core.launch import launch
+    from training_core.runners.launch import launch
+    from training_core.runners.ray_train import fit
     from training_core.scaling_benchmark import ScalingPoint
-    from training_core.trainer import fit
 
     run = fit if launcher == "ray" else launch
     name = f"{launcher}-{cfg.scaling.num_workers}w"
@@ -121,7 +122,7 @@ def main() -> None:
 
     from training_core.config import TrainingConfig
     from training_core.data import prepare
-    from training_core.ray_settings import (
+    from training_core.parallel.ray_settings import (
         apply_process_env,
         daemons_idle_enabled,
         local_init_kwargs,

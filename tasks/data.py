@@ -142,7 +142,7 @@ def fingerprint_inputs(config: DataConfig, workload: WorkloadConfig = WorkloadCo
     :param workload: The workload prep is given: user code named by ``workload.name`` or ``dataset_source``.
     :return: The fingerprint (sha256 hex) prep is keyed on, and a random token for this run.
     """
-    from training_core.fingerprint import fingerprint_prep_inputs
+    from training_core.data.fingerprint import fingerprint_prep_inputs
 
     found = fingerprint_prep_inputs(config, workload)
     print(redact(found.describe()), flush=True)
@@ -202,7 +202,7 @@ def prepare(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()) -> 
         "run_token": inputs.run_token,
     }
     if workload.name == "causal_lm" and workload.dataset_source:
-        # A user's text is tokenised in this pod's tokenizer threads (training_core.text.tokenizer_threads).
+        # A user's text is tokenised in this pod's tokenizer threads (training_core.data.text.tokenizer_threads).
         resources = text_prep_resources(config)
         prepared = prepare_data(**keys).with_overrides(requests=resources, limits=resources)
     elif not prep_uses_ray(config, workload):
@@ -210,11 +210,11 @@ def prepare(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()) -> 
     else:
         # A wrong source fails here, before a RayJob is started for it.
         if workload.name == "causal_lm":
-            from training_core.text import check_text_source
+            from training_core.data.text import check_text_source
 
             check_text_source(config)
         else:
-            from training_core.image_shards import check_source
+            from training_core.data.image_shards import check_source
 
             check_source(config)
         prepared = prepare_on_ray(**keys).with_overrides(task_config=prep_ray_job_config(config))

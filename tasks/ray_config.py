@@ -1,5 +1,6 @@
 """RayJob shape (head and worker groups, requests and limits, ``/dev/shm``, GPU placement) derived from
-``ScalingConfig``, and the Ray task that applies the platform's Ray settings (:mod:`training_core.ray_settings`)
+``ScalingConfig``, and the Ray task that applies the platform's Ray settings
+(:mod:`training_core.parallel.ray_settings`)
 wherever it runs: in every RayJob pod's environment, and before a local run's ``ray.init``."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 from flytekitplugins.ray.task import RayFunctionTask
 
 from training_core.config import SHM_SHARE, DataConfig, ScalingConfig
-from training_core.ray_settings import (
+from training_core.parallel.ray_settings import (
     POD_HOOK_COMMAND,
     PROCESS_ENV,
     apply_process_env,
@@ -57,8 +58,8 @@ def worker_resources(scaling: ScalingConfig) -> Resources:
 def _pod_spec(container: str, resources: Resources, shm_gib: float) -> V1PodSpec:
     """Requests equal to limits (a Guaranteed pod: the scheduler never overcommits a training worker), and a
     memory-backed ``/dev/shm`` of ``shm_gib``: the container runtime's 64 MiB starves Ray's object store, loader
-    processes and NCCL. Every container gets :data:`~training_core.ray_settings.PROCESS_ENV`, and
-    :data:`~training_core.ray_settings.POD_HOOK_COMMAND` as its ``postStart`` hook."""
+    processes and NCCL. Every container gets :data:`~training_core.parallel.ray_settings.PROCESS_ENV`, and
+    :data:`~training_core.parallel.ray_settings.POD_HOOK_COMMAND` as its ``postStart`` hook."""
 
     from kubernetes.client import (
         V1EmptyDirVolumeSource,
@@ -124,7 +125,8 @@ class TrainingRayJobConfig(RayJobConfig):
 class TrainingRayTask(RayFunctionTask):
     """flytekit's Ray task, with the platform's Ray settings in the environment before its ``ray.init``: a local
     run (``pyflyte run`` without ``RAY_ADDRESS``) starts its Ray cluster with them
-    (:func:`~training_core.ray_settings.start_local_cluster`). On a cluster the RayJob's pods carry them already
+    (:func:`~training_core.parallel.ray_settings.start_local_cluster`). On a cluster the RayJob's pods carry them
+    already
     (:func:`ray_job_config`)."""
 
     def pre_execute(self, user_params):

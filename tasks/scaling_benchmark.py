@@ -1,7 +1,7 @@
 """Scaling benchmark tasks: the plain ``torch.distributed`` baseline and the report.
 
 The Ray side of each point is the pipeline's own ``train`` task (see ``workflows/scaling_benchmark.py``); the baseline
-runs the same loop on the same config and data, started by ``training_core.launch`` instead of Ray Train.
+runs the same loop on the same config and data, started by ``training_core.runners.launch`` instead of Ray Train.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def torch_baseline(config: TrainingConfig, data: PreparedData) -> TrainMetrics:
     :param data: Prepared shards from ``prepare_data``; each rank streams only its own shards.
     :return: Last-epoch figures: steady-state throughput, step-time p50/p95 and the all-reduce share.
     """
-    from training_core.launch import launch
+    from training_core.runners.launch import launch
 
     workdir = current_context().working_directory
     result = launch(

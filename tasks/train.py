@@ -73,9 +73,9 @@ def run_training(config: TrainingConfig, data: PreparedData, resume_from: Option
     from flytekit.exceptions.user import FlyteRecoverableException
 
     from training_core import tracking
-    from training_core.failures import classify
     from training_core.records import MlflowRun
-    from training_core.trainer import fit
+    from training_core.runners.ray_train import fit
+    from training_core.train.failures import classify
 
     show_task_logs()
     ctx = current_context()

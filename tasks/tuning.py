@@ -302,8 +302,8 @@ def tune_with_ray(config: TuningConfig, data: PreparedData, state: SearchState) 
     from flytekit import current_context
 
     from training_core import checkpoint as ckpt
-    from training_core.ray_tune_search import run_search
-    from training_core.trainer import FitResult
+    from training_core.runners.ray_train import FitResult
+    from training_core.runners.ray_tune import run_search
 
     # Tune runs each trial driver in its own working directory: a relative sqlite URI must be made absolute.
     config = dataclasses.replace(

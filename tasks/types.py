@@ -26,7 +26,7 @@ class PrepProvenance:
     """Which prepared data a run uses: what it was prepared from, when, and whether this run prepared it."""
 
     inputs_fingerprint: str = ""
-    """sha256 of what prep read (:mod:`training_core.fingerprint`: the data's files or objects, the tokenizer, the
+    """sha256 of what prep read (:mod:`training_core.data.fingerprint`: the data's files or objects, the tokenizer, the
     user code that prepares it), part of prep's cache key; empty for data prepared without one (a direct call)."""
     created_at: str = ""
     """When prep wrote the data: UTC, ISO 8601."""

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from training_core.launch import free_port
-from training_core.ray_settings import apply_process_env, process_table
+from training_core.parallel.ray_settings import apply_process_env, process_table
+from training_core.runners.launch import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -42,7 +42,7 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 tempfile.tempdir = None
 # The session's Ray cluster, and every process the suite starts, run with the platform's Ray settings, as a
-# user's run does (training_core/ray_settings.py).
+# user's run does (training_core/parallel/ray_settings.py).
 apply_process_env()
 
 

@@ -81,7 +81,7 @@ def evaluate(
 def _in_lockstep(batches: Iterable[Any], device: torch.device) -> Iterator[tuple[Any, bool]]:
     """``(batch, True)`` for each of this rank's batches, then ``(its last batch, False)`` until every rank ran out
     (one all-reduce per batch)."""
-    from training_core.distributed import all_reduce_sum
+    from training_core.parallel.distributed import all_reduce_sum
 
     iterator, last = iter(batches), None
     while True:

@@ -92,7 +92,7 @@ def evaluate_checkpoint(
     import torch
 
     from training_core.checkpoint import load_model
-    from training_core.prepared import ShardStream
+    from training_core.data.prepared import ShardStream
 
     manifest = _split_of(data_dir, split)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -122,7 +122,7 @@ DIVERGED_FIX = (
 
 def _split_of(data_dir: str, split: str):
     """The prepared data's manifest, which must hold ``split``."""
-    from training_core.prepared import Manifest
+    from training_core.data.prepared import Manifest
 
     manifest = Manifest.load(data_dir)
     if split not in manifest.splits:
@@ -133,7 +133,7 @@ def _split_of(data_dir: str, split: str):
 def require_same_data(meta, manifest, *, checkpoint_dir: str, data_dir: str) -> None:
     """Raise a ``ValueError`` unless the checkpoint (its metadata ``meta``) was trained on data like ``manifest``'s:
     the same classes, input shape, workload and spec."""
-    from training_core.prepared import Manifest
+    from training_core.data.prepared import Manifest
 
     trained_on = Manifest.from_description(meta.data) if meta.data else None
     if (
@@ -194,8 +194,8 @@ def evaluate_on_cluster(
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from training_core.checkpoint import load_meta
-    from training_core.ray_processes import reaped_run
-    from training_core.ray_settings import ray_scaling_config, start_local_cluster
+    from training_core.parallel.ray_settings import ray_scaling_config, start_local_cluster
+    from training_core.runners.ray_processes import reaped_run
 
     manifest = _split_of(data_dir, split)
     require_same_data(load_meta(checkpoint_uri), manifest, checkpoint_dir=checkpoint_uri, data_dir=data_dir)
@@ -229,10 +229,10 @@ def _evaluate_worker(config: dict[str, Any]) -> None:
 
     import torch
 
-    from training_core import sharding
     from training_core.checkpoint import build_saved_model, load_directory, restore
-    from training_core.distributed import RayTrainRuntime, all_reduce_sum
-    from training_core.prepared import Manifest, ShardStream
+    from training_core.data.prepared import Manifest, ShardStream
+    from training_core.parallel import sharding
+    from training_core.parallel.distributed import RayTrainRuntime, all_reduce_sum
 
     torch.set_num_threads(config["torch_threads"])
     runtime = RayTrainRuntime()

@@ -1,7 +1,8 @@
 """Typed records that cross module boundaries: what a worker is asked to do, and what it reports.
 
 - :class:`WorkerArgs`: the arguments of every rank's loop, built once by :func:`WorkerArgs.build` for Ray Train
-  (:mod:`training_core.trainer`) and for the plain ``torch.distributed`` launcher (:mod:`training_core.launch`).
+  (:mod:`training_core.runners.ray_train`) and for the plain ``torch.distributed`` launcher
+  (:mod:`training_core.runners.launch`).
 - :class:`StepRecord`: one logged window of optimizer steps (what goes to MLflow, the metrics and the step log).
 - :class:`EpochRecord`: one finished epoch (what each rank reports, and the run's history in its checkpoint).
 - :class:`StepLog`: the step records a checkpoint keeps, bounded so a checkpoint does not grow with the run.
@@ -190,7 +191,7 @@ class MlflowRun:
 
 @dataclass
 class WorkerArgs:
-    """What every rank's loop receives (:func:`training_core.loop.run_worker`)."""
+    """What every rank's loop receives (:func:`training_core.train.loop.run_worker`)."""
 
     config: TrainingConfig
     data_dir: str

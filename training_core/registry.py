@@ -31,7 +31,7 @@ class DatasetSource:
     ``(DataConfig, SourceStats) -> Iterator[Document]`` for ``causal_lm``."""
     list_images: str = ""
     """For an encoded image source: ``package.module:function`` of ``(DataConfig) -> ImageListing``; prep then
-    writes its images as encoded Parquet shards in Ray tasks (:mod:`training_core.image_shards`) instead of
+    writes its images as encoded Parquet shards in Ray tasks (:mod:`training_core.data.image_shards`) instead of
     calling :attr:`read`."""
     check_images: str = ""
     """For an encoded image source: ``(DataConfig) -> None`` raising ``ValueError`` for a location it cannot read,
@@ -46,26 +46,26 @@ class DatasetSource:
 
 
 DATASET_SOURCES: dict[str, DatasetSource] = {
-    "digits": DatasetSource("image_classification", read="training_core.datasets:read_digits"),
-    "synthetic": DatasetSource("image_classification", read="training_core.datasets:read_synthetic"),
+    "digits": DatasetSource("image_classification", read="training_core.data.sources:read_digits"),
+    "synthetic": DatasetSource("image_classification", read="training_core.data.sources:read_synthetic"),
     "cifar10": DatasetSource(
         "image_classification",
-        read="training_core.datasets:read_cifar10",
-        list_images="training_core.image_shards:list_cifar10",
-        check_images="training_core.image_shards:check_cifar10",
+        read="training_core.data.sources:read_cifar10",
+        list_images="training_core.data.image_shards:list_cifar10",
+        check_images="training_core.data.image_shards:check_cifar10",
         layout="cifar_batches",
         needs_path=True,
     ),
     "image_folder": DatasetSource(
         "image_classification",
-        list_images="training_core.image_shards:list_image_folder",
-        check_images="training_core.image_shards:check_image_folder",
+        list_images="training_core.data.image_shards:list_image_folder",
+        check_images="training_core.data.image_shards:check_image_folder",
         layout="files",
         needs_path=True,
         needs_image_size=True,
     ),
-    "stdlib": DatasetSource("causal_lm", read="training_core.text:stdlib_source"),
-    "text": DatasetSource("causal_lm", read="training_core.text:path_source", needs_path=True),
+    "stdlib": DatasetSource("causal_lm", read="training_core.data.text:stdlib_source"),
+    "text": DatasetSource("causal_lm", read="training_core.data.text:path_source", needs_path=True),
 }
 """``data.dataset`` -> its source, in the order the config lists the choices."""
 

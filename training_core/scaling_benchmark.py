@@ -1,7 +1,8 @@
 """Scaling benchmark: its preset config, plan checks, and the efficiency and parity arithmetic.
 
 A *point* is one measured run: a model trained on ``num_workers`` workers by one launcher, ``ray`` (Ray Train,
-:func:`training_core.trainer.fit`) or ``torch`` (plain ``torch.distributed``, :func:`training_core.launch.launch`).
+:func:`training_core.runners.ray_train.fit`) or ``torch`` (plain ``torch.distributed``,
+:func:`training_core.runners.launch.launch`).
 :func:`efficiency_table` turns points into one row per model and worker count:
 
 - scaling efficiency of each launcher against the smallest worker count ``b`` (1 by default):

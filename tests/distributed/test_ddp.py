@@ -12,9 +12,9 @@ import torch
 
 from training_core.config import OptimizerConfig, TrainingConfig
 from training_core.data import Manifest, ShardStream
-from training_core.loop import train_step
 from training_core.models import build_model
-from training_core.optim import build_optimizer
+from training_core.train.loop import train_step
+from training_core.train.optim import build_optimizer
 from training_core.workloads.image import Normalizer, classification_loss
 
 NUM_STEPS = 3
@@ -124,7 +124,7 @@ def test_ddp_on_two_gloo_workers_equals_one_process_on_the_union_of_their_batche
 
 def test_fit_trains_two_workers_to_a_loadable_checkpoint(ray_session, digits_dir, tmp_path):
     from training_core.evaluation import evaluate_checkpoint
-    from training_core.trainer import fit
+    from training_core.runners.ray_train import fit
 
     cfg = TrainingConfig.from_dict(
         {

@@ -26,9 +26,9 @@ from tests.helpers.sample_recorder import records_dir
 from training_core import checkpoint as ckpt
 from training_core.config import DataConfig, TrainingConfig
 from training_core.data import Manifest, ShardStream, prepare
-from training_core.loop import run_worker
 from training_core.records import WorkerArgs
-from training_core.trainer import checkpoint_root
+from training_core.runners.ray_train import checkpoint_root
+from training_core.train.loop import run_worker
 
 BATCH_SIZE = 8
 INTERVAL_STEPS = 4
@@ -37,7 +37,7 @@ _DRIVER = """
 import json, sys
 import ray
 from training_core.config import TrainingConfig
-from training_core.trainer import fit
+from training_core.runners.ray_train import fit
 
 config, names = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 ray.init(address=names.pop("address"))

@@ -12,8 +12,8 @@ import torch
 
 from training_core.config import OptimizerConfig, TrainingConfig
 from training_core.data import Manifest, ShardStream, prepare
-from training_core.loop import train_step
-from training_core.optim import build_optimizer
+from training_core.train.loop import train_step
+from training_core.train.optim import build_optimizer
 from training_core.workloads import resolve_workload
 
 NUM_STEPS = 3
@@ -82,8 +82,8 @@ def _worker(config: dict) -> None:
     import ray.train
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from training_core import sharding
-    from training_core.distributed import RayTrainRuntime
+    from training_core.parallel import sharding
+    from training_core.parallel.distributed import RayTrainRuntime
 
     rank = ray.train.get_context().get_world_rank()
     for case, data_dir in config["cases"].items():
@@ -161,7 +161,7 @@ RESHARD_CASE = "gpt-fsdp"
 
 def _fsdp_gpt(data_dir: str):
     """A fresh float64 GPT sharded over this job's workers, and its optimizer."""
-    from training_core import sharding
+    from training_core.parallel import sharding
 
     cfg = _config(RESHARD_CASE)
     model = _fresh_model(RESHARD_CASE, data_dir)
@@ -186,8 +186,8 @@ def _reshard_worker(config: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
     from training_core import checkpoint as ckpt
-    from training_core.distributed import all_reduce_sum
-    from training_core.loop import train_step
+    from training_core.parallel.distributed import all_reduce_sum
+    from training_core.train.loop import train_step
 
     context = ray.train.get_context()
     rank, world_size, out = context.get_world_rank(), context.get_world_size(), Path(config["out_dir"])

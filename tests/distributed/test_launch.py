@@ -9,7 +9,7 @@ import torch
 
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
-from training_core.launch import launch
+from training_core.runners.launch import launch
 
 # Figures that depend on the clock; everything else in an epoch record is a function of the computation.
 TIMING_KEYS = {
@@ -46,7 +46,7 @@ def _without_timings(record) -> dict[str, float | str]:
 
 
 def test_two_gloo_workers_without_ray_train_bit_identically_to_ray_train_fit(ray_session, digits_dir, tmp_path):
-    from training_core.trainer import fit
+    from training_core.runners.ray_train import fit
 
     cfg = _config()
     plain = launch(

@@ -13,8 +13,8 @@ from tests.conftest import session_ray_processes
 from tests.helpers import exit_blocker
 from training_core.config import TrainingConfig
 from training_core.data import prepare
-from training_core.ray_processes import start_ticks
-from training_core.trainer import fit
+from training_core.runners.ray_processes import start_ticks
+from training_core.runners.ray_train import fit
 
 SHARED_TITLES = ("ray::IDLE", "ray::_AutoscalingCoordinatorActor")
 """Processes a run may leave by design: Ray's pool of idle workers, and Ray Data's autoscaling coordinator (a named
@@ -51,7 +51,7 @@ def _run_processes(session_root, before: dict[int, str]) -> dict[int, str]:
 
 def test_a_finished_run_leaves_no_process_of_its_own_running(ray_session, session_root, data_dir, tmp_path, caplog):
     before = session_ray_processes(session_root)
-    with caplog.at_level(logging.WARNING, logger="training_core.ray_processes"):
+    with caplog.at_level(logging.WARNING, logger="training_core.runners.ray_processes"):
         result = fit(_config(), data_dir=data_dir, checkpoint_dir=str(tmp_path / "final"), run_name="clean",
                      storage_path=str(tmp_path / "runs"))  # fmt: skip
     assert result.meta.global_step == 2
@@ -69,7 +69,7 @@ def test_a_controller_that_cannot_exit_is_killed_and_named_when_fit_returns(
     monkeypatch.setenv(exit_blocker.RECORD_DIR_ENV, str(record_dir))
     before = session_ray_processes(session_root)
     try:
-        with caplog.at_level(logging.WARNING, logger="training_core.ray_processes"):
+        with caplog.at_level(logging.WARNING, logger="training_core.runners.ray_processes"):
             result = fit(_config(), data_dir=data_dir, checkpoint_dir=str(tmp_path / "final"), run_name="blocked",
                          storage_path=str(tmp_path / "runs"))  # fmt: skip
         assert result.meta.global_step == 2

@@ -10,8 +10,8 @@ import torch
 
 from training_core.config import OptimizerConfig, TrainingConfig
 from training_core.data import Manifest, ShardStream, prepare
-from training_core.loop import train_step
-from training_core.optim import build_optimizer
+from training_core.train.loop import train_step
+from training_core.train.optim import build_optimizer
 from training_core.workloads import resolve_workload
 
 NUM_STEPS = 3

@@ -12,10 +12,10 @@ import torch
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
 from training_core.data import Manifest, ShardStream
-from training_core.launch import launch
-from training_core.optim import build_optimizer, build_scheduler
-from training_core.rng import seed_everything
-from training_core.trainer import checkpoint_root
+from training_core.runners.launch import launch
+from training_core.runners.ray_train import checkpoint_root
+from training_core.train.optim import build_optimizer, build_scheduler
+from training_core.train.rng import seed_everything
 from training_core.workloads import resolve_workload
 
 WARMUP_STEPS, PERIOD_STEPS, INTERVAL_STEPS = 3, 4, 7

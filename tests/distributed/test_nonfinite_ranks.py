@@ -12,8 +12,8 @@ import torch
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
 from training_core.data import prepare
-from training_core.failures import TrainingDiverged, classify
-from training_core.trainer import checkpoint_root, fit
+from training_core.runners.ray_train import checkpoint_root, fit
+from training_core.train.failures import TrainingDiverged, classify
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from tests.conftest import session_train_workers
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
 from training_core.data import Manifest, prepare
+from training_core.runners.ray_train import checkpoint_root, fit
 from training_core.telemetry.goodput import ExecutionGoodput
-from training_core.trainer import checkpoint_root, fit
 
 INTERVAL_STEPS = 5
 

@@ -7,7 +7,7 @@ import time
 from tests.helpers.slow_rank import SLOW_RANK_ENV
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
-from training_core.launch import launch
+from training_core.runners.launch import launch
 from training_core.telemetry.goodput import ExecutionGoodput
 
 LOG_INTERVAL_STEPS, STRAGGLER_WINDOWS = 2, 3

@@ -12,8 +12,8 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 from training_core.config import DataConfig, TrainingConfig, WorkloadConfig
-from training_core.failures import UserCodeError, classify
-from training_core.trainer import fit
+from training_core.runners.ray_train import fit
+from training_core.train.failures import UserCodeError, classify
 from training_core.workloads import resolve_workload
 
 WORKLOAD = """

@@ -172,9 +172,9 @@ def test_train_is_a_ray_job_whose_groups_and_resources_come_from_the_default_sca
 )
 def test_every_pod_of_a_packaged_rayjob_carries_the_platforms_ray_settings(package, task_name):
     """``ray start`` in the head and worker containers, and every process it starts, inherit them: workers at nice 0
-    and glibc's malloc keeping freed memory mapped (``training_core/ray_settings.py``); each container's
+    and glibc's malloc keeping freed memory mapped (``training_core/parallel/ray_settings.py``); each container's
     ``postStart`` hook puts the pod's Ray daemons under SCHED_IDLE."""
-    from training_core.ray_settings import POD_HOOK_COMMAND, PROCESS_ENV
+    from training_core.parallel.ray_settings import POD_HOOK_COMMAND, PROCESS_ENV
 
     template = package.tasks[task_name].template
     job = json_format.ParseDict(json_format.MessageToDict(template.custom), ray_pb2.RayJob())

@@ -1,4 +1,4 @@
-"""The platform's Ray settings (``training_core/ray_settings.py``) are set where users run: a Ray task run by
+"""The platform's Ray settings (``training_core/parallel/ray_settings.py``) are set where users run: a Ray task run by
 ``pyflyte run`` on a laptop starts its own Ray cluster with them (the packaged RayJob's pods are decoded in
 ``test_packaging.py`` and ``test_rayjob_sizing.py``)."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT
-from training_core.ray_settings import (
+from training_core.parallel.ray_settings import (
     DAEMONS_IDLE_ENV,
     LOCAL_DASHBOARD_ENV,
     POD_HOOK_COMMAND,
@@ -39,7 +39,7 @@ PROBE = textwrap.dedent(
 
     from tasks.ray_config import ray_job_config
     from training_core.config import ScalingConfig
-    from training_core.ray_settings import PROCESS_ENV
+    from training_core.parallel.ray_settings import PROCESS_ENV
 
 
     @ray.remote(num_cpus=1)
@@ -200,7 +200,7 @@ def test_a_setting_the_user_made_is_kept():
 
 
 def test_the_local_dashboard_setting_is_validated():
-    from training_core.ray_settings import local_init_kwargs
+    from training_core.parallel.ray_settings import local_init_kwargs
 
     assert local_init_kwargs({}) == {"include_dashboard": True}
     assert local_init_kwargs({LOCAL_DASHBOARD_ENV: "0"}) == {"include_dashboard": False}

@@ -26,7 +26,7 @@ from tests.helpers.flyte_compile import RayJobShape, compile_dynamic, rayjob_sha
 from training_core import checkpoint as ckpt
 from training_core import tuning
 from training_core.config import DataConfig, ScalingConfig, Toleration, TrainingConfig, WorkloadConfig
-from training_core.ray_settings import POD_HOOK_COMMAND, PROCESS_ENV
+from training_core.parallel.ray_settings import POD_HOOK_COMMAND, PROCESS_ENV
 from training_core.scaling_benchmark import point_config, scaling_preset
 from training_core.tuning import TuningConfig
 from workflows.scaling_benchmark import ray_point
@@ -199,7 +199,7 @@ def test_the_default_run_is_evaluated_in_a_cpu_pod_of_the_evaluate_tasks_size(tm
 def test_an_elastic_run_gets_a_worker_group_of_min_workers_to_num_workers_replicas():
     """``scaling.min_workers``: KubeRay keeps at least that many worker pods, Ray Train's scaling config gets
     ``(min_workers, num_workers)`` workers and its resize interval."""
-    from training_core.ray_settings import ray_scaling_config
+    from training_core.parallel.ray_settings import ray_scaling_config
 
     elastic = dataclasses.replace(GPU_SCALING, min_workers=2, elastic_resize_interval_s=45.0)
     config = TrainingConfig.from_dict(
@@ -352,7 +352,7 @@ def test_the_prep_node_is_cached_by_what_changes_the_shards_not_by_the_loader_or
 
 
 def test_a_users_text_prep_pod_gets_the_configured_cpus_and_memory_and_tokenises_on_that_many_threads():
-    from training_core.text import tokenizer_threads
+    from training_core.data.text import tokenizer_threads
 
     data = DataConfig(dataset="text", path="s3://b/corpus", prep_num_workers=6, prep_memory_per_worker_gib=12.0)
     workload = WorkloadConfig(name="causal_lm", dataset_source="my_pkg.data:texts")

@@ -171,7 +171,7 @@ def test_a_prep_attempt_killed_half_way_is_retried_into_its_directory_and_writes
     from tests.helpers.image_data import write_jpegs
     from training_core.config import DataConfig, WorkloadConfig
     from training_core.data import Manifest
-    from training_core.image_shards import DONE_SUFFIX
+    from training_core.data.image_shards import DONE_SUFFIX
 
     tree = write_jpegs(tmp_path / "images", per_class=80, side=96)
     config = DataConfig(dataset="image_folder", path=str(tree), image_size=64, num_shards=16, prep_num_workers=1)

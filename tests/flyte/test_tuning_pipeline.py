@@ -196,7 +196,7 @@ def test_ray_tune_strategy_runs_asha_on_one_cluster_with_mlflow_children(workloa
 
     from training_core import tracking
     from training_core.data import prepare
-    from training_core.ray_tune_search import run_search
+    from training_core.runners.ray_tune import run_search
 
     base = SEARCH["base"] if workload == "image_classification" else LM_BASE
     config = TuningConfig.from_dict(

@@ -8,8 +8,8 @@ import contextlib
 import pytest
 import torch
 
-from training_core import batch_size
 from training_core.models import build_model
+from training_core.train import batch_size
 from training_core.workloads.image import classification_loss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU on this machine")

@@ -11,8 +11,8 @@ from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
 from training_core.data import prepare
 from training_core.evaluation import evaluate_checkpoint
-from training_core.loop import run_worker
 from training_core.records import WorkerArgs
+from training_core.train.loop import run_worker
 
 DEVICES = [
     "cpu",

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training_core import sharding
 from training_core.config import OptimizerConfig
 from training_core.models import build_model
-from training_core.optim import build_optimizer
+from training_core.parallel import sharding
+from training_core.train.optim import build_optimizer
 
 DEVICES = [
     "cpu",

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from training_core import sharding
-from training_core.loop import train_step
+from training_core.parallel import sharding
+from training_core.train.loop import train_step
 from training_core.workloads.image import classification_loss
 
 DEVICES = [

@@ -1,4 +1,5 @@
-"""The NCCL network check after a real collective: a fresh process with :func:`training_core.nccl_network.debug_env`
+"""The NCCL network check after a real collective: a fresh process with
+:func:`training_core.parallel.nccl_network.debug_env`
 runs an all-reduce, and the worker's reading of its own NCCL log names the network NCCL chose. The ``cpu`` case is
 the CPU twin: on gloo there is no NCCL log, and the check gives no verdict instead of failing."""
 
@@ -11,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from training_core import nccl_network
+from training_core.parallel import nccl_network
 
 DEVICES = [
     "cpu",
@@ -21,7 +22,7 @@ DEVICES = [
 _WORKER = """
 import json, os, sys
 import torch, torch.distributed as dist
-from training_core import nccl_network
+from training_core.parallel import nccl_network
 
 device, directory = sys.argv[1], sys.argv[2]
 os.environ.update(nccl_network.debug_env(directory))  # before the first collective, as train_loop_per_worker does

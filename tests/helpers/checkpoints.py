@@ -6,10 +6,10 @@ import torch
 
 from training_core import checkpoint as ckpt
 from training_core.config import OptimizerConfig, ScheduleConfig, TrainingConfig
-from training_core.loop import train_step
 from training_core.models import build_model
-from training_core.optim import build_optimizer, build_scheduler
 from training_core.records import EpochRecord
+from training_core.train.loop import train_step
+from training_core.train.optim import build_optimizer, build_scheduler
 from training_core.workloads.image import classification_loss
 
 

@@ -6,8 +6,8 @@ import contextlib
 
 import torch
 
-from training_core import batch_size
 from training_core.config import TrainingConfig
+from training_core.train import batch_size
 
 RSS_BASE = {
     "data": {"dataset": "synthetic", "synthetic_image_size": 32, "synthetic_num_samples": 512, "num_shards": 1},

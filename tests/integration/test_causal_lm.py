@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from training_core import text
 from training_core.config import DataConfig, TrainingConfig
-from training_core.data import Manifest, read_shard
+from training_core.data import Manifest, read_shard, text
 from training_core.workloads import resolve_workload
 from training_core.workloads.causal_lm import CausalLM, TextSpec, model_config, read_tokenizer
 
@@ -660,7 +659,7 @@ def test_an_unknown_or_non_causal_config_class_names_model_name(stdlib_manifest)
 
 def test_importing_the_workload_imports_neither_torch_nor_transformers():
     code = (
-        "import sys, training_core.workloads.causal_lm, training_core.text\n"
+        "import sys, training_core.workloads.causal_lm, training_core.data.text\n"
         "print(sorted(m for m in ('torch', 'transformers', 'tokenizers', 'fsspec') if m in sys.modules))"
     )
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

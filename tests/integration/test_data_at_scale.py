@@ -17,7 +17,7 @@ import pytest
 from tests.helpers.image_data import write_jpegs
 from training_core.config import DataConfig
 from training_core.data import Manifest, ShardStream, prepare
-from training_core.image_shards import prepare_images
+from training_core.data.image_shards import prepare_images
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ def test_a_shard_whose_columns_are_wrong_is_refused_naming_the_shard_and_the_col
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from training_core.image_shards import EncodedImages
+    from training_core.data.image_shards import EncodedImages
 
     out = tmp_path / "prepared"
     prepare(DataConfig(dataset="image_folder", path=str(image_tree), image_size=32, num_shards=4), str(out))
@@ -109,7 +109,7 @@ def test_images_the_loaders_decoder_cannot_read_are_stored_as_8_bit_pngs_and_loa
     import pyarrow.parquet as pq
     from PIL import Image
 
-    from training_core.image_shards import EncodedImages
+    from training_core.data.image_shards import EncodedImages
 
     tree = write_jpegs(tmp_path / "images", per_class=4, classes=2, side=16)  # JPEGs .../class_<c>/<i>.jpg
     grey16 = np.full((16, 24), 51_400, dtype=np.uint16)  # high byte 200
@@ -140,8 +140,8 @@ def test_images_the_loaders_decoder_cannot_read_are_stored_as_8_bit_pngs_and_loa
 
 
 def test_a_sample_the_loader_cannot_decode_names_its_shard_and_sample():
-    from training_core.failures import UserCodeError
-    from training_core.image_shards import EncodedImages
+    from training_core.data.image_shards import EncodedImages
+    from training_core.train.failures import UserCodeError
 
     samples = EncodedImages([7], [0], [b"not an image"], size=16, data=DataConfig(), where="shard 'train-3.parquet'")
     with pytest.raises(UserCodeError, match=r"shard 'train-3.parquet' holds sample 7 .*, which does not decode \("):
@@ -238,7 +238,7 @@ _SHARD_TASK_MEMORY = """
 import json, os, sys
 import fsspec, numpy, PIL.Image, pyarrow.parquet, torchvision.io  # what the task imports, before the baseline
 from training_core.config import DataConfig
-from training_core import image_shards as im
+from training_core.data import image_shards as im
 
 tree, out, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 splits = im.list_image_folder(DataConfig(dataset="image_folder", path=tree, image_size=32)).splits
@@ -279,7 +279,7 @@ def test_a_shard_task_holds_a_row_group_of_images_not_its_whole_shard(tmp_path):
 
 
 def test_a_resume_on_another_number_of_workers_trains_each_sample_of_the_epoch_once(ray_session, image_tree, tmp_path):
-    from training_core.loader import remaining_after, steps_left
+    from training_core.data.loader import remaining_after, steps_left
 
     manifest = prepare(
         DataConfig(dataset="image_folder", path=str(image_tree), image_size=16, num_shards=3), str(tmp_path / "p")
@@ -320,7 +320,7 @@ def test_a_cifar10_format_tarball_is_prepared_and_a_resnet18_with_augmentation_l
     from tests.helpers.image_data import write_cifar_tarball
     from training_core.config import TrainingConfig
     from training_core.evaluation import evaluate_checkpoint
-    from training_core.trainer import fit
+    from training_core.runners.ray_train import fit
 
     tarball = write_cifar_tarball(tmp_path / "cifar-10-python.tar.gz", per_batch=60, learnable=True)
     # At 16x16 (prep resizes the statistics' view; the loader decodes and resizes), to keep a CPU run short.
@@ -361,7 +361,7 @@ def test_a_run_killed_on_two_workers_resumes_on_one_and_trains_each_sample_of_th
     from tests.helpers.sample_recorder import recorded, records_dir
     from training_core import checkpoint as ckpt
     from training_core.config import TrainingConfig
-    from training_core.trainer import checkpoint_root, fit
+    from training_core.runners.ray_train import checkpoint_root, fit
 
     tree = write_jpegs(tmp_path / "images", per_class=120, side=16)
     data_dir = str(tmp_path / "prepared")
@@ -426,7 +426,7 @@ def test_text_tokenised_in_ray_tasks_prepares_the_same_shards_as_the_tokenizers_
     import json
 
     from benchmarks.common import train_bpe_tokenizer
-    from training_core import text
+    from training_core.data import text
     from training_core.workloads import causal_lm
 
     stdlib = "".join((Path(text.stdlib_root()) / name).read_text() for name in ("abc.py", "bisect.py", "copy.py"))
@@ -463,7 +463,7 @@ def test_text_tokenised_in_ray_tasks_prepares_the_same_shards_as_the_tokenizers_
 
 
 def test_tokenising_in_ray_tasks_stops_cleanly_when_the_reader_stops(ray_session):
-    from training_core import text
+    from training_core.data import text
 
     batches = ([f"document {i} " * 50] for i in range(1_000))
     encoded = text.encode_batches(batches, text.byte_tokenizer(), ray_workers=2)
@@ -482,7 +482,7 @@ def _slow_first(index: int) -> int:
 
 
 def test_ordered_tasks_start_no_more_than_num_workers_results_ahead_of_a_slow_one(ray_session):
-    from training_core.ray_tasks import map_tasks
+    from training_core.runners.ray_tasks import map_tasks
 
     drawn = []
 

@@ -40,7 +40,7 @@ DIGITS = [str(d) for d in range(10)]
 
 
 def _step_log(*, timed: bool = True) -> list[dict[str, float]]:
-    """One record per logged window of a 2-worker digits run, shaped like ``training_core.loop``'s."""
+    """One record per logged window of a 2-worker digits run, shaped like ``training_core.train.loop``'s."""
     total = STEPS_PER_EPOCH * EPOCHS
     records = []
     for step in range(LOG_EVERY_STEPS, total + 1, LOG_EVERY_STEPS):

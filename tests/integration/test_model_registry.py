@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import VENV_BIN
 from training_core.config import TrackingConfig
-from training_core.launch import free_port
+from training_core.runners.launch import free_port
 from training_core.tracking import register_and_promote
 
 MODEL = "gate-test-model"

@@ -47,7 +47,7 @@ def test_prep_records_what_it_left_out_and_re_encoded_and_every_stored_sample_de
 def test_an_image_folder_on_s3_is_listed_as_the_same_folder_on_disk_with_what_it_leaves_out(s3_server, tmp_path):
     import s3fs
 
-    from training_core.image_shards import list_image_folder
+    from training_core.data.image_shards import list_image_folder
 
     local = write_jpegs(tmp_path / "images", per_class=2, classes=2, side=16)
     (local / "class_0" / "nested").mkdir()

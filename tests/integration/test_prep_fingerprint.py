@@ -1,4 +1,4 @@
-"""The fingerprint prep's cache is keyed on (training_core/fingerprint.py): it changes with what prep reads (a
+"""The fingerprint prep's cache is keyed on (training_core/data/fingerprint.py): it changes with what prep reads (a
 file's bytes, size or modification time, a folder's files, an object's ETag, the user's code) and with nothing
 else, and it lists and hashes without opening a FIFO, importing user code or downloading an object."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from training_core.config import DataConfig, WorkloadConfig
-from training_core.fingerprint import data_locations, fingerprint_prep_inputs, user_code_paths
+from training_core.data.fingerprint import data_locations, fingerprint_prep_inputs, user_code_paths
 
 USER = WorkloadConfig(name="fp_unit_pkg.workload:Build")
 """A user workload: it may read ``data.path``, and its package is fingerprinted."""

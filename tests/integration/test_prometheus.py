@@ -21,7 +21,7 @@ import yaml
 
 from training_core.config import DataConfig, TrainingConfig
 from training_core.data import Manifest, prepare
-from training_core.launch import free_port
+from training_core.runners.launch import free_port
 from training_core.telemetry.catalog import PUSHGATEWAY_JOB, STEP_DURATION_BUCKETS_S
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -123,7 +123,7 @@ def pushed_run(prometheus_stack, ray_session, tmp_path_factory) -> dict:
     from training_core import tracking
     from training_core.config import TrackingConfig
     from training_core.records import MlflowRun
-    from training_core.trainer import fit
+    from training_core.runners.ray_train import fit
 
     tmp_path = tmp_path_factory.mktemp("pushed-run")
     data_dir = str(tmp_path / "data")
@@ -333,9 +333,9 @@ def test_a_cuda_oom_on_an_early_step_is_counted_pushed_unfinished_and_fires_the_
     counter at 1 in the final push, which only the alert's "new series above zero" branch catches."""
     import torch
 
-    from training_core import loop
-    from training_core.launch import TorchDistributedRuntime
     from training_core.records import WorkerArgs
+    from training_core.runners.launch import TorchDistributedRuntime
+    from training_core.train import loop
 
     data_dir = str(tmp_path / "data")
     prepare(DataConfig(dataset="synthetic", synthetic_num_samples=256, synthetic_image_size=8, num_shards=1), data_dir)

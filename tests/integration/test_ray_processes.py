@@ -1,5 +1,6 @@
 """Ray processes left behind: a Ray Train run's, found in Ray's actor table and ended when ``fit`` returns
-(training_core/ray_processes.py), and a test session's, which fail the session (tests/conftest.py). Real processes
+(training_core/runners/ray_processes.py), and a test session's, which fail the session (tests/conftest.py). Real
+processes
 under Ray's process titles, real signals, and a real pytest session with a real Ray cluster."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from ray.core.generated import gcs_pb2
 
 from tests.conftest import REPO_ROOT, leftover_ray_processes
-from training_core.ray_processes import RunProcess, local_processes, reap, run_actors, start_ticks
+from training_core.runners.ray_processes import RunProcess, local_processes, reap, run_actors, start_ticks
 
 ME, OTHER = b"driver-worker-id", b"other-driver-id"
 NODE, OTHER_NODE = b"this-node", b"other-node"
@@ -53,7 +54,7 @@ def test_a_run_process_that_ignores_sigterm_is_killed_after_the_wait_and_named(p
     processes.append(stuck)
     os.kill(stuck.pid, signal.SIGTERM)
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="training_core.ray_processes"):
+    with caplog.at_level(logging.WARNING, logger="training_core.runners.ray_processes"):
         killed = reap([run_process(stuck, "TrainController")], wait_s=0.5)
     assert time.monotonic() - started >= 0.5
     assert stuck.wait(timeout=10) == -signal.SIGKILL
@@ -67,7 +68,7 @@ def test_a_run_process_that_exits_within_the_wait_is_left_to_exit(processes, cap
     exiting = subprocess.Popen(["bash", "-c", "exec -a ray::DatasetManager sleep 0.5"])
     processes.append(exiting)
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="training_core.ray_processes"):
+    with caplog.at_level(logging.WARNING, logger="training_core.runners.ray_processes"):
         assert reap([run_process(exiting, "DatasetManager")], wait_s=30) == []
     assert time.monotonic() - started < 10  # done when it exited, not at the end of the wait
     assert exiting.wait(timeout=10) == 0 and caplog.text == ""

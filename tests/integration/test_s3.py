@@ -74,8 +74,8 @@ def test_a_sharded_checkpoint_on_s3_is_verified_downloaded_restored_and_a_corrup
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from training_core import sharding
     from training_core.models import build_model
+    from training_core.parallel import sharding
 
     def sharded_model():
         torch.manual_seed(0)

@@ -65,8 +65,8 @@ def test_a_sharded_save_on_a_full_disk_keeps_the_previous_checkpoint_and_cleans_
     import torch
     import torch.distributed as dist
 
-    from training_core import sharding
     from training_core.models import build_model
+    from training_core.parallel import sharding
 
     root, mounted = small_disk
     storage = ckpt.CheckpointStorage(str(root))

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tests.helpers.memory import RSS_BASE
-from training_core import batch_size
 from training_core.config import TrainingConfig
 from training_core.models import build_model
+from training_core.train import batch_size
 from training_core.workloads.image import classification_loss
 
 
@@ -79,7 +79,7 @@ import json, re, sys, tempfile
 import torch
 from training_core.config import TrainingConfig
 from training_core.data import Manifest
-from training_core.loop import run_worker
+from training_core.train.loop import run_worker
 from training_core.records import WorkerArgs
 from training_core.workloads import resolve_workload
 from tests.helpers.memory import RSS_BASE, measured_step_memory

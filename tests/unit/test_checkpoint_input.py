@@ -28,8 +28,8 @@ import torch
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
 from training_core.records import EpochRecord, StepRecord
-from training_core.rng import gather_rng_states
 from training_core.schema import describe
+from training_core.train.rng import gather_rng_states
 
 MAX_MESSAGE_CHARS = 4096
 OLDER, NEWER = "step-000000010", "step-000000020"

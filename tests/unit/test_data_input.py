@@ -15,7 +15,7 @@ import pytest
 
 from training_core.config import DataConfig
 from training_core.data import ArraySpec, Manifest, ShardInfo, prepare, read_shard, write_prepared
-from training_core.datasets import CIFAR10_BATCHES, CIFAR10_MAX_MEMBER_BYTES, RawDataset, load_raw
+from training_core.data.sources import CIFAR10_BATCHES, CIFAR10_MAX_MEMBER_BYTES, RawDataset, load_raw
 
 MAX_MESSAGE_CHARS = 4096
 BATCH_1 = CIFAR10_BATCHES[0]
@@ -257,8 +257,8 @@ def test_credentials_in_data_path_never_appear_in_an_error(tmp_path):
 def test_credentials_a_library_quotes_without_the_urls_scheme_never_appear_in_an_error(source):
     """fsspec strips ``s3://``: botocore names the bucket ``KEY:SECRET@bucket``, which no URL pattern can tell from
     text. A secret of each case's own, so no earlier redaction in this process helps."""
-    from training_core.image_shards import check_source
-    from training_core.text import check_text_source, load_tokenizer
+    from training_core.data.image_shards import check_source
+    from training_core.data.text import check_text_source, load_tokenizer
 
     secret = f"SECRET{source.upper()}XYZ"
     url = f"s3://AKIA{source.upper()}:{secret}@bucket/data"

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from training_core.config import ScalingConfig
-from training_core.distributed import ddp_options
+from training_core.parallel.distributed import ddp_options
 
 MIB = 2**20
 

@@ -195,7 +195,7 @@ def test_no_compiler_reaches_the_final_stage(stages):
 def test_every_container_of_the_image_gets_the_platforms_ray_settings(stages):
     """Ray pods the platform did not size (the kustomize examples, a user's own RayCluster on this image) start Ray
     with the same settings as the platform's RayJobs."""
-    from training_core.ray_settings import PROCESS_ENV
+    from training_core.parallel.ray_settings import PROCESS_ENV
 
     env = final_env(stages)
     assert {name: env.get(name) for name in PROCESS_ENV} == PROCESS_ENV

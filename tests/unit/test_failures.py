@@ -12,7 +12,7 @@ from ray.train.v2._internal.exceptions import (
 )
 
 from training_core.checkpoint import CheckpointError
-from training_core.failures import (
+from training_core.train.failures import (
     INFRASTRUCTURE,
     USER,
     FailFastPolicy,

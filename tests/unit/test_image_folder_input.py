@@ -22,7 +22,7 @@ from tests.helpers.image_data import (
     write_jpegs,
 )
 from training_core.config import DataConfig
-from training_core.image_shards import EncodedImages, ShardTask, list_image_folder, write_shard
+from training_core.data.image_shards import EncodedImages, ShardTask, list_image_folder, write_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,7 +67,7 @@ def test_what_an_image_folder_holds_besides_its_images_is_counted_named_and_logg
     (tree / "class_1" / "notes.txt").write_text("not an image")
     (tree / "class_1" / ".DS_Store").write_bytes(b"\0")
     (tree / "README.md").write_text("a file beside the class folders")
-    with caplog.at_level(logging.WARNING, logger="training_core.image_shards"):
+    with caplog.at_level(logging.WARNING, logger="training_core.data.image_shards"):
         listing = list_image_folder(_config(tree))
     assert listing.classes == ["class_0", "class_1"] and len(_sources(listing)) == 4
     left_out = listing.left_out
@@ -81,7 +81,7 @@ def test_what_an_image_folder_holds_besides_its_images_is_counted_named_and_logg
 
 
 def test_a_tree_with_nothing_left_out_logs_no_left_out_line(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="training_core.image_shards"):
+    with caplog.at_level(logging.WARNING, logger="training_core.data.image_shards"):
         listing = list_image_folder(_config(_tree(tmp_path)))
     assert listing.left_out.count == 0 and not [r for r in caplog.records if "left out" in r.getMessage()]
 
@@ -144,7 +144,7 @@ def test_an_image_name_that_is_no_regular_file_is_refused_at_the_listing_naming_
 
 
 def _task(tree: Path, out: Path, sources: list[str]) -> ShardTask:
-    from training_core.image_shards import ImageItem
+    from training_core.data.image_shards import ImageItem
 
     out.mkdir(exist_ok=True)
     items = [ImageItem(source=s, label=i % 2, sample_id=i) for i, s in enumerate(sources)]
@@ -194,7 +194,7 @@ def _has_reader(path: Path) -> bool:
 
 
 def test_an_image_file_larger_than_the_cap_is_a_bad_sample_read_no_further(tmp_path, monkeypatch):
-    from training_core import image_shards
+    from training_core.data import image_shards
 
     tree = _tree(tmp_path)
     monkeypatch.setattr(image_shards, "MAX_IMAGE_BYTES", 300)  # the JPEGs are ~700 bytes
@@ -262,7 +262,7 @@ def test_a_plain_png_is_stored_as_it_came():
 
     from PIL import Image
 
-    from training_core.image_shards import _stored
+    from training_core.data.image_shards import _stored
 
     for mode in ("RGB", "RGBA", "L", "P"):
         buffer = io.BytesIO()
@@ -305,8 +305,8 @@ def test_a_sample_that_fails_in_a_loader_process_is_a_user_code_error_naming_sha
     """From a shard an older prep wrote: in a real ``DataLoader`` process, the sample's failure reaches the training
     worker as a ``UserCodeError`` (never retried) naming the shard, the sample id, the source file and the fix, not
     a ``collate`` error or a "re-run data prep" that would not help."""
-    from training_core.failures import UserCodeError
-    from training_core.loader import loader_iter
+    from training_core.data.loader import loader_iter
+    from training_core.train.failures import UserCodeError
 
     samples = _samples([_jpeg(), _jpeg(), payload])
 

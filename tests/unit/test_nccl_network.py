@@ -4,8 +4,8 @@ that tell NCCL what to use. The check itself, after a real NCCL collective, is t
 from pathlib import Path
 
 from tests.helpers.nccl_logs import FALLBACK_LOG
-from training_core import nccl_network
-from training_core.nccl_network import NcclNetwork, mismatch, parse
+from training_core.parallel import nccl_network
+from training_core.parallel.nccl_network import NcclNetwork, mismatch, parse
 
 # Two nodes with InfiniBand: rank 0's log (abridged).
 IB_LOG = """\

@@ -13,12 +13,12 @@ import torch
 
 from tests.helpers.runtime import InProcessRuntime
 from training_core import checkpoint as ckpt
-from training_core import loop
 from training_core.config import LoopConfig, TrainingConfig
 from training_core.data import prepare
 from training_core.evaluation import evaluate_checkpoint, require_finite
-from training_core.failures import TrainingDiverged, classify
 from training_core.records import MlflowRun, WorkerArgs
+from training_core.train import loop
+from training_core.train.failures import TrainingDiverged, classify
 
 # SGD at lr 20 without clipping on this data: the loss grows by orders of magnitude each step and is NaN at step 6.
 DIVERGING = {"name": "sgd", "lr": 20.0, "momentum": 0.9, "weight_decay": 0.0, "max_grad_norm": 0.0}

@@ -19,10 +19,10 @@ from tests.helpers.runtime import InProcessRuntime
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
 from training_core.data import Manifest, prepare
-from training_core.loop import run_worker
 from training_core.metrics import flatten
 from training_core.pretrained import locate, read_pretrained, weights_sha256
 from training_core.records import WorkerArgs
+from training_core.train.loop import run_worker
 from training_core.workloads import preflight, resolve_workload
 
 

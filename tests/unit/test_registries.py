@@ -12,7 +12,7 @@ from torch import nn
 from training_core import config as config_module
 from training_core import registry
 from training_core.config import DataConfig, TrainingConfig
-from training_core.datasets import RawDataset
+from training_core.data.sources import RawDataset
 from training_core.registry import DATASET_SOURCES, IMAGE_MODELS, LM_SIZES, WORKLOADS, DatasetSource
 
 PACKAGE = Path(__file__).resolve().parents[2] / "training_core"
@@ -108,7 +108,7 @@ def test_no_module_of_training_core_keeps_a_second_list_of_registered_names():
 
 
 def test_an_image_source_that_is_not_encoded_is_an_error_in_image_shards_not_read_as_cifar(tmp_path):
-    from training_core.image_shards import ImageItem, ShardTask, check_source, prepare_images, write_shard
+    from training_core.data.image_shards import ImageItem, ShardTask, check_source, prepare_images, write_shard
 
     digits = DataConfig(dataset="digits")
     expected = (

@@ -18,13 +18,13 @@ import torch
 
 from tests.helpers.runtime import InProcessRuntime
 from training_core import checkpoint as ckpt
-from training_core import preemption
 from training_core.config import TrainingConfig
 from training_core.data import prepare
-from training_core.failures import WorkerPreempted, classify
-from training_core.loop import run_worker
 from training_core.records import WorkerArgs
 from training_core.telemetry.goodput import ExecutionGoodput
+from training_core.train import preemption
+from training_core.train.failures import WorkerPreempted, classify
+from training_core.train.loop import run_worker
 
 
 def _config(compile: bool = False, **loop) -> TrainingConfig:
@@ -346,7 +346,7 @@ def test_the_all_reduce_check_goes_to_mlflow_and_warns_below_the_configured_floo
     """What rank 0 does with the job-start all-reduce check (measured on 2 gloo workers in
     tests/integration/test_prometheus.py): MLflow metrics at the starting step, and a warning naming the setting."""
 
-    from training_core.distributed import AllReduceProbe, probe_allreduce
+    from training_core.parallel.distributed import AllReduceProbe, probe_allreduce
     from training_core.train.network_checks import NetworkChecks
 
     assert probe_allreduce(torch.device("cpu"), 1) is None  # one rank has nothing to measure
@@ -383,7 +383,7 @@ def test_a_gpu_worker_reads_nccls_network_choice_and_names_the_variable_it_ignor
     from types import SimpleNamespace
 
     from tests.helpers.nccl_logs import FALLBACK_LOG
-    from training_core.distributed import AllReduceProbe
+    from training_core.parallel.distributed import AllReduceProbe
     from training_core.train.network_checks import NetworkChecks, read_nccl_network
 
     (tmp_path / f"nccl-debug.gpu01.{os.getpid()}.log").write_text(FALLBACK_LOG)
@@ -502,7 +502,7 @@ def test_an_out_of_memory_step_is_retried_with_half_the_micro_batch_under_the_re
 def test_model_compile_compiles_the_module_in_place_so_checkpoints_keep_their_parameter_names(digits_dir, tmp_path):
     """``model.compile`` is ``nn.Module.compile`` on the model (block by block under FSDP) before any wrapper:
     compiled at its first call, with the same parameter names as the eager model."""
-    from training_core.loop import Trainer
+    from training_core.train.loop import Trainer
 
     trainer = Trainer(
         WorkerArgs.build(_config(compile=True), data_dir=digits_dir, checkpoint_root=str(tmp_path), run_name="unit"),
@@ -534,7 +534,7 @@ def test_training_in_slices_with_stop_at_epoch_equals_one_uninterrupted_run(digi
     spans ``loop.epochs`` throughout, so the slices add up to exactly the uninterrupted run, and no step is trained
     twice. A slice whose stop is not past its checkpoint has nothing to do, and ``fit`` says so before any worker
     starts."""
-    from training_core.trainer import fit
+    from training_core.runners.ray_train import fit
 
     base = _config(epochs=2, batch_size=32)
     whole = _slice_run(base, data_dir=digits_dir, root=tmp_path / "whole")
@@ -556,7 +556,7 @@ def test_training_in_slices_with_stop_at_epoch_equals_one_uninterrupted_run(digi
 def test_a_resumed_slice_follows_the_configs_new_learning_rate_and_weight_decay(digits_dir, tmp_path):
     """PBT continues a copied checkpoint with perturbed hyperparameters: the optimizer moments and the
     schedule position come from the checkpoint, the peak LR and weight decay from the new config."""
-    from training_core.optim import lr_factor
+    from training_core.train.optim import lr_factor
 
     base = _config(epochs=2, batch_size=64, log_interval_steps=1, stop_at_epoch=1)
     base = dataclasses.replace(base, optimizer=dataclasses.replace(base.optimizer, lr=0.002, weight_decay=0.01))

@@ -16,9 +16,9 @@ import pytest
 from tests.helpers.runtime import InProcessRuntime
 from training_core.config import TrainingConfig
 from training_core.data import prepare
-from training_core.loop import run_worker
 from training_core.records import WorkerArgs
 from training_core.redact import REDACTED_LOGGERS, RedactingFilter, install_log_redaction, redact
+from training_core.train.loop import run_worker
 
 
 @pytest.mark.parametrize(
@@ -224,9 +224,9 @@ def test_marker_credentials_in_every_url_field_reach_no_log_mlflow_record_or_che
 
     from training_core import tracking
     from training_core.config import DataConfig, TrackingConfig
-    from training_core.launch import free_port
     from training_core.records import MlflowRun
-    from training_core.trainer import checkpoint_root, collect_final
+    from training_core.runners.launch import free_port
+    from training_core.runners.ray_train import checkpoint_root, collect_final
 
     monkeypatch.chdir(tmp_path)  # MLflow's default artifact root (./mlruns) lands here
     closed = f"127.0.0.1:{free_port()}"

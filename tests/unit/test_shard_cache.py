@@ -14,8 +14,8 @@ import types
 import fsspec
 import pytest
 
-from training_core import image_shards
 from training_core.config import DataConfig
+from training_core.data import image_shards
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from training_core import sharding
 from training_core.config import TrainingConfig
 from training_core.data import prepare
+from training_core.parallel import sharding
 from training_core.workloads import preflight
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from training_core import checkpoint as ckpt
 from training_core.config import ObservabilityConfig, ScalingConfig, TrainingConfig
-from training_core.launch import free_port
+from training_core.runners.launch import free_port
 from training_core.telemetry import (
     GpuReading,
     HostReading,
@@ -404,7 +404,7 @@ def test_checkpoint_meta_written_before_telemetry_existed_still_loads():
 
 
 def test_ports_picked_for_servers_are_free_consecutive_and_below_the_ephemeral_range():
-    from training_core.launch import _ephemeral_port_floor
+    from training_core.runners.launch import _ephemeral_port_floor
 
     floor = _ephemeral_port_floor()
     for _ in range(20):

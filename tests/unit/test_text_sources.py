@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training_core import text
 from training_core.config import DataConfig, TrainingConfig
+from training_core.data import text
 from training_core.workloads import causal_lm
 from training_core.workloads.causal_lm import CausalLM
 
@@ -264,7 +264,7 @@ def test_a_tokenizer_whose_pre_tokenizer_regex_panics_is_a_value_error_naming_it
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("special", ["fifo", "dev-zero"])
 def test_a_cifar10_path_that_is_a_fifo_or_a_device_is_refused_without_reading_it(tmp_path, special):
-    from training_core.datasets import load_raw
+    from training_core.data.sources import load_raw
 
     path = tmp_path / "cifar-10-python.tar.gz"
     if special == "fifo":

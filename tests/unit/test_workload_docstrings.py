@@ -44,7 +44,7 @@ def model_factory(*args, params=None, **kwargs):
     return nn.Linear(2, 2)
 
 def image_source(*args, params=None, **kwargs):
-    from training_core.datasets import RawDataset
+    from training_core.data.sources import RawDataset
     record("dataset_source", args, {**kwargs, "params": params} if params is not None else kwargs)
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (40, 1, 4, 4), dtype=np.uint8)
@@ -57,8 +57,9 @@ def text_source(*args, params=None, **kwargs):
 
 
 def field_docstrings(class_name: str) -> dict[str, str]:
-    """Each field of the dataclass ``class_name`` in training_core/config.py: its docstring, read from the source."""
-    tree = ast.parse((REPO_ROOT / "training_core" / "config.py").read_text())
+    """Each field of the dataclass ``class_name`` in training_core/config/sections.py: its docstring, read from the
+    source."""
+    tree = ast.parse((REPO_ROOT / "training_core" / "config" / "sections.py").read_text())
     (found,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name]
     docs = {}
     for field, doc in zip(found.body, found.body[1:]):

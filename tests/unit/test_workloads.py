@@ -17,7 +17,7 @@ import torch
 from tests.conftest import REPO_ROOT
 from training_core.config import DataConfig, TrainingConfig, WorkloadConfig, load_config
 from training_core.data import MANIFEST_NAME, Manifest, prepare
-from training_core.failures import USER, UserCodeError, classify
+from training_core.train.failures import USER, UserCodeError, classify
 from training_core.workloads import Workload, code_paths, preflight, resolve_workload
 
 EXAMPLE = "examples.tabular_mlp.workload:TabularMLP"
@@ -504,7 +504,7 @@ def test_a_dataset_source_that_returns_the_wrong_type_fails_data_prep(user_packa
         workload.prepare_data(DataConfig(), str(tmp_path / "prepared"))
     assert str(caught.value) == (
         f"workload.dataset_source='{module}:source' returned a dict; it must return a "
-        "training_core.datasets.RawDataset (uint8 images N x C x H x W and int64 labels per split, and the class "
+        "training_core.data.sources.RawDataset (uint8 images N x C x H x W and int64 labels per split, and the class "
         "names)"
     )
     assert not (tmp_path / "prepared").exists()
@@ -514,7 +514,7 @@ def test_a_dataset_source_whose_images_are_wrong_names_the_source_and_the_split(
     module = user_package(
         """
         import numpy as np
-        from training_core.datasets import RawDataset
+        from training_core.data.sources import RawDataset
 
         def source(data):
             images = np.zeros((40, 8, 8), dtype=np.uint8)  # no channel axis
@@ -659,8 +659,8 @@ def test_the_example_trains_evaluates_and_its_checkpoint_predicts_raw_rows_in_pr
     from tests.helpers.runtime import InProcessRuntime
     from training_core import checkpoint as ckpt
     from training_core.evaluation import evaluate_checkpoint
-    from training_core.loop import run_worker
     from training_core.records import WorkerArgs
+    from training_core.train.loop import run_worker
 
     cfg = load_config(REPO_ROOT / "examples" / "tabular_mlp.yaml", environ={})
     cfg = TrainingConfig.from_dict(
@@ -742,7 +742,7 @@ def test_a_model_factory_and_a_dataset_source_that_take_params_get_them(user_pac
         import numpy as np
         from torch import nn
 
-        from training_core.datasets import RawDataset
+        from training_core.data.sources import RawDataset
 
         @dataclass
         class Width:

@@ -83,7 +83,7 @@ class CheckpointMeta:
     a resume from it recomputes nothing."""
     data_remaining: Annotated[list[list[int]], Rule(_list_of(_is_interval), _INTERVALS)] = field(default_factory=list)
     """Positions of ``epoch``'s global sample order not trained yet, as ``[start, stop)`` intervals
-    (:mod:`training_core.loader`); empty at an epoch's start and in checkpoints written before it (which resume
+    (:mod:`training_core.data.loader`); empty at an epoch's start and in checkpoints written before it (which resume
     on the same number of workers only)."""
     data_exhausted: bool = False
     """Every sample of ``epoch``'s order was trained (``data_remaining`` is empty because nothing is left, not
@@ -167,7 +167,7 @@ def _record_of(cls: type) -> Callable[[Any], bool]:
 
 
 def _is_rng_states(value: Any) -> bool:
-    """Whether a value is the per-rank python/numpy RNG states :func:`training_core.rng.restore_rng` takes."""
+    """Whether a value is the per-rank python/numpy RNG states :func:`training_core.train.rng.restore_rng` takes."""
     if not isinstance(value, dict):
         return False
     for rank, states in value.items():

@@ -25,7 +25,7 @@ def build_saved_model(meta: CheckpointMeta):
     """The model a checkpoint's metadata describes, freshly initialised, and its workload (user code is imported
     again): ``(model, workload)``. Load its weights with :func:`restore`."""
     from training_core.config import TrainingConfig
-    from training_core.prepared import Manifest
+    from training_core.data.prepared import Manifest
     from training_core.pretrained import without_pretrained
     from training_core.workloads import resolve_workload
 
@@ -53,7 +53,7 @@ def restore(loaded: LoadedCheckpoint, *, model, optimizer=None, scheduler=None, 
     held now: a sharded checkpoint into an FSDP model on any number of ranks (resharded), into a DDP model or into
     one process; a full checkpoint into a DDP model or, each rank reading the whole of it, into an FSDP model. Under
     a process group every rank calls it (the sharded load is a collective)."""
-    from training_core.sharding import is_sharded
+    from training_core.parallel.sharding import is_sharded
 
     try:
         if loaded.shards_dir:

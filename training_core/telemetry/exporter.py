@@ -347,7 +347,7 @@ class PrometheusTelemetry:
         self._m["training_oom_retries_total"].inc()
 
     def allreduce_probe(self, *, bus_bandwidth_bytes_per_s: float, latency_s: float) -> None:
-        """The job-start all-reduce check (:func:`~training_core.distributed.probe_allreduce`)."""
+        """The job-start all-reduce check (:func:`~training_core.parallel.distributed.probe_allreduce`)."""
         self._m["training_allreduce_bus_bandwidth_bytes_per_second"].set(bus_bandwidth_bytes_per_s)
         self._m["training_allreduce_latency_seconds"].set(latency_s)
 

@@ -1,4 +1,5 @@
-"""The training loop's parts, each with one job, that :class:`training_core.loop.Trainer` hands its work to.
+"""Training: the loop (:mod:`~training_core.train.loop`, ``run_worker`` and its ``Trainer``) and the parts, each
+with one job, that the ``Trainer`` hands its work to.
 
 - :mod:`~training_core.train.step`: one optimizer step over micro-batches (``train_step``), precision, masking.
 - :mod:`~training_core.train.meter`: the sums behind every record, and where the records go.
@@ -9,4 +10,9 @@
 - :mod:`~training_core.train.local_sgd`: local SGD's averaging and its per-rank replicas.
 - :mod:`~training_core.train.guards`: out-of-memory retries, non-finite steps and weights, preemption.
 - :mod:`~training_core.train.network_checks`: the job-start all-reduce probe and NCCL's network choice.
+- :mod:`~training_core.train.batch_size`: ``loop.batch_size: auto``, the largest micro-batch that fits.
+- :mod:`~training_core.train.optim`: optimizer and LR schedule, and how a resumed run follows a changed config.
+- :mod:`~training_core.train.rng`: every rank's RNG streams, saved and restored (exact resume).
+- :mod:`~training_core.train.preemption`: SIGTERM and Ray's preemption notice: the just-in-time checkpoint.
+- :mod:`~training_core.train.failures`: why a run failed: infrastructure (worth a retry) or the user's own error.
 """

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from training_core.distributed import all_reduce_sum
+from training_core.parallel.distributed import all_reduce_sum
 from training_core.telemetry.eta import EtaEstimator, Progress
 from training_core.telemetry.goodput import (
     CATEGORIES,

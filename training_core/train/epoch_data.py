@@ -1,4 +1,4 @@
-"""The run's length in steps, which samples an epoch trains on this attempt (see :mod:`training_core.loader`): from
+"""The run's length in steps, which samples an epoch trains on this attempt (see :mod:`training_core.data.loader`): from
 the epoch's start, or from the positions a checkpoint left, on any number of workers; and what is left of them for the
 next checkpoint."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterator
 
-from training_core.loader import check_intervals, remaining_after, steps_left
+from training_core.data.loader import check_intervals, remaining_after, steps_left
 
 if TYPE_CHECKING:
     from training_core.config import LoopConfig

@@ -1,6 +1,6 @@
 """What retries a step or stops a run: a CUDA out-of-memory step (:class:`OomRetry`, ``loop.oom_policy``), a
 non-finite loss, gradient norm, weight or validation loss (:class:`DivergenceGuard`, ``loop.nonfinite_policy``), and a
-worker told to stop (:class:`PreemptionWatch`, :mod:`training_core.preemption`)."""
+worker told to stop (:class:`PreemptionWatch`, :mod:`training_core.train.preemption`)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 import torch
 from torch import nn
 
-from training_core import preemption, sharding
-from training_core.distributed import all_reduce_sum
-from training_core.failures import TrainingDiverged, WorkerPreempted
+from training_core.parallel import sharding
+from training_core.parallel.distributed import all_reduce_sum
+from training_core.train import preemption
+from training_core.train.failures import TrainingDiverged, WorkerPreempted
 from training_core.train.step import StepResult, split_batch
 
 if TYPE_CHECKING:
     from training_core.checkpoint import Checkpointer
     from training_core.config import LoopConfig, TrainingConfig
-    from training_core.distributed import WorkerRuntime
+    from training_core.parallel.distributed import WorkerRuntime
     from training_core.train.meter import NonFiniteSteps
 
 log = logging.getLogger("training_core")

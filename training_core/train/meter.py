@@ -13,14 +13,14 @@ import numpy as np
 import torch
 
 from training_core.config import is_better
-from training_core.distributed import all_reduce_sum
+from training_core.parallel.distributed import all_reduce_sum
 from training_core.records import EpochRecord, StepRecord
 from training_core.train.accounting import RunAccounting, WindowTimes, goodput_metrics
 from training_core.train.step import StepResult
 
 if TYPE_CHECKING:
-    from training_core.distributed import CommTimer
     from training_core.metrics import MetricSink
+    from training_core.parallel.distributed import CommTimer
     from training_core.train.guards import DivergenceGuard
     from training_core.train.run_state import RunState
 

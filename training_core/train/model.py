@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from training_core import sharding
-from training_core.distributed import ddp_options
+from training_core.parallel import sharding
+from training_core.parallel.distributed import ddp_options
 
 if TYPE_CHECKING:
     from training_core.config import TrainingConfig
     from training_core.data import Manifest
-    from training_core.distributed import WorkerRuntime
+    from training_core.parallel.distributed import WorkerRuntime
     from training_core.records import MlflowRun
     from training_core.train.guards import DivergenceGuard
     from training_core.workloads import Workload

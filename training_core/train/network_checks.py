@@ -7,14 +7,14 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from training_core import nccl_network
-from training_core.distributed import AllReduceProbe, probe_allreduce
+from training_core.parallel import nccl_network
+from training_core.parallel.distributed import AllReduceProbe, probe_allreduce
 
 if TYPE_CHECKING:
     import torch
 
-    from training_core.distributed import WorkerRuntime
     from training_core.metrics import MetricSink
+    from training_core.parallel.distributed import WorkerRuntime
 
 log = logging.getLogger("training_core")
 

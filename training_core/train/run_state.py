@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from training_core import checkpoint as ckpt
 from training_core.config import METRIC_DIRECTIONS
-from training_core.distributed import all_reduce_sum
+from training_core.parallel.distributed import all_reduce_sum
 from training_core.records import EpochRecord, StepLog
 from training_core.redact import redact
 
@@ -42,7 +42,8 @@ class RunState:
     """``time.monotonic()`` at which the run would have started had it never stopped (its clock continues)."""
     data_remaining: list[tuple[int, int]] | None = None
     """Positions of ``epoch``'s sample order left when this attempt resumed into it (the checkpoint's), or None:
-    the epoch's first ``step_in_epoch`` steps were taken on this number of workers (see :mod:`training_core.loader`)."""
+    the epoch's first ``step_in_epoch`` steps were taken on this number of workers (see
+    :mod:`training_core.data.loader`)."""
 
     @classmethod
     def resumed(cls, meta: ckpt.CheckpointMeta, *, same_run: bool) -> RunState:

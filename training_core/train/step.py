@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from training_core.sharding import full_tensor
+from training_core.parallel.sharding import full_tensor
 
 if TYPE_CHECKING:
     from training_core.workloads import LossOutput

@@ -12,7 +12,7 @@ built-in workload also takes a user model factory (``workload.model_factory``) o
 (``workload.dataset_source``). :func:`resolve_workload` imports and checks all of them, so a bad path fails in the
 driver before any worker starts, naming the field, the value and the fix; :func:`preflight` then runs a user
 workload once on a batch there. Inside the workers, what user code raises is a
-:class:`~training_core.failures.UserCodeError` naming it, which neither Ray Train nor Flyte retries.
+:class:`~training_core.train.failures.UserCodeError` naming it, which neither Ray Train nor Flyte retries.
 
 This package's names live in :mod:`~training_core.workloads.protocol` (the protocol and what it returns),
 :mod:`~training_core.workloads.user_code` (calling user code) and :mod:`~training_core.workloads.resolve` (choosing

@@ -12,7 +12,7 @@ The loop trains :class:`CausalLMModel`: ``forward(input_ids [N, T]) -> logits [N
 model, with greedy :meth:`~CausalLMModel.generate` and :meth:`~CausalLMModel.generate_text` (it carries its
 tokenizer, so a model logged to MLflow decodes on its own).
 
-Data prep (:mod:`training_core.text`) tokenises ``data.dataset`` (``stdlib`` or ``text``) or a user's
+Data prep (:mod:`training_core.data.text`) tokenises ``data.dataset`` (``stdlib`` or ``text``) or a user's
 ``workload.dataset_source`` into sequences of ``data.seq_len + 1`` tokens (``tokens``, int32), split by document,
 and keeps a copy of a ``tokenizer.json`` beside the shards (its sha256 and the vocabulary in ``manifest.spec``).
 
@@ -34,14 +34,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Mapping, NoReturn, S
 import numpy as np
 
 from training_core.config import DataConfig, ModelConfig, TrainingConfig, WorkloadConfig
-from training_core.files import UnreadableFile, read_regular_path
-from training_core.messages import clip, quote
-from training_core.prepared import ArraySpec, Manifest, write_shards
-from training_core.redact import redact
-from training_core.registry import LM_SIZES as GPT2_SIZES
-from training_core.schema import Rule, SchemaError, check, is_int
-from training_core.shard_files import RERUN_PREP
-from training_core.text import (
+from training_core.data.prepared import ArraySpec, Manifest, write_shards
+from training_core.data.shard_files import RERUN_PREP
+from training_core.data.text import (
     BYTE,
     MAX_TOKENIZER_BYTES,
     TOKENIZER_FILE,
@@ -62,6 +57,11 @@ from training_core.text import (
     tokenizer_from_description,
     tokenizer_threads,
 )
+from training_core.files import UnreadableFile, read_regular_path
+from training_core.messages import clip, quote
+from training_core.redact import redact
+from training_core.registry import LM_SIZES as GPT2_SIZES
+from training_core.schema import Rule, SchemaError, check, is_int
 from training_core.workloads.image import user_model
 from training_core.workloads.protocol import LossOutput, mean_of, to_device_async
 from training_core.workloads.user_code import call_with_params, factory_params, load_attribute, takes_params

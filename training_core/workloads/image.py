@@ -1,5 +1,5 @@
 """``image_classification``: the image models of :mod:`training_core.models` (or a user's) on the image sources of
-:mod:`training_core.datasets` (or a user's), trained with cross-entropy; accuracy is the primary metric."""
+:mod:`training_core.data.sources` (or a user's), trained with cross-entropy; accuracy is the primary metric."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import numpy as np
 
 from training_core.config import DataConfig, TrainingConfig, WorkloadConfig
+from training_core.data.prepared import ArraySpec, Manifest, split_samples, write_prepared
 from training_core.messages import clip, invalid, quote
-from training_core.prepared import ArraySpec, Manifest, split_samples, write_prepared
 from training_core.registry import DATASET_SOURCES
 from training_core.workloads.protocol import LossOutput, mean_of, to_device_async
 from training_core.workloads.user_code import call_with_params, factory_params, load_optional
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 class ImageClassification:
     """Images in, class logits out. ``model_factory(config, manifest)`` and ``dataset_source(data)`` (returning
-    a :class:`~training_core.datasets.RawDataset`) replace the built-in model and dataset; either is also given
+    a :class:`~training_core.data.sources.RawDataset`) replace the built-in model and dataset; either is also given
     ``params=`` (``workload.params``, typed by its ``params_type`` if it declares one) when it has that parameter."""
 
     name = "image_classification"
@@ -35,7 +35,7 @@ class ImageClassification:
         self.dataset_source_path = selected.dataset_source
 
     def prepare_data(self, data: DataConfig, out_dir: str) -> Manifest:
-        from training_core.datasets import RawDataset, load_raw, resize_images
+        from training_core.data.sources import RawDataset, load_raw, resize_images
 
         cfg = data
         if self.dataset_source is None and DATASET_SOURCES[cfg.dataset].list_images:
@@ -50,7 +50,7 @@ class ImageClassification:
             )
             if not isinstance(raw, RawDataset):
                 raise ValueError(
-                    f"{source} returned a {type(raw).__name__}; it must return a training_core.datasets.RawDataset "
+                    f"{source} returned a {type(raw).__name__}; it must return a training_core.data.sources.RawDataset "
                     "(uint8 images N x C x H x W and int64 labels per split, and the class names)"
                 )
             if cfg.image_size:
@@ -81,8 +81,8 @@ class ImageClassification:
         """An image folder or the CIFAR-10 tarball as Parquet shards of encoded images (Ray tasks)."""
         from dataclasses import asdict
 
-        from training_core.image_shards import prepare_images
-        from training_core.prepared import ShardInfo, SplitInfo, write_manifest
+        from training_core.data.image_shards import prepare_images
+        from training_core.data.prepared import ShardInfo, SplitInfo, write_manifest
 
         prep = prepare_images(cfg, out_dir)
         size = cfg.image_size or 32

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from training_core.prepared import Manifest
+    from training_core.data.prepared import Manifest
 
 
 @dataclass

@@ -24,7 +24,7 @@ from training_core.workloads.user_code import (
 )
 
 if TYPE_CHECKING:
-    from training_core.prepared import Manifest
+    from training_core.data.prepared import Manifest
 
 
 PREFLIGHT_BATCH_SAMPLES = 8
@@ -79,7 +79,7 @@ def preflight(config: TrainingConfig, data_dir: str) -> Workload:
     """Resolve the workload and check ``config`` against the prepared data in ``data_dir``: what the drivers run
     before any worker starts, so user code that does not import, a model that does not fit the data or a bad
     field fails here, in seconds, naming the field."""
-    from training_core.prepared import Manifest
+    from training_core.data.prepared import Manifest
 
     workload = resolve_workload(config.workload)
     manifest = Manifest.load(data_dir)
@@ -91,7 +91,7 @@ def preflight(config: TrainingConfig, data_dir: str) -> Workload:
     check_pretrained_supported(config, workload)
     workload.check(config, manifest)
     if config.scaling.strategy == "fsdp":
-        from training_core.sharding import require_blocks
+        from training_core.parallel.sharding import require_blocks
 
         require_blocks(config, manifest, workload)
     elif isinstance(workload, UserWorkload):  # an FSDP model is one too large for this process: built on meta above
@@ -117,12 +117,12 @@ def run_on_a_batch(config: TrainingConfig, manifest: Manifest, workload: UserWor
     most :data:`PREFLIGHT_BATCH_SAMPLES` samples), as a worker's step and validation do: ``build_model``,
     ``to_device``, ``loss`` and ``eval_sums``, then ``metrics`` of the evaluation figures. An error of its code or a
     result that breaks the protocol (a ``loss`` that returns a float, a ``build_model`` that returns ``None``) raises
-    :class:`~training_core.failures.UserCodeError` naming the field here, before any worker starts, rather than on
+    :class:`~training_core.train.failures.UserCodeError` naming the field here, before any worker starts, rather than on
     every rank. No backward pass and no optimizer step: the batch costs the driver a forward or two."""
     import torch
 
+    from training_core.data.prepared import ShardStream
     from training_core.eval_sums import evaluate
-    from training_core.prepared import ShardStream
 
     cpu = torch.device("cpu")
     size = min(PREFLIGHT_BATCH_SAMPLES, config.loop.batch_size or PREFLIGHT_BATCH_SAMPLES)

@@ -1,7 +1,7 @@
 """Calling user code: importing what ``package.module:attribute`` names (:func:`load_attribute`), calling it with
 ``workload.params`` typed by the ``params_type`` it declares (:func:`call_with_params`), and :class:`UserWorkload`,
 which names each call of a user workload. What user code raises, or a result that breaks the protocol, becomes a
-:class:`~training_core.failures.UserCodeError` naming the field, which neither Ray Train nor Flyte retries."""
+:class:`~training_core.train.failures.UserCodeError` naming the field, which neither Ray Train nor Flyte retries."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn
 
 from training_core.config import IMPORT_PATH_FIX, DataConfig, TrainingConfig, WorkloadConfig, is_import_path
-from training_core.failures import UserCodeError, blames_user_code
 from training_core.messages import clip, invalid, quote
+from training_core.train.failures import UserCodeError, blames_user_code
 from training_core.workloads.protocol import LossOutput, Workload
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from training_core.prepared import Manifest
+    from training_core.data.prepared import Manifest
 
 
 EXIT_FIX = (
@@ -33,7 +33,7 @@ EXIT_FIX = (
 
 def load_attribute(field: str, path: str) -> Any:
     """The object ``package.module:attribute`` names, or ``ValueError`` naming ``field``, ``path`` and the fix: a
-    :class:`~training_core.failures.UserCodeError` when the module does not import or lacks the attribute (in a
+    :class:`~training_core.train.failures.UserCodeError` when the module does not import or lacks the attribute (in a
     worker whose image lacks the package, too, a restart would meet it again)."""
     if not is_import_path(path):
         invalid(field, path, IMPORT_PATH_FIX)
@@ -168,9 +168,9 @@ def param_value(path: str, value: Any, hint: Any, declared: str) -> Any:
 
 def call_user(field: str, path: str, factory: Callable[..., Any], *args: Any) -> Any:
     """Call a user factory; what its code raises (``SystemExit`` too) becomes a
-    :class:`~training_core.failures.UserCodeError` naming the field and its value, except a ``ValueError``, which
+    :class:`~training_core.train.failures.UserCodeError` naming the field and its value, except a ``ValueError``, which
     keeps its message (it names what is wrong). Infrastructure failures and running out of memory pass through
-    (:func:`~training_core.failures.blames_user_code`)."""
+    (:func:`~training_core.train.failures.blames_user_code`)."""
     try:
         return factory(*args)
     except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001 - user code: name it and what it raised
@@ -190,9 +190,11 @@ def raised(exc: BaseException) -> str:
 
 class UserWorkload:
     """A user's workload (``workload.name`` an import path), each call of its protocol's methods named: what its code
-    raises, and a result that breaks the protocol, become a :class:`~training_core.failures.UserCodeError` naming the
+    raises, and a result that breaks the protocol, become a :class:`~training_core.train.failures.UserCodeError`
+    naming the
     field, the method and the fix (in a worker, neither Ray Train nor Flyte retries one). Infrastructure failures met
-    inside it and out-of-memory errors pass through (:func:`~training_core.failures.blames_user_code`), and so do the
+    inside it and out-of-memory errors pass through (:func:`~training_core.train.failures.blames_user_code`), and so
+    do the
     ``ValueError`` its ``prepare_data`` and ``check`` raise (they name the field). Anything else, ``name``,
     ``blocks(model)``..., is the workload's own."""
 

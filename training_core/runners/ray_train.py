@@ -15,11 +15,11 @@ from typing import Mapping
 
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
-from training_core.failures import DIVERGED_METRIC, FailFastPolicy, TrainingDiverged, find_deterministic
-from training_core.ray_processes import reaped_run
-from training_core.ray_settings import ray_scaling_config, start_local_cluster
+from training_core.parallel.ray_settings import ray_scaling_config, start_local_cluster
 from training_core.records import EpochRecord, MlflowRun, WorkerArgs
 from training_core.redact import install_log_redaction, redact
+from training_core.runners.ray_processes import reaped_run
+from training_core.train.failures import DIVERGED_METRIC, FailFastPolicy, TrainingDiverged, find_deterministic
 
 log = logging.getLogger("training_core")
 
@@ -78,8 +78,8 @@ def fit(
     (``execution``, ``node``, ``attempt``) label the workers' metrics; see
     :func:`~training_core.records.worker_job_labels`. Raises what the training function raised, wrapped by Ray
     Train, once ``checkpoint.max_worker_restarts`` is spent; a diverged run raises
-    :class:`~training_core.failures.TrainingDiverged`, and an error of the user's code or data on any rank
-    :class:`~training_core.failures.UserCodeError`, at once, without restarts. The project's loggers redact URL
+    :class:`~training_core.train.failures.TrainingDiverged`, and an error of the user's code or data on any rank
+    :class:`~training_core.train.failures.UserCodeError`, at once, without restarts. The project's loggers redact URL
     credentials, here and in every worker (:func:`~training_core.redact.install_log_redaction`).
     """
     import ray
@@ -115,7 +115,7 @@ def _run_workers(cfg: TrainingConfig, args: WorkerArgs, *, run_name: str, storag
     from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchConfig
 
-    from training_core.loop import train_loop_per_worker
+    from training_core.train.loop import train_loop_per_worker
 
     trainer = fail_fast_trainer(
         train_loop_per_worker,
@@ -143,7 +143,7 @@ def _run_workers(cfg: TrainingConfig, args: WorkerArgs, *, run_name: str, storag
 
 def fail_fast_trainer(*args, **kwargs):
     """A Ray Train ``TorchTrainer`` (same arguments) whose controller decides failures with
-    :class:`~training_core.failures.FailFastPolicy`: a deterministic error on any rank ends the run at once."""
+    :class:`~training_core.train.failures.FailFastPolicy`: a deterministic error on any rank ends the run at once."""
     from ray.train.torch import TorchTrainer
 
     class FailFastTrainer(TorchTrainer):

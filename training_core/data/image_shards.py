@@ -16,7 +16,7 @@ or ``s3://``, never holds a split in memory:
   again keeps every shard whose file still matches its record's sha256 and rewrites only the others.
 - The manifest goes last, with the statistics, the bad samples' count and first paths, and every shard's sha256.
 
-Training workers decode and augment these shards in loader processes (:mod:`training_core.loader`).
+Training workers decode and augment these shards in loader processes (:mod:`training_core.data.loader`).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from typing import Any, Iterator, NoReturn
 import numpy as np
 
 from training_core.config import DataConfig, no_training_samples_error
+from training_core.data.shard_files import plain_shard_name, shard_error
 from training_core.files import UnreadableFile, join_path, open_regular
 from training_core.messages import clip, quote
 from training_core.redact import redact
 from training_core.registry import DATASET_SOURCES, DatasetSource, load
-from training_core.shard_files import plain_shard_name, shard_error
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ def _printable(path: str) -> str:
 
 
 def _folder_root(cfg: DataConfig):
-    from training_core.datasets import existing_location
+    from training_core.data.sources import existing_location
 
     fs, root = existing_location(cfg.path)
     if not fs.isdir(root):
@@ -401,7 +401,7 @@ def encoded_source(dataset: str) -> DatasetSource:
 
 def check_cifar10(cfg: DataConfig) -> None:
     """``data.path`` opens as a tar archive."""
-    from training_core.datasets import cifar10_archive
+    from training_core.data.sources import cifar10_archive
 
     with cifar10_archive(cfg.path):
         return
@@ -415,7 +415,7 @@ def check_image_folder(cfg: DataConfig) -> None:
 def list_cifar10(cfg: DataConfig) -> ImageListing:
     """The CIFAR-10 tarball's rows by split (its test batch is the test split), reading and checking one batch
     member at a time."""
-    from training_core.datasets import CIFAR10_BATCHES, CIFAR10_CLASSES, cifar10_members
+    from training_core.data.sources import CIFAR10_BATCHES, CIFAR10_CLASSES, cifar10_members
 
     splits: dict[str, list[ImageItem]] = {"train": [], "test": []}
     next_id = 0
@@ -428,15 +428,16 @@ def list_cifar10(cfg: DataConfig) -> ImageListing:
 
 
 def run_tasks(tasks: list[ShardTask], *, num_workers: int) -> list[ShardResult]:
-    """Every shard task as a Ray task of one CPU, ``num_workers`` at a time (:func:`training_core.ray_tasks.map_tasks`),
+    """Every shard task as a Ray task of one CPU, ``num_workers`` at a time
+    (:func:`training_core.runners.ray_tasks.map_tasks`),
     on the running Ray cluster (or a local one started as the platform starts it). Only the small results come back
     to the driver."""
     import ray
 
-    from training_core.ray_tasks import map_tasks
+    from training_core.runners.ray_tasks import map_tasks
 
     if not ray.is_initialized():
-        from training_core.ray_settings import start_local_cluster
+        from training_core.parallel.ray_settings import start_local_cluster
 
         start_local_cluster()
     results = map_tasks(write_shard, ((task,) for task in tasks), num_workers=num_workers, ordered=False)
@@ -822,7 +823,7 @@ def _read_items(task: ShardTask) -> Iterator[tuple[ImageItem, bytes | Unreadable
     for item in task.items:
         member, row = item.source.rsplit("#", 1)
         by_member.setdefault(member, []).append((int(row), item))
-    from training_core.datasets import cifar10_members
+    from training_core.data.sources import cifar10_members
 
     encoded: dict[int, bytes] = {}
     # Rows are encoded as PNG member by member, then yielded in the task's order.
@@ -1161,9 +1162,10 @@ class EncodedImages:
         return len(self.labels)
 
     def undecodable(self, row: int, why: str) -> NoReturn:
-        """Raise :class:`~training_core.failures.UserCodeError` for sample ``row``: its shard, its id, its source file
+        """Raise :class:`~training_core.train.failures.UserCodeError` for sample ``row``: its shard, its id, its
+        source file
         and the fix. A deterministic error of the data, which a restart would meet again: not retried."""
-        from training_core.failures import UserCodeError
+        from training_core.train.failures import UserCodeError
 
         source = self.sources[row] if self.sources is not None else "(not recorded in the shard)"
         raise UserCodeError(
@@ -1191,7 +1193,7 @@ class EncodedImages:
         import torch
         from torchvision.io import ImageReadMode, decode_image
 
-        from training_core.loader import sample_seed
+        from training_core.data.loader import sample_seed
 
         encoded = torch.frombuffer(bytearray(self.images[row]), dtype=torch.uint8)
         try:

@@ -1,10 +1,10 @@
 """The training loop launched with plain ``torch.distributed``, without Ray: the scaling benchmark's baseline.
 
 :func:`launch` starts ``cfg.scaling.num_workers`` processes on this machine (``torch.multiprocessing``
-spawn), joins them into one process group over 127.0.0.1, and runs :func:`training_core.loop.run_worker`
+spawn), joins them into one process group over 127.0.0.1, and runs :func:`training_core.train.loop.run_worker`
 in each with a :class:`TorchDistributedRuntime`. Config, data and loop are exactly what
-:func:`training_core.trainer.fit` runs under Ray Train, so the two differ only in who starts the processes
-and sets up the process group; the result has the same shape (:class:`~training_core.trainer.FitResult`).
+:func:`training_core.runners.ray_train.fit` runs under Ray Train, so the two differ only in who starts the processes
+and sets up the process group; the result has the same shape (:class:`~training_core.runners.ray_train.FitResult`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Iterator, NoReturn
 from training_core.config import TrainingConfig
 from training_core.records import EpochRecord, WorkerArgs
 from training_core.redact import install_log_redaction
-from training_core.trainer import FitResult, checkpoint_root, collect_final
+from training_core.runners.ray_train import FitResult, checkpoint_root, collect_final
 
 if TYPE_CHECKING:
     import torch
@@ -122,7 +122,7 @@ class _Spec:
 
 def _worker_main(local_rank: int, spec: _Spec) -> None:
     """Entry point of each spawned process: one machine, so the global rank is the local rank."""
-    from training_core.loop import run_worker
+    from training_core.train.loop import run_worker
 
     # The same variables torchrun and Ray Train set, for code that reads them.
     os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec.world_size)})
@@ -211,9 +211,9 @@ def _child_environment(cfg: TrainingConfig) -> Iterator[None]:
     Every rank is on this machine, so gloo is pinned to the loopback interface unless ``GLOO_SOCKET_IFNAME``
     is already set (then it is respected). OpenMP gets the loop's thread count before the children import
     torch, as Ray does for its workers, unless ``OMP_NUM_THREADS`` is set. The ranks get the platform's process
-    settings, as Ray workers do (:data:`~training_core.ray_settings.PROCESS_ENV`), unless set.
+    settings, as Ray workers do (:data:`~training_core.parallel.ray_settings.PROCESS_ENV`), unless set.
     """
-    from training_core.ray_settings import PROCESS_ENV
+    from training_core.parallel.ray_settings import PROCESS_ENV
 
     wanted = {
         **PROCESS_ENV,
@@ -241,8 +241,8 @@ def launch(
 ) -> FitResult:
     """Train ``cfg`` on ``cfg.scaling.num_workers`` local processes with plain ``torch.distributed``.
 
-    Arguments mean what they mean for :func:`training_core.trainer.fit` (no MLflow run: the baseline only
-    measures). Checkpoints go to the same :func:`~training_core.trainer.checkpoint_root`, and the final one
+    Arguments mean what they mean for :func:`training_core.runners.ray_train.fit` (no MLflow run: the baseline only
+    measures). Checkpoints go to the same :func:`~training_core.runners.ray_train.checkpoint_root`, and the final one
     is copied to local ``checkpoint_dir``. ``metrics`` of the result is the last epoch record rank 0 reported.
     Raises ``torch.multiprocessing.ProcessRaisedException`` (with the failing rank's traceback) if a rank fails.
     """

@@ -32,11 +32,11 @@ from typing import Annotated, Any, Iterable, Iterator, Mapping, NoReturn
 import numpy as np
 
 from training_core.config import DataConfig, no_training_samples_error
+from training_core.data.shard_files import RERUN_PREP, plain_shard_name, shard_error
 from training_core.files import join_path
 from training_core.messages import clip, quote
 from training_core.redact import redact
 from training_core.schema import UNKNOWN_KEY_KINDS, Count, Problem, Rule, SchemaError, check, is_int, is_mapping
-from training_core.shard_files import RERUN_PREP, plain_shard_name, shard_error
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class Manifest:
     """The workload's own description of the data (a language model's vocabulary and tokenizer), JSON."""
     format: str = "npz"
     """How shards store samples: ``npz`` (the arrays, uint8 images at their prepared size) or ``parquet`` (images
-    encoded as they came, decoded and augmented by the loader; :mod:`training_core.image_shards`)."""
+    encoded as they came, decoded and augmented by the loader; :mod:`training_core.data.image_shards`)."""
     bad_samples: dict[str, Any] = field(default_factory=lambda: {"count": 0, "examples": []})
     """Samples prep skipped because they did not decode: ``count`` and the first ``examples`` (``source: reason``)."""
     version: int = MANIFEST_VERSION
@@ -672,7 +672,7 @@ class ArraySamples:
 
 
 class ShardStream:
-    """Batches of one split for one rank (see :mod:`training_core.loader` for the order and resume).
+    """Batches of one split for one rank (see :mod:`training_core.data.loader` for the order and resume).
 
     Training batches come from the rank's chunk of the epoch's global order, read, decoded and augmented in
     ``data.loader_num_workers`` loader processes (Parquet shards of encoded images; ``.npz`` arrays are read in this
@@ -693,7 +693,7 @@ class ShardStream:
         """Shard ``index`` of the split, verified, as indexable samples."""
         shard = self.all_shards[index]
         if self.manifest.format == "parquet":
-            from training_core.image_shards import EncodedImages
+            from training_core.data.image_shards import EncodedImages
 
             return EncodedImages.read(self.manifest, shard, self.data)
         return ArraySamples(read_shard(self.manifest, shard))
@@ -711,7 +711,7 @@ class ShardStream:
         """Batches ``start_batch .. num_batches - 1`` of this rank's chunk of ``remaining`` (default: the whole
         epoch), all full. A resume on the same workers passes the batches consumed as ``start_batch``; one on other
         workers passes the checkpoint's ``remaining`` and ``start_batch=0``."""
-        from training_core.loader import EpochOrder, TrainBatches, loader_iter, plan_ranks
+        from training_core.data.loader import EpochOrder, TrainBatches, loader_iter, plan_ranks
 
         order = EpochOrder([s.num_samples for s in self.all_shards], seed=seed, epoch=epoch)
         chunk = plan_ranks(remaining if remaining is not None else [(0, order.num_samples)], self.world_size)
@@ -735,14 +735,14 @@ class ShardStream:
         # forking one per epoch costs more than the copy saves on small data.
         if self.manifest.format != "parquet" or not self.data.loader_num_workers:
             return 0
-        from training_core.image_shards import import_decoders
+        from training_core.data.image_shards import import_decoders
 
         import_decoders()
         return self.data.loader_num_workers
 
     def eval_batches(self, *, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
         """Every sample of this rank's shards once, in stored order; the last batch of each shard may be short."""
-        from training_core.loader import loader_iter
+        from training_core.data.loader import loader_iter
 
         self.manifest.shards_for_rank(self.split, self.rank, self.world_size)  # raises for too few shards
         mine = list(range(len(self.all_shards)))[self.rank :: self.world_size]

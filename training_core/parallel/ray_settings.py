@@ -31,7 +31,8 @@ Why each one (figures from ``benchmarks/scaling.py`` and ``benchmarks/loop_overh
 - ``RAY_kill_worker_timeout_milliseconds=1000``. When a worker actor is killed (``ray.kill``, a worker group torn
   down), the raylet asks the process to exit and SIGKILLs it after this long (Ray's default: 5 s). A rank whose
   collective timed out kills its peers' workers so the group restarts at once
-  (:meth:`~training_core.distributed.RayTrainRuntime.abandon_group`); a hung peer never exits by itself, so it held
+  (:meth:`~training_core.parallel.distributed.RayTrainRuntime.abandon_group`); a hung peer never exits by itself, so
+  it held
   the restart up for the whole 5 s. A worker that is killed is being discarded: its checkpoints are written or
   abandoned by then (a checkpoint's manifest comes last).
 
@@ -271,7 +272,8 @@ def idle_pod_daemons(*, wait_s: float = 300.0, watch_s: float = 60.0, interval_s
 POD_HOOK_COMMAND = [
     "/bin/sh",
     "-c",
-    f'[ "${DAEMONS_IDLE_ENV}" = 0 ] || (python -m training_core.ray_settings >/tmp/ray-daemons-idle.log 2>&1 &)',
+    f'[ "${DAEMONS_IDLE_ENV}" = 0 ] || '
+    "(python -m training_core.parallel.ray_settings >/tmp/ray-daemons-idle.log 2>&1 &)",
 ]
 """Every RayJob pod's ``postStart`` hook: :func:`idle_pod_daemons` in the background, so the hook returns at
 once and never fails the container (the image holds ``training_core``; a failure lands in the log file)."""

@@ -1,11 +1,12 @@
 """A worker told to stop (SIGTERM: a Kubernetes eviction, a spot reclaim, a drained node; or Ray Train's notice that
-a node of its group is being preempted, :meth:`~training_core.distributed.RayTrainRuntime.preemption_notice`) writes
+a node of its group is being preempted, :meth:`~training_core.parallel.distributed.RayTrainRuntime.preemption_notice`)
+writes
 a just-in-time checkpoint at its current step instead of losing the steps since the last interval checkpoint.
 
 Python runs signal handlers on a process's main thread only, and a Ray Train worker runs the training loop in
 another thread: the handler is installed on the worker actor's main thread (:func:`arm`), where it only records
 when the signal came. The loop reads the record at its next log step, all ranks agree on it in one all-reduce,
-save the checkpoint together, and stop with :class:`~training_core.failures.WorkerPreempted`, which the task
+save the checkpoint together, and stop with :class:`~training_core.train.failures.WorkerPreempted`, which the task
 classifies as recoverable: Ray Train's restart, or Flyte's retry, resumes from that step.
 """
 

@@ -1,5 +1,6 @@
-"""What every reader of prepared shards (``.npz`` in :mod:`training_core.prepared`, Parquet in
-:mod:`training_core.image_shards`) checks and says: a shard is a plain file name inside the data directory, and a bad
+"""What every reader of prepared shards (``.npz`` in :mod:`training_core.data.prepared`, Parquet in
+:mod:`training_core.data.image_shards`) checks and says: a shard is a plain file name inside the data directory, and a
+bad
 shard is a ``ValueError`` that names it and tells the user to re-run data prep."""
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ it, transitively (workers, dataset manager, synchronization actor, placement-gro
 ones (singletons that later runs share, such as Ray Data's autoscaling coordinator). Only processes on this machine
 count: on a multi-node cluster, another node's processes go with their node (a pod), and their pids mean nothing
 here. The raylet, the GCS, and other runs' actors are never touched. Two runs at once from one process would count
-each other's actors: :func:`~training_core.trainer.fit` blocks, and the platform runs one at a time per process.
+each other's actors: :func:`~training_core.runners.ray_train.fit` blocks, and the platform runs one at a time per
+process.
 """
 
 from __future__ import annotations

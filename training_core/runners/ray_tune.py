@@ -1,6 +1,6 @@
 """The ``ray_tune`` strategy: one Ray Tune ``Tuner`` on one RayCluster runs the whole search.
 
-Each Tune trial is a driver function that trains its config with :func:`training_core.trainer.fit` (Ray
+Each Tune trial is a driver function that trains its config with :func:`training_core.runners.ray_train.fit` (Ray
 Train, DDP) in slices, reporting the metric after each slice together with a small Tune checkpoint that
 points at the training checkpoint. That is all ASHA (stop after any slice), PBT (restore a trial from
 another's pointer, with perturbed hyperparameters) and OptunaSearch need, and it reuses the same exact
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from training_core.config import TrainingConfig
-from training_core.ray_settings import start_local_cluster
+from training_core.parallel.ray_settings import start_local_cluster
 from training_core.redact import install_log_redaction, redact
 from training_core.tuning import ParamSpec, TuningConfig, apply_params
 
@@ -92,7 +92,7 @@ def _trial_driver(tune_config: dict[str, Any]) -> None:
 
     from training_core import tracking
     from training_core.records import MlflowRun
-    from training_core.trainer import fit
+    from training_core.runners.ray_train import fit
 
     cfg = TuningConfig.from_dict(tune_config["tuning"])
     trial_cfg: TrainingConfig = apply_params(cfg.base, _params(cfg.search_space, tune_config))

@@ -128,7 +128,8 @@ class RayTrainRuntime:
         # it by the checkpoint's time, since Ray may place an actor in a process its pool started earlier).
         self.started_unix = psutil.Process().create_time()
         self.nccl_debug_dir = nccl_debug_dir
-        """Where NCCL writes this process's debug log (:func:`training_core.nccl_network.debug_env`), or None."""
+        """Where NCCL writes this process's debug log (:func:`training_core.parallel.nccl_network.debug_env`), or
+        None."""
 
     def _peer_actors(self) -> list[Any]:
         """The other ranks' worker actors, exchanged while the group is healthy (one collective at start), so a

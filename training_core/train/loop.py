@@ -6,7 +6,7 @@ to a part of :mod:`training_core.train`: the step itself (``train_step``), the s
 (:class:`~training_core.train.meter.StepMeter`), the run's position and history
 (:class:`~training_core.train.run_state.RunState`, what a checkpoint's meta holds), local SGD, out-of-memory
 retries, non-finite steps, preemption and the network checks. Batch planning is
-:class:`~training_core.batch_size.BatchPlanner`; the save policy is
+:class:`~training_core.train.batch_size.BatchPlanner`; the save policy is
 :meth:`Checkpointer.should_save <training_core.checkpoint.Checkpointer.should_save>`.
 """
 
@@ -21,30 +21,31 @@ from typing import Any, Sequence
 import torch
 
 from training_core import checkpoint as ckpt
-from training_core import nccl_network, preemption, sharding
-from training_core.batch_size import BatchPlanner
 from training_core.config import TrainingConfig
 from training_core.data import Manifest, ShardStream
-from training_core.distributed import (
+from training_core.evaluation import evaluate
+from training_core.metrics import MetricSink, MlflowSink, build_sink, flatten
+from training_core.parallel import nccl_network, sharding
+from training_core.parallel.distributed import (
     CommTimer,
     RayTrainRuntime,
     WorkerRuntime,
     broadcast_buffers_from_rank0,
 )
-from training_core.evaluation import evaluate
-from training_core.failures import DIVERGED_METRIC, TrainingDiverged, is_collective_timeout
-from training_core.metrics import MetricSink, MlflowSink, build_sink, flatten
-from training_core.optim import apply_hyperparameters, build_optimizer, build_scheduler
 from training_core.records import EpochRecord, WorkerArgs
-from training_core.rng import gather_rng_states, restore_rng, seed_everything
 from training_core.telemetry import JobLabels, build_telemetry
+from training_core.train import preemption
 from training_core.train.accounting import RunAccounting
+from training_core.train.batch_size import BatchPlanner
 from training_core.train.epoch_data import EpochData, run_length
+from training_core.train.failures import DIVERGED_METRIC, TrainingDiverged, is_collective_timeout
 from training_core.train.guards import DivergenceGuard, OomRetry, PreemptionWatch
 from training_core.train.local_sgd import LocalSgd
 from training_core.train.meter import EPOCH_FIGURE_PREFIX, Reporter, StepMeter  # noqa: F401 - re-exported
 from training_core.train.model import ModelExport, hold_model
 from training_core.train.network_checks import NetworkChecks
+from training_core.train.optim import apply_hyperparameters, build_optimizer, build_scheduler
+from training_core.train.rng import gather_rng_states, restore_rng, seed_everything
 from training_core.train.run_state import CheckpointWrites, RunState, choose_checkpoint
 from training_core.train.step import (  # noqa: F401 - masked_step: importable from here too
     StepResult,
@@ -388,13 +389,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     run resumed from its last checkpoint diverges again, so each restart would only burn time. Every rank stops
     at the same point (the figures it rests on are reduced), so every rank reports; ``fit`` raises it.
 
-    An error of the user's code or data (:class:`~training_core.failures.UserCodeError`, what a user workload's
+    An error of the user's code or data (:class:`~training_core.train.failures.UserCodeError`, what a user workload's
     methods raise: :class:`~training_core.workloads.UserWorkload`) is raised, on whichever rank meets it, its peers
     perhaps still in a collective: Ray Train's controller, which sees every rank's error, ends the run without a
-    restart (:class:`~training_core.failures.FailFastPolicy`).
+    restart (:class:`~training_core.train.failures.FailFastPolicy`).
 
     A collective that timed out (a hung or unreachable peer) kills the other ranks' workers before it is raised
-    (:meth:`~training_core.distributed.RayTrainRuntime.abandon_group`): the group restarts without waiting on
+    (:meth:`~training_core.parallel.distributed.RayTrainRuntime.abandon_group`): the group restarts without waiting on
     the hung one."""
     from training_core.redact import install_log_redaction
 

@@ -830,7 +830,8 @@ def encode_batches(
 
     Without ``ray_workers``, in this process (the tokenizer's threads). With it, each batch is one Ray task of one
     CPU on the connected cluster, ``ray_workers`` of them at a time, and at most as many finished batches wait
-    behind a slower one (:func:`training_core.ray_tasks.map_tasks`): the driver holds a bounded number of batches
+    behind a slower one (:func:`training_core.runners.ray_tasks.map_tasks`): the driver holds a bounded number of
+    batches
     however long the source."""
     # Each batch's texts and ids are let go before the next batch is read (``del``): one batch in memory at a time.
     if not ray_workers:
@@ -842,7 +843,7 @@ def encode_batches(
         return
     import ray
 
-    from training_core.ray_tasks import map_tasks
+    from training_core.runners.ray_tasks import map_tasks
 
     described = ray.put((tokenizer.description, tokenizer.where))
     arguments = ((described, texts) for texts in batches)

@@ -31,7 +31,7 @@ from training_core.train.step import Saved, no_gradient_sync
 if TYPE_CHECKING:
     from training_core.config import TrainingConfig
     from training_core.data import Manifest
-    from training_core.distributed import WorkerRuntime
+    from training_core.parallel.distributed import WorkerRuntime
     from training_core.workloads import Workload
 
 log = logging.getLogger("training_core")

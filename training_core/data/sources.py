@@ -80,7 +80,7 @@ def load_raw(cfg: DataConfig) -> RawDataset:
     if source is None or source.workload != "image_classification" or not source.read:
         raise ValueError(
             f"data.dataset={cfg.dataset!r} is not read into memory: training_core.data.prepare writes it as Parquet "
-            "shards of encoded images (training_core.image_shards)"
+            "shards of encoded images (training_core.data.image_shards)"
         )
     raw = load(source.read)(cfg)
     if cfg.image_size:

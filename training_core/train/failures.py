@@ -94,7 +94,7 @@ class UserCodeError(ValueError):
 
 class WorkerPreempted(RuntimeError):
     """A worker was told to stop (SIGTERM) and wrote a just-in-time checkpoint first: a retry resumes from it
-    and recomputes nothing (see :mod:`training_core.preemption`)."""
+    and recomputes nothing (see :mod:`training_core.train.preemption`)."""
 
 
 @dataclass(frozen=True)

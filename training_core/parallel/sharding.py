@@ -172,7 +172,8 @@ def return_freed_host_memory() -> bool:
     """FSDP on CPU: make glibc give freed memory back to the kernel at once (blocks of 1 MiB and more are mapped on
     their own, and the heap is trimmed past 1 MiB). Returns whether glibc took the settings.
 
-    The platform's process settings (:mod:`training_core.ray_settings`) keep freed memory mapped, which makes DDP's
+    The platform's process settings (:mod:`training_core.parallel.ray_settings`) keep freed memory mapped, which makes
+    DDP's
     steps faster; under FSDP every step all-gathers each block's parameters and gradients into buffers it frees
     again, and kept mapped they would hold on to most of what sharding saves (measured on a GPT-2 on 2 CPU workers:
     a peak of 2.7 GB per worker instead of 1.6 GB; ``benchmarks/memory_scaling.py``). Set at run time with
