@@ -478,7 +478,7 @@ def _goodput_stragglers_progress() -> list[Builder[dashboard.Panel]]:
             "1 while a rank's compute and data wait stay above the other ranks' median by "
             "observability.straggler_threshold (the TrainingStraggler alert), per rank and cause (compute or data).",
             "bool_on_off",
-            [(f"training_straggler{{{RANK}}} == 1", PER_RANK + " {{cause}}")],
+            [(f"training_straggler{{{RANK}}}", PER_RANK + " {{cause}}")],
             span=12,
         ),
         _timeseries(

@@ -60,8 +60,9 @@ def test_a_rank_slowed_in_its_forward_is_flagged_as_compute_bound_within_the_con
     (attempt,) = execution.attempts
     assert attempt.num_workers == 2 and attempt.outcome == "finished"
     assert 0.98 <= execution.attributed_fraction <= 1.02
-    # Against the caller's clock too: the workers' processes start and end within the launch (their exit and the
-    # final checkpoint's copy after the last record are the margin).
-    assert 0.95 <= attempt.seconds.total_s / (2 * wall_s) <= 1.02
+    # Against the caller's clock too: the workers' processes start and end within the launch, so they never hold
+    # more than 2 x its wall time; what the launcher does alone (checks before spawning the workers, the final
+    # checkpoint's copy after they exit) is the margin below.
+    assert 0.8 <= attempt.seconds.total_s / (2 * wall_s) <= 1.02
     assert attempt.seconds.productive > 0 and attempt.seconds.communication > 0 and attempt.seconds.checkpoint > 0
     assert attempt.seconds.evaluation > 0 and attempt.seconds.startup > 0

@@ -49,7 +49,7 @@ PREPARED = re.compile(
     r"([0-9a-f]{16}), created (\S+), (prepared by this run|from Flyte's cache \(prepared by an earlier run\))$",
     re.MULTILINE,
 )
-PREP_BODY_RAN = re.compile(r"INFO training_core\.prepared: prepared npz")
+PREP_BODY_RAN = re.compile(r"INFO training_core\.data\.prepared: prepared npz")
 
 
 def _write_samples(path: Path, count: int) -> None:

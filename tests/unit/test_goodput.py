@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import hypothesis
 import hypothesis.strategies as st
@@ -257,3 +258,17 @@ def test_the_train_tasks_typed_output_carries_the_executions_goodput_through_fly
     ctx = FlyteContextManager.current_context()
     literal = TypeEngine.to_literal(ctx, typed, TrainGoodput, TypeEngine.to_literal_type(TrainGoodput))
     assert TypeEngine.to_python_value(ctx, literal, TrainGoodput) == typed
+
+
+def test_a_worker_process_start_is_read_to_the_clock_tick_not_to_the_boot_times_whole_second():
+    """Start-up counts from the worker process's start. psutil's ``create_time`` adds a boot time the kernel gives
+    in whole seconds (here it read 0.4 s early): an attempt of a few seconds then held more worker-seconds than its
+    wall time. The start read here lies between the moments before and after the process was spawned."""
+    import subprocess
+    import sys
+
+    code = "from training_core.parallel.distributed import process_start_unix; print(process_start_unix())"
+    before = time.time()
+    started = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    after = time.time()
+    assert before - 0.02 <= started <= after

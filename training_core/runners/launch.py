@@ -91,9 +91,9 @@ class TorchDistributedRuntime:
     @property
     def started_unix(self) -> float:
         """The worker process's start: the attempt's start-up (imports, joining the group) counts from it."""
-        import psutil
+        from training_core.parallel.distributed import process_start_unix
 
-        return psutil.Process().create_time()
+        return process_start_unix()
 
     def report(self, metrics: dict[str, float]) -> None:
         if self.rank == 0:
