@@ -10,16 +10,12 @@ import re
 import typing
 from typing import Any, Mapping
 
-from training_core.messages import (  # noqa: F401 - re-exported: importable from here too
-    MAX_QUOTE_CHARS,
+from training_core.messages import (
     clip,
     invalid,
-    is_plain_file_name,
     quote,
 )
-from training_core.schema import (  # noqa: F401 - INT64_*: re-exported, importable from here too
-    INT64_MAX,
-    INT64_MIN,
+from training_core.schema import (
     UNKNOWN_KEY_KINDS,
     SchemaError,
     check,

@@ -30,21 +30,15 @@ from training_core.config.loading import (  # noqa: F401 - AUTO and ENV_PREFIX: 
     build_dataclass,
     load_layers,
 )
-from training_core.messages import (  # noqa: F401 - re-exported: importable from here too
-    MAX_QUOTE_CHARS,
+from training_core.messages import (
     clip,
     invalid,
-    is_plain_file_name,
-    quote,
 )
 from training_core.redact import redact
 from training_core.registry import DATASET_SOURCES, IMAGE_MODELS, LM_SIZES, WORKLOADS, dataset_names
-from training_core.schema import (  # noqa: F401 - INT64_*: re-exported, importable from here too
+from training_core.schema import (
     INT64_MAX,
     INT64_MIN,
-    UNKNOWN_KEY_KINDS,
-    SchemaError,
-    check,
 )
 
 log = logging.getLogger(__name__)

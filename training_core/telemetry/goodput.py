@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
@@ -48,18 +49,7 @@ Category = Literal[
     "hung",
     "idle",
 ]
-CATEGORIES: tuple[Category, ...] = (
-    "productive",
-    "data_wait",
-    "communication",
-    "checkpoint",
-    "evaluation",
-    "startup",
-    "recomputed",
-    "preempted",
-    "hung",
-    "idle",
-)
+CATEGORIES: tuple[Category, ...] = typing.get_args(Category)
 """Every category, in the order of :meth:`GoodputSeconds.as_list` (and of the dashboard's stack)."""
 CATEGORY_INDEX: dict[str, int] = {name: index for index, name in enumerate(CATEGORIES)}
 
