@@ -7,77 +7,23 @@ import time
 import pytest
 import torch
 
+from tests.helpers.checkpoints import checkpoint_meta, checkpoint_state, trained_objects
 from training_core import checkpoint as ckpt
-from training_core.config import CheckpointConfig, OptimizerConfig, ScheduleConfig, TrainingConfig
-from training_core.models import build_model
-from training_core.records import EpochRecord
-from training_core.train.loop import train_step
-from training_core.train.optim import build_optimizer, build_scheduler
-from training_core.workloads.image import classification_loss
-
-
-def _trained_objects(seed: int):
-    torch.manual_seed(seed)
-    model = build_model("small_cnn", num_classes=10, input_shape=(1, 8, 8))
-    optimizer = build_optimizer(OptimizerConfig(name="adamw"), model.parameters())
-    scheduler = build_scheduler(ScheduleConfig(warmup_steps=2), optimizer, total_steps=10)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    for _ in range(3):
-        batch = (torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)))
-        train_step(
-            model=model,
-            optimizer=optimizer,
-            scaler=scaler,
-            micro_batches=[batch],
-            autocast_dtype=None,
-            max_grad_norm=1.0,
-            loss_fn=classification_loss,
-        )
-        scheduler.step()
-    return model, optimizer, scheduler, scaler
-
-
-def _meta(global_step: int, metric: float | None = None) -> ckpt.CheckpointMeta:
-    return ckpt.CheckpointMeta(
-        model_name="small_cnn",
-        classes=[str(i) for i in range(10)],
-        input_shape=[1, 8, 8],
-        mean=[0.3],
-        std=[0.2],
-        epoch=1,
-        step_in_epoch=2,
-        global_step=global_step,
-        config=TrainingConfig.from_dict({"model": {"name": "small_cnn"}}).to_dict(),
-        metric=metric,
-        history=[EpochRecord(1, 10, 1.2, 0.4, 1.3, 0.5, 0.01, 900.0)],
-        epoch_partial={"loss": 1.5, "correct": 3.0, "samples": 8.0, "time_s": 0.1},
-    )
+from training_core.config import CheckpointConfig, TrainingConfig
 
 
 def _fields(meta: ckpt.CheckpointMeta) -> str:
     return json.dumps(dataclasses.asdict(meta), sort_keys=True)
 
 
-def _state(global_step: int, seed: int = 0, metric: float | None = None):
-    model, optimizer, scheduler, scaler = _trained_objects(seed)
-    return ckpt.snapshot(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        scaler=scaler,
-        meta=_meta(global_step, metric),
-        torch_rng={"0": {"cpu": torch.get_rng_state()}},
-    )
-
-
 def test_save_then_load_restores_every_stateful_object_exactly(tmp_path):
-    model, optimizer, scheduler, scaler = _trained_objects(seed=0)
-    meta = _meta(3)
+    model, optimizer, scheduler, scaler = trained_objects(seed=0)
+    meta = checkpoint_meta(3)
     checkpointer = ckpt.Checkpointer(ckpt.CheckpointStorage(str(tmp_path)), keep_last=2)
     checkpointer.save(3, ckpt.snapshot(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, meta=meta))
     checkpointer.wait()
 
-    other_model, other_optimizer, other_scheduler, other_scaler = _trained_objects(seed=1)
+    other_model, other_optimizer, other_scheduler, other_scaler = trained_objects(seed=1)
     loaded = ckpt.load_latest_valid(ckpt.CheckpointStorage(str(tmp_path)))
     # JSON of the fields, so that NaN (an image model's val_perplexity) compares equal to itself.
     assert loaded.name == "step-000000003" and _fields(loaded.meta) == _fields(meta)
@@ -100,8 +46,8 @@ def test_save_then_load_restores_every_stateful_object_exactly(tmp_path):
 def test_a_model_trained_by_one_worker_on_one_shard_loads(tmp_path):
     """The saved config's data section is read back (a workload's checks read it) without the run's layout: one
     shard is fine for the one worker that trained it."""
-    model, optimizer, scheduler, scaler = _trained_objects(seed=0)
-    meta = _meta(3)
+    model, optimizer, scheduler, scaler = trained_objects(seed=0)
+    meta = checkpoint_meta(3)
     meta.config = TrainingConfig.from_dict(
         {"model": {"name": "small_cnn"}, "data": {"num_shards": 1}, "scaling": {"num_workers": 1}}
     ).to_dict()
@@ -113,8 +59,8 @@ def test_a_model_trained_by_one_worker_on_one_shard_loads(tmp_path):
 
 
 def test_the_snapshot_is_immune_to_training_after_save(tmp_path):
-    model, optimizer, scheduler, scaler = _trained_objects(seed=0)
-    state = ckpt.snapshot(model=model, optimizer=optimizer, meta=_meta(1))
+    model, optimizer, scheduler, scaler = trained_objects(seed=0)
+    state = ckpt.snapshot(model=model, optimizer=optimizer, meta=checkpoint_meta(1))
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         for p in model.parameters():
@@ -140,12 +86,12 @@ def test_an_async_save_returns_before_the_write_finishes_and_one_waits_for_the_o
 
     storage.write = gated_write
     checkpointer = ckpt.Checkpointer(storage, keep_last=5)
-    checkpointer.save(1, _state(1))
+    checkpointer.save(1, checkpoint_state(1))
     # save() came back while the write it queued is held at the gate: the step goes on during the write.
     assert started.wait(timeout=60), "the queued write never started"
     assert in_flight == ["step-000000001"] and written == [] and storage.list_steps() == []
 
-    state_2, seen_by_second = _state(2), []
+    state_2, seen_by_second = checkpoint_state(2), []
 
     def second_save():
         checkpointer.save(2, state_2)
@@ -169,7 +115,7 @@ def test_an_async_save_returns_before_the_write_finishes_and_one_waits_for_the_o
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one_with_a_warning(tmp_path, caplog, damage):
     checkpointer = ckpt.Checkpointer(ckpt.CheckpointStorage(str(tmp_path)), keep_last=5, async_save=False)
     for step in (10, 20):
-        checkpointer.save(step, _state(step, seed=step))
+        checkpointer.save(step, checkpoint_state(step, seed=step))
     latest = tmp_path / "step-000000020"
     if damage == "truncate":
         data = (latest / ckpt.MODEL_FILE).read_bytes()
@@ -196,7 +142,7 @@ def test_retention_keeps_the_last_k_and_the_best_and_never_a_half_written_one(tm
     storage = ckpt.CheckpointStorage(str(tmp_path))
     checkpointer = ckpt.Checkpointer(storage, keep_last=2, keep_best=True, best_mode="max", async_save=False)
     for step, metric in ((1, 0.5), (2, 0.9), (3, 0.6), (4, 0.7), (5, 0.4)):
-        checkpointer.save(step, _state(step, metric=metric), metric=metric)
+        checkpointer.save(step, checkpoint_state(step, metric=metric), metric=metric)
     assert storage.list_steps() == ["step-000000002", "step-000000004", "step-000000005"]
     (tmp_path / ".tmp-step-000000006-abcd").mkdir()  # what a crash mid-write leaves behind
     assert storage.list_steps()[-1] == "step-000000005"
@@ -235,7 +181,7 @@ def test_checkpoint_settings_are_validated():
 
 def test_manifest_lists_every_file_with_its_hash(tmp_path):
     checkpointer = ckpt.Checkpointer(ckpt.CheckpointStorage(str(tmp_path)), keep_last=1, async_save=False)
-    checkpointer.save(7, _state(7), metric=0.25)
+    checkpointer.save(7, checkpoint_state(7), metric=0.25)
     manifest = json.loads((tmp_path / "step-000000007" / ckpt.MANIFEST_FILE).read_text())
     assert set(manifest["files"]) == {ckpt.MODEL_FILE, ckpt.TRAINER_STATE_FILE, ckpt.META_FILE}
     assert manifest["global_step"] == 7 and manifest["metric"] == 0.25
@@ -247,7 +193,7 @@ def test_a_checkpoint_downloaded_through_the_storage_seam_verifies_where_it_land
     root = f"memory://seam-{time.time_ns()}/checkpoints"
     storage = ckpt.open_storage(root, CheckpointConfig())
     try:
-        ckpt.Checkpointer(storage, keep_last=1, async_save=False).save(3, _state(3), metric=0.5)
+        ckpt.Checkpointer(storage, keep_last=1, async_save=False).save(3, checkpoint_state(3), metric=0.5)
         storage.download(ckpt.step_name(3), str(tmp_path / ckpt.step_name(3)))
     finally:
         fsspec.filesystem("memory").rm(root.removeprefix("memory://"), recursive=True)
@@ -266,15 +212,17 @@ def test_staging_buffers_are_reused_but_never_refilled_while_a_write_reads_them(
 
     storage.write = slow_write
     checkpointer = ckpt.Checkpointer(storage, keep_last=3)
-    model, _, _, _ = _trained_objects(seed=0)
+    model, _, _, _ = trained_objects(seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    first = checkpointer.stage(model=model, meta=_meta(1))
+    first = checkpointer.stage(model=model, meta=checkpoint_meta(1))
     checkpointer.save(1, first)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
     staged = []
-    second_stage = threading.Thread(target=lambda: staged.append(checkpointer.stage(model=model, meta=_meta(2))))
+    second_stage = threading.Thread(
+        target=lambda: staged.append(checkpointer.stage(model=model, meta=checkpoint_meta(2)))
+    )
     second_stage.start()
     time.sleep(0.3)
     assert second_stage.is_alive(), "staging must wait while the previous write still reads the buffers"
