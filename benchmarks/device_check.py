@@ -77,6 +77,9 @@ LOADER_SHARDS_DIR = "loader-shards"
 REQUIREMENTS_FILE = "requirements.txt"
 ABSENT_ON_DEVICE = ("ray", "flytekit", "mlflow")
 """Not in the device's image: nothing the check runs may import them."""
+PRODUCT_DEPS = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions")
+"""What the platform's own code imports (the config's schema layer) that the device's image lacks: installed from the
+carried wheels (MLflow's dependencies) into the check's scratch before the first part, when ``pydantic`` is missing."""
 GPT2_VOCAB_SIZE = 50257
 
 
@@ -737,10 +740,28 @@ def _utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def part_env() -> dict[str, str]:
-    """The parts' environment: this repository importable in every process they start (pytest's subprocesses,
-    spawned ranks), whatever ``PYTHONPATH`` held kept first."""
+def install_product_deps(carry: Path, target: Path) -> dict[str, Any]:
+    """Install ``PRODUCT_DEPS`` from the carried wheels into ``target`` when this interpreter lacks pydantic (the
+    device's image does); what was done, for the summary's details. Nothing else is installed before the figures."""
+    if _importable("pydantic"):
+        return {"status": "present"}
+    wheels = sorted(w for name in PRODUCT_DEPS for w in (carry / WHEELS_DIR).glob(f"{name}-*.whl"))
+    found = {w.name.split("-")[0] for w in wheels}
+    if "pydantic" not in found or "pydantic_core" not in found:
+        return {"status": "missing", "reason": f"no pydantic wheels in {carry / WHEELS_DIR} (device_wheels.py)"}
+    env = {**os.environ, "PIP_BREAK_SYSTEM_PACKAGES": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    install = ["install", "--quiet", "--no-index", "--no-deps", "--no-compile", "--target", str(target)]
+    subprocess.run([sys.executable, "-m", "pip", *install, *map(str, wheels)], check=True, env=env)
+    return {"status": "installed", "wheels": [w.name for w in wheels], "target": str(target)}
+
+
+def part_env(site: Path | None = None) -> dict[str, str]:
+    """The parts' environment: this repository (and ``site``, the product's dependencies installed for the check)
+    importable in every process they start (pytest's subprocesses, spawned ranks), whatever ``PYTHONPATH`` held kept
+    first."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO_ROOT)]
+    if site is not None:
+        paths.append(str(site))
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1"}
 
 
@@ -753,7 +774,9 @@ def run_isolated(part: Part, args: argparse.Namespace, work: Path, log, timeout_
     ]  # fmt: skip
     log.write(f"\n===== part {part.name} (limit {timeout_s:.0f} s) {_utc_now()}\n")
     log.flush()
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=part_env())
+    site = work / "site"
+    env = part_env(site if site.is_dir() else None)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         returncode = process.wait(timeout=timeout_s)
         timed_out = False
@@ -807,6 +830,10 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     chosen = set(args.only or [p.name for p in PARTS])
     with tempfile.TemporaryDirectory(prefix="device-check-") as scratch, open(args.out / LOG_FILE, "w") as log:
         work = Path(scratch)
+        try:
+            summary.data["details"]["product_deps"] = install_product_deps(args.carry, work / "site")
+        except subprocess.CalledProcessError as exc:
+            summary.data["details"]["product_deps"] = {"status": "failed", "reason": str(exc)[:300]}
         for part in PARTS:
             left_s = deadline - time.monotonic()
             if part.name not in chosen:
