@@ -93,12 +93,13 @@ def bare_loop(manifest_dir: str, setup: Setup) -> dict:
     steps_per_epoch = len(labels) // batch_size
     total_steps = epochs * steps_per_epoch
     steady_time_s, steady_steps, step = 0.0, 0, 0
+    last = time.perf_counter()
     for _ in range(epochs):
+        # The epoch's shuffle counts against its first step, as our loop's first read of an epoch does.
         order = torch.randperm(len(labels))
         epoch_images, epoch_labels = images[order], labels[order]
         if on_gpu:
             epoch_images, epoch_labels = epoch_images.pin_memory(), epoch_labels.pin_memory()
-        last = time.perf_counter()
         for b in range(steps_per_epoch):
             batch = slice(b * batch_size, (b + 1) * batch_size)
             x = epoch_images[batch].to(device, non_blocking=True).float().div_(255.0)

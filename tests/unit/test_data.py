@@ -71,6 +71,32 @@ def test_a_corrupt_shard_is_refused(digits, tmp_path):
         read_shard(manifest, shard)
 
 
+def test_a_shard_is_checked_once_per_process_until_its_file_changes(digits, tmp_path, monkeypatch):
+    import hashlib
+    import shutil
+    import time
+
+    from training_core.data import prepared
+
+    copy = tmp_path / "copy"
+    shutil.copytree(digits.directory, copy)
+    manifest = Manifest.load(str(copy))
+    shard = manifest.splits["train"].shards[0]
+    hashed, sha256 = [], hashlib.sha256
+    monkeypatch.setattr(prepared.hashlib, "sha256", lambda data: hashed.append(len(data)) or sha256(data))
+    first = read_shard(manifest, shard)
+    again = read_shard(manifest, shard)  # the next epoch's read: no second hash and scan
+    assert len(hashed) == 1 and all(np.array_equal(first[k], again[k]) for k in first)
+    # A file rewritten since (another prep, a partial copy) is checked again, and refused when corrupt.
+    data = bytearray((copy / shard.file).read_bytes())
+    data[100] ^= 0xFF
+    time.sleep(0.01)
+    (copy / shard.file).write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="is corrupt: sha256"):
+        read_shard(manifest, shard)
+    assert len(hashed) == 2
+
+
 def test_batch_too_large_for_a_worker_names_the_setting(digits):
     with pytest.raises(ValueError, match="loop.batch_size=1000 is too large"):
         digits.steps_per_epoch(world_size=2, batch_size=1000, grad_accum_steps=1)
@@ -171,3 +197,58 @@ def test_a_fraction_that_rounds_to_zero_says_how_large_it_must_be(tmp_path):
         ValueError, match=r"data.val_fraction=0.0001 is invalid: .* rounds to 0; raise it to at least 0.00056"
     ):
         prepare(DataConfig(val_fraction=0.0001), str(tmp_path / "out"))
+
+
+def test_arrays_read_ahead_in_a_thread_give_the_batches_the_training_thread_reads(digits):
+    import threading
+
+    def batches(loader_num_workers: int, **kwargs) -> list[dict]:
+        stream = ShardStream(
+            digits, "train", rank=1, world_size=2, data=DataConfig(loader_num_workers=loader_num_workers)
+        )
+        return list(stream.train_batches(epoch=2, seed=5, batch_size=16, num_batches=12, **kwargs))
+
+    for kwargs in ({}, {"start_batch": 4}, {"remaining": [(100, 900)]}):
+        in_thread, ahead = batches(0, **kwargs), batches(2, **kwargs)
+        assert len(in_thread) == len(ahead) > 0
+        for a, b in zip(in_thread, ahead):
+            assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert not [t for t in threading.enumerate() if t.name == "batch-read-ahead"]
+
+
+def test_a_read_ahead_raises_its_error_at_the_batch_and_stops_when_closed():
+    import threading
+    import time
+
+    from training_core.data.loader import read_ahead
+
+    def failing():
+        yield 1
+        yield 2
+        raise ValueError("shard 3 is corrupt")
+
+    got = []
+    with pytest.raises(ValueError, match="shard 3 is corrupt"):
+        for item in read_ahead(failing(), depth=4):
+            got.append(item)
+    assert got == [1, 2]
+
+    closed = threading.Event()
+
+    def endless():
+        try:
+            n = 0
+            while True:
+                n += 1
+                yield n
+        finally:
+            closed.set()
+
+    ahead = read_ahead(endless(), depth=2)
+    assert [next(ahead) for _ in range(5)] == [1, 2, 3, 4, 5]
+    ahead.close()
+    assert closed.wait(5)
+    deadline = time.monotonic() + 5
+    while [t for t in threading.enumerate() if t.name == "batch-read-ahead"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t for t in threading.enumerate() if t.name == "batch-read-ahead"]

@@ -24,6 +24,7 @@ import io
 import json
 import logging
 import math
+import os
 import re
 import zipfile
 from dataclasses import asdict, dataclass, field, make_dataclass
@@ -630,8 +631,15 @@ def read_shard(manifest: Manifest, shard: ShardInfo, *, verify: bool = True) -> 
 
     where = f"shard {quote(shard.file)} in {clip(redact(manifest.directory), 500)}"
     plain_shard_name(shard.file, lambda why: shard_error(where, why))
-    with fsspec.open(join_path(manifest.directory, shard.file), "rb") as f:
+    path = join_path(manifest.directory, shard.file)
+    identity = _local_identity(path, manifest, shard)
+    with fsspec.open(path, "rb") as f:
         payload = f.read()
+    if identity is not None and identity in _VERIFIED and identity == _local_identity(path, manifest, shard):
+        # Checked whole by this process already, and the file is unchanged since (size and modification time):
+        # each epoch would otherwise hash and scan every shard again, in the step's time.
+        with np.load(io.BytesIO(payload), allow_pickle=False) as stored:
+            return {name: stored[name] for name in manifest.arrays}
     if verify:
         digest = hashlib.sha256(payload).hexdigest()
         if digest != shard.sha256:
@@ -655,7 +663,28 @@ def read_shard(manifest: Manifest, shard: ShardInfo, *, verify: bool = True) -> 
         if not 0 <= low <= high <= spec.max_value:
             limit = f"{manifest.num_classes} classes" if name == "labels" else f"values 0..{spec.max_value}"
             shard_error(where, f"holds {name} {low}..{high}; the manifest has {limit}")
+    if verify and identity is not None:
+        _VERIFIED.add(identity)
     return arrays
+
+
+_VERIFIED: set[tuple] = set()
+"""Local shard files this process read and found as the manifest records them, by :func:`_local_identity`."""
+
+
+def _local_identity(path: str, manifest: Manifest, shard: ShardInfo) -> tuple | None:
+    """A local shard file's identity: its path, inode, size and modification time, and what the manifest expects of
+    it (None for a remote one, or one that cannot be stat'ed: those are checked at every read)."""
+    if "://" in path and not path.startswith("file://"):
+        return None
+    try:
+        stat = os.stat(path.removeprefix("file://"))
+    except OSError:
+        return None
+    return (
+        os.path.realpath(path.removeprefix("file://")), stat.st_size, stat.st_mtime_ns, stat.st_ino,
+        shard.sha256, shard.num_samples, repr(shard.bounds), repr(manifest.arrays),
+    )  # fmt: skip
 
 
 class ArraySamples:
@@ -711,7 +740,7 @@ class ShardStream:
         """Batches ``start_batch .. num_batches - 1`` of this rank's chunk of ``remaining`` (default: the whole
         epoch), all full. A resume on the same workers passes the batches consumed as ``start_batch``; one on other
         workers passes the checkpoint's ``remaining`` and ``start_batch=0``."""
-        from training_core.data.loader import EpochOrder, TrainBatches, loader_iter, plan_ranks
+        from training_core.data.loader import EpochOrder, TrainBatches, loader_iter, plan_ranks, read_ahead
 
         order = EpochOrder([s.num_samples for s in self.all_shards], seed=seed, epoch=epoch)
         chunk = plan_ranks(remaining if remaining is not None else [(0, order.num_samples)], self.world_size)
@@ -723,11 +752,14 @@ class ShardStream:
             num_batches=num_batches,
             start_batch=start_batch,
         )
-        return loader_iter(
+        iterator = loader_iter(
             batches.batches,
             num_processes=min(self._loader_processes(), max(num_batches - start_batch, 0)),
             prefetch_batches=self.data.loader_prefetch_batches,
         )
+        if self.manifest.format != "parquet" and self.data.loader_num_workers:
+            return read_ahead(iterator, depth=self.data.loader_prefetch_batches)
+        return iterator
 
     def _loader_processes(self) -> int:
         """Loader processes to fork, with what they import already imported here."""

@@ -45,7 +45,8 @@ nine runs (one a CI machine's); without headroom a run sized to its budget could
 OPTIMIZER_STATE_COPIES = {"sgd": 1, "adam": 2, "adamw": 2}
 """Tensors of parameter size an optimizer keeps per parameter (SGD: momentum; Adam: two moments)."""
 OPTIMIZER_STEP_COPIES = 2
-"""Temporaries of parameter size an optimizer step allocates (the ``foreach`` implementations' intermediate lists)."""
+"""Temporaries of parameter size an optimizer step allocates (the ``foreach`` implementations' intermediate lists). A
+fused step (``optimizer.fused`` on a GPU) updates in place and allocates none."""
 DEFAULT_BUDGET_SHARE = 0.8
 """Share of the device's memory (the GPU's, or the worker pod's on CPU) a step may use by default."""
 
@@ -100,10 +101,12 @@ def measure(
     momentum: float,
     no_sync: Callable[[nn.Module], Any],
     checkpoint_staging: bool = False,
+    fused: bool = False,
 ) -> tuple[int, int]:
     """``(fixed_bytes, bytes_per_sample)`` of a training step of ``model``, from ``batches``: micro-batches of 1 and 2
     samples. ``no_sync(model)`` is the context that keeps a backward pass from syncing gradients. The fixed part
-    counts the optimizer's state and its step's temporaries, and with ``checkpoint_staging`` (asynchronous saves on
+    counts the optimizer's state and its step's temporaries (none with ``fused``, the fused kernel on a GPU), and
+    with ``checkpoint_staging`` (asynchronous saves on
     CPU) the host copy of the weights and optimizer state a save keeps."""
     buffers = Saved(list(model.buffers()))
     rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if device.type == "cuda" else None
@@ -115,7 +118,8 @@ def measure(
             # first step.
             peaks = [_cuda_peak_bytes(model, loss_fn, batch, device=device, no_sync=no_sync) for batch in batches]
             per_sample = max(0, peaks[1] - peaks[0])
-            return peaks[0] - per_sample + (state_copies + OPTIMIZER_STEP_COPIES) * weights, per_sample
+            step_copies = 0 if fused else OPTIMIZER_STEP_COPIES
+            return peaks[0] - per_sample + (state_copies + step_copies) * weights, per_sample
         saved = [_saved_tensor_bytes(model, loss_fn, batch) for batch in batches]
     finally:
         buffers.keep_if(torch.zeros((), dtype=torch.bool, device=device))
@@ -248,6 +252,7 @@ class BatchPlanner:
             momentum=cfg.optimizer.momentum,
             no_sync=no_gradient_sync,
             checkpoint_staging=cfg.checkpoint.async_save and self.rank == 0,
+            fused=cfg.optimizer.fused and self.device.type == "cuda",
         )
 
     def keep_global_batch(self, cfg: TrainingConfig) -> TrainingConfig:
