@@ -411,18 +411,13 @@ def part_resnet50(ctx: Context) -> PartResult:
     setup = image_setup(ctx)
     data_dir = ctx.work / "images"
     bare = in_fresh_process(bare_loop, str(data_dir), setup)
-    cfg = ours_config(setup)
-    ours = launch_ours(cfg, data_dir, warmup_steps=setup.warmup_steps, workdir=ctx.work / "resnet50")
-    # The same run with the arrays read in the training thread (data.loader_num_workers: 0), for the read-ahead's gain.
-    in_thread_cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, loader_num_workers=0))
-    in_thread = launch_ours(in_thread_cfg, data_dir, warmup_steps=setup.warmup_steps, workdir=ctx.work / "in-thread")
+    ours = launch_ours(ours_config(setup), data_dir, warmup_steps=setup.warmup_steps, workdir=ctx.work / "resnet50")
     return PartResult(
         values={
             "resnet50_images_per_s": ours.steady_samples_per_s,
             "resnet50_ratio": ours.steady_samples_per_s / bare["samples_per_s"],
         },
         details={
-            "in_training_thread_images_per_s": in_thread.steady_samples_per_s,
             "bare_images_per_s": bare["samples_per_s"],
             "steady_steps": int(ours.steady_steps),
             "setup": str(setup),

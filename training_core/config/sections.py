@@ -202,14 +202,13 @@ class DataConfig:
 
     loader_num_workers: int = 2
     """Loader processes per training worker that read, decode and augment encoded images (Parquet shards) ahead of
-    the step (torch ``DataLoader`` workers); each holds the encoded images of the shard it is reading, about this
-    many times the largest shard of host memory per training worker (``data.num_shards`` sets their size). Arrays
-    (``.npz`` shards of digits, synthetic and text data) are already decoded: above 0, one thread of the training
-    worker reads them ahead instead (it may hold the next shard beside the current one). 0 reads either in the
-    training thread. What a step sees does not depend on it."""
+    the step (torch ``DataLoader`` workers); 0 reads in the training thread. Arrays (``.npz`` shards of digits,
+    synthetic and text data) are already decoded and are always read in the training thread. What a step sees does
+    not depend on it. Each holds the encoded images of the shard it is reading: about this many times the largest
+    shard of host memory per training worker (``data.num_shards`` sets their size)."""
 
     loader_prefetch_batches: int = 4
-    """Batches the loader processes (or the read-ahead thread) of one training worker keep ready, in all."""
+    """Batches the loader processes of one training worker keep ready, in all."""
 
     augment: bool = True
     """Encoded images (``cifar10``, ``image_folder``): random-resized-crop and horizontal flip for training; resize

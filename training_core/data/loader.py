@@ -220,63 +220,6 @@ def _to_arrays(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, np.ndarr
         yield {name: value if isinstance(value, np.ndarray) else value.numpy() for name, value in batch.items()}
 
 
-_END = object()
-
-
-def read_ahead(batches: Iterator[Any], *, depth: int) -> Iterator[Any]:
-    """``batches``, built up to ``depth`` ahead by one thread of this process and yielded in their order. An error
-    the thread meets is raised here, at the batch it would have been. Closing the returned iterator (or dropping it)
-    stops the thread and closes ``batches``.
-
-    For arrays already decoded (``.npz`` shards): a shard's read and a batch's gather run while the step's kernels
-    are dispatched, where a loader process would only add a copy through shared memory."""
-    import queue
-    import threading
-
-    ready: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def offer(item: Any) -> bool:
-        while not stop.is_set():
-            try:
-                ready.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            for batch in batches:
-                if not offer(batch):
-                    return
-            offer(_END)
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it where it belongs
-            offer(exc)
-        finally:
-            close = getattr(batches, "close", None)
-            if close is not None:
-                close()
-
-    thread = threading.Thread(target=produce, name="batch-read-ahead", daemon=True)
-    thread.start()
-
-    def consume() -> Iterator[Any]:
-        try:
-            while True:
-                item = ready.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
-            thread.join(timeout=10)
-
-    return consume()
-
-
 def loader_iter(
     source: Callable[[int, int], Iterator[Any]], *, num_processes: int, prefetch_batches: int
 ) -> Iterator[Any]:

@@ -740,7 +740,7 @@ class ShardStream:
         """Batches ``start_batch .. num_batches - 1`` of this rank's chunk of ``remaining`` (default: the whole
         epoch), all full. A resume on the same workers passes the batches consumed as ``start_batch``; one on other
         workers passes the checkpoint's ``remaining`` and ``start_batch=0``."""
-        from training_core.data.loader import EpochOrder, TrainBatches, loader_iter, plan_ranks, read_ahead
+        from training_core.data.loader import EpochOrder, TrainBatches, loader_iter, plan_ranks
 
         order = EpochOrder([s.num_samples for s in self.all_shards], seed=seed, epoch=epoch)
         chunk = plan_ranks(remaining if remaining is not None else [(0, order.num_samples)], self.world_size)
@@ -752,14 +752,11 @@ class ShardStream:
             num_batches=num_batches,
             start_batch=start_batch,
         )
-        iterator = loader_iter(
+        return loader_iter(
             batches.batches,
             num_processes=min(self._loader_processes(), max(num_batches - start_batch, 0)),
             prefetch_batches=self.data.loader_prefetch_batches,
         )
-        if self.manifest.format != "parquet" and self.data.loader_num_workers:
-            return read_ahead(iterator, depth=self.data.loader_prefetch_batches)
-        return iterator
 
     def _loader_processes(self) -> int:
         """Loader processes to fork, with what they import already imported here."""
