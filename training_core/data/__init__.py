@@ -10,6 +10,7 @@ layer are importable from here (users' workloads do: ``from training_core.data i
 - :mod:`~training_core.data.prepared`: the manifest, ``.npz`` shards and the per-worker :class:`ShardStream`, what the
   workloads write and read (they import it, never this package).
 - :mod:`~training_core.data.shard_files`: what every shard reader checks and says.
+- :mod:`~training_core.data.mapped_npz`: zero-copy reads of a local ``.npz`` shard (members memory-mapped).
 - :mod:`~training_core.data.image_shards`: image datasets at scale, encoded images in Parquet shards written by Ray
   tasks.
 - :mod:`~training_core.data.text`: tokenizers, text sources, the split by document and packing into sequences.

@@ -28,7 +28,7 @@ import os
 import re
 import zipfile
 from dataclasses import asdict, dataclass, field, make_dataclass
-from typing import Annotated, Any, Iterable, Iterator, Mapping, NoReturn
+from typing import Annotated, Any, Callable, Iterable, Iterator, Mapping, NoReturn
 
 import numpy as np
 
@@ -626,29 +626,73 @@ def split_samples(
 def read_shard(manifest: Manifest, shard: ShardInfo, *, verify: bool = True) -> dict[str, np.ndarray]:
     """One shard's arrays (name -> array, first axis the samples), checked against what the manifest records: the
     sha256 (when ``verify``), the count, each array's dtype and sample shape, and the value bounds. A mismatch
-    raises ``ValueError`` naming the shard file and the fix."""
-    import fsspec
+    raises ``ValueError`` naming the shard file and the fix.
 
+    A local shard is memory-mapped where it can be (:mod:`training_core.data.mapped_npz`), and checked whole once
+    per process: read again unchanged (same inode, size and modification time), it is mapped without a second hash
+    and scan, which each epoch would otherwise pay in the step's time."""
     where = f"shard {quote(shard.file)} in {clip(redact(manifest.directory), 500)}"
     plain_shard_name(shard.file, lambda why: shard_error(where, why))
     path = join_path(manifest.directory, shard.file)
     identity = _local_identity(path, manifest, shard)
+    if identity is None:
+        return _checked_arrays(manifest, shard, where, _read_remote(path, manifest, shard, where, verify=verify))
+    local_path = identity[0]
+    if identity in _VERIFIED:
+        arrays = _load_local(local_path, manifest, where)
+        if identity == _local_identity(path, manifest, shard):
+            return arrays
+    if verify:
+        with open(local_path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if digest != shard.sha256:
+            shard_error(where, f"is corrupt: sha256 {digest} != manifest {shard.sha256}")
+    arrays = _checked_arrays(manifest, shard, where, _load_local(local_path, manifest, where))
+    if identity != _local_identity(path, manifest, shard):
+        shard_error(where, "changed while it was read (another data prep writing the directory?)")
+    if verify:
+        _VERIFIED.add(identity)
+    return arrays
+
+
+def _read_remote(path: str, manifest: Manifest, shard: ShardInfo, where: str, *, verify: bool) -> dict[str, np.ndarray]:
+    import fsspec
+
     with fsspec.open(path, "rb") as f:
         payload = f.read()
-    if identity is not None and identity in _VERIFIED and identity == _local_identity(path, manifest, shard):
-        # Checked whole by this process already, and the file is unchanged since (size and modification time):
-        # each epoch would otherwise hash and scan every shard again, in the step's time.
-        with np.load(io.BytesIO(payload), allow_pickle=False) as stored:
-            return {name: stored[name] for name in manifest.arrays}
     if verify:
         digest = hashlib.sha256(payload).hexdigest()
         if digest != shard.sha256:
             shard_error(where, f"is corrupt: sha256 {digest} != manifest {shard.sha256}")
+    return _unreadable_as_shard_error(where, lambda: _np_load(io.BytesIO(payload), manifest.arrays))
+
+
+def _load_local(local_path: str, manifest: Manifest, where: str) -> dict[str, np.ndarray]:
+    from training_core.data.mapped_npz import map_arrays
+
+    def load() -> dict[str, np.ndarray]:
+        mapped = map_arrays(local_path, manifest.arrays)
+        return mapped if mapped is not None else _np_load(local_path, manifest.arrays)
+
+    return _unreadable_as_shard_error(where, load)
+
+
+def _np_load(source: Any, names: Iterable[str]) -> dict[str, np.ndarray]:
+    with np.load(source, allow_pickle=False) as stored:
+        return {name: stored[name] for name in names}
+
+
+def _unreadable_as_shard_error(where: str, load: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     try:
-        with np.load(io.BytesIO(payload), allow_pickle=False) as stored:
-            arrays = {name: stored[name] for name in manifest.arrays}
+        return load()
     except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile) as exc:
         shard_error(where, f"is not a readable shard ({type(exc).__name__}: {clip(str(exc))})")
+
+
+def _checked_arrays(
+    manifest: Manifest, shard: ShardInfo, where: str, arrays: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """``arrays`` when each is there with the dtype, sample shape and bounds the manifest records."""
     for name, spec in manifest.arrays.items():
         value, expected = arrays[name], (shard.num_samples, *spec.shape)
         if value.dtype != np.dtype(spec.dtype) or value.shape != expected:
@@ -663,8 +707,6 @@ def read_shard(manifest: Manifest, shard: ShardInfo, *, verify: bool = True) -> 
         if not 0 <= low <= high <= spec.max_value:
             limit = f"{manifest.num_classes} classes" if name == "labels" else f"values 0..{spec.max_value}"
             shard_error(where, f"holds {name} {low}..{high}; the manifest has {limit}")
-    if verify and identity is not None:
-        _VERIFIED.add(identity)
     return arrays
 
 
