@@ -3,7 +3,7 @@
     python -m deployment.remote register dist/flyte-package.tgz       # the tarball of `make package`
     python -m deployment.remote launch training_pipeline --config my_run.yaml --wait
     python -m deployment.remote launch scaling_benchmark --input 'worker_counts=[1,2,4,8]'
-    python -m deployment.remote wait <execution name>
+    python -m deployment.remote wait <execution name> --prometheus-url http://prometheus:9090
     python -m deployment.remote activate nightly_training             # its schedule starts firing
     python -m deployment.remote deactivate nightly_training
 
@@ -14,6 +14,10 @@ flytekit's task defaults (``flytesnacks``/``development``), as for ``pyflyte``.
 
 Exit codes: 0 done, 1 the execution did not succeed, 2 a bad argument or input, 3 FlyteAdmin unreachable,
 4 still running when ``--timeout-s`` ran out (the execution goes on).
+
+While it follows an execution, each training node's steps done and total, step rate and ETA (to the end and to the
+next checkpoint) are printed as they move, read from the Prometheus that scrapes the workers (``--prometheus-url``,
+else ``PROMETHEUS_URL``; :mod:`deployment.progress`).
 
 Reading and registering the package is :mod:`deployment.registration`; this module is the command line, the
 checking of launch inputs, and the following of executions.
@@ -44,6 +48,7 @@ from flytekit.remote import FlyteRemote, FlyteWorkflowExecution
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
+from deployment.progress import PROMETHEUS_URL_ENV, ProgressWatch
 from deployment.registration import register_package
 from tasks.artifacts import artifact_location
 from training_core.config import overlay, read_yaml_mapping
@@ -257,8 +262,10 @@ def wait_for(
     timeout_s: float,
     poll_s: float,
     report: Report,
+    progress: ProgressWatch | None = None,
 ) -> FlyteWorkflowExecution:
-    """Poll until the execution ends, reporting each phase change of it and of its nodes.
+    """Poll until the execution ends, reporting each phase change of it and of its nodes, and while it runs its
+    training nodes' progress (``progress``).
 
     :raises TimeoutError: when it is still running after ``timeout_s``; the execution itself goes on.
     """
@@ -270,6 +277,8 @@ def wait_for(
             report(line)
         if execution.is_done:
             return execution
+        if progress is not None and seen.get("execution") == "RUNNING":
+            progress.poll(execution.id.name)
         if time.monotonic() >= deadline:
             raise TimeoutError(
                 f"execution {execution.id.name} is still {seen['execution']} after {timeout_s:g} s and keeps running: "
@@ -391,6 +400,11 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout-s", type=float, default=24 * 3600, help="stop waiting (not the execution) after this long"
     )
     waiting.add_argument("--poll-s", type=float, default=15.0)
+    waiting.add_argument(
+        "--prometheus-url",
+        default=os.getenv(PROMETHEUS_URL_ENV) or None,
+        help=f"Prometheus scraping the training metrics, for progress and ETA lines (default: {PROMETHEUS_URL_ENV})",
+    )
 
     start = commands.add_parser("launch", parents=[waiting], help="start a pipeline or launch plan")
     start.add_argument("target", choices=sorted(TARGETS))
@@ -453,7 +467,13 @@ def _run(args: argparse.Namespace, remote: FlyteRemote, report: Report) -> int:
         report(f"console: {remote.generate_console_url(execution)}")
     node_names = _node_names(plan) if plan is not None else {}
     execution = wait_for(
-        remote, execution, node_names=node_names, timeout_s=args.timeout_s, poll_s=args.poll_s, report=report
+        remote,
+        execution,
+        node_names=node_names,
+        timeout_s=args.timeout_s,
+        poll_s=args.poll_s,
+        report=report,
+        progress=ProgressWatch(args.prometheus_url, report),
     )
     return finish(remote, execution, plan, report)
 

@@ -213,6 +213,10 @@ def prepare(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()) -> 
             from training_core.data.text import check_text_source
 
             check_text_source(config)
+        elif workload.name == "sequence_classification":
+            from training_core.workloads.sequence_classification import check_source as check_labeled_source
+
+            check_labeled_source(config)
         else:
             from training_core.data.image_shards import check_source
 

@@ -297,11 +297,17 @@ def head_name(model: nn.Module) -> str:
 
 
 def plan_loading(
-    source: str, model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, new_head: bool, model_name: str
+    source: str,
+    model: nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    new_head: bool,
+    model_name: str,
+    fix: str = "",
 ) -> HeadPlan:
     """Which of ``state_dict`` loads into ``model`` (which may be on the meta device): every name and shape must
     match, except, with ``new_head``, the classifier head's (:func:`head_name`), left as the model initialised it.
-    Anything else that differs fails, listing the first few names."""
+    Anything else that differs fails, listing the first few names, with ``fix`` (default: an image model's)."""
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     head = head_name(model)
     head_keys = {key for key in expected if head and key.rpartition(".")[0] == head}
@@ -313,7 +319,7 @@ def plan_loading(
     wrong = [key for key in wrong if key not in reinitialised]
     if missing or unexpected or wrong:
         _mismatch(source, model_name, missing, unexpected, [(key, shapes[key], expected[key]) for key in wrong],
-                  head_keys=head_keys, new_head=new_head)  # fmt: skip
+                  head_keys=head_keys, new_head=new_head, fix=fix)  # fmt: skip
     loaded = [key for key in expected if key not in reinitialised]
     classes = (shapes[f"{head}.weight"][0], expected[f"{head}.weight"][0]) if reinitialised else (0, 0)
     return HeadPlan(loaded=loaded, reinitialised=reinitialised, head=head if reinitialised else "", classes=classes)
@@ -328,6 +334,7 @@ def _mismatch(
     *,
     head_keys: set[str],
     new_head: bool,
+    fix: str = "",
 ) -> None:
     parts = []
     if missing:
@@ -339,11 +346,11 @@ def _mismatch(
             f"{key} {list(found)} vs the model's {list(want)}" for key, found, want in wrong[:MAX_LISTED]
         )
         parts.append(f"{len(wrong)} of another shape ({listed})")
-    fix = (
+    fix = fix or (
         f"save the weights of the model model.name={model_name!r} builds for this data (its channels, image size and "
         "classes; a ResNet takes a 3x3 stem for images of 64 px or less)"
     )
-    if not new_head and any(key in head_keys for key, _, _ in wrong):
+    if not new_head and any(key in head_keys for key, _, _ in wrong) and "new_head" not in fix:
         fix += ", or set model.new_head: true to re-initialise a classifier head of another class count"
     fail(source, f"the weights do not fit the model: {'; '.join(parts)}. Fix: {fix}")
 

@@ -16,8 +16,15 @@ from typing import Any
 WORKLOADS = {
     "image_classification": "training_core.workloads.image:ImageClassification",
     "causal_lm": "training_core.workloads.causal_lm:CausalLM",
+    "array_classification": "training_core.workloads.simple:ArrayClassification",
+    "array_regression": "training_core.workloads.simple:ArrayRegression",
+    "sequence_classification": "training_core.workloads.sequence_classification:SequenceClassification",
 }
 """Built-in ``workload.name`` -> the class that implements it (called with the config's ``workload`` section)."""
+
+ARRAY_WORKLOADS = ("array_classification", "array_regression")
+"""The built-ins of a user's own arrays: they read no ``data.dataset`` but the ``.npz`` file ``data.path`` or what
+``workload.dataset_source`` returns, and train the model ``workload.model_factory`` builds."""
 
 
 @dataclass(frozen=True)
@@ -28,7 +35,8 @@ class DatasetSource:
     """The key of :data:`WORKLOADS` that reads it."""
     read: str = ""
     """``package.module:function`` reading it whole: ``(DataConfig) -> RawDataset`` for ``image_classification``,
-    ``(DataConfig, SourceStats) -> Iterator[Document]`` for ``causal_lm``."""
+    ``(DataConfig, SourceStats) -> Iterator[Document]`` for ``causal_lm`` and ``sequence_classification`` (whose
+    documents carry their ``label``)."""
     list_images: str = ""
     """For an encoded image source: ``package.module:function`` of ``(DataConfig) -> ImageListing``; prep then
     writes its images as encoded Parquet shards in Ray tasks (:mod:`training_core.data.image_shards`) instead of
@@ -66,6 +74,9 @@ DATASET_SOURCES: dict[str, DatasetSource] = {
     ),
     "stdlib": DatasetSource("causal_lm", read="training_core.data.text:stdlib_source"),
     "text": DatasetSource("causal_lm", read="training_core.data.text:path_source", needs_path=True),
+    "labeled_text": DatasetSource(
+        "sequence_classification", read="training_core.data.text:labeled_source", needs_path=True
+    ),
 }
 """``data.dataset`` -> its source, in the order the config lists the choices."""
 
@@ -85,7 +96,7 @@ function can build a family)."""
 
 @dataclass(frozen=True)
 class LMSize:
-    """A named GPT-2 size of ``causal_lm``."""
+    """A named transformer size: a GPT-2 size of ``causal_lm``, a BERT size of ``sequence_classification``."""
 
     num_layers: int
     hidden_size: int
@@ -103,6 +114,23 @@ LM_SIZES = {
 }
 """``model.name`` of ``causal_lm``'s GPT-2 sizes: OpenAI's four (124 M to 1.5 B parameters with their 50 257-token
 vocabulary) and two small ones for tests and quick runs (:mod:`training_core.workloads.causal_lm` builds them)."""
+
+
+ENCODER_SIZES = {
+    "bert-tiny": LMSize(num_layers=2, hidden_size=128, num_heads=2, context_length=512),
+    "bert-mini": LMSize(num_layers=4, hidden_size=256, num_heads=4, context_length=512),
+    "bert-small": LMSize(num_layers=4, hidden_size=512, num_heads=8, context_length=512),
+    "bert-medium": LMSize(num_layers=8, hidden_size=512, num_heads=8, context_length=512),
+    "bert-base": LMSize(num_layers=12, hidden_size=768, num_heads=12, context_length=512),
+    "bert-large": LMSize(num_layers=24, hidden_size=1024, num_heads=16, context_length=512),
+}
+"""``model.name`` of ``sequence_classification``'s BERT sizes (randomly initialised): Google's BERT-Base and -Large
+and its four smaller ones (Turc et al. 2019), each with an MLP 4x its width; the vocabulary is the prepared data's
+tokenizer's (:mod:`training_core.workloads.sequence_classification` builds them)."""
+
+PRIMARY_METRICS = {"sequence_classification": ("accuracy", "macro_f1")}
+"""The ``workload.primary_metric`` choices of a built-in workload that lets the config choose (the first is its
+default); the others rank on their own."""
 
 
 def register_dataset_source(name: str, source: DatasetSource) -> None:

@@ -7,7 +7,7 @@ import math
 import os
 import shlex
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from training_core.config import TrackingConfig
 from training_core.redact import redact
@@ -191,13 +191,22 @@ def register_and_promote(
     )
 
 
-def log_model(model: nn.Module, example: np.ndarray, run: MlflowRun, *, dynamic_axes: tuple[int, ...] = (0,)) -> str:
+def log_model(
+    model: nn.Module,
+    example: np.ndarray,
+    run: MlflowRun,
+    *,
+    dynamic_axes: tuple[int, ...] = (0,),
+    extra_files: Mapping[str, bytes] | None = None,
+) -> str:
     """Log the trained model with the signature of ``example`` (a small input batch) and its output; returns its
     ``models:/`` URI. MLflow saves it as a ``torch.export`` program (no pickled code); ``dynamic_axes`` of the input
     and the output are left free in the signature, and so in the exported program (the batch; a language model's
-    sequence length too, so the loaded model scores and generates at any length up to its context)."""
+    sequence length too, so the loaded model scores and generates at any length up to its context). ``extra_files``
+    (file name -> bytes: a text classifier's tokenizer and classes) are saved in the model's ``extra_files/``."""
     import copy
     import sys
+    import tempfile
 
     import mlflow
     import numpy as np
@@ -217,13 +226,17 @@ def log_model(model: nn.Module, example: np.ndarray, run: MlflowRun, *, dynamic_
     if "transformers" in sys.modules:  # a Hugging Face model pickles as its transformers classes
         requirements.append(f"transformers=={sys.modules['transformers'].__version__}")
     # The driver that created the run owns its final status; re-entering it here only attaches the model.
-    with mlflow.start_run(run_id=run.run_id):
+    with mlflow.start_run(run_id=run.run_id), tempfile.TemporaryDirectory(prefix="model-files-") as files_dir:
+        for name, payload in (extra_files or {}).items():
+            with open(os.path.join(files_dir, name), "wb") as f:
+                f.write(payload)
         info = mlflow.pytorch.log_model(
             bare,
             name="model",
             signature=_free_axes(infer_signature(example, output), dynamic_axes),
             input_example=example,
             pip_requirements=requirements,
+            extra_files=[os.path.join(files_dir, name) for name in extra_files or {}] or None,
         )
     return info.model_uri
 

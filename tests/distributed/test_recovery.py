@@ -18,6 +18,7 @@ from training_core.config import TrainingConfig
 from training_core.data import Manifest, prepare
 from training_core.runners.ray_train import checkpoint_root, fit
 from training_core.telemetry.goodput import ExecutionGoodput
+from training_core.train.accounting import ProgressLog
 
 INTERVAL_STEPS = 5
 
@@ -103,6 +104,29 @@ def _assert_equal(got, expected, where: str = "") -> None:
         assert got == expected, where
 
 
+def _assert_settled_from_the_progress_record(first, second, meta, resumed_from: int, stop_signal) -> None:
+    """The interrupted attempt's progress record (its last logged step, and its end when a rank saw the failure) split
+    its time after the checkpoint: its steps kept productive (none recomputed by it), the wait to its end hung, the
+    rest start-up; the resumed attempt counts as recomputed the steps it trains again, up to the recorded one, and
+    no more."""
+    reached = first.last_progress
+    print(f"interrupted attempt: {reached}, resumed from step {resumed_from}; first {first.seconds}; second {second}")
+    assert reached is not None and reached.global_step >= resumed_from
+    assert first.seconds.recomputed == 0 and first.seconds.productive > 0 and second.seconds.startup > 0
+    assert first.seconds.hung <= 2 * (reached.ended_unix - reached.step_unix) + 1e-6
+    if stop_signal == signal.SIGSTOP:  # the peer waited for the stopped rank until its collective timed out
+        assert reached.end_unix is not None and first.seconds.hung >= 2 * (HANG_TIMEOUT_S - 1)
+    if reached.global_step == resumed_from:  # a checkpoint of the recorded step was written before the group stopped
+        assert second.seconds.recomputed == 0
+        return
+    # The steps after the checkpoint up to the recorded one, trained again: within the time the resumed attempt took
+    # from its restore to that step's window (its step log's clock continues the checkpoint's).
+    before = max(r.elapsed_s for r in meta.step_log if r.step <= resumed_from)
+    through = min(r.elapsed_s for r in meta.step_log if r.step >= reached.global_step)
+    assert 0 < second.seconds.recomputed <= 2 * (through - before)
+    assert second.seconds.productive > 0
+
+
 HANG_TIMEOUT_S = 15
 """``scaling.collective_timeout_s`` of the stalled run: what a hung peer costs before the job restarts."""
 
@@ -156,7 +180,15 @@ def test_a_worker_killed_or_told_to_stop_mid_epoch_resumes_bit_identical(
         names = storage.list_steps()
         return [int(n.split("-")[1]) for n in names if os.path.exists(f"{storage.path}/{n}/{ckpt.MANIFEST_FILE}")]
 
-    while not [step for step in complete_steps() if step >= 3 * INTERVAL_STEPS]:
+    def recorded_step() -> int:
+        # Rank 0's progress record beside the checkpoints, replaced at every log window.
+        record = ProgressLog(storage).read()
+        return record.global_step if record is not None else 0
+
+    # Killed after a step past its latest checkpoint was recorded: the resume trains that step again.
+    while not (
+        [step for step in complete_steps() if step >= 3 * INTERVAL_STEPS] and recorded_step() > complete_steps()[-1]
+    ):
         assert thread.is_alive() and time.monotonic() < deadline, "training ended or stalled before the kill"
         time.sleep(0.05)
     pids = session_train_workers()
@@ -181,7 +213,7 @@ def test_a_worker_killed_or_told_to_stop_mid_epoch_resumes_bit_identical(
     if stop_signal == signal.SIGTERM:
         assert first.seconds.preempted > 0 and second.seconds.preempted > 0 and first.seconds.recomputed == 0
     else:
-        assert first.seconds.recomputed > 0 and second.seconds.startup > 0
+        _assert_settled_from_the_progress_record(first, second, result.meta, resumed_from, stop_signal)
     assert first.end_unix == second.start_unix and second.outcome == "finished"
     assert 0.98 <= ExecutionGoodput((first, second)).attributed_fraction <= 1.02
     if stop_signal == signal.SIGSTOP:

@@ -328,6 +328,64 @@ def test_every_dashboard_query_and_alert_rule_evaluates_on_the_pushed_run_and_no
     assert [a for a in alerts if a["state"] == "firing"] == [], alerts
 
 
+def _push_progress(pushgateway: str, *, execution: str, attempt: str, progress) -> None:
+    """One rank 0's pushed metrics at a window of a run's attempt, through the real exporter."""
+    from training_core.config import ObservabilityConfig, ScalingConfig
+    from training_core.telemetry import JobLabels, PrometheusTelemetry
+
+    labels = JobLabels(execution=execution, node="n-train", attempt=attempt, rank="0", model="small_cnn")
+    telemetry = PrometheusTelemetry(
+        ObservabilityConfig(pushgateway_url=pushgateway), scaling=ScalingConfig(), labels=labels, world_size=2,
+        start_threads=False,
+    )  # fmt: skip
+    record = {"train_loss": 1.0, "train_accuracy": 0.5, "lr": 0.01, "grad_norm": 1.0, "samples_per_s": 64.0}
+    telemetry.window(record | {"step_time_s": 0.5, "data_wait_s": 0.0, "allreduce_fraction": 0.1, "epoch": 1.0},
+                     global_step=progress.global_step)  # fmt: skip
+    telemetry.progress(progress)
+    assert telemetry.push()
+
+
+def test_remote_wait_prints_a_training_nodes_steps_rate_and_eta_read_from_prometheus_and_says_once_when_it_cannot(
+    prometheus_stack, pushed_run
+):
+    from deployment.progress import ProgressWatch, read_progress
+    from training_core.telemetry.eta import Progress
+
+    prometheus = prometheus_stack["prometheus"]
+    # Mid-run, a retried node: its first attempt's last push, then the running attempt's.
+    execution = "it-watch-exec"
+    for attempt, step in (("0", 40), ("1", 150)):
+        progress = Progress(
+            global_step=step, total_steps=400, steps_per_s=2.5, overhead_per_step_s=0.04, eta_s=(400 - step) * 0.44,
+            next_checkpoint_step=200, eta_checkpoint_s=(200 - step) * 0.44,
+        )  # fmt: skip
+        _push_progress(prometheus_stack["pushgateway"], execution=execution, attempt=attempt, progress=progress)
+    deadline = time.monotonic() + 30
+    while [p.attempt for p in read_progress(prometheus, execution)] != ["1"]:
+        assert time.monotonic() < deadline, read_progress(prometheus, execution)
+        time.sleep(0.5)
+    (running,) = read_progress(prometheus, execution)
+    assert running.line() == "  n-train attempt 1: step 150/400 (38%), 2.5 steps/s, ETA 1m50s, next checkpoint in 22s"
+
+    # The real 2-worker run's rank 0, after its last step: the whole run done, nothing left.
+    lines: list[str] = []
+    watch = ProgressWatch(prometheus, lines.append)
+    watch.poll(EXECUTION)
+    watch.poll(EXECUTION)  # nothing moved: no second line
+    steps = pushed_run["result"].meta.global_step
+    (line,) = lines
+    assert re.fullmatch(rf"  n-train attempt 0: step {steps}/{steps} \(100%\), [0-9.e+]+ steps/s, ETA 0s", line), line
+
+    # Without a Prometheus, or with one that does not answer: said once, and the phases go on being followed.
+    closed = f"http://127.0.0.1:{free_port()}"
+    for url, why in ((None, "pass --prometheus-url or set PROMETHEUS_URL"), (closed, f"Prometheus at {closed}")):
+        told: list[str] = []
+        watch = ProgressWatch(url, told.append)
+        watch.poll(EXECUTION)
+        watch.poll(EXECUTION)
+        assert len(told) == 1 and why in told[0] and told[0].endswith("following the phases only"), told
+
+
 def test_a_cuda_oom_on_an_early_step_is_counted_pushed_unfinished_and_fires_the_oom_alert(
     prometheus_stack, tmp_path, monkeypatch
 ):

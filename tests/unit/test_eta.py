@@ -8,6 +8,7 @@ import random
 import pytest
 
 from training_core.telemetry.eta import EtaEstimator
+from training_core.telemetry.goodput import ExecutionGoodput
 
 TOTAL_STEPS, STEPS_PER_EPOCH, WINDOW_STEPS, CHECKPOINT_EVERY = 1000, 100, 10, 250
 STEP_S, VALIDATION_S, CHECKPOINT_S = 0.1, 4.0, 2.0
@@ -72,3 +73,43 @@ def test_the_next_checkpoints_eta_and_the_amortised_overhead_use_the_recent_rate
     assert progress.eta_checkpoint_s == pytest.approx(20 * 0.3)
     assert progress.eta_s == pytest.approx(970 * 0.3)
     assert (progress.global_step, progress.total_steps, progress.fraction_done) == (30, 1000, pytest.approx(0.03))
+
+
+def test_a_real_runs_eta_read_after_its_first_epoch_is_within_20_percent_of_the_time_it_really_took_to_end(
+    digits_dir, tmp_path
+):
+    """The loop in this process, 3 epochs of a model whose forward lasts a set time (so a loaded machine does not blur
+    the figures) with a validation after each epoch and a checkpoint every 4 steps: the ETA at the first window after
+    epoch 1's validation, as the checkpoint keeps it, against the time left to the final checkpoint."""
+    from tests.helpers.runtime import InProcessRuntime
+    from training_core import checkpoint as ckpt
+    from training_core.config import TrainingConfig
+    from training_core.records import WorkerArgs
+    from training_core.telemetry.eta import EtaReading
+    from training_core.train.loop import run_worker
+
+    cfg = TrainingConfig.from_dict(
+        {
+            "workload": {"model_factory": "tests.helpers.steady_model:build"},
+            "loop": {"epochs": 3, "batch_size": 128, "log_interval_steps": 2},
+            "checkpoint": {"interval_steps": 4, "keep_last": 2},
+            "scaling": {"num_workers": 1, "torch_threads_per_worker": 1},
+            "observability": {"enabled": False},
+        }
+    )
+    run_worker(
+        WorkerArgs.build(cfg, data_dir=digits_dir, checkpoint_root=str(tmp_path), run_name="eta"), InProcessRuntime()
+    )
+    meta = ckpt.load_latest_valid(ckpt.CheckpointStorage(str(tmp_path))).meta
+    steps_per_epoch = meta.history[0].global_step
+    readings = [EtaReading.from_dict(saved) for saved in meta.telemetry["eta"]]
+    # One per validation before the last: at the next window (every 2 steps).
+    assert [(r.global_step - 1) // steps_per_epoch for r in readings] == [1, 2]
+    assert all(r.global_step <= epoch * steps_per_epoch + 2 for epoch, r in enumerate(readings, start=1))
+    first, end_unix = readings[0], meta.saved_unix
+    seconds = ExecutionGoodput.from_summary(meta.telemetry["goodput"]).seconds
+    print(
+        f"ETA after epoch 1: {first.eta_s:.2f} s, real {end_unix - first.unix:.2f} s, error "
+        f"{first.error(end_unix):.1%}; validation {seconds.evaluation:.2f} s of {seconds.total_s:.2f} s"
+    )
+    assert first.error(end_unix) <= 0.2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 
 import hypothesis
@@ -120,6 +121,21 @@ def test_without_its_last_progress_an_interrupted_attempts_unrecorded_time_is_re
     assert settled.attributed_fraction == pytest.approx(1.0)
     # The next attempt then trains nothing twice: the work lost is counted once, here.
     assert recompute_through_step(500, None) == 500
+
+
+def test_a_killed_attempt_whose_end_is_unknown_keeps_its_steps_and_counts_the_rest_as_start_up_not_hung():
+    # Recorded at its checkpoint at 50 s; its last logged step (30) at 58 s; killed, so no end; the retry at 75 s.
+    first = AttemptGoodput(0, 2, 0.0, 50.0, "running", GoodputSeconds(startup=20.0, productive=80.0))
+    killed = LastProgress(global_step=30, step_unix=58.0)
+    settled = settle_interrupted(first, resumed_unix=75.0, preempted=False, progress=killed)
+
+    assert settled.seconds.productive == pytest.approx(80.0 + 2 * 8.0)
+    assert settled.seconds.hung == 0.0 and settled.seconds.recomputed == 0.0
+    assert settled.seconds.startup == pytest.approx(20.0 + 2 * 17.0)
+    assert settled.attributed_fraction == pytest.approx(1.0) and settled.last_progress == killed
+    # The settled record, with where the attempt got to, survives the checkpoint's JSON.
+    restored = ExecutionGoodput.from_summary(json.loads(json.dumps(ExecutionGoodput((settled,)).summary())))
+    assert restored.attempts == (settled,)
 
 
 def test_a_preemption_costs_the_stop_and_the_next_attempts_start_up():
@@ -272,3 +288,26 @@ def test_a_worker_process_start_is_read_to_the_clock_tick_not_to_the_boot_times_
     started = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     after = time.time()
     assert before - 0.02 <= started <= after
+
+
+def test_the_progress_record_beside_the_checkpoints_keeps_the_newest_note_and_a_bad_one_is_ignored(tmp_path, caplog):
+    from training_core import checkpoint as ckpt
+    from training_core.train.accounting import PROGRESS_FILE, ProgressLog, ProgressRecord
+
+    storage = ckpt.CheckpointStorage(str(tmp_path / "run"))
+    written = ProgressLog(storage)
+    assert written.read() is None
+    for step in range(1, 51):
+        written.note(ProgressRecord(attempt_start_unix=100.5, global_step=step, step_unix=100.5 + step))
+    written.note(ProgressRecord(100.5, 50, 150.5, end_unix=165.25))
+    written.close()
+    assert ProgressLog(storage).read() == ProgressRecord(100.5, 50, 150.5, end_unix=165.25)
+    assert storage.list_steps() == [] and sorted(p.name for p in (tmp_path / "run").iterdir()) == [PROGRESS_FILE]
+
+    # Not a record, or not a regular file (read without blocking): a warning, and the attempt is settled without it.
+    (tmp_path / "run" / PROGRESS_FILE).write_text('{"global_step": "x"}')
+    assert ProgressLog(storage).read() is None
+    (tmp_path / "run" / PROGRESS_FILE).unlink()
+    os.mkfifo(tmp_path / "run" / PROGRESS_FILE)
+    assert ProgressLog(storage).read() is None
+    assert [r.levelname for r in caplog.records if "progress record" in r.getMessage()] == ["WARNING", "WARNING"]

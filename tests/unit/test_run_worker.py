@@ -205,6 +205,38 @@ class SigtermAtStep(InProcessRuntime):
         return super().prepare_model(model)
 
 
+def test_a_failed_attempts_progress_record_keeps_its_steps_after_the_checkpoint_and_the_resume_recomputes_them(
+    digits_dir, tmp_path, monkeypatch
+):
+    """The first call fails at step 10 (an error the rank sees: it records its end); its checkpoint is step 7 and its
+    last logged step 8. The second call settles it from that record: steps 8 and before kept productive, the rest of
+    its time hung then start-up, and the resume counts step 8, trained again, as recomputed."""
+    from training_core.train import loop
+
+    cfg, real_train_step, calls = _config(epochs=1), loop.train_step, []
+
+    def train_step_failing_at_the_tenth(**kwargs):
+        calls.append(1)
+        if len(calls) == 10:
+            raise RuntimeError("lost at step 10")
+        return real_train_step(**kwargs)
+
+    monkeypatch.setattr(loop, "train_step", train_step_failing_at_the_tenth)
+    with pytest.raises(RuntimeError, match="lost at step 10"):
+        _run(cfg, data_dir=digits_dir, root=tmp_path)
+    monkeypatch.setattr(loop, "train_step", real_train_step)
+    _run(cfg, data_dir=digits_dir, root=tmp_path)
+
+    meta = _final(tmp_path).meta
+    first, second = ExecutionGoodput.from_summary(meta.telemetry["goodput"]).attempts
+    assert meta.resumed_from_steps == [7] and first.outcome == "failed"
+    reached = first.last_progress
+    assert reached is not None and reached.global_step == 8 and reached.end_unix is not None
+    assert first.seconds.recomputed == 0 and first.seconds.hung == pytest.approx(reached.end_unix - reached.step_unix)
+    assert second.seconds.recomputed > 0 and second.outcome == "finished"
+    assert 0.98 <= ExecutionGoodput((first, second)).attributed_fraction <= 1.02
+
+
 def test_a_sigterm_mid_interval_saves_that_step_stops_recoverably_and_the_resume_ends_bit_identical(
     digits_dir, tmp_path
 ):

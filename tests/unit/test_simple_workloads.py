@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from examples.signal_cnn.make_data import signals
+from tests.conftest import REPO_ROOT
 from training_core.config import DataConfig, TrainingConfig
 from training_core.data import Manifest, ShardStream
 from training_core.workloads import preflight, resolve_workload
@@ -193,6 +194,8 @@ def test_named_splits_of_the_users_own_are_kept_and_integer_inputs_are_stored_as
         ("{'inputs': np.array([1.0, np.nan]), 'targets': np.arange(2)}", "fill or drop those samples"),
         ("{'inputs': np.zeros(4), 'targets': np.ones(4)}", "a classifier needs at least 2 distinct labels"),
         ("{'val': {'inputs': np.zeros(4), 'targets': np.arange(4)}}", "return a 'train' split"),
+        ("{'inputs': np.zeros((3, 2)), 'targets': np.array([0.0, np.nan, 1.0])}", "give them their label"),
+        ("{'inputs': [[1.0, 2.0], [3.0]], 'targets': [0, 1]}", "give every sample of a column the same shape"),
         ("42", "return a mapping of array names to arrays, or a Dataset"),
     ],
 )
@@ -247,3 +250,13 @@ def test_tuning_ranks_an_array_classifier_by_macro_f1_and_a_regression_by_mae_in
     )
     assert metric_mode("val_f1", WorkloadConfig(name=SIGNAL)) == "max"
     assert metric_mode("val_mae", WorkloadConfig(name=f"{module}:Line")) == "min"
+
+
+def test_the_signal_examples_training_config_prepares_its_npz_and_passes_preflight(signal_npz, tmp_path):
+    from training_core.config import load_config
+    from training_core.data import prepare
+
+    config = load_config(REPO_ROOT / "examples" / "signal_cnn.yaml", environ={"TRAINING_CORE__DATA__PATH": signal_npz})
+    manifest = prepare(config.data, str(tmp_path), workload=config.workload)
+    assert manifest.workload == "signal_cnn" and manifest.arrays["inputs"].dtype == "float32"
+    assert preflight(config, str(tmp_path)).params.kernel_size == 5

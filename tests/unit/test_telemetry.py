@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -30,6 +31,7 @@ from training_core.telemetry import (
     mlflow_system_metrics,
 )
 from training_core.telemetry.catalog import BY_NAME, JOB_LABELS, METRICS, PUSHGATEWAY_JOB, series_names
+from training_core.telemetry.eta import Progress
 
 LABELS = JobLabels(execution="exec-1", node="n0", attempt="1", rank="0", model="small_cnn")
 RECORD = {
@@ -433,8 +435,20 @@ def test_goodput_counters_grow_by_each_categorys_increase_and_straggler_and_eta_
     telemetry.stragglers({"compute": 0.0, "data": 1.0})
     assert _value(telemetry, "training_straggler", cause="compute") == 0.0
     assert _value(telemetry, "training_straggler", cause="data") == 1.0
-    telemetry.progress(eta_s=42.5)
-    assert _value(telemetry, "training_eta_seconds") == 42.5
+    telemetry.progress(
+        Progress(
+            global_step=60,
+            total_steps=100,
+            steps_per_s=2.0,
+            overhead_per_step_s=0.1,
+            eta_s=42.5,
+            next_checkpoint_step=None,
+            eta_checkpoint_s=None,
+        )
+    )
+    assert _value(telemetry, "training_eta_seconds") == 42.5 and _value(telemetry, "training_total_steps") == 100
+    assert _value(telemetry, "training_steps_per_second") == 2.0
+    assert math.isnan(_value(telemetry, "training_eta_checkpoint_seconds"))  # none due
     telemetry.close(finished=False)
     other_rank = _telemetry(dataclasses.replace(LABELS, rank="1"))
     other_rank.goodput(execution(6.0, 1.0))  # rank 0 alone counts the job's

@@ -43,3 +43,21 @@ def test_the_tuning_file_of_the_guide_searches_the_signal_examples_kernel_size_b
     assert tuning.metric == "val_f1" and tuning.metric_mode == "max"
     assert [p.path for p in tuning.search_space] == ["workload.params.kernel_size", "optimizer.lr"]
     assert tuning.base.workload.name == "examples.signal_cnn.workload:SignalCNN"
+
+
+def test_the_array_workload_of_the_guide_prepares_its_torch_dataset_and_passes_preflight(tmp_path, monkeypatch):
+    (source,) = [block for block in blocks("python") if "class Waves" in block]
+    (config_text,) = [block for block in blocks("yaml") if "mydata:waves" in block]
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "mydata.py").write_text(source)
+    (tmp_path / "waves.yaml").write_text(config_text)
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    try:
+        config = load_config(tmp_path / "waves.yaml", environ={})
+        manifest = prepare(config.data, str(tmp_path / "data"), workload=config.workload)
+        assert manifest.arrays["inputs"].dtype == "float32" and manifest.input_shape == [1, 128]
+        assert sum(manifest.split_counts().values()) == 400 and manifest.classes == ["0", "1"]
+        workload = preflight(config, str(tmp_path / "data"))
+        assert workload.name == "array_classification"
+    finally:
+        sys.modules.pop("mydata", None)

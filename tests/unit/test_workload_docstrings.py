@@ -50,6 +50,10 @@ def image_source(*args, params=None, **kwargs):
     images = rng.integers(0, 256, (40, 1, 4, 4), dtype=np.uint8)
     return RawDataset(splits={"train": (images, np.arange(40, dtype=np.int64) % 2)}, classes=["a", "b"])
 
+def array_source(*args, params=None, **kwargs):
+    record("dataset_source", args, {**kwargs, "params": params} if params is not None else kwargs)
+    return {"inputs": np.random.default_rng(0).random((40, 2)), "targets": np.arange(40) % 2}
+
 def text_source(*args, params=None, **kwargs):
     record("dataset_source", args, {**kwargs, "params": params} if params is not None else kwargs)
     return {f"doc{i}": "some words of text " * 20 for i in range(20)}
@@ -77,7 +81,7 @@ def stated_arguments(doc: str) -> tuple[type, ...]:
     return tuple(ARGUMENT_TYPES[name.strip()] for name in match.group(1).split(","))
 
 
-BUILT_INS = ("image_classification", "causal_lm")
+BUILT_INS = ("image_classification", "causal_lm", "array_classification", "array_regression")
 
 
 def stated_params(docs: dict[str, str], field: str, built_in: str = "") -> bool:
@@ -134,16 +138,22 @@ def test_workload_name_is_called_as_its_docstring_says(recorder):
     assert calls == [("name", stated, ()), ("name", stated, ("params",) if stated_params(docs, "name") else ())]
 
 
-@pytest.mark.parametrize("built_in", ["image_classification", "causal_lm"])
+@pytest.mark.parametrize("built_in", ["image_classification", "causal_lm", "array_classification"])
 def test_a_dataset_source_and_a_model_factory_are_called_as_their_docstrings_say(recorder, tmp_path, built_in):
     module, calls = recorder
     docs = field_docstrings("WorkloadConfig")
-    source = "image_source" if built_in == "image_classification" else "text_source"
+    source = {"image_classification": "image_source", "array_classification": "array_source"}.get(
+        built_in, "text_source"
+    )
     params = {"width": 3}
-    prep = resolve_workload(_config(name=built_in, dataset_source=f"{module}:{source}", params=params).workload)
+    # An array workload trains a model factory's model on a dataset source's arrays: its config names both.
+    both = built_in == "array_classification"
+    given = {"dataset_source": f"{module}:{source}", "model_factory": f"{module}:model_factory"}
+    prep_fields = given if both else {"dataset_source": given["dataset_source"]}
+    prep = resolve_workload(_config(name=built_in, **prep_fields, params=params).workload)
     data = DataConfig(num_shards=1, val_fraction=0.2, test_fraction=0.2, seq_len=16)
     manifest = prep.prepare_data(data, str(tmp_path))
-    config = _config(name=built_in, model_factory=f"{module}:model_factory", params=params)
+    config = _config(name=built_in, **(given if both else {"model_factory": given["model_factory"]}), params=params)
     workload = resolve_workload(config.workload)
     with contextlib.suppress(ValueError):  # a Linear(2, 2) fits neither built-in's data: check() may say so
         workload.check(config, manifest)

@@ -17,6 +17,7 @@ import torch
 from tests.conftest import REPO_ROOT
 from training_core.config import DataConfig, TrainingConfig, WorkloadConfig, load_config
 from training_core.data import MANIFEST_NAME, Manifest, prepare
+from training_core.registry import WORKLOADS
 from training_core.train.failures import USER, UserCodeError, classify
 from training_core.workloads import Workload, code_paths, preflight, resolve_workload
 
@@ -209,13 +210,13 @@ class Tuned(TabularMLP):
     [
         (
             {"name": "examples/tabular_mlp/workload.py"},
-            "workload.name='examples/tabular_mlp/workload.py' is invalid: choose image_classification, causal_lm or "
-            "name user code as 'package.module:attribute'",
+            f"workload.name='examples/tabular_mlp/workload.py' is invalid: choose {', '.join(WORKLOADS)} or name "
+            "user code as 'package.module:attribute'",
         ),
         (
             {"name": "examples.tabular_mlp.workload.TabularMLP"},
-            "workload.name='examples.tabular_mlp.workload.TabularMLP' is invalid: choose image_classification, "
-            "causal_lm or name user code as 'package.module:attribute'",
+            f"workload.name='examples.tabular_mlp.workload.TabularMLP' is invalid: choose {', '.join(WORKLOADS)} or "
+            "name user code as 'package.module:attribute'",
         ),
         (
             {"name": "examples.tabular_mlp.workload:Tabular MLP"},
@@ -505,7 +506,8 @@ def test_a_dataset_source_that_returns_the_wrong_type_fails_data_prep(user_packa
     assert str(caught.value) == (
         f"workload.dataset_source='{module}:source' returned a dict; it must return a "
         "training_core.data.sources.RawDataset (uint8 images N x C x H x W and int64 labels per split, and the class "
-        "names)"
+        "names); for other arrays, a PyTorch Dataset or a Hugging Face datasets.Dataset, set workload.name to "
+        "array_classification (or array_regression)"
     )
     assert not (tmp_path / "prepared").exists()
 

@@ -102,6 +102,8 @@ class Storage(Protocol):
     def wait_for(self, name: str, expected_bytes: dict[str, int], *, timeout_s: float) -> None: ...
     def discard(self, name: str) -> None: ...
     def delete(self, name: str) -> None: ...
+    def write_note(self, file: str, data: bytes) -> None: ...
+    def read_note(self, file: str, *, max_bytes: int) -> bytes | None: ...
 
 
 def open_storage(
@@ -321,6 +323,35 @@ class CheckpointStorage:
         names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
         steps = [(int(match.group(1)), name) for name in names if (match := STEP_NAME_PATTERN.fullmatch(name))]
         return [name for _, name in sorted(steps)]
+
+    def write_note(self, file: str, data: bytes) -> None:
+        """Replace the small file ``file`` in the root, beside the checkpoints and in none of them (step listings
+        skip it), so that a reader sees its old or its new bytes whole: a temporary file renamed into place on a
+        local root (not synced: it outlives the process, which is what it is for), one upload on an object store.
+        Not retried: its writer writes it again at its next record."""
+        target = f"{self.path}/{file}"
+        if not self.is_local:
+            self._fs.pipe_file(target, data)
+            return
+        os.makedirs(self.path, exist_ok=True)
+        temporary = f"{self.path}/.tmp-{file}-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(temporary, "wb") as f:
+                f.write(data)
+            os.replace(temporary, target)
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+
+    def read_note(self, file: str, *, max_bytes: int) -> bytes | None:
+        """The bytes of :meth:`write_note`'s ``file`` (None when there is none); a file that is not a regular one or
+        holds over ``max_bytes`` raises :class:`~training_core.files.UnreadableFile`."""
+        from training_core.files import read_regular
+
+        target = f"{self.path}/{file}"
+        if not self._retry(f"checking {self.root}/{file}", lambda: self._fs.lexists(target)):
+            return None
+        return read_regular(self._fs, target, max_bytes=max_bytes, name=self.display_uri(file))
 
     def delete(self, name: str) -> None:
         if self.is_local:

@@ -35,7 +35,16 @@ from training_core.messages import (
     invalid,
 )
 from training_core.redact import redact
-from training_core.registry import DATASET_SOURCES, IMAGE_MODELS, LM_SIZES, WORKLOADS, dataset_names
+from training_core.registry import (
+    ARRAY_WORKLOADS,
+    DATASET_SOURCES,
+    ENCODER_SIZES,
+    IMAGE_MODELS,
+    LM_SIZES,
+    PRIMARY_METRICS,
+    WORKLOADS,
+    dataset_names,
+)
 from training_core.schema import (
     INT64_MAX,
     INT64_MIN,
@@ -138,7 +147,9 @@ class DataConfig:
     """Dataset source: ``digits`` (sklearn's 8x8 digits, shipped with scikit-learn), ``synthetic``
     (random images with learnable class templates, for benchmarks), ``cifar10`` (the python-version
     tarball ``cifar-10-python.tar.gz``) or ``image_folder`` (an ImageNet-style ``<split>/<class>/*.jpg``
-    tree, or ``<class>/*.jpg`` which is split here)."""
+    tree, or ``<class>/*.jpg`` which is split here); text: ``stdlib`` and ``text`` (``causal_lm``), ``labeled_text``
+    (``sequence_classification``: ``.csv``, ``.jsonl`` or ``.parquet`` records of text and label under
+    ``data.path``)."""
 
     path: str = ""
     """Where the raw data is: a local path or an ``s3://`` URI. Required for ``cifar10`` (the tarball)
@@ -172,15 +183,23 @@ class DataConfig:
     """Number of classes of the ``synthetic`` dataset."""
 
     text_field: str = "text"
-    """Text sources (``causal_lm``): the field of each ``.jsonl`` line, or the column of ``.parquet`` files, that
-    holds the text (``.txt`` files are text whole)."""
+    """Text sources (``causal_lm``, ``sequence_classification``): the field of each ``.jsonl`` line, or the column
+    of ``.parquet`` and ``.csv`` files, that holds the text (``.txt`` files are text whole)."""
+
+    label_field: str = "label"
+    """``labeled_text`` (``sequence_classification``): the field or column that holds each record's label, a string
+    or an integer; the distinct labels are the classes (in the manifest, sorted: numerically when all are
+    integers)."""
 
     seq_len: int = 128
-    """Text sources: tokens per training sequence; must fit the model's context (``model.context_length``)."""
+    """Text sources: tokens per training sequence; must fit the model's context (``model.context_length``).
+    ``sequence_classification``: the most tokens of a sample, its start and end tokens included (longer texts are
+    cut, and counted in the manifest)."""
 
     tokenizer: str = "byte"
     """Text sources: ``byte`` (byte-level, 256 tokens, needs no file) or a Hugging Face ``tokenizer.json`` at a
-    local path or ``s3://`` URI. Its vocabulary sets the model's."""
+    local path or ``s3://`` URI. Its vocabulary sets the model's. ``sequence_classification`` also takes a
+    directory holding a ``tokenizer.json`` (a pretrained model's, the same as ``model.pretrained``)."""
 
     max_text_bytes: int = 0
     """Text sources: read at most this many bytes of text (whole files, in order); 0 reads everything."""
@@ -248,6 +267,10 @@ class DataConfig:
             invalid("data.synthetic_num_classes", self.synthetic_num_classes, "it must be >= 2")
         if not self.text_field:
             invalid("data.text_field", self.text_field, "name the JSON field or Parquet column that holds the text")
+        if not self.label_field or self.label_field == self.text_field:
+            invalid(
+                "data.label_field", self.label_field, "name the field or column that holds the label (not the text)"
+            )
         _between("data.seq_len", self.seq_len, 2, 1_048_576)
         if not self.tokenizer:
             invalid("data.tokenizer", self.tokenizer, "use 'byte' or the path or s3:// URI of a tokenizer.json")
@@ -303,19 +326,25 @@ class ModelConfig:
     vit_b_16), each adapted to the dataset's channels, image size and number of classes (small inputs get a 3x3
     stem without max-pool; ViT gets a patch size that divides the image). ``causal_lm``: a GPT-2 size
     (gpt2-tiny, gpt2-mini, gpt2, gpt2-medium, gpt2-large, gpt2-xl) or any ``transformers`` causal-LM config class
-    by name (``LlamaConfig``, ``GPTNeoXConfig``...), randomly initialised. A user workload reads it as it likes."""
+    by name (``LlamaConfig``, ``GPTNeoXConfig``...), randomly initialised. ``sequence_classification``: a BERT size
+    (bert-tiny, bert-mini, bert-small, bert-medium, bert-base, bert-large) or a ``transformers`` config class with a
+    sequence-classification model (``RobertaConfig``, ``DistilBertConfig``...), randomly initialised; or empty with
+    a Hugging Face directory in ``pretrained`` (its ``config.json`` is the architecture). A user workload reads it as
+    it likes."""
 
     num_layers: int = 0
-    """``causal_lm``: transformer blocks; 0 keeps the named size's."""
+    """``causal_lm``, ``sequence_classification``: transformer blocks; 0 keeps the named size's."""
 
     hidden_size: int = 0
-    """``causal_lm``: model width; 0 keeps the named size's."""
+    """``causal_lm``, ``sequence_classification``: model width; 0 keeps the named size's."""
 
     num_heads: int = 0
-    """``causal_lm``: attention heads (must divide ``hidden_size``); 0 keeps the named size's."""
+    """``causal_lm``, ``sequence_classification``: attention heads (must divide ``hidden_size``); 0 keeps the named
+    size's."""
 
     context_length: int = 0
-    """``causal_lm``: positions the model attends over; 0 keeps the named size's (1024 for GPT-2 sizes)."""
+    """``causal_lm``, ``sequence_classification``: positions the model attends over; 0 keeps the named size's (1024
+    for GPT-2 sizes, 512 for BERT sizes)."""
 
     sync_batchnorm: bool = False
     """Convert BatchNorm layers to SyncBatchNorm so statistics span all workers. Only takes effect on GPU
@@ -339,11 +368,12 @@ class ModelConfig:
     steps (and again for a new input shape)."""
 
     pretrained: str = ""
-    """Weights to start from (``image_classification``): a local path or ``s3://`` URI of a ``.safetensors`` state
-    dict, a ``.pt``/``.pth`` state dict (read with ``torch.load(weights_only=True)``) or a Hugging Face model
-    directory (``config.json`` plus ``model.safetensors`` or sharded safetensors with their index). Pickles
-    (``pytorch_model.bin``) are refused. Names and shapes must match ``model.name``'s model, checked before any
-    worker starts. A run resuming its own checkpoint keeps the checkpoint's weights. Empty: random initialisation."""
+    """Weights to start from (``image_classification``, ``sequence_classification``): a local path or ``s3://`` URI
+    of a ``.safetensors`` state dict, a ``.pt``/``.pth`` state dict (read with ``torch.load(weights_only=True)``)
+    or a Hugging Face model directory (``config.json`` plus ``model.safetensors`` or sharded safetensors with their
+    index). Pickles (``pytorch_model.bin``) are refused. Names and shapes must match ``model.name``'s model, checked
+    before any worker starts. A run resuming its own checkpoint keeps the checkpoint's weights. Empty: random
+    initialisation."""
 
     pretrained_sha256: str = ""
     """The sha256 of the ``pretrained`` weights (of the file, or of a model directory's ``sha256sum``-style listing
@@ -355,11 +385,21 @@ class ModelConfig:
     """With ``pretrained``: re-initialise the classifier head (the model's last linear layer, e.g. a ResNet's
     ``fc``) when its class count differs from the data's (1,000 ImageNet classes to 10), and log that it did."""
 
+    encoder_config: dict[str, Any] = field(default_factory=dict)
+    """``sequence_classification``: the ``transformers`` config (a ``config.json``'s contents, with its
+    ``model_type``) of the encoder. Filled in from ``pretrained``'s ``config.json`` before any worker starts, so a
+    checkpoint rebuilds the architecture without the pretrained files; given with ``model.name`` empty and no
+    ``pretrained``, a randomly initialised encoder of that architecture."""
+
     def __post_init__(self) -> None:
         _choice("model.activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
         self._check_pretrained()
         _positive("model.activation_checkpointing_every_k", self.activation_checkpointing_every_k)
-        if not self.name:
+        if self.encoder_config:
+            self.encoder_config = json_value("model.encoder_config", self.encoder_config)
+            if not isinstance(self.encoder_config.get("model_type"), str):
+                invalid("model.encoder_config", self.encoder_config, "give a transformers config.json with model_type")
+        if not self.name and not (self.pretrained or self.encoder_config):
             examples = ", ".join(list(IMAGE_MODELS)[:2])
             invalid("model.name", self.name, f"name an architecture, e.g. {examples} or gpt2-tiny")
         for name in ("num_layers", "hidden_size", "num_heads", "context_length"):
@@ -383,18 +423,25 @@ class ModelConfig:
 class WorkloadConfig:
     name: str = "image_classification"
     """What is trained: ``image_classification`` (the image models and datasets), ``causal_lm`` (GPT-style
-    language models on text), or user code as ``package.module:attribute``: a callable called with no arguments
+    language models on text), ``array_classification`` and ``array_regression`` (a ``model_factory``'s model on the
+    user's own arrays), ``sequence_classification`` (BERT-class encoders classifying labelled text), or user
+    code as ``package.module:attribute``: a callable called with no arguments
     (a class or a factory; with ``params=`` when it has that parameter) that returns a
     :class:`training_core.workloads.Workload`."""
 
     model_factory: str = ""
     """A built-in workload with a user model: ``package.module:attribute`` of a callable
-    ``(config, manifest) -> torch.nn.Module``. Empty uses ``model.name``."""
+    ``(config, manifest) -> torch.nn.Module``. Empty uses ``model.name`` (``array_classification`` and
+    ``array_regression`` need one)."""
 
     dataset_source: str = ""
     """A built-in workload with user data: ``package.module:attribute`` of a callable ``(data_config)`` (the
     config's ``data`` section, a ``DataConfig``) returning a ``training_core.data.sources.RawDataset``
-    (``image_classification``) or a mapping of document name to text (``causal_lm``). Empty uses ``data.dataset``.
+    (``image_classification``), a mapping of document name to text (``causal_lm``), or the samples
+    (``array_classification``, ``array_regression``): a mapping of array name to numeric array (``inputs`` and
+    ``targets``, first axis the samples; or of split name to such mappings), a PyTorch map-style ``Dataset`` of
+    ``(input, target)`` items, or a Hugging Face ``datasets.Dataset`` with those columns. Empty uses
+    ``data.dataset`` (the array workloads: the ``.npz`` file ``data.path``).
     A source with a parameter named ``params`` is also given :attr:`params` as ``params=``."""
 
     params: dict[str, Any] = field(default_factory=dict)
@@ -407,8 +454,17 @@ class WorkloadConfig:
     ``workload.params.<name>``, logged as MLflow params, and part of the cache keys (prep's too where prep can read
     them: a user workload or a ``dataset_source``)."""
 
+    primary_metric: str = ""
+    """The metric that ranks models and gates registration, for a built-in workload that offers a choice
+    (``sequence_classification``: ``accuracy`` or ``macro_f1``). Empty: the workload's own."""
+
     def __post_init__(self) -> None:
         self.params = checked_params(self.params)
+        if self.primary_metric:
+            choices = PRIMARY_METRICS.get(self.name, ())
+            fix = f"choose one of {', '.join(choices)}" if choices else "leave it empty: this workload ranks on its own"
+            if self.primary_metric not in choices:
+                invalid("workload.primary_metric", self.primary_metric, fix)
         from_user = self.name not in WORKLOADS
         if from_user and not is_import_path(self.name):
             invalid(
@@ -428,7 +484,9 @@ class WorkloadConfig:
         (a new model re-runs no prep), and without :attr:`params` where nothing prep runs can read them (a built-in
         workload on its own data)."""
         prep_reads_params = self.name not in WORKLOADS or bool(self.dataset_source)
-        return dataclasses.replace(self, model_factory="", params=self.params if prep_reads_params else {})
+        return dataclasses.replace(
+            self, model_factory="", primary_metric="", params=self.params if prep_reads_params else {}
+        )
 
 
 MAX_WORKLOAD_PARAMS_BYTES = 16_384
@@ -1041,8 +1099,17 @@ class ObservabilityConfig:
     named in a warning, ``training_straggler`` and the ``TrainingStraggler`` alert, as compute- or data-bound."""
 
     straggler_windows: int = 3
-    """Log windows in a row a rank must stay over ``straggler_threshold`` to be flagged as a straggler; one window
-    within it clears the flag."""
+    """Log windows in a row a rank must stay over ``straggler_threshold`` (and ``straggler_min_excess_s``) to be
+    flagged as a straggler; one window within it clears the flag."""
+
+    straggler_min_excess_s: float = 0.02
+    """Seconds a rank's compute and data wait in a log window must also exceed the other ranks' median by to count
+    over ``straggler_threshold``. The operating system delays a process by milliseconds whenever another holds its
+    core, whatever the window's length: on windows of milliseconds (a small model on CPU) that alone is 20 %, on
+    one rank or another at random, and flagged healthy ranks. 0.02 is twice the delays seen to recur three windows
+    in a row on 2 workers sharing 2 busy cores (up to 9 ms a window) and a third of what a rank sleeping 30 ms a step
+    adds to a 2-step window; on windows of seconds the 20 % is far more, and this changes nothing. 0: the fraction
+    alone."""
 
     def __post_init__(self) -> None:
         if self.pushgateway_url and not self.pushgateway_url.startswith(("http://", "https://")):
@@ -1068,6 +1135,7 @@ class ObservabilityConfig:
             )
         if self.straggler_windows < 1:
             invalid("observability.straggler_windows", self.straggler_windows, "it must be >= 1 log window")
+        _non_negative("observability.straggler_min_excess_s", self.straggler_min_excess_s)
 
     def resolved(self, environ: Mapping[str, str] | None = None) -> "ObservabilityConfig":
         """This config with ``pushgateway_url`` taken from ``TRAINING_PUSHGATEWAY_URL`` when it is empty. The
@@ -1228,6 +1296,9 @@ class TrainingConfig:
         name = self.workload.name
         if name not in WORKLOADS:
             return
+        if name in ARRAY_WORKLOADS:
+            self._check_array_workload(name)
+            return
         datasets = dataset_names(name)
         if not self.workload.dataset_source and self.data.dataset not in datasets:
             invalid(
@@ -1246,6 +1317,40 @@ class TrainingConfig:
                     f"workload.name='causal_lm' builds {', '.join(LM_SIZES)} or a transformers causal-LM config "
                     "class by name (e.g. LlamaConfig)",
                 )
+        if name == "sequence_classification" and not self.workload.model_factory:
+            self._check_encoder_name()
+
+    def _check_encoder_name(self) -> None:
+        """``sequence_classification`` builds a BERT size, a config class by name, or (name empty) the architecture
+        of ``model.pretrained`` or ``model.encoder_config``."""
+        name, model = self.model.name, self.model
+        if name in ENCODER_SIZES or (name.endswith("Config") and name.isidentifier()):
+            return
+        if not name and (model.pretrained or model.encoder_config):
+            return
+        invalid(
+            "model.name",
+            name,
+            f"workload.name='sequence_classification' builds {', '.join(ENCODER_SIZES)} or a transformers config "
+            "class by name (e.g. RobertaConfig); or set model.name to '' to take model.pretrained's architecture",
+        )
+
+    def _check_array_workload(self, name: str) -> None:
+        """A built-in of the user's own arrays trains the user's model on the user's data: both must be named."""
+        if not self.workload.model_factory:
+            invalid(
+                "workload.model_factory",
+                self.workload.model_factory,
+                f"workload.name={name!r} trains your model: name a callable (config, manifest) -> torch.nn.Module as "
+                "package.module:attribute",
+            )
+        if not self.workload.dataset_source and not self.data.path:
+            invalid(
+                "data.path",
+                self.data.path,
+                f"workload.name={name!r} reads a .npz file of 'inputs' and 'targets' there: name one, or set "
+                "workload.dataset_source to a callable (data_config) returning your arrays or Dataset",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 from training_core.config import DataConfig, WorkloadConfig
 from training_core.messages import clip, quote
 from training_core.redact import redact
-from training_core.registry import DATASET_SOURCES, WORKLOADS
+from training_core.registry import ARRAY_WORKLOADS, DATASET_SOURCES, WORKLOADS
 
 FINGERPRINT_VERSION = 1
 """Bump when what the fingerprint covers or how it is computed changes."""
@@ -108,10 +108,13 @@ def user_code_paths(workload: WorkloadConfig) -> list[tuple[str, str]]:
 
 
 def data_locations(data: DataConfig, workload: WorkloadConfig) -> list[tuple[str, str]]:
-    """(field, local path or URL) of the files prep reads: ``data.path`` where the source or user code reads it,
-    and a ``tokenizer.json`` for a workload other than images."""
+    """(field, local path or URL) of the files prep reads: ``data.path`` where the source, user code or an array
+    workload reads it, and a ``tokenizer.json`` for a workload other than images."""
     found = []
-    if data.path and (user_code_paths(workload) or DATASET_SOURCES[data.dataset].needs_path):
+    reads_path = (
+        user_code_paths(workload) or workload.name in ARRAY_WORKLOADS or DATASET_SOURCES[data.dataset].needs_path
+    )
+    if data.path and reads_path:
         found.append(("data.path", data.path))
     if data.tokenizer != "byte" and workload.name != "image_classification":
         found.append(("data.tokenizer", data.tokenizer))

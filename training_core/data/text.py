@@ -1,12 +1,14 @@
-"""Text for the ``causal_lm`` workload: tokenizers, text sources, the split by document and the packing of token
-streams into fixed-length sequences.
+"""Text for the ``causal_lm`` and ``sequence_classification`` workloads: tokenizers, text sources, the split by
+document and the packing of token streams into fixed-length sequences.
 
 - Tokenizers (``data.tokenizer``): ``byte`` (the 256 byte values plus one end-of-text token, no file needed) or a
   Hugging Face ``tokenizer.json`` at a local path or ``s3://`` URI (read through fsspec).
 - Sources: ``stdlib`` (the Python standard library's own ``.py`` files on the machine that runs it: real text that
   needs no network) or ``text`` (``.txt`` files whole, ``.jsonl`` lines' ``data.text_field``, ``.parquet`` files'
   ``data.text_field`` column, under ``data.path``, local or ``s3://``). Documents come in sorted order, and
-  ``data.max_text_bytes`` keeps the longest prefix of whole documents that fits.
+  ``data.max_text_bytes`` keeps the longest prefix of whole documents that fits. ``labeled_text``
+  (``sequence_classification``) reads ``.csv`` rows, ``.jsonl`` lines and ``.parquet`` rows with their
+  ``data.label_field`` too: each document carries its label.
 - A user's files (sources and ``tokenizer.json``) are read only when they are regular files
   (:mod:`training_core.files`), with caps on the bytes read (:data:`MAX_TEXT_DOCUMENT_BYTES` a document,
   :data:`MAX_TOKENIZER_BYTES`) and on a JSON line's nesting (:data:`MAX_JSON_DEPTH`); token ids must fit the shards'
@@ -22,6 +24,7 @@ Heavy imports (tokenizers, fsspec, pyarrow) happen inside the functions that nee
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -56,6 +59,10 @@ EOT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>",
 Llama 2 / T5, Gemma, Llama 3 chat, Qwen, BERT)."""
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 """Files a ``text`` source reads under ``data.path``."""
+LABELED_SUFFIXES = (".csv", ".jsonl", ".parquet")
+"""Files a ``labeled_text`` source reads under ``data.path``: records of a text and a label."""
+MAX_LABEL_CHARS = 256
+"""The longest label read: a class name, not a text."""
 SKIPPED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 """Directories of the standard library not read: installed packages are not the standard library, and the test
 suites hold deliberately malformed and generated files."""
@@ -237,6 +244,8 @@ class Document:
     """Unique within its source: a file's path relative to the root, ``file:line`` of a JSON line, ``file:row``
     of a Parquet row, or the key a user's ``dataset_source`` returned."""
     text: str
+    label: str | int | None = None
+    """A labelled record's label (``labeled_text``); ``None`` for plain text."""
 
 
 @dataclass
@@ -261,11 +270,12 @@ class SourceStats:
     """Lone surrogate code points (from JSON escapes or a user's strings) written as U+FFFD."""
 
 
-def read_documents(data: DataConfig, stats: SourceStats) -> Iterator[Document]:
-    """The documents of ``data.dataset`` (a registered ``causal_lm`` source: ``stdlib``, ``text``), in sorted order,
-    capped by ``data.max_text_bytes``; ``stats`` counts what was read. Empty documents are skipped."""
-    if data.dataset not in dataset_names("causal_lm"):
-        raise _text_dataset_error(data)
+def read_documents(data: DataConfig, stats: SourceStats, *, workload: str = "causal_lm") -> Iterator[Document]:
+    """The documents of ``data.dataset`` (a registered source of ``workload``: ``stdlib``, ``text`` for
+    ``causal_lm``), in sorted order, capped by ``data.max_text_bytes``; ``stats`` counts what was read. Empty
+    documents are skipped."""
+    if data.dataset not in dataset_names(workload):
+        raise _text_dataset_error(data, workload)
     documents = load(DATASET_SOURCES[data.dataset].read)(data, stats)
     return capped(documents, data.max_text_bytes, stats)
 
@@ -278,6 +288,12 @@ def stdlib_source(data: DataConfig, stats: SourceStats) -> Iterator[Document]:
 def path_source(data: DataConfig, stats: SourceStats) -> Iterator[Document]:
     """``data.dataset='text'``: the text files at ``data.path``."""
     return path_documents(data.path, data.text_field, stats)
+
+
+def labeled_source(data: DataConfig, stats: SourceStats) -> Iterator[Document]:
+    """``data.dataset='labeled_text'``: the ``.csv``, ``.jsonl`` and ``.parquet`` records at ``data.path``, each
+    with its ``data.label_field``."""
+    return path_documents(data.path, data.text_field, stats, label_field=data.label_field)
 
 
 def check_text_source(data: DataConfig) -> None:
@@ -296,10 +312,10 @@ def check_text_source(data: DataConfig) -> None:
     load_tokenizer(data.tokenizer)
 
 
-def _text_dataset_error(data: DataConfig) -> ValueError:
+def _text_dataset_error(data: DataConfig, workload: str = "causal_lm") -> ValueError:
     return ValueError(
-        f"data.dataset={quote(data.dataset)} is invalid: workload.name='causal_lm' reads "
-        f"{' or '.join(map(repr, dataset_names('causal_lm')))}; choose one of them, or set workload.dataset_source "
+        f"data.dataset={quote(data.dataset)} is invalid: workload.name={workload!r} reads "
+        f"{' or '.join(map(repr, dataset_names(workload)))}; choose one of them, or set workload.dataset_source "
         "to your own"
     )
 
@@ -338,7 +354,7 @@ def capped(documents: Iterable[Document], max_bytes: int, stats: SourceStats) ->
                 )
             fixed, count = _LONE_SURROGATE.subn("\ufffd", document.text)
             stats.surrogates_replaced += count
-            document = Document(document.name, fixed)
+            document = dataclasses.replace(document, text=fixed)
             size = len(fixed.encode("utf-8"))
         if not size:
             continue
@@ -376,15 +392,16 @@ def stdlib_documents(stats: SourceStats) -> Iterator[Document]:
         yield Document(name, payload.decode("utf-8", errors="replace"))
 
 
-def text_files(path: str) -> tuple[Any, str, list[str]]:
-    """The filesystem, root and sorted ``.txt`` / ``.jsonl`` / ``.parquet`` files (full paths) of ``path``: the
-    file itself, or those under it (hidden files and directories skipped)."""
+def text_files(path: str, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> tuple[Any, str, list[str]]:
+    """The filesystem, root and sorted files ending in ``suffixes`` (full paths; ``.txt`` / ``.jsonl`` /
+    ``.parquet`` by default) of ``path``: the file itself, or those under it (hidden files and directories
+    skipped)."""
     import fsspec
 
     try:
         fs, root = fsspec.core.url_to_fs(path)
         if fs.isfile(root):
-            return fs, root, [root] if root.endswith(TEXT_SUFFIXES) else []
+            return fs, root, [root] if root.endswith(suffixes) else []
         root = root.rstrip("/")
         files = fs.find(root)
     except Exception as exc:  # noqa: BLE001 - any filesystem failure (scheme, permissions, S3 errors) is the path's
@@ -395,7 +412,7 @@ def text_files(path: str) -> tuple[Any, str, list[str]]:
     keep = []
     for file in files:
         relative = file[len(root) :].lstrip("/")
-        if file.endswith(TEXT_SUFFIXES) and not any(part.startswith(".") for part in relative.split("/")):
+        if file.endswith(suffixes) and not any(part.startswith(".") for part in relative.split("/")):
             keep.append(file)
     return fs, root, sorted(keep)
 
@@ -424,23 +441,51 @@ def display_name(name: str) -> str:
         return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def path_documents(path: str, text_field: str, stats: SourceStats) -> Iterator[Document]:
+def path_documents(path: str, text_field: str, stats: SourceStats, *, label_field: str = "") -> Iterator[Document]:
     """The documents of the text files at ``path`` (see :func:`text_files`), file by file in sorted order: a
     ``.txt`` file whole (UTF-8; bad bytes become U+FFFD), each ``.jsonl`` line's ``text_field``, each ``.parquet``
-    row's ``text_field`` column (strings, or dictionary-encoded strings). Only regular files are read (a FIFO, a
+    row's ``text_field`` column (strings, or dictionary-encoded strings). With ``label_field``, the ``.csv``,
+    ``.jsonl`` and ``.parquet`` files (:data:`LABELED_SUFFIXES`) instead, each record with its label
+    (:func:`checked_label`): a record with text but no label raises. Only regular files are read (a FIFO, a
     device or a dangling symlink raises), no document beyond :data:`MAX_TEXT_DOCUMENT_BYTES`; every problem with a
     file raises ``ValueError`` naming ``data.path``, the file (its name as valid UTF-8: :func:`display_name`, as in
     each document's name) and the fix."""
-    fs, root, files = text_files(path)
+    fs, root, files = text_files(path, LABELED_SUFFIXES if label_field else TEXT_SUFFIXES)
+    fields = _Fields(text_field, label_field)
     for file in files:
         name = display_name(file[len(root) :].lstrip("/") or os.path.basename(file))
         stats.files += 1
         if file.endswith(".txt"):
             yield _txt_document(fs, file, name, path)
+        elif file.endswith(".csv"):
+            yield from _csv_documents(fs, file, name, fields, stats, path)
         elif file.endswith(".jsonl"):
-            yield from _jsonl_documents(fs, file, name, text_field, stats, path)
+            yield from _jsonl_documents(fs, file, name, fields, stats, path)
         else:
-            yield from _parquet_documents(fs, file, name, text_field, stats, path)
+            yield from _parquet_documents(fs, file, name, fields, stats, path)
+
+
+@dataclass(frozen=True)
+class _Fields:
+    """The fields a record's text and label are read from (``label``: empty for plain text)."""
+
+    text: str
+    label: str = ""
+
+
+def checked_label(value: Any, *, where: str, path: str, label_field: str) -> str | int:
+    """A record's label: a non-empty string of at most :data:`MAX_LABEL_CHARS` or an integer (not a boolean);
+    anything else raises ``ValueError`` naming ``data.label_field``, the record (``where``) and ``data.path``."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63:
+        return value
+    if isinstance(value, str) and 0 < len(value) <= MAX_LABEL_CHARS:
+        return value
+    found = "no value" if value is None else f"{type(value).__name__} {clip(repr(value), 80)}"
+    raise ValueError(
+        f"data.label_field={quote(label_field)} is invalid: {where} under data.path={quote(path)} has {found} there; "
+        f"give every record a label, a string of 1 to {MAX_LABEL_CHARS} characters or an integer, or set "
+        "data.label_field to the field that holds it"
+    )
 
 
 def _open_source(fs: Any, file: str, name: str, path: str) -> Any:
@@ -495,7 +540,7 @@ def _txt_document(fs: Any, file: str, name: str, path: str) -> Document:
 
 
 def _jsonl_documents(
-    fs: Any, file: str, name: str, text_field: str, stats: SourceStats, path: str
+    fs: Any, file: str, name: str, fields: _Fields, stats: SourceStats, path: str
 ) -> Iterator[Document]:
     cap = MAX_TEXT_DOCUMENT_BYTES
     with _open_source(fs, file, name, path) as f, _reading(name, path):
@@ -510,13 +555,18 @@ def _jsonl_documents(
                 continue
             record = _json_record(line, number, name, path)
             stats.records += 1
-            text = record.get(text_field)
+            text = record.get(fields.text)
             if not isinstance(text, str):
                 if not stats.missing_field:
                     stats.first_fields = [str(key) for key in list(record)[:20]]
                 stats.missing_field += 1
                 continue
-            yield Document(f"{name}:{number}", text)
+            if not fields.label:
+                yield Document(f"{name}:{number}", text)
+                continue
+            where = f"line {number} of {quote(name)}"
+            label = checked_label(record.get(fields.label), where=where, path=path, label_field=fields.label)
+            yield Document(f"{name}:{number}", text, label)
 
 
 _READ_CHUNK_BYTES = 2**20
@@ -630,7 +680,7 @@ def _is_text_type(pa: Any, column_type: Any) -> bool:
 
 
 def _parquet_documents(
-    fs: Any, file: str, name: str, text_field: str, stats: SourceStats, path: str
+    fs: Any, file: str, name: str, fields: _Fields, stats: SourceStats, path: str
 ) -> Iterator[Document]:
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -645,24 +695,14 @@ def _parquet_documents(
                 f"data.path={quote(path)} is invalid: {quote(name)} is not a Parquet file ({clip(str(exc))}); "
                 "remove it or rewrite it"
             ) from None
-        columns = parquet.schema_arrow.names
-        if text_field not in columns:
-            raise ValueError(
-                f"data.text_field={quote(text_field)} is invalid: Parquet file {quote(name)} under "
-                f"data.path={quote(path)} has no such column (it has {clip(', '.join(columns) or 'none')}); set "
-                "data.text_field to the column that holds the text"
-            )
-        column_type = parquet.schema_arrow.field(text_field).type
-        if not _is_text_type(pa, column_type):
-            raise ValueError(
-                f"data.text_field={quote(text_field)} is invalid: column {text_field!r} of {quote(name)} holds "
-                f"{column_type}, not strings; set data.text_field to the column that holds the text"
-            )
+        columns = [_parquet_column(parquet, "text", fields.text, name, path)]
+        if fields.label:
+            columns.append(_parquet_column(parquet, "label", fields.label, name, path))
         row = 0
         # Batch by batch, so a large file never sits in memory whole.
-        batches = parquet.iter_batches(columns=[text_field], batch_size=4096)
+        batches = parquet.iter_batches(columns=columns, batch_size=4096)
         while (batch := _next_batch(batches, f"{quote(name)} (after row {row})", path)) is not None:
-            texts = batch.column(0)
+            texts = batch.column(fields.text)
             if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
                 texts = texts.cast(pa.large_string())  # dictionary-encoded or views: plain strings, one batch's
             sizes = pc.binary_length(texts)
@@ -670,16 +710,88 @@ def _parquet_documents(
                 at = row + int(np.argmax(sizes.to_numpy(zero_copy_only=False) > cap))
                 raise ValueError(
                     f"data.path={quote(path)} is invalid: row {at} of {quote(name)} holds a text of more than "
-                    f"{_amount(cap)} in column {text_field!r}, the most read as one document (a Parquet row "
+                    f"{_amount(cap)} in column {fields.text!r}, the most read as one document (a Parquet row "
                     f"is one, tokenised whole); cut it into rows of at most {_amount(cap)} each"
                 )
-            for text in texts.to_pylist():
+            labels = batch.column(fields.label).to_pylist() if fields.label else [None] * len(texts)
+            for text, label in zip(texts.to_pylist(), labels):
                 stats.records += 1
                 if text is None:
                     stats.missing_field += 1
+                elif fields.label:
+                    where = f"row {row} of {quote(name)}"
+                    yield Document(f"{name}:{row}", text, checked_label(label, where=where, path=path,
+                                                                        label_field=fields.label))  # fmt: skip
                 else:
                     yield Document(f"{name}:{row}", text)
                 row += 1
+
+
+def _parquet_column(parquet: Any, role: str, column: str, name: str, path: str) -> str:
+    """``column`` when the Parquet file ``name`` has it with a type a ``role`` (``text``: strings; ``label``: strings
+    or integers) can take, else ``ValueError`` naming ``data.<role>_field``."""
+    import pyarrow as pa
+
+    field_name = f"data.{role}_field"
+    columns = parquet.schema_arrow.names
+    if column not in columns:
+        raise ValueError(
+            f"{field_name}={quote(column)} is invalid: Parquet file {quote(name)} under "
+            f"data.path={quote(path)} has no such column (it has {clip(', '.join(columns) or 'none')}); set "
+            f"{field_name} to the column that holds the {role}"
+        )
+    column_type = parquet.schema_arrow.field(column).type
+    if _is_text_type(pa, column_type) or (role == "label" and pa.types.is_integer(column_type)):
+        return column
+    kinds = "strings" if role == "text" else "strings or integers"
+    raise ValueError(
+        f"{field_name}={quote(column)} is invalid: column {column!r} of {quote(name)} holds "
+        f"{column_type}, not {kinds}; set {field_name} to the column that holds the {role}"
+    )
+
+
+def _csv_documents(fs: Any, file: str, name: str, fields: _Fields, stats: SourceStats, path: str) -> Iterator[Document]:
+    """Each row of a ``.csv`` file with a header row naming its columns (UTF-8; bad bytes become U+FFFD): its text
+    and label. Read a line at a time (:func:`_lines`), so a file without line ends never sits in memory whole."""
+    import csv
+
+    with _open_source(fs, file, name, path) as f, _reading(name, path):
+        lines = (line.decode("utf-8", errors="replace") for line in _lines(f, MAX_TEXT_DOCUMENT_BYTES))
+        rows = csv.reader(lines)
+        try:
+            header = next(rows, [])
+            text_at, label_at = (_csv_column(header, role, column, name, path) for role, column in
+                                 (("text", fields.text), ("label", fields.label)))  # fmt: skip
+            for row in rows:
+                if not row:
+                    continue
+                stats.records += 1
+                where = f"line {rows.line_num} of {quote(name)}"
+                if len(row) != len(header):
+                    raise ValueError(
+                        f"data.path={quote(path)} is invalid: {where} has {len(row)} fields, the header "
+                        f"{len(header)}; quote fields that hold commas or line ends (RFC 4180)"
+                    )
+                label = checked_label(row[label_at] or None, where=where, path=path, label_field=fields.label)
+                yield Document(f"{name}:{rows.line_num}", row[text_at], label)
+        except csv.Error as exc:
+            raise ValueError(
+                f"data.path={quote(path)} is invalid: line {rows.line_num} of {quote(name)} is not CSV "
+                f"({clip(str(exc))}); write RFC 4180 CSV with a header row, or put texts longer than "
+                f"{csv.field_size_limit():,} characters in .jsonl or .parquet files"
+            ) from None
+
+
+def _csv_column(header: list[str], role: str, column: str, name: str, path: str) -> int:
+    """Where ``column`` is in a CSV file's ``header``, else ``ValueError`` naming ``data.<role>_field``."""
+    if column in header:
+        return header.index(column)
+    field_name = f"data.{role}_field"
+    raise ValueError(
+        f"{field_name}={quote(column)} is invalid: the header row of CSV file {quote(name)} under "
+        f"data.path={quote(path)} has no such column (it has {clip(', '.join(header) or 'none')}); set {field_name} "
+        f"to the column that holds the {role}, and start the file with a header row"
+    )
 
 
 def _next_batch(batches: Iterator[Any], where: str, path: str) -> Any:
@@ -711,9 +823,11 @@ def no_text_error(data: DataConfig, stats: SourceStats, *, source: str, from_use
             f"has a text value there{fields}; set data.text_field to the JSON field or Parquet column that holds "
             "the text"
         )
-    if data.dataset == "text" and not from_user and not stats.files:
+    registered = DATASET_SOURCES.get(data.dataset)
+    if registered is not None and registered.needs_path and not from_user and not stats.files:
+        suffixes = LABELED_SUFFIXES if data.dataset == "labeled_text" else TEXT_SUFFIXES
         return ValueError(
-            f"data.path={quote(data.path)} is invalid: it holds no {', '.join(TEXT_SUFFIXES)} files; point it at "
+            f"data.path={quote(data.path)} is invalid: it holds no {', '.join(suffixes)} files; point it at "
             "such a file, or a local directory or s3:// prefix holding them"
         )
     return ValueError(
@@ -742,7 +856,7 @@ def split_documents(sizes: Sequence[int], data: DataConfig, *, source: str) -> d
     for name, value in (("test_fraction", data.test_fraction), ("val_fraction", data.val_fraction)):
         if value <= 0:
             raise ValueError(
-                f"data.{name}={value!r} is invalid: the causal_lm workload holds out val and test documents; "
+                f"data.{name}={value!r} is invalid: the text workloads hold out val and test documents; "
                 "set it above 0 (e.g. 0.1)"
             )
     if count < 3:

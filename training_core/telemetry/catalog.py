@@ -252,6 +252,17 @@ METRICS: tuple[MetricSpec, ...] = (
         "Seconds until the run's last step: the recent step rate, plus the validation and checkpoint time per step "
         "measured so far.",
     ),
+    MetricSpec(
+        "training_eta_checkpoint_seconds",
+        "gauge",
+        "Seconds until the next checkpoint's step, at the rate of training_eta_seconds; NaN when none is due.",
+    ),
+    MetricSpec("training_total_steps", "gauge", "Optimizer steps the whole run takes (its last global step)."),
+    MetricSpec(
+        "training_steps_per_second",
+        "gauge",
+        "Optimizer steps per second of step time over the recent log windows (validation and checkpoints excluded).",
+    ),
 )
 
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}

@@ -3,18 +3,22 @@ step and to the next checkpoint.
 
 Contract. :class:`EtaEstimator` is fed what the loop measures: each log window's steps and step seconds
 (:meth:`~EtaEstimator.window`), and each validation's and checkpoint stall's seconds (:meth:`~EtaEstimator.overhead`).
-Step time excludes those stalls (the loop measures them on their own), so the estimate adds them back amortised per
-step: the seconds spent in validation and checkpoints so far over the steps this attempt took up to the last of them
-(the steps since then have not reached the next one yet: counting them would dilute what is still to come). The time
-per step
-ahead is the recent windows' (``recent_windows``) step seconds per step plus that overhead, and an ETA is the steps
-left times it. Before any window there is no estimate (``None``). Pure arithmetic: no clock is read here.
+Step time excludes those stalls (the loop measures them on their own) and the loop's time between steps that no step
+measured (:meth:`~EtaEstimator.gap`), so the estimate adds them back amortised per step: the seconds spent in them so
+far over the steps this attempt took up to the last stall (the steps since then have not reached the next one yet:
+counting them would dilute what is still to come). The time per step ahead is the recent windows'
+(``recent_windows``) step seconds per step plus that overhead, and an ETA is the steps left times it. Before any
+window there is no estimate (``None``). Pure arithmetic: no clock is read here.
+
+:class:`EtaReading` is one estimate kept with the moment it was made, so that it can be checked against the run's real
+end (:meth:`EtaReading.error`).
 """
 
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,11 @@ class EtaEstimator:
         self.overhead_s += max(0.0, seconds)
         self.steps_before_overhead = self.steps_taken
 
+    def gap(self, seconds: float) -> None:
+        """Loop time between two steps that neither measured (an epoch's loader opening): overhead, amortised over
+        the same steps as the stalls'."""
+        self.overhead_s += max(0.0, seconds)
+
     def estimate(self, *, global_step: int, next_checkpoint_step: int | None = None) -> Progress:
         steps = sum(n for n, _ in self.recent)
         seconds = sum(s for _, s in self.recent)
@@ -77,3 +86,24 @@ class EtaEstimator:
             next_checkpoint_step=due,
             eta_checkpoint_s=None if per_step_s is None or due is None else (due - global_step) * per_step_s,
         )
+
+
+@dataclass(frozen=True)
+class EtaReading:
+    """An ETA as it was estimated at ``unix`` (after ``global_step``)."""
+
+    global_step: int
+    unix: float
+    eta_s: float
+
+    def error(self, end_unix: float) -> float:
+        """How far off it was from the real time left to ``end_unix``, relative to that time."""
+        real_s = end_unix - self.unix
+        return abs(self.eta_s - real_s) / real_s if real_s > 0 else float("inf")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"global_step": self.global_step, "unix": self.unix, "eta_s": self.eta_s}
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, Any]) -> EtaReading:
+        return cls(int(saved["global_step"]), float(saved["unix"]), float(saved["eta_s"]))

@@ -29,6 +29,7 @@ from typing import Any, Mapping, Protocol
 from training_core.config import ObservabilityConfig, ScalingConfig
 from training_core.telemetry.catalog import JOB_LABELS, METRICS, PUSHGATEWAY_JOB
 from training_core.telemetry.cost import JobCost, job_cost
+from training_core.telemetry.eta import Progress
 from training_core.telemetry.goodput import CATEGORIES as GOODPUT_CATEGORIES
 from training_core.telemetry.goodput import ExecutionGoodput
 from training_core.telemetry.gpu import GpuReading, NvmlGpus
@@ -94,7 +95,7 @@ class Telemetry(Protocol):
 
     def stragglers(self, causes: Mapping[str, float]) -> None: ...
 
-    def progress(self, *, eta_s: float) -> None: ...
+    def progress(self, progress: Progress) -> None: ...
 
     def goodput(self, execution: ExecutionGoodput) -> None: ...
 
@@ -151,7 +152,7 @@ class NullTelemetry:
     def stragglers(self, causes: Mapping[str, float]) -> None:
         pass
 
-    def progress(self, *, eta_s: float) -> None:
+    def progress(self, progress: Progress) -> None:
         pass
 
     def goodput(self, execution: ExecutionGoodput) -> None:
@@ -360,9 +361,15 @@ class PrometheusTelemetry:
         for cause, value in causes.items():
             self._families["training_straggler"].labels(**self._job, cause=cause).set(value)
 
-    def progress(self, *, eta_s: float) -> None:
-        """The run's ETA at a log window's end (:mod:`~training_core.telemetry.eta`)."""
-        self._m["training_eta_seconds"].set(eta_s)
+    def progress(self, progress: Progress) -> None:
+        """The run's progress and ETA at a log window's end (:mod:`~training_core.telemetry.eta`)."""
+        m = self._m
+        m["training_total_steps"].set(progress.total_steps)
+        m["training_steps_per_second"].set(progress.steps_per_s)
+        if progress.eta_s is not None:
+            m["training_eta_seconds"].set(progress.eta_s)
+        due = progress.eta_checkpoint_s
+        m["training_eta_checkpoint_seconds"].set(float("nan") if due is None else due)
 
     def goodput(self, execution: ExecutionGoodput) -> None:
         """The execution's goodput so far, all ranks and attempts (rank 0): counters by their increase."""

@@ -22,7 +22,10 @@ An interrupted attempt cannot record its own end (the process is killed). The ne
 (:func:`settle_interrupted`) from what the checkpoint carries and, when known, the attempt's last progress
 (:class:`LastProgress`): the time from its last record to its last step kept ``productive`` (those steps are then
 ``recomputed`` by the next attempt), to its end ``hung``, to the next attempt's start ``startup`` (the retry's
-scheduling). Without :class:`LastProgress` all of it counts as ``recomputed``: work lost after the checkpoint.
+scheduling). An end it could not write (a SIGKILL: nothing of it ran after its last step's record) is taken as that
+record's time: none of the rest is ``hung`` (a killed process waits on nothing), all of it ``startup`` (detecting the
+loss and starting again). Without :class:`LastProgress` all of it counts as ``recomputed``: work lost after the
+checkpoint.
 
 :class:`ExecutionGoodput` is the record a checkpoint's ``meta.telemetry`` carries across attempts (as the cost is):
 :meth:`ExecutionGoodput.summary` writes it, :meth:`ExecutionGoodput.from_summary` reads it back, and
@@ -220,6 +223,31 @@ def attribute(timeline: WorkerTimeline) -> GoodputSeconds:
 
 
 @dataclass(frozen=True)
+class LastProgress:
+    """What an interrupted attempt reached, recorded outside its checkpoints (it cannot write one at its end)."""
+
+    global_step: int
+    """Its last finished step: the next attempt trains the steps after its checkpoint up to this one again."""
+    step_unix: float
+    end_unix: float | None = None
+    """When it ended: the failure, or the collective timeout of a hang; None when it could not record it (killed),
+    then taken as ``step_unix`` (see the module docstring)."""
+
+    @property
+    def ended_unix(self) -> float:
+        """Its end, or its last step's time when the end is unknown."""
+        return self.step_unix if self.end_unix is None else max(self.step_unix, self.end_unix)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"global_step": self.global_step, "step_unix": self.step_unix, "end_unix": self.end_unix}
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, Any]) -> LastProgress:
+        end = saved.get("end_unix")
+        return cls(int(saved["global_step"]), float(saved["step_unix"]), None if end is None else float(end))
+
+
+@dataclass(frozen=True)
 class AttemptGoodput:
     """One run attempt's seconds, summed over its workers, as of ``end_unix``."""
 
@@ -231,6 +259,9 @@ class AttemptGoodput:
     """When this record was taken (the attempt's end once it has one)."""
     outcome: Outcome
     seconds: GoodputSeconds
+    last_progress: LastProgress | None = None
+    """Where an interrupted attempt got to after its last checkpoint, as the next attempt settled it (None: unknown,
+    or the attempt was not interrupted)."""
 
     @property
     def wall_s(self) -> float:
@@ -247,24 +278,14 @@ class AttemptGoodput:
         return self.seconds.total_s / held if held > 0 else 1.0
 
 
-@dataclass(frozen=True)
-class LastProgress:
-    """What an interrupted attempt reached, recorded outside its checkpoints (it cannot write one at its end)."""
-
-    global_step: int
-    """Its last finished step: the next attempt trains the steps after its checkpoint up to this one again."""
-    step_unix: float
-    end_unix: float
-    """When it ended: the failure, or the collective timeout of a hang."""
-
-
 def settle_interrupted(
     attempt: AttemptGoodput, *, resumed_unix: float, preempted: bool, progress: LastProgress | None = None
 ) -> AttemptGoodput:
     """``attempt`` as its checkpoint recorded it, completed up to ``resumed_unix`` (the next attempt's start): the
     unrecorded time is ``preempted`` after a preemption; else, from ``progress``, steps kept ``productive``, the
     wait ``hung`` and the retry's scheduling ``startup``; without ``progress``, ``recomputed`` (see the module
-    docstring). Each span is clipped to what lies between the record and ``resumed_unix``."""
+    docstring; an unknown end is the last step's time). Each span is clipped to what lies between the record and
+    ``resumed_unix``."""
     workers, seconds = attempt.num_workers, attempt.seconds
     cursor = attempt.end_unix
     end = max(cursor, resumed_unix)
@@ -273,13 +294,14 @@ def settle_interrupted(
     elif progress is None:
         parts = [("recomputed", end)]
     else:
-        parts = [("productive", progress.step_unix), ("hung", progress.end_unix), ("startup", end)]
+        parts = [("productive", progress.step_unix), ("hung", progress.ended_unix), ("startup", end)]
     for category, until in parts:
         until = min(max(until, cursor), end)
         seconds = seconds.plus(category, workers * (until - cursor))
         cursor = until
     outcome: Outcome = "preempted" if preempted else "failed"
-    return dataclasses.replace(attempt, end_unix=end, outcome=outcome, seconds=seconds)
+    kept = None if preempted else progress
+    return dataclasses.replace(attempt, end_unix=end, outcome=outcome, seconds=seconds, last_progress=kept)
 
 
 def recompute_through_step(checkpoint_step: int, progress: LastProgress | None) -> int:
@@ -332,6 +354,7 @@ class ExecutionGoodput:
                     "outcome": a.outcome,
                     "seconds": dict(zip(CATEGORIES, a.seconds.as_list())),
                 }
+                | ({"last_progress": a.last_progress.as_dict()} if a.last_progress is not None else {})
                 for a in self.attempts
             ]
         }
@@ -343,6 +366,7 @@ class ExecutionGoodput:
         for entry in (saved or {}).get("attempts", []):
             seconds = entry.get("seconds", {})
             outcome = entry.get("outcome", "running")
+            last = entry.get("last_progress")
             attempts.append(
                 AttemptGoodput(
                     index=int(entry["index"]),
@@ -351,6 +375,7 @@ class ExecutionGoodput:
                     end_unix=float(entry["end_unix"]),
                     outcome=outcome if outcome in OUTCOMES else "running",
                     seconds=GoodputSeconds.from_list([float(seconds.get(name, 0.0)) for name in CATEGORIES]),
+                    last_progress=LastProgress.from_dict(last) if last else None,
                 )
             )
         return cls(tuple(attempts))

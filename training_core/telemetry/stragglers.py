@@ -4,9 +4,18 @@ Contract. Under DDP every rank's step takes the same wall time: a slow rank make
 all-reduce. So step time cannot name it; what it spent before it was ready to reduce can. Per rank and window,
 ``compute = step - data wait - communication wait`` and its own time is ``compute + data wait`` (the step less its
 communication wait): the slow rank has the most of it and the least communication wait. A rank whose own time stays
-above the median of the other ranks' by more than ``threshold`` (a fraction: 0.2 is 20 %) for ``windows``
-consecutive windows is a :class:`Straggler`, with cause ``data`` when it waited for input longer than it computed,
-else ``compute``. It stays flagged while that holds; one window within the threshold clears it.
+above the median of the other ranks' by more than ``threshold`` (a fraction: 0.2 is 20 %), and by at least
+``min_excess_s`` seconds, for ``windows`` consecutive windows is a :class:`Straggler`, with cause ``data`` when it
+waited for input longer than it computed, else ``compute``. It stays flagged while that holds; one window within
+either bound clears it.
+
+Why the seconds too. The operating system delays a runnable process by milliseconds whenever another one holds its
+core, whatever the window's length, and those delays fall on either rank at random. On a window of milliseconds that
+alone is 20 %: on 2 gloo workers sharing 2 busy cores, 3-step windows of ~10 ms put one rank or the other over 20 %
+in a third of the windows, and in 10 of 11 runs of 200 windows some rank stayed over for 3 in a row (1-6 flagged
+windows a run), by 1-9 ms a window. A rank slowed by its code or its node is over by its whole slowdown in every
+window (30 ms a step in ``benchmarks/goodput.py``: 30-60 ms a 2-step window); a window of seconds, as on an
+accelerator, is over 20 % only by far more than ``min_excess_s``, so there the bound changes nothing.
 
 Every rank can run the same :class:`StragglerDetector` on the same figures (all ranks' windows are summed into one
 list with :func:`rank_slots`, so one all-reduce gives every rank all of them) and reach the same verdict. Pure
@@ -88,22 +97,31 @@ class Straggler:
         """How far its own time is above the others' median, as a fraction of that median."""
         return self.own_s / self.others_median_s - 1.0 if self.others_median_s > 0 else float("inf")
 
+    @property
+    def excess_s(self) -> float:
+        """How far its own time is above the others' median, in seconds."""
+        return self.own_s - self.others_median_s
+
     def message(self) -> str:
         what = "waits for input" if self.cause == "data" else "computes"
         return (
             f"rank {self.rank} on node {self.node or '?'} is a straggler ({self.cause}-bound): it {what} "
-            f"{self.excess:.0%} longer than the other ranks' median for {self.consecutive_windows} log windows "
+            f"{self.excess:.0%} ({self.excess_s:.3g} s) longer than the other ranks' median for "
+            f"{self.consecutive_windows} log windows "
             f"(compute {self.compute_s:.4g} s, data wait {self.data_wait_s:.4g} s, communication wait "
             f"{self.comm_wait_s:.4g} s; others' compute + data wait {self.others_median_s:.4g} s)"
         )
 
 
 class StragglerDetector:
-    """Flags ranks whose own time stays above the others' median (see the module docstring)."""
+    """Flags ranks whose own time stays above the others' median (see the module docstring); ``min_excess_s`` is
+    ``observability.straggler_min_excess_s``."""
 
-    def __init__(self, *, nodes: Sequence[str], threshold: float = 0.2, windows: int = 3) -> None:
-        assert threshold > 0 and windows >= 1, (threshold, windows)
-        self.nodes, self.threshold, self.windows = tuple(nodes), threshold, windows
+    def __init__(
+        self, *, nodes: Sequence[str], threshold: float = 0.2, windows: int = 3, min_excess_s: float = 0.02
+    ) -> None:
+        assert threshold > 0 and windows >= 1 and min_excess_s >= 0, (threshold, windows, min_excess_s)
+        self.nodes, self.threshold, self.windows, self.min_excess_s = tuple(nodes), threshold, windows, min_excess_s
         self.streaks = [0] * len(self.nodes)
         """Per rank, consecutive windows over the threshold so far."""
 
@@ -114,11 +132,16 @@ class StragglerDetector:
         for window in ranks:
             others = [r.own_s for r in ranks if r.rank != window.rank]
             median_s = statistics.median(others) if others else window.own_s
-            over = bool(others) and window.own_s > median_s * (1.0 + self.threshold)
+            over = bool(others) and self.is_over(window.own_s, median_s)
             self.streaks[window.rank] = self.streaks[window.rank] + 1 if over else 0
             if self.streaks[window.rank] >= self.windows:
                 flagged.append(self._straggler(window, median_s))
         return tuple(flagged)
+
+    def is_over(self, own_s: float, others_median_s: float) -> bool:
+        """Whether a rank's own time is over the others' median in one window: by more than ``threshold`` of it and
+        by at least ``min_excess_s`` (see the module docstring)."""
+        return own_s > others_median_s * (1.0 + self.threshold) and own_s - others_median_s >= self.min_excess_s
 
     def _straggler(self, window: RankWindow, median_s: float) -> Straggler:
         streak = self.streaks[window.rank]

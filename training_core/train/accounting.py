@@ -7,25 +7,37 @@ checkpoint's ``meta.telemetry["goodput"]``), which rank slows the others
 Contract. Every rank holds one :class:`RunAccounting` and calls it at the same points (window closes and checkpoint
 syncs are collectives: one small all-reduce each). Rank 0's figures are the ones recorded; every rank reaches the
 same straggler verdict and sets its own ``training_straggler`` gauge.
+
+An attempt that fails cannot write a checkpoint at its end, so its progress goes to a record beside the checkpoints
+(:class:`ProgressLog`, :data:`PROGRESS_FILE` in their root, which every attempt of the run shares): rank 0 replaces it
+at each log window with the attempt's last finished step and its time, and a rank that sees the attempt fail (an
+error, a collective's timeout) adds the end. The next attempt reads it on resume and settles the interrupted one
+with it (:func:`~training_core.telemetry.goodput.settle_interrupted`): its steps after the checkpoint kept productive,
+the wait to its end hung, the rest start-up; without an end (a SIGKILL), none of it hung.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from training_core.parallel.distributed import all_reduce_sum
-from training_core.telemetry.eta import EtaEstimator, Progress
+from training_core.telemetry.eta import EtaEstimator, EtaReading, Progress
 from training_core.telemetry.goodput import (
     CATEGORIES,
     AttemptGoodput,
+    Category,
     ExecutionGoodput,
     GoodputClock,
     GoodputSeconds,
+    LastProgress,
     Outcome,
+    recompute_through_step,
     settle_interrupted,
 )
 from training_core.telemetry.stragglers import Straggler, StragglerDetector, rank_slots, rank_windows
@@ -34,6 +46,7 @@ if TYPE_CHECKING:
     import torch
 
     from training_core import checkpoint as ckpt
+    from training_core.checkpoint.storage import Storage
     from training_core.config import TrainingConfig
 
 log = logging.getLogger("training_core")
@@ -42,6 +55,102 @@ GOODPUT_KEY = "goodput"
 """The entry of a checkpoint's ``meta.telemetry`` that carries the execution's goodput across attempts."""
 RANKS_KEY = "ranks"
 """The entry of a checkpoint's ``meta.telemetry`` with every rank's window sums and straggler flags."""
+ETA_KEY = "eta"
+"""The entry of a checkpoint's ``meta.telemetry`` with the ETA read at the first window after each validation (when
+it first counts that validation's time), to check against the run's real end; at most :data:`MAX_ETA_READINGS`."""
+MAX_ETA_READINGS = 64
+PROGRESS_FILE = "progress.json"
+"""The latest attempt's progress record, in the root of the run's checkpoints (:class:`ProgressLog`)."""
+PROGRESS_MAX_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class ProgressRecord:
+    """An attempt's last progress as :class:`ProgressLog` stores it: which attempt (its start, the same on every
+    rank), its last finished step and when the window that closed it ended, and its end when a rank saw it fail."""
+
+    attempt_start_unix: float
+    global_step: int
+    step_unix: float
+    end_unix: float | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.__dict__).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> ProgressRecord:
+        """The record :meth:`to_json` wrote; ValueError for anything else."""
+        try:
+            saved = json.loads(data)
+            end = saved["end_unix"]
+            return cls(
+                float(saved["attempt_start_unix"]),
+                int(saved["global_step"]),
+                float(saved["step_unix"]),
+                None if end is None else float(end),
+            )
+        except (TypeError, KeyError, AttributeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not a progress record ({type(exc).__name__})") from None
+
+    def last_progress(self) -> LastProgress:
+        return LastProgress(global_step=self.global_step, step_unix=self.step_unix, end_unix=self.end_unix)
+
+
+class ProgressLog:
+    """:data:`PROGRESS_FILE` in a run's checkpoint storage, written off the training thread: :meth:`note` hands the
+    newest record to a writer thread (an older one not yet written is dropped), so a step never waits for storage;
+    :meth:`close` waits for the last one. A record that cannot be written or read is a warning, never an error:
+    without it the next attempt counts the interrupted one's time after its checkpoint as recomputed."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._pending: ProgressRecord | None = None
+        self._busy = False
+        self._warned = False
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def read(self) -> ProgressRecord | None:
+        try:
+            data = self.storage.read_note(PROGRESS_FILE, max_bytes=PROGRESS_MAX_BYTES)
+            return None if data is None else ProgressRecord.from_json(data)
+        except Exception as exc:  # noqa: BLE001 - a bad record only costs the split of the interrupted attempt
+            log.warning("the progress record %s is unusable (%s): ignored", PROGRESS_FILE, exc)
+            return None
+
+    def note(self, record: ProgressRecord) -> None:
+        with self._changed:
+            self._pending = record
+            self._changed.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._write_pending, name="progress-record", daemon=True)
+                self._thread.start()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Wait (up to ``timeout_s``) until the last noted record is written; the writer thread ends."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._pending is None and not self._busy, timeout=timeout_s)
+            self._thread, thread = None, self._thread
+            self._changed.notify()
+        if thread is not None:
+            thread.join(timeout=1.0)
+
+    def _write_pending(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._changed:
+                self._busy = False
+                self._changed.notify_all()
+                self._changed.wait_for(lambda: self._pending is not None or self._thread is not me)
+                if self._pending is None:
+                    return
+                record, self._pending, self._busy = self._pending, None, True
+            try:
+                self.storage.write_note(PROGRESS_FILE, record.to_json())
+            except Exception as exc:  # noqa: BLE001 - see the class docstring
+                if not self._warned:
+                    self._warned = True
+                    log.warning("writing the progress record %s failed (%s); retried at the next", PROGRESS_FILE, exc)
 
 
 @dataclass
@@ -95,10 +204,21 @@ class RunAccounting:
     """The execution's goodput as of the latest sync (the same on every rank)."""
     progress: Progress | None = None
     flagged: tuple[Straggler, ...] = ()
+    progress_log: ProgressLog | None = None
+    """Where this attempt's progress is recorded for the next one; None: nowhere."""
+    last_window: tuple[int, float] | None = None
+    """The global step and unix time of this attempt's latest window close."""
+    eta_readings: list[EtaReading] = field(default_factory=list)
+    """The run's ETA at the first window after each validation (the earlier attempts' included)."""
+    validated: bool = False
+    """A validation ended since the latest window."""
 
     @classmethod
-    def for_run(cls, cfg: TrainingConfig, runtime: Any, *, total_steps: int, end_epoch: int) -> RunAccounting:
-        """The accounting of a run of ``cfg`` on ``runtime``'s rank (a collective, see :meth:`start`)."""
+    def for_run(
+        cls, cfg: TrainingConfig, runtime: Any, *, total_steps: int, end_epoch: int, storage: Storage | None = None
+    ) -> RunAccounting:
+        """The accounting of a run of ``cfg`` on ``runtime``'s rank (a collective, see :meth:`start`), its progress
+        recorded in ``storage`` (the run's checkpoint storage)."""
         accounting = cls.start(
             rank=runtime.rank,
             world_size=runtime.world_size,
@@ -107,9 +227,11 @@ class RunAccounting:
             interval_steps=cfg.checkpoint.interval_steps,
             threshold=cfg.observability.straggler_threshold,
             windows=cfg.observability.straggler_windows,
+            min_excess_s=cfg.observability.straggler_min_excess_s,
             started_unix=getattr(runtime, "started_unix", None),
         )
         accounting.end_epoch = end_epoch
+        accounting.progress_log = ProgressLog(storage) if storage is not None else None
         return accounting
 
     @classmethod
@@ -123,6 +245,7 @@ class RunAccounting:
         interval_steps: int,
         threshold: float,
         windows: int,
+        min_excess_s: float,
         started_unix: float | None,
     ) -> RunAccounting:
         """A fresh attempt's accounting, its clock started at the earliest rank's ``started_unix`` (its worker
@@ -140,7 +263,7 @@ class RunAccounting:
             total_steps=total_steps,
             interval_steps=interval_steps,
             clock=GoodputClock(start_s=now_s - (now_unix - start_unix)),
-            detector=StragglerDetector(nodes=nodes, threshold=threshold, windows=windows),
+            detector=StragglerDetector(nodes=nodes, threshold=threshold, windows=windows, min_excess_s=min_excess_s),
             eta=EtaEstimator(total_steps=total_steps),
             start_unix=start_unix,
             ranks=[RankTotals(rank=r, node=n) for r, n in enumerate(nodes)],
@@ -150,22 +273,53 @@ class RunAccounting:
         """This attempt resumes ``meta``'s run: the earlier attempts' goodput is carried, the last one settled up to
         this attempt's start (not before the checkpoint was written: Ray may place a restarted worker in a process
         its pool started earlier), and this attempt's time before its first step is start-up (or the
-        preemption's). The same on every rank: no collective."""
+        preemption's). The interrupted attempt's progress record, when it is the one that attempt left, splits its
+        time after the checkpoint, and this attempt's steps up to its last count as recomputed. The same on every
+        rank: no collective."""
         prior = ExecutionGoodput.from_summary(meta.telemetry.get(GOODPUT_KEY))
         attempt_start_unix = min(time.time(), max(self.start_unix, meta.saved_unix))
         self.clock.cursor_s += attempt_start_unix - self.start_unix
         self.start_unix = attempt_start_unix
+        progress = None
         if prior.attempts and prior.attempts[-1].outcome != "finished":  # a slice's end is no interruption
-            settled = settle_interrupted(prior.attempts[-1], resumed_unix=self.start_unix, preempted=meta.preempted)
+            last = prior.attempts[-1]
+            progress = self.interrupted_progress(last.start_unix) if not meta.preempted else None
+            settled = settle_interrupted(
+                last, resumed_unix=self.start_unix, preempted=meta.preempted, progress=progress
+            )
             prior = prior.with_attempt(settled)
         self.prior, self.execution = prior, prior
+        self.eta_readings = [EtaReading.from_dict(saved) for saved in meta.telemetry.get(ETA_KEY, [])]
         self.attempt_index = len(prior.attempts)
-        self.clock.recompute_through_step = meta.global_step
+        self.clock.recompute_through_step = recompute_through_step(meta.global_step, progress)
         self.clock.before_first = "preempted" if meta.preempted else "startup"
 
+    def interrupted_progress(self, attempt_start_unix: float) -> LastProgress | None:
+        """The progress record of the attempt that started at ``attempt_start_unix`` (None when the record is
+        another attempt's, or there is none)."""
+        record = self.progress_log.read() if self.progress_log is not None else None
+        if record is None or record.attempt_start_unix != attempt_start_unix:
+            return None
+        return record.last_progress()
+
+    def end(self, *, failed: bool) -> None:
+        """This rank's attempt ends: a failure it sees (after a window of this attempt) adds its end to the
+        progress record, which is then written out."""
+        if self.progress_log is None:
+            return
+        if failed and self.last_window is not None:
+            step, step_unix = self.last_window
+            self.progress_log.note(ProgressRecord(self.start_unix, step, step_unix, end_unix=time.time()))
+        self.progress_log.close()
+
     def step(self, *, global_step: int, step_time_s: float, data_wait_s: float, comm_wait_s: float) -> None:
+        """A step ended now. The loop's time before it that no step or stall measured (an epoch's loader opening)
+        goes to the ETA's overhead: the time ahead has it too."""
+        now_s = time.monotonic()
+        if self.clock.stepped:  # before the first step, the time is the attempt's start-up
+            self.eta.gap(now_s - self.clock.cursor_s - step_time_s)
         self.clock.step(
-            end_s=time.monotonic(),
+            end_s=now_s,
             global_step=global_step,
             step_time_s=step_time_s,
             data_wait_s=data_wait_s,
@@ -173,9 +327,15 @@ class RunAccounting:
         )
 
     def stall(self, category: str, seconds: float) -> None:
-        """A checkpoint stall or a validation of ``seconds`` just ended."""
-        self.clock.span(category, end_s=time.monotonic())  # type: ignore[arg-type]
-        self.eta.overhead(seconds)
+        """A checkpoint stall or a validation of ``seconds`` just ended: it, and the loop's time since the last
+        reported moment (the window's close, the checkpoint's collectives), is overhead for the ETA."""
+        self._span(category)  # type: ignore[arg-type]
+        self.validated = self.validated or category == "evaluation"
+
+    def _span(self, category: Category) -> None:
+        now_s = time.monotonic()
+        self.eta.overhead(now_s - self.clock.cursor_s)
+        self.clock.span(category, end_s=now_s)
 
     def window(self, times: WindowTimes, *, global_step: int) -> tuple[Straggler, ...]:
         """A log window closed (a collective): the ranks' windows and goodput summed, stragglers flagged (the new
@@ -201,19 +361,36 @@ class RunAccounting:
         self.progress = self.eta.estimate(
             global_step=global_step, next_checkpoint_step=self.next_checkpoint(global_step)
         )
+        self.last_window = (global_step, time.time())
+        if self.rank == 0 and self.progress_log is not None:
+            self.progress_log.note(ProgressRecord(self.start_unix, global_step, self.last_window[1]))
+        if self.validated and self.progress.eta_s is not None:
+            self.validated = False
+            self.keep_eta(EtaReading(global_step, self.last_window[1], self.progress.eta_s))
         return self.flagged
+
+    def keep_eta(self, reading: EtaReading) -> None:
+        """``reading`` into :attr:`eta_readings`; past :data:`MAX_ETA_READINGS`, the second oldest goes (the first,
+        the earliest full estimate, stays)."""
+        self.eta_readings.append(reading)
+        if len(self.eta_readings) > MAX_ETA_READINGS:
+            del self.eta_readings[1]
 
     def sync(self, *, outcome: Outcome = "running") -> ExecutionGoodput:
         """The time up to now counted as a checkpoint's (the caller is writing one), summed over the ranks into the
         execution's record (a collective)."""
-        self.clock.span("checkpoint", end_s=time.monotonic())
+        self._span("checkpoint")
         summed = all_reduce_sum(self.clock.seconds.as_list(), self.device)
         self._record(GoodputSeconds.from_list(summed), outcome=outcome)
         return self.execution
 
     def snapshot(self) -> dict[str, Any]:
         """What a checkpoint's ``meta.telemetry`` carries of this accounting (the latest sync's)."""
-        return {GOODPUT_KEY: self.execution.summary(), RANKS_KEY: [r.as_dict() for r in self.ranks]}
+        return {
+            GOODPUT_KEY: self.execution.summary(),
+            RANKS_KEY: [r.as_dict() for r in self.ranks],
+            ETA_KEY: [r.as_dict() for r in self.eta_readings],
+        }
 
     def next_checkpoint(self, global_step: int) -> int | None:
         """The next interval checkpoint's step, or the run's last (which always saves); None without an interval."""

@@ -68,6 +68,8 @@ class Trainer:
     def __init__(self, args: WorkerArgs, runtime: WorkerRuntime) -> None:
         self.args, self.cfg, self.runtime = args, args.config, runtime
         self.rank, self.world_size, self.device = runtime.rank, runtime.world_size, runtime.device
+        self.accounting: RunAccounting | None = None
+        """Goodput, stragglers and ETA, from :meth:`connect_outputs` on."""
 
     def setup(self) -> None:
         """Build the model, optimizer, schedule and streams from the config and the prepared data."""
@@ -149,9 +151,12 @@ class Trainer:
             run_id=mlflow.run_id if mlflow else None,
         )
         self.guard = DivergenceGuard(cfg, self.runtime, telemetry=self.telemetry, checkpointer=self.checkpointer)
+        self.accounting = RunAccounting.for_run(
+            cfg, self.runtime, total_steps=self.total_steps, end_epoch=self.end_epoch, storage=self.checkpointer.storage
+        )
         self.report = Reporter(
             self.meter, telemetry=self.telemetry, sink=self.sink, comm_timer=self.comm_timer, guard=self.guard,
-            accounting=RunAccounting.for_run(cfg, self.runtime, total_steps=self.total_steps, end_epoch=self.end_epoch),
+            accounting=self.accounting,
         )  # fmt: skip
 
     def resume(self) -> None:
@@ -368,6 +373,8 @@ def run_worker(args: WorkerArgs, runtime: WorkerRuntime) -> None:
         trainer.sink.close()
         finished = True
     finally:
+        if trainer.accounting is not None:  # a failure this rank sees: its end goes into the progress record
+            trainer.accounting.end(failed=not finished)
         trainer.telemetry.close(finished=finished)
         preemption.disarm()
 

@@ -327,7 +327,7 @@ class Reporter:
         self.telemetry.stragglers(self.accounting.own_causes())
         progress = self.accounting.progress
         if progress is not None and progress.eta_s is not None:
-            self.telemetry.progress(eta_s=progress.eta_s)
+            self.telemetry.progress(progress)
         self.telemetry.goodput(self.accounting.execution)
 
     def checkpoint_stall(self, seconds: float, *, global_step: int) -> None:

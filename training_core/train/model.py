@@ -106,7 +106,10 @@ class ModelExport:
         example = self.workload.example_input(self.manifest)
         # A workload may free more input axes than the batch (a language model: the sequence length).
         dynamic_axes = getattr(self.workload, "dynamic_axes", (0,))
-        return log_model(whole, example, self.mlflow, dynamic_axes=dynamic_axes)
+        # A workload may log files beside the model (a text classifier: its tokenizer and classes).
+        model_files = getattr(self.workload, "model_files", None)
+        files = {"extra_files": model_files(self.manifest)} if callable(model_files) else {}
+        return log_model(whole, example, self.mlflow, dynamic_axes=dynamic_axes, **files)
 
     def gathered(self, model: nn.Module) -> nn.Module | None:
         """The FSDP model whole, in one process on rank 0's CPU (None on the other ranks): a collective."""

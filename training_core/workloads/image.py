@@ -51,7 +51,9 @@ class ImageClassification:
             if not isinstance(raw, RawDataset):
                 raise ValueError(
                     f"{source} returned a {type(raw).__name__}; it must return a training_core.data.sources.RawDataset "
-                    "(uint8 images N x C x H x W and int64 labels per split, and the class names)"
+                    "(uint8 images N x C x H x W and int64 labels per split, and the class names); for other arrays, a "
+                    "PyTorch Dataset or a Hugging Face datasets.Dataset, set workload.name to array_classification "
+                    "(or array_regression)"
                 )
             if cfg.image_size:
                 raw.splits = {name: (resize_images(x, cfg.image_size), y) for name, (x, y) in raw.splits.items()}

@@ -34,13 +34,14 @@ for batch statistics, small enough for the driver pod's CPU and memory."""
 
 def prep_uses_ray(data: DataConfig, workload: WorkloadConfig) -> bool:
     """Whether prep of ``data`` runs on a Ray cluster: the built-in image workload on an encoded source (a Ray
-    task per shard) and the built-in ``causal_lm`` on its text sources (tokenised in Ray tasks). A user's
+    task per shard) and the built-in ``causal_lm`` and ``sequence_classification`` on their text sources (tokenised
+    in Ray tasks). A user's
     ``workload.dataset_source``, ``digits`` and ``synthetic`` prepare in their own process."""
     if workload.dataset_source:
         return False
     if workload.name == "image_classification":
         return bool(DATASET_SOURCES[data.dataset].list_images)
-    return workload.name == "causal_lm"
+    return workload.name in ("causal_lm", "sequence_classification")
 
 
 def resolve_workload(selected: WorkloadConfig) -> Workload:
@@ -100,14 +101,16 @@ def preflight(config: TrainingConfig, data_dir: str) -> Workload:
 
 
 def check_pretrained_supported(config: TrainingConfig, workload: Workload) -> None:
-    """``model.pretrained`` names weights only a workload that loads them may take: the image workload (which
-    checks them in its ``check``) or user code (which reads ``config.model.pretrained`` as it likes, with
-    :func:`training_core.pretrained.read_pretrained`); a built-in that would ignore them is refused."""
-    if config.model.pretrained and workload.name != "image_classification" and workload.name in WORKLOADS:
+    """``model.pretrained`` names weights only a workload that loads them may take: the image and sequence
+    classification workloads (which check them in their ``check``) or user code (which reads
+    ``config.model.pretrained`` as it likes, with :func:`training_core.pretrained.read_pretrained`); a built-in
+    that would ignore them is refused."""
+    loads = ("image_classification", "sequence_classification")
+    if config.model.pretrained and workload.name not in loads and workload.name in WORKLOADS:
         invalid(
             "model.pretrained",
             config.model.pretrained,
-            f"workload {workload.name!r} does not load pretrained weights yet (image_classification does); leave "
+            f"workload {workload.name!r} does not load pretrained weights yet ({' and '.join(loads)} do); leave "
             "model.pretrained empty",
         )
 

@@ -1,29 +1,34 @@
 """Workloads from arrays: the user writes the data (named arrays) and the model, the platform everything else.
 
-Subclass :class:`ArrayClassification` or :class:`ArrayRegression`, set ``name``, and implement
-``build_model(config, manifest)``; the data is ``data.path`` (a ``.npz`` file holding ``inputs`` and ``targets``)
-or what your ``load_arrays(data)`` returns: a mapping of array name to array (first axis the samples; other arrays
-than ``inputs`` and ``targets`` are left out), a mapping of split name (``train``, ``val``, ``test``) to such
-mappings, a PyTorch map-style ``Dataset`` whose items are ``(input, target)`` pairs or mappings, or a Hugging Face
-``datasets.Dataset`` (anything with ``to_dict()`` and ``column_names``). Prep splits it with
+Two ways: name the built-in ``array_classification`` or ``array_regression`` (these classes) with a
+``workload.model_factory`` and, unless ``data.path`` is a ``.npz`` file holding ``inputs`` and ``targets``, a
+``workload.dataset_source``; or subclass :class:`ArrayClassification` or :class:`ArrayRegression`, set ``name``, and
+implement ``build_model(config, manifest)`` (and ``load_arrays(data)`` for data that is not the ``.npz``). The data
+is a mapping of array name to array (first axis the samples; other arrays than ``inputs`` and ``targets`` are left
+out), a mapping of split name (``train``, ``val`` or ``validation``, ``test``) to such mappings, a PyTorch map-style
+``Dataset`` whose items are ``(input, target)`` pairs or mappings, or a Hugging Face ``datasets.Dataset`` (with
+``column_names`` and ``with_format``) with ``inputs`` and ``targets`` columns. A Dataset is read a sample (a block of
+rows) at a time into one array per column, never as a list of every sample. Prep splits it with
 :func:`training_core.data.split_samples` and writes it with :func:`training_core.data.write_prepared`: the same
 shards, manifest, checks and fingerprints as any workload. Losses, additive sums (``loss_sum``, ``samples``,
-``correct``, ``confusion``; ``squared_error_sum``, ``abs_error_sum``), metrics, ``check``, ``to_device`` and
-``example_input`` come from the base class; override any of them.
+``correct``, ``confusion``; ``abs_error_sum``), metrics, ``check``, ``to_device`` and ``example_input`` come from
+the base class; override any of them.
 """
 
 from __future__ import annotations
 
 import io
 import math
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NoReturn
 
 import numpy as np
 
-from training_core.config import DataConfig, TrainingConfig, invalid, quote
+from training_core.config import DataConfig, TrainingConfig, WorkloadConfig, invalid, quote
 from training_core.data import ARRAY_DTYPES, SPLIT_NAMES, ArraySpec, Manifest, split_samples, write_prepared
+from training_core.messages import clip
 from training_core.redact import redact
 from training_core.workloads.protocol import LossOutput, mean_of, to_device_async
+from training_core.workloads.user_code import call_with_params, factory_params, load_optional
 
 if TYPE_CHECKING:
     import torch
@@ -33,6 +38,11 @@ MAX_NPZ_BYTES = 4 * 2**30
 """Most bytes the default :meth:`ArrayWorkload.load_arrays` reads from ``data.path``."""
 INPUTS, TARGETS = "inputs", "targets"
 """The names of the two arrays a sample of an array workload has."""
+BLOCK_ROWS = 1024
+"""Rows of a Hugging Face ``datasets.Dataset`` read as numpy at a time."""
+SHAPE_FIX = (
+    "give every sample of a column the same shape and numbers only (pad or crop them; drop or fill missing ones)"
+)
 
 
 class ArrayWorkload:
@@ -44,14 +54,35 @@ class ArrayWorkload:
     primary_mode = "min"
     params: Any = None
     """``workload.params``: set by the platform."""
+    selected: WorkloadConfig | None = None
+    dataset_source: Callable[..., Any] | None = None
+    model_factory: Callable[..., Any] | None = None
+
+    def __init__(self, selected: WorkloadConfig | None = None) -> None:
+        """A user's subclass is built with no arguments; the built-ins ``array_classification`` and
+        ``array_regression`` with the config's ``workload`` section, whose ``dataset_source`` (when set) gives the
+        data and whose ``model_factory`` builds the model (both imported here)."""
+        if selected is not None:
+            self.selected, self.params = selected, dict(selected.params)
+            self.dataset_source = load_optional("workload.dataset_source", selected.dataset_source)
+            self.model_factory = load_optional("workload.model_factory", selected.model_factory)
 
     def load_arrays(self, data: DataConfig) -> Any:
-        """The samples: by default the arrays of the ``.npz`` file ``data.path`` (read as a regular file)."""
+        """The samples: what ``workload.dataset_source`` returns (given ``data`` and, when it has that parameter,
+        ``params=``), else the arrays of the ``.npz`` file ``data.path`` (read as a regular file)."""
         from training_core.files import read_regular_path
 
+        if self.dataset_source is not None:
+            assert self.selected is not None, "a dataset source comes with the workload section that names it"
+            params = factory_params(self.selected, self.dataset_source)
+            path = self.selected.dataset_source
+            return call_with_params("workload.dataset_source", path, self.dataset_source, params, data)
         if not data.path:
             invalid(
-                "data.path", data.path, f"name a .npz file holding {INPUTS!r} and {TARGETS!r}, or override load_arrays"
+                "data.path",
+                data.path,
+                f"name a .npz file holding {INPUTS!r} and {TARGETS!r}, or set workload.dataset_source (or override "
+                "load_arrays)",
             )
         payload = read_regular_path(data.path, max_bytes=MAX_NPZ_BYTES, name=f"data.path={quote(data.path)}")
         try:
@@ -61,14 +92,37 @@ class ArrayWorkload:
             invalid("data.path", data.path, f"it is not a readable .npz file ({exc}); write it with numpy.savez")
 
     def build_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
-        raise NotImplementedError(f"{type(self).__name__} must implement build_model(config, manifest)")
+        """The model ``workload.model_factory`` builds (the built-ins); a subclass writes its own."""
+        if self.model_factory is None:
+            raise NotImplementedError(f"{type(self).__name__} must implement build_model(config, manifest)")
+        from training_core.workloads.image import user_model
+
+        return user_model(config, manifest, self.model_factory)
+
+    output_reshaped = False
+    """Whether the loss reshapes the model's output to the targets' shape (so any output of as many values fits)."""
+
+    def expected_output(self, manifest: Manifest, batch: int) -> tuple[int, ...]:
+        """The shape of the model's output on ``batch`` samples."""
+        raise NotImplementedError
+
+    def output_meaning(self, manifest: Manifest) -> str:
+        """What the model's output is, in words."""
+        raise NotImplementedError
+
+    def source_name(self, data: DataConfig) -> str:
+        """Where the samples come from, as the messages about them name it."""
+        if self.dataset_source is not None:
+            assert self.selected is not None, "a dataset source comes with the workload section that names it"
+            return f"workload.dataset_source={quote(self.selected.dataset_source)}"
+        return f"{type(self).__name__}.load_arrays (data.path={quote(data.path)})"
 
     def target_spec(self, targets: np.ndarray, source: str) -> tuple[np.ndarray, ArraySpec, list[str]]:
         """The stored targets, their spec and the class names (none for regression)."""
         raise NotImplementedError
 
     def prepare_data(self, data: DataConfig, out_dir: str) -> Manifest:
-        source = f"{type(self).__name__}.load_arrays (data.path={quote(data.path)})"
+        source = self.source_name(data)
         raw = as_splits(self.load_arrays(data), source)
         targets, target_spec, classes = self.target_spec(np.concatenate([s[TARGETS] for s in raw.values()]), source)
         offset = 0
@@ -78,7 +132,8 @@ class ArrayWorkload:
         splits = split_samples(raw, data, source=source)
         inputs = splits["train"][INPUTS]
         template = Manifest(
-            dataset=redact(data.path) if data.path else type(self).__name__,
+            dataset=(self.selected.dataset_source if self.selected else "")
+            or (redact(data.path) if data.path else type(self).__name__),
             classes=classes,
             input_shape=list(inputs.shape[1:]),
             mean=[],  # the model normalises its own input: the registered model takes raw samples
@@ -101,6 +156,36 @@ class ArrayWorkload:
             batch_size=config.loop.batch_size,
             grad_accum_steps=config.loop.grad_accum_steps,
         )
+        if self.model_factory is not None:
+            self.check_factory_model(config, manifest)
+
+    def check_factory_model(self, config: TrainingConfig, manifest: Manifest) -> None:
+        """Build the ``workload.model_factory`` model once and run :meth:`example_input` through it, so a factory
+        that fails or a model that does not fit the data fails in the driver, before any worker starts."""
+        import torch
+
+        from training_core.workloads.image import user_model
+
+        model = user_model(config, manifest, self.model_factory)
+        example = torch.from_numpy(self.example_input(manifest))
+        expected = self.expected_output(manifest, len(example))
+        try:
+            with torch.no_grad():
+                output = model.eval()(example)
+        except Exception as exc:  # noqa: BLE001 - user code: name it and what it raised
+            found = f"fails ({type(exc).__name__}: {clip(str(exc))})"
+        else:
+            shape = tuple(output.shape) if isinstance(output, torch.Tensor) else None
+            reshaped = self.output_reshaped and shape is not None and math.prod(shape) == math.prod(expected)
+            fits = shape == expected or reshaped
+            found = "" if fits else f"returns {shape or type(output).__name__}"
+        if found:
+            invalid(
+                "workload.model_factory",
+                config.workload.model_factory,
+                f"its {type(model).__name__} {found} on a batch of inputs {tuple(example.shape)}; build a model for "
+                f"inputs of shape {manifest.input_shape} returning {expected} ({self.output_meaning(manifest)})",
+            )
 
     def to_device(self, manifest: Manifest, device: torch.device) -> Callable[[Mapping[str, np.ndarray]], Any]:
         def convert(batch: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,17 +202,43 @@ class ArrayClassification(ArrayWorkload):
     """``targets`` are class labels (any values: each distinct one is a class, in sorted order); the model returns
     logits ``[N, classes]``; cross-entropy; ``accuracy`` ranks (or set ``primary_metric = "f1"``: macro-F1)."""
 
+    name = "array_classification"
     primary_metric = "accuracy"
     primary_mode = "max"
     metric_modes = {"accuracy": "max", "f1": "max", "loss": "min"}
     """Which way each metric improves: tuning ranks by any of them (``val_f1``)."""
 
+    def expected_output(self, manifest: Manifest, batch: int) -> tuple[int, ...]:
+        return (batch, manifest.num_classes)
+
+    def output_meaning(self, manifest: Manifest) -> str:
+        return f"logits: the batch, the data's {manifest.num_classes} classes"
+
     def target_spec(self, targets: np.ndarray, source: str) -> tuple[np.ndarray, ArraySpec, list[str]]:
         if targets.ndim != 1:
-            invalid(source, f"targets of shape {targets.shape}", "a classifier's targets are one label per sample")
+            refuse(
+                source,
+                f"column {TARGETS!r} of shape {targets.shape}",
+                "a classifier's targets are one label per sample",
+            )
+        if targets.dtype.kind not in "biufUS":
+            refuse(
+                source, f"column {TARGETS!r} of dtype {targets.dtype}", "give labels as numbers, strings or booleans"
+            )
+        if targets.dtype.kind == "f" and not np.isfinite(targets).all():
+            where = int(np.flatnonzero(~np.isfinite(targets))[0])
+            refuse(
+                source,
+                f"column {TARGETS!r} with a NaN or infinite label (sample {where}: a missing label)",
+                "drop those samples or give them their label",
+            )
         classes, labels = np.unique(targets, return_inverse=True)
         if len(classes) < 2:
-            invalid(source, f"targets {classes.tolist()}", "a classifier needs at least 2 distinct labels")
+            refuse(
+                source,
+                f"column {TARGETS!r} of labels {clip(str(classes.tolist()))}",
+                "a classifier needs at least 2 distinct labels",
+            )
         names = [str(c) for c in classes.tolist()]
         return labels.astype(np.int64), ArraySpec("int64", [], max_value=len(names) - 1), names
 
@@ -167,7 +278,15 @@ class ArrayRegression(ArrayWorkload):
     """``targets`` are numbers (one or a vector per sample, stored float32); the model returns the same shape;
     mean squared error is the loss and ranks (``min``); ``mae`` too."""
 
+    name = "array_regression"
     metric_modes = {"loss": "min", "mae": "min"}
+    output_reshaped = True
+
+    def expected_output(self, manifest: Manifest, batch: int) -> tuple[int, ...]:
+        return (batch, *manifest.arrays[TARGETS].shape)
+
+    def output_meaning(self, manifest: Manifest) -> str:
+        return "predictions: the batch, then the shape of a sample's targets"
 
     def target_spec(self, targets: np.ndarray, source: str) -> tuple[np.ndarray, ArraySpec, list[str]]:
         values = numeric(targets, source, TARGETS).astype(np.float32)
@@ -196,54 +315,171 @@ class ArrayRegression(ArrayWorkload):
         return found
 
 
+SPLIT_ALIASES = {"validation": "val"}
+"""Split names of other libraries (a Hugging Face ``DatasetDict``'s) -> ours."""
+
+
 def as_splits(source_data: Any, source: str) -> dict[str, dict[str, np.ndarray]]:
     """What ``load_arrays`` returned as split name -> {``inputs``, ``targets``}, inputs of a dtype a shard stores."""
-    if isinstance(source_data, Mapping) and source_data and set(source_data) <= set(SPLIT_NAMES):
-        if "train" not in source_data:
-            invalid(source, sorted(source_data), "return a 'train' split (val and test are carved out of it if absent)")
-        return {name: named_arrays(part, f"{source} split {name!r}") for name, part in source_data.items()}
+    if isinstance(source_data, Mapping) and source_data:
+        named = {SPLIT_ALIASES.get(name, name): part for name, part in source_data.items()}
+        if set(named) <= set(SPLIT_NAMES) and len(named) == len(source_data):
+            if "train" not in named:
+                refuse(
+                    source,
+                    f"splits {sorted(source_data)}",
+                    "return a 'train' split (val and test are carved out of it if absent)",
+                )
+            return {name: named_arrays(part, f"{source} split {name!r}") for name, part in named.items()}
     return {"train": named_arrays(source_data, source)}
 
 
 def named_arrays(found: Any, source: str) -> dict[str, np.ndarray]:
     """``inputs`` and ``targets`` of a mapping of arrays, a Hugging Face ``datasets.Dataset`` or a map-style
-    PyTorch ``Dataset``."""
-    if hasattr(found, "column_names") and hasattr(found, "to_dict"):  # a datasets.Dataset: columns by name
-        found = {name: np.asarray(column) for name, column in found.to_dict().items()}
+    PyTorch ``Dataset``; ``ValueError`` naming ``source``, the column and the fix for what a shard cannot store."""
+    if hasattr(found, "column_names") and hasattr(found, "with_format") and hasattr(found, "__len__"):
+        found = stacked(table_blocks(found, source), len(found), source)
     elif not isinstance(found, Mapping) and hasattr(found, "__getitem__") and hasattr(found, "__len__"):
-        found = from_items(found, source)
+        found = stacked(item_blocks(found, source), len(found), source)
     if not isinstance(found, Mapping):
-        invalid(source, type(found).__name__, "return a mapping of array names to arrays, or a Dataset")
+        refuse(
+            source,
+            f"a {type(found).__name__}",
+            "return a mapping of array names to arrays, or a Dataset: a map-style torch Dataset (__len__ and "
+            "__getitem__) or a Hugging Face datasets.Dataset (not an iterable or streaming one)",
+        )
     missing = [name for name in (INPUTS, TARGETS) if name not in found]
     if missing:
-        invalid(source, sorted(found), f"it lacks {missing}: name the model's input {INPUTS!r}, the labels {TARGETS!r}")
-    inputs, targets = numeric(found[INPUTS], source, INPUTS), np.asarray(found[TARGETS])
+        refuse(
+            source,
+            f"columns {clip(str(sorted(map(str, found))))}",
+            f"it lacks {missing}: name the model's input {INPUTS!r}, the labels {TARGETS!r}",
+        )
+    inputs, targets = numeric(found[INPUTS], source, INPUTS), as_array(found[TARGETS], source, TARGETS)
     if len(inputs) != len(targets) or not len(inputs):
-        invalid(source, f"{len(inputs)} inputs, {len(targets)} targets", "give one target per input, and samples")
+        refuse(source, f"{len(inputs)} inputs, {len(targets)} targets", "give one target per input, and samples")
     return {INPUTS: inputs, TARGETS: targets}
 
 
-def from_items(dataset: Any, source: str) -> dict[str, np.ndarray]:
-    """The samples of a map-style ``Dataset``, each ``(input, target)`` or a mapping with both, stacked."""
-    items = [dataset[index] for index in range(len(dataset))]
-    if items and isinstance(items[0], Mapping):
-        return {name: np.stack([np.asarray(item[name]) for item in items]) for name in items[0]}
-    if not items or not all(isinstance(item, (tuple, list)) and len(item) == 2 for item in items):
-        invalid(source, type(dataset).__name__, "its items must be (input, target) pairs or mappings with both")
-    return {name: np.stack([np.asarray(item[i]) for item in items]) for i, name in enumerate((INPUTS, TARGETS))}
+def table_blocks(dataset: Any, source: str) -> Iterator[dict[str, Any]]:
+    """The ``inputs`` and ``targets`` columns of a Hugging Face ``datasets.Dataset``, :data:`BLOCK_ROWS` rows at a
+    time as numpy arrays (other columns, of any type, are not read)."""
+    missing = [name for name in (INPUTS, TARGETS) if name not in dataset.column_names]
+    if missing:
+        refuse(
+            source,
+            f"a datasets.Dataset of columns {clip(str(dataset.column_names))}",
+            f"it lacks {missing}: name the model's input column {INPUTS!r} and the labels {TARGETS!r} "
+            "(dataset.rename_column)",
+        )
+    table = dataset.select_columns([INPUTS, TARGETS]).with_format("numpy")
+    for start in range(0, len(table), BLOCK_ROWS):
+        yield table[start : start + BLOCK_ROWS]
+
+
+def item_blocks(dataset: Any, source: str) -> Iterator[dict[str, Any]]:
+    """The samples of a map-style ``Dataset``, each ``(input, target)`` or a mapping with both, one at a time as
+    blocks of one row."""
+    for index in range(len(dataset)):
+        item = dataset[index]
+        if isinstance(item, Mapping) and INPUTS in item and TARGETS in item:
+            pair = item[INPUTS], item[TARGETS]
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            pair = item[0], item[1]
+        else:
+            refuse(
+                source,
+                f"a {type(dataset).__name__} whose item {index} is {clip(describe(item))}",
+                f"its items must be (input, target) pairs or mappings with {INPUTS!r} and {TARGETS!r}",
+            )
+        yield {name: as_array(value, source, name, samples=False)[None] for name, value in zip((INPUTS, TARGETS), pair)}
+
+
+def stacked(blocks: Iterator[Mapping[str, Any]], count: int, source: str) -> dict[str, np.ndarray]:
+    """``count`` samples, given as blocks (column name -> the block's samples), written into one array per column
+    allocated at the first block: the memory of the result and of one block, not of a list of every sample. Inputs
+    are stored numbers as they come (:func:`numeric`)."""
+    if not count:
+        refuse(source, "a Dataset of no samples", "give it samples")
+    columns: dict[str, np.ndarray] = {}
+    start = 0
+    for block in blocks:
+        size = 0
+        for name, values in block.items():
+            array = numeric(values, source, name) if name == INPUTS else as_array(values, source, name)
+            column = columns.get(name)
+            if column is None:
+                column = columns[name] = np.empty((count, *array.shape[1:]), dtype=array.dtype)
+            elif array.shape[1:] != column.shape[1:]:
+                refuse(
+                    source,
+                    f"column {name!r} of samples of shape {list(column.shape[1:])} and, from sample {start}, "
+                    f"{list(array.shape[1:])}",
+                    SHAPE_FIX,
+                )
+            elif array.dtype != column.dtype:
+                column = columns[name] = column.astype(common_dtype(column, array, source, name))
+            column[start : start + len(array)], size = array, len(array)
+        start += size
+    if start != count:
+        refuse(source, f"{start} samples from a Dataset of length {count}", "make __len__ the number of samples")
+    return columns
+
+
+def common_dtype(column: np.ndarray, block: np.ndarray, source: str, name: str) -> np.dtype:
+    """The dtype that holds both ``column``'s and ``block``'s values (strings of another length, ints then floats);
+    strings and numbers in one column are refused (numpy would turn the numbers into strings)."""
+    if (column.dtype.kind in "US") != (block.dtype.kind in "US"):
+        refuse(source, f"column {name!r} mixing {column.dtype} and {block.dtype} values", SHAPE_FIX)
+    return np.result_type(column.dtype, block.dtype)
+
+
+def as_array(values: Any, source: str, name: str, *, samples: bool = True) -> np.ndarray:
+    """``values`` (an array, a tensor, a list: of samples, or one sample when not ``samples``) as a numpy array of
+    numbers or strings, or ``ValueError`` naming ``source`` and the column: samples of different shapes, missing ones
+    or Python objects cannot be stored."""
+    try:
+        array = np.asarray(values)
+    except (ValueError, TypeError, RuntimeError) as exc:  # numpy 2 refuses ragged lists; a tensor that needs grad
+        refuse(source, f"column {name!r} that is no array ({type(exc).__name__}: {clip(str(exc))})", SHAPE_FIX)
+    if array.dtype.hasobject:
+        refuse(
+            source, f"column {name!r} of dtype object (samples of different shapes, None or Python objects)", SHAPE_FIX
+        )
+    if samples and array.ndim == 0:
+        refuse(
+            source, f"column {name!r} holding one value, not samples", "give an array whose first axis is the samples"
+        )
+    return array
 
 
 def numeric(values: Any, source: str, name: str) -> np.ndarray:
     """``values`` as an array a shard stores: floats as float32, booleans and other integers as int64."""
-    array = np.asarray(values)
+    array = as_array(values, source, name)
     if array.dtype.kind == "f":
-        array = array.astype(np.float32)
+        array = array.astype(np.float32, copy=False)
         if not np.isfinite(array).all():
-            invalid(source, f"{name} with NaN or infinite values", "fill or drop those samples")
+            refuse(source, f"column {name!r} with NaN or infinite values", "fill or drop those samples")
         return array
     if array.dtype.kind not in "biu":
-        invalid(source, f"{name} of dtype {array.dtype}", "give numeric arrays (floats, integers or booleans)")
+        refuse(
+            source,
+            f"column {name!r} of dtype {array.dtype}",
+            "give numeric arrays (floats, integers or booleans): encode text or categories as numbers first",
+        )
     return array if array.dtype.name in ARRAY_DTYPES else array.astype(np.int64)
+
+
+def describe(value: Any) -> str:
+    """A short description of ``value`` for a message."""
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
+def refuse(source: str, found: str, fix: str) -> NoReturn:
+    """Raise the error of data a shard cannot store: where it came from, what it is and the fix."""
+    raise ValueError(f"{source} gave {clip(found)}; {clip(fix, 2000)}")
 
 
 def count(values: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,888 @@
+"""``sequence_classification``: a ``transformers`` encoder with a classification head (BERT, RoBERTa, DistilBERT...)
+on labelled text; cross-entropy, ``accuracy`` and macro-F1 (``workload.primary_metric`` picks the one that ranks).
+
+Data (``data.dataset: labeled_text``): ``.csv`` rows, ``.jsonl`` lines or ``.parquet`` rows under ``data.path``
+(local or ``s3://``), each with its text (``data.text_field``) and label (``data.label_field``: strings or
+integers; the sorted distinct labels are the manifest's classes). Prep is the ``causal_lm`` text pipeline of
+:mod:`training_core.data.text`: the same readers, tokenised in Ray tasks into a spill file (memory bounded by a batch
+and a shard, not by the source), split by record with ``data.split_seed``, written as verified ``.npz`` shards with
+the manifest and a copy of the ``tokenizer.json``. A sample is ``[CLS] text [SEP]`` (the tokenizer's own start and
+end tokens where it has them), cut to ``data.seq_len`` tokens and padded with its padding token (one is added past
+the vocabulary when it has none): ``input_ids`` int32 ``[seq_len]`` and ``labels`` int64.
+
+Models: a BERT size of :data:`~training_core.registry.ENCODER_SIZES` or a ``transformers`` config class by name
+(``model.name``, randomly initialised, the data's vocabulary), or a Hugging Face directory (``model.pretrained``:
+``config.json`` plus safetensors, never a pickle) whose ``config.json`` is the architecture (``model.name`` empty,
+or one that agrees) and whose weights are loaded: names and shapes are checked on the meta device before any worker
+starts. A backbone without a classification head (a pretraining checkpoint) gets a freshly initialised head, and its
+pretraining head's tensors are left out, both logged; ``model.new_head`` re-initialises a head of another class
+count. The data must be tokenised with the directory's ``tokenizer.json`` (``data.tokenizer`` set to it or to the
+directory). Dropout is 0, as in ``causal_lm``, so DDP equals one process and a resumed run an uninterrupted one.
+
+The loop trains :class:`SequenceClassifierModel`: ``forward(input_ids [N, T]) -> logits [N, classes]`` (padding
+masked), with :meth:`~SequenceClassifierModel.classify` for raw strings (it carries its tokenizer and classes). The
+MLflow model is a ``torch.export`` program with the tokenizer and classes logged beside it
+(:meth:`~SequenceClassification.model_files`); :func:`load_classifier` turns a registered version
+(``models:/<name>@champion``) into a classifier of raw strings. Importing this module imports neither torch nor
+transformers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+from array import array
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from training_core.config import DataConfig, ModelConfig, TrainingConfig, WorkloadConfig
+from training_core.data.prepared import ArraySpec, Manifest, write_shards
+from training_core.data.shard_files import RERUN_PREP
+from training_core.data.text import (
+    BYTE,
+    LABELED_SUFFIXES,
+    MAX_TOKENIZER_BYTES,
+    SPLIT_IDS,
+    TOKENIZER_FILE,
+    Document,
+    SourceStats,
+    TextTokenizer,
+    TokenSpill,
+    load_tokenizer,
+    no_text_error,
+    ray_connected,
+    read_documents,
+    spill_tokens,
+    split_documents,
+    text_files,
+    tokenizer_from_description,
+    tokenizer_threads,
+)
+from training_core.files import UnreadableFile, join_path, read_regular, read_regular_path
+from training_core.messages import clip, invalid, quote
+from training_core.redact import redact
+from training_core.registry import ENCODER_SIZES, PRIMARY_METRICS
+from training_core.workloads.image import torch_count
+from training_core.workloads.protocol import LossOutput, mean_of, to_device_async
+from training_core.workloads.simple import macro_f1
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+log = logging.getLogger(__name__)
+
+NAME = "sequence_classification"
+CLS_TOKENS = ("[CLS]", "<s>", "<|startoftext|>", "<bos>")
+"""A ``tokenizer.json``'s sequence-start token, in this order of preference (BERT, RoBERTa, GPT-style, Gemma)."""
+SEP_TOKENS = ("[SEP]", "</s>", "<|endoftext|>", "<eos>")
+"""Its sequence-end token."""
+PAD_TOKENS = ("[PAD]", "<pad>", "<|padding|>")
+"""Its padding token; a tokenizer without one gets a new id past its vocabulary."""
+MAX_CLASSES = 2048
+"""Most distinct labels: the evaluation sums a classes x classes confusion matrix on the device."""
+CLASSIFIER_FILE = "classifier.json"
+"""Logged beside the MLflow model: its class names and the sample layout of its ids (:meth:`~SequenceClassification.
+model_files`)."""
+MAX_CONFIG_BYTES = 2**20
+"""Most bytes read of a pretrained directory's ``config.json``."""
+_OVERRIDES = (
+    ("num_layers", "num_hidden_layers"),
+    ("hidden_size", "hidden_size"),
+    ("num_heads", "num_attention_heads"),
+    ("context_length", "max_position_embeddings"),
+)
+"""``model.*`` override -> the standard ``transformers`` config attribute (each config's ``attribute_map`` maps
+it)."""
+_INTEGER = re.compile(r"-?\d{1,18}")
+
+
+class SequenceClassification:
+    """Token ids in, class logits out; built-in data and models only (no ``workload.model_factory`` or
+    ``dataset_source``)."""
+
+    name = NAME
+    primary_mode = "max"
+    metric_modes = {"accuracy": "max", "macro_f1": "max", "loss": "min"}
+    """Which way each metric improves: tuning ranks by any of them (``val_macro_f1``)."""
+    dynamic_axes = (0, 1)
+    """The logged model takes any batch and any sequence length (up to its positions)."""
+
+    def __init__(self, selected: WorkloadConfig | None = None) -> None:
+        selected = selected or WorkloadConfig(name=NAME)
+        for field_name in ("model_factory", "dataset_source"):
+            if getattr(selected, field_name):
+                invalid(
+                    f"workload.{field_name}",
+                    getattr(selected, field_name),
+                    f"workload.name={NAME!r} trains its own encoders on data.dataset='labeled_text'; leave it empty",
+                )
+        self.primary_metric = selected.primary_metric or PRIMARY_METRICS[NAME][0]
+
+    # ------------------------------------------------------------------------------------------------ data prep
+
+    def prepare_data(self, data: DataConfig, out_dir: str) -> Manifest:
+        """Read the labelled records ``data`` names, tokenise them (in Ray tasks when this process is connected to a
+        cluster), split them by record and write each split's samples as shards, the manifest and the tokenizer's
+        copy to ``out_dir``. The ids wait in a spill file on local disk, so memory is bounded by a shard."""
+        import tempfile
+
+        ray_workers = data.prep_num_workers if ray_connected() else 0
+        if not ray_workers:
+            tokenizer_threads(data.prep_num_workers)
+        tokenizer = load_tokenizer(tokenizer_file(data.tokenizer))
+        stats, labels = SourceStats(), LabelRecorder(data)
+        source = f"data.path={quote(data.path)}"
+        documents = labels.record(read_documents(data, stats, workload=NAME))
+        log.info("tokenising %s %s", source, f"in Ray tasks, {ray_workers} at a time" if ray_workers else "here")
+        with tempfile.TemporaryDirectory(prefix="token-spill-") as spill_dir:
+            spill = spill_tokens(documents, tokenizer, os.path.join(spill_dir, "ids.bin"), ray_workers=ray_workers)
+            if not len(spill.sizes):
+                raise no_text_error(data, stats, source=source)
+            if stats.missing_field:
+                log.warning("%s: skipped %d of %d records without a text value in data.text_field=%s", source,
+                            stats.missing_field, stats.records, quote(data.text_field))  # fmt: skip
+            classes, label_ids = labels.classes()
+            layout = SampleLayout.of(tokenizer, data.seq_len)
+            splits = split_documents(spill.sizes, data, source=source)
+            for split, index in splits.items():  # shuffled within the split: a source sorted by label mixes
+                splits[split] = index[
+                    np.random.default_rng([data.split_seed, SPLIT_IDS[split]]).permutation(len(index))
+                ]
+            if tokenizer.kind != BYTE:
+                _write_text(out_dir, TOKENIZER_FILE, tokenizer.json_text)
+            template = _manifest_template(data, tokenizer, layout, classes, stats, splits, spill)
+            log.info("tokenised %s: %d records, %d classes, %s", source, len(spill.sizes), len(classes), template.spec)
+            shards = {
+                split: (min(data.num_shards, len(index)), _shards(spill, index, label_ids, layout, data.num_shards))
+                for split, index in splits.items()
+            }
+            return write_shards(out_dir, shards, template=template)
+
+    # ------------------------------------------------------------------------------------------------- models
+
+    def check(self, config: TrainingConfig, manifest: Manifest) -> None:
+        """The data was prepared by this workload and fits the model: its tokenizer's ids, its sequence length and,
+        with ``model.pretrained``, the weights (read and matched on the meta device, nothing allocated) and the
+        tokenizer beside them. Records the pretrained ``config.json`` in ``model.encoder_config`` and the weights'
+        sha256 in ``model.pretrained_sha256`` (in place), so workers and checkpoints rebuild the same model."""
+        if manifest.workload != NAME:
+            raise ValueError(
+                f"workload.name={NAME!r} trains on labelled token sequences, but the prepared data at "
+                f"{quote(manifest.directory)} was written by workload {manifest.workload!r}; prepare the data with "
+                "the same workload"
+            )
+        spec = LabeledTextSpec.from_manifest(manifest)
+        if config.model.pretrained:
+            check_pretrained_tokenizer(config, spec)
+            config.model.encoder_config = pretrained_config_json(config.model)
+        encoder_config = build_encoder_config(config.model, spec, manifest.classes)
+        _check_fits(config, encoder_config, spec)
+        if config.model.pretrained:
+            self._check_pretrained(config, manifest)
+
+    def _check_pretrained(self, config: TrainingConfig, manifest: Manifest) -> None:
+        import torch
+
+        from training_core.pretrained import plan_loading, read_pretrained
+
+        model_cfg = config.model
+        weights = read_pretrained(model_cfg.pretrained, expected_sha256=model_cfg.pretrained_sha256)
+        with torch.device("meta"):
+            encoder = new_encoder(config, manifest)
+        state, _ = fit_weights(encoder, weights.state_dict)
+        plan_loading(weights.source, encoder, state, new_head=model_cfg.new_head, model_name=model_cfg.name,
+                     fix=PRETRAINED_FIX)  # fmt: skip
+        model_cfg.pretrained_sha256 = weights.sha256
+
+    def build_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
+        """:class:`SequenceClassifierModel` around the encoder (randomly initialised from the loop's seeded RNG), with
+        ``model.pretrained``'s weights loaded when there are some. The tokenizer comes from the data directory when
+        the manifest has one (a model rebuilt from a checkpoint's description has none: it trains and scores but
+        cannot :meth:`~SequenceClassifierModel.classify` strings)."""
+        spec = LabeledTextSpec.from_manifest(manifest)
+        encoder = new_encoder(config, manifest)
+        if config.model.pretrained and not any(p.is_meta for p in encoder.parameters()):
+            load_pretrained(encoder, config.model)
+        tokenizer = data_tokenizer(manifest).description if manifest.directory else ""
+        model = model_class()(encoder, spec=spec, classes=list(manifest.classes), tokenizer=tokenizer)
+        log.info(
+            "built %s (%s): %.2f M parameters, %d classes",
+            config.model.name or encoder.config.model_type,
+            type(encoder).__name__,
+            sum(p.numel() for p in model.parameters()) / 1e6,
+            manifest.num_classes,
+        )
+        return model
+
+    # ------------------------------------------------------------------------------------------ batches, loss
+
+    def to_device(self, manifest: Manifest, device: torch.device) -> Callable[[Mapping[str, np.ndarray]], Any]:
+        return EncodedBatcher(LabeledTextSpec.from_manifest(manifest).pad_id, device)
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossOutput:
+        import torch.nn.functional as F
+
+        input_ids, labels = batch
+        logits = model(input_ids)
+        loss = F.cross_entropy(logits.float(), labels)
+        correct = (logits.detach().argmax(dim=1) == labels).sum()
+        return LossOutput(loss=loss, sums={"correct": correct, "samples": torch_count(labels)}, num_samples=len(labels))
+
+    def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``loss_sum`` (float64), ``correct``, ``samples`` and ``confusion`` (``[true, predicted]`` counts)."""
+        import torch
+        import torch.nn.functional as F
+
+        input_ids, labels = batch
+        logits = model(input_ids).float()
+        predicted, num_classes = logits.argmax(dim=1), logits.shape[1]
+        return {
+            "loss_sum": F.cross_entropy(logits, labels, reduction="sum").double(),
+            "correct": (predicted == labels).sum(),
+            "samples": torch_count(labels),
+            "confusion": torch.bincount(labels * num_classes + predicted, minlength=num_classes**2).view(
+                num_classes, num_classes
+            ),
+        }
+
+    def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
+        """``accuracy``; with the evaluation figures also ``loss`` (per sample) and ``macro_f1`` (the mean over
+        classes of each one's F1; a class neither true nor predicted counts as 1)."""
+        found = {"accuracy": mean_of(sums, "correct", "samples")}
+        if "loss_sum" in sums:
+            found["loss"] = mean_of(sums, "loss_sum", "samples")
+        if "confusion" in sums:
+            found["macro_f1"] = macro_f1(sums["confusion"])
+        return found
+
+    def model_files(self, manifest: Manifest) -> dict[str, bytes]:
+        """The files logged beside the MLflow model (a ``torch.export`` program, which carries no tokenizer), so
+        :func:`load_classifier` classifies raw strings with a registered version: :data:`CLASSIFIER_FILE` (the class
+        names and the sample layout) and the data's ``tokenizer.json`` (none for ``byte``)."""
+        spec = LabeledTextSpec.from_manifest(manifest)
+        described = {
+            "classes": list(manifest.classes),
+            **{key: getattr(spec, key) for key in spec.__dataclass_fields__},
+        }
+        files = {CLASSIFIER_FILE: json.dumps(described, sort_keys=True).encode()}
+        if spec.tokenizer == TOKENIZER_FILE:
+            files[TOKENIZER_FILE] = data_tokenizer(manifest).json_text.encode("utf-8")
+        return files
+
+    def example_input(self, manifest: Manifest) -> np.ndarray:
+        spec = LabeledTextSpec.from_manifest(manifest)
+        example = np.full((2, spec.seq_len), spec.pad_id, dtype=np.int64)
+        example[:, 0] = spec.cls_id if spec.cls_id is not None else 0
+        return example
+
+
+PRETRAINED_FIX = (
+    "save the encoder the directory's config.json describes (model.save_pretrained(directory, "
+    "safe_serialization=True)), or set model.new_head: true to re-initialise a classification head of another class "
+    "count"
+)
+
+
+# ------------------------------------------------------------------------------------------------ prep parts
+
+
+class LabelRecorder:
+    """The labels of the documents passing through :meth:`record`, in order, as indices of the distinct labels seen;
+    :meth:`classes` orders them. Memory: 8 bytes a record and the distinct labels (at most :data:`MAX_CLASSES`)."""
+
+    def __init__(self, data: DataConfig) -> None:
+        self.data = data
+        self.distinct: dict[str | int, int] = {}
+        self.ids = array("q")
+
+    def record(self, documents: Iterable[Document]) -> Iterator[Document]:
+        for document in documents:
+            if document.label is None:  # a registered source of this workload that reads no labels
+                invalid("data.dataset", self.data.dataset, f"its record {quote(document.name)} has no label; "
+                        "register a source that yields each document's label")  # fmt: skip
+            index = self.distinct.setdefault(document.label, len(self.distinct))
+            if len(self.distinct) > MAX_CLASSES:
+                invalid(
+                    "data.label_field",
+                    self.data.label_field,
+                    f"{quote(document.name)} brings the distinct labels past {MAX_CLASSES:,}: a label names a "
+                    "class; point data.label_field at the class column",
+                )
+            self.ids.append(index)
+            yield document
+
+    def classes(self) -> tuple[list[str], np.ndarray]:
+        """The class names (sorted: numerically when every label is an integer or a string of one) and each
+        record's class index (int64)."""
+        labels = list(self.distinct)
+        kinds = sorted({type(label).__name__ for label in labels})
+        if len(kinds) > 1:
+            examples = [next(repr(label) for label in labels if type(label).__name__ == kind) for kind in kinds]
+            invalid(
+                "data.label_field",
+                self.data.label_field,
+                f"the records' labels mix {' and '.join(kinds)} ({', '.join(examples)}); give every label as a "
+                "string, or every one as an integer",
+            )
+        if len(labels) < 2:
+            invalid(
+                "data.label_field",
+                self.data.label_field,
+                f"every record under data.path={quote(self.data.path)} has the label {clip(repr(labels[0]))}: a "
+                "classifier needs at least 2 classes",
+            )
+        numeric = all(isinstance(label, int) or _INTEGER.fullmatch(label) for label in labels)
+        order = sorted(labels, key=lambda label: (int(label), str(label)) if numeric else (0, str(label)))
+        remap = np.empty(len(labels), dtype=np.int64)
+        for new, label in enumerate(order):
+            remap[self.distinct[label]] = new
+        return [str(label) for label in order], remap[np.frombuffer(self.ids, dtype=np.int64)]
+
+
+@dataclass(frozen=True)
+class SampleLayout:
+    """How a text's ids become a sample: ``[cls_id] ids [sep_id]`` (each where the tokenizer has one), cut to
+    ``seq_len`` and padded with ``pad_id``."""
+
+    cls_id: int | None
+    sep_id: int | None
+    pad_id: int
+    vocab_size: int
+    """The model's vocabulary: the tokenizer's, plus one when ``pad_id`` was added past it."""
+    seq_len: int
+
+    @classmethod
+    def of(cls, tokenizer: TextTokenizer, seq_len: int) -> SampleLayout:
+        if tokenizer.kind == BYTE:  # its end-of-text token starts a sample; padding is a new id
+            cls_id, sep_id, pad_id = tokenizer.eot_id, None, None
+        else:
+            vocab = tokenizer.backend().get_vocab(with_added_tokens=True)
+            cls_id, sep_id, pad_id = (next((vocab[t] for t in names if t in vocab), None)
+                                      for names in (CLS_TOKENS, SEP_TOKENS, PAD_TOKENS))  # fmt: skip
+        vocab_size = tokenizer.vocab_size + (pad_id is None)
+        layout = cls(cls_id, sep_id, tokenizer.vocab_size if pad_id is None else pad_id, vocab_size, seq_len)
+        if layout.room < 1:
+            invalid("data.seq_len", seq_len, f"a sample holds {seq_len - layout.room} special tokens: raise it")
+        return layout
+
+    @property
+    def room(self) -> int:
+        """Text tokens a sample holds."""
+        return self.seq_len - (self.cls_id is not None) - (self.sep_id is not None)
+
+    def sample(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """Write the sample of ``ids`` (already cut to :attr:`room`) into the padded row ``out``."""
+        at = 0
+        if self.cls_id is not None:
+            out[0], at = self.cls_id, 1
+        out[at : at + len(ids)] = ids
+        if self.sep_id is not None:
+            out[at + len(ids)] = self.sep_id
+
+
+def _shards(
+    spill: TokenSpill, index: np.ndarray, label_ids: np.ndarray, layout: SampleLayout, num_shards: int
+) -> Iterator[dict[str, np.ndarray]]:
+    """The split's samples (records ``index``, in that order) as up to ``num_shards`` shards, each read from the
+    spill file when it is written: one shard's samples in memory at a time."""
+    with open(spill.path, "rb") as f:
+        for part in np.array_split(index, min(num_shards, len(index))):
+            input_ids = np.full((len(part), layout.seq_len), layout.pad_id, dtype=np.int32)
+            for row, document in enumerate(part.tolist()):
+                f.seek(int(spill.offsets[document]) * 4)
+                count = min(int(spill.lengths[document]), layout.room)
+                layout.sample(np.fromfile(f, dtype=np.int32, count=count), input_ids[row])
+            yield {"input_ids": input_ids, "labels": label_ids[part]}
+
+
+def _manifest_template(
+    data: DataConfig,
+    tokenizer: TextTokenizer,
+    layout: SampleLayout,
+    classes: list[str],
+    stats: SourceStats,
+    splits: Mapping[str, np.ndarray],
+    spill: TokenSpill,
+) -> Manifest:
+    spec = {
+        "tokenizer": tokenizer.kind,
+        "tokenizer_sha256": tokenizer.sha256,
+        "vocab_size": layout.vocab_size,
+        "cls_id": layout.cls_id,
+        "sep_id": layout.sep_id,
+        "pad_id": layout.pad_id,
+        "seq_len": data.seq_len,
+        "label_field": data.label_field,
+        "text_bytes": stats.text_bytes,
+        "records": {split: len(index) for split, index in splits.items()},
+        "truncated": {split: int((spill.lengths[index] > layout.room).sum()) for split, index in splits.items()},
+        "path": redact(data.path),
+    }
+    return Manifest(
+        dataset=data.dataset,
+        classes=classes,
+        input_shape=[data.seq_len],
+        mean=[],
+        std=[],
+        splits={},
+        workload=NAME,
+        arrays={
+            "input_ids": ArraySpec("int32", [data.seq_len], max_value=layout.vocab_size - 1),
+            "labels": ArraySpec("int64", [], max_value=len(classes) - 1),
+        },
+        spec=spec,
+    )
+
+
+def _write_text(out_dir: str, name: str, text: str) -> None:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(out_dir)
+    fs.makedirs(root, exist_ok=True)
+    with fs.open(join_path(root, name), "wb") as f:
+        f.write(text.encode("utf-8"))
+
+
+def tokenizer_file(value: str) -> str:
+    """``data.tokenizer`` as a tokenizer to load: a directory (a pretrained model's) stands for its
+    ``tokenizer.json``."""
+    if value == BYTE:
+        return value
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(value)
+        is_dir = fs.isdir(path)
+    except Exception:  # noqa: BLE001 - load_tokenizer names what is wrong with the value
+        return value
+    return join_path(value, TOKENIZER_FILE) if is_dir else value
+
+
+def check_source(data: DataConfig) -> None:
+    """What can fail before a cluster starts for the prep of ``data``: a ``data.path`` without records, a
+    ``data.tokenizer`` that cannot be read."""
+    if not text_files(data.path, LABELED_SUFFIXES)[2]:
+        raise no_text_error(data, SourceStats(), source=f"data.path={quote(data.path)}")
+    load_tokenizer(tokenizer_file(data.tokenizer))
+
+
+# ------------------------------------------------------------------------------------------------- the spec
+
+
+@dataclass(frozen=True)
+class LabeledTextSpec:
+    """What ``manifest.spec`` of prepared labelled text records (:meth:`SequenceClassification.prepare_data`)."""
+
+    tokenizer: str
+    tokenizer_sha256: str
+    vocab_size: int
+    pad_id: int
+    cls_id: int | None
+    sep_id: int | None
+    seq_len: int
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> LabeledTextSpec:
+        """The spec, checked against the manifest's arrays; anything else raises ``ValueError`` naming the key."""
+        where = f"manifest.json in {clip(redact(manifest.directory or '(a description)'), 500)}"
+        raw = {key: manifest.spec.get(key) for key in cls.__dataclass_fields__}
+        ids = manifest.arrays.get("input_ids")
+        checks = {
+            "tokenizer": raw["tokenizer"] in (BYTE, TOKENIZER_FILE),
+            "tokenizer_sha256": isinstance(raw["tokenizer_sha256"], str),
+            "vocab_size": _is_count(raw["vocab_size"]) and ids is not None and ids.max_value == raw["vocab_size"] - 1,
+            "pad_id": _is_count(raw["pad_id"]) and _is_count(raw["vocab_size"]) and raw["pad_id"] < raw["vocab_size"],
+            "cls_id": raw["cls_id"] is None or _is_count(raw["cls_id"]),
+            "sep_id": raw["sep_id"] is None or _is_count(raw["sep_id"]),
+            "seq_len": _is_count(raw["seq_len"]) and manifest.input_shape == [raw["seq_len"]],
+        }
+        for key, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{where}: spec.{key}={quote(raw[key])} is invalid; {RERUN_PREP}")
+        return cls(**raw)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def data_tokenizer(manifest: Manifest) -> TextTokenizer:
+    """The tokenizer the data in ``manifest.directory`` was prepared with: ``byte``, or its ``tokenizer.json``
+    copy, checked against the recorded sha256."""
+    spec = LabeledTextSpec.from_manifest(manifest)
+    if spec.tokenizer == BYTE:
+        return tokenizer_from_description(BYTE, where="data")
+    where = f"{TOKENIZER_FILE} in {clip(redact(manifest.directory), 500)}"
+    try:
+        payload = read_regular_path(join_path(manifest.directory, TOKENIZER_FILE), max_bytes=MAX_TOKENIZER_BYTES)
+    except UnreadableFile as exc:
+        raise ValueError(f"{where} cannot be read: {exc}; {RERUN_PREP}") from None
+    digest = hashlib.sha256(payload).hexdigest()
+    if digest != spec.tokenizer_sha256:
+        raise ValueError(f"{where} is corrupt: sha256 {digest} != manifest {spec.tokenizer_sha256}; {RERUN_PREP}")
+    return tokenizer_from_description(payload.decode("utf-8"), where=where)
+
+
+# ------------------------------------------------------------------------------------------------ the encoder
+
+
+def pretrained_config_json(model: ModelConfig) -> dict[str, Any]:
+    """The ``config.json`` of the Hugging Face directory ``model.pretrained`` (a JSON object with a ``model_type``);
+    a weights file without one needs ``model.name``, and gets ``{}``."""
+    import json
+
+    from training_core.pretrained import fail, locate
+
+    files = locate(model.pretrained)
+    if files.kind != "huggingface":
+        if not model.name:
+            invalid("model.name", model.name, "a state dict brings no architecture: name a BERT size or config class")
+        return {}
+    try:
+        config = json.loads(read_regular(files.fs, files.files[0], max_bytes=MAX_CONFIG_BYTES))
+    except (UnreadableFile, ValueError) as exc:
+        fail(model.pretrained, f"its config.json cannot be read as JSON ({clip(str(exc))}); save it again")
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        fail(model.pretrained, "its config.json has no model_type; save the model with save_pretrained")
+    if model.encoder_config and model.encoder_config != config:
+        invalid("model.encoder_config", model.encoder_config, "it is filled in from model.pretrained: leave it empty")
+    return config
+
+
+def check_pretrained_tokenizer(config: TrainingConfig, spec: LabeledTextSpec) -> None:
+    """The data must be tokenised with the ``tokenizer.json`` beside the pretrained weights, when there is one: other
+    ids would look up other tokens' embeddings."""
+    from training_core.pretrained import locate
+
+    files = locate(config.model.pretrained)
+    if files.kind != "huggingface":
+        return
+    beside = join_path(files.files[0].rsplit("/", 1)[0], TOKENIZER_FILE)
+    try:
+        digest = hashlib.sha256(read_regular(files.fs, beside, max_bytes=MAX_TOKENIZER_BYTES)).hexdigest()
+    except (UnreadableFile, OSError):
+        return  # no tokenizer beside the weights: the vocabulary check decides
+    if digest != spec.tokenizer_sha256:
+        invalid(
+            "data.tokenizer",
+            config.data.tokenizer,
+            f"the data was tokenised with another tokenizer (sha256 {spec.tokenizer_sha256[:12] or 'byte'}) than the "
+            f"tokenizer.json beside model.pretrained={quote(config.model.pretrained)} ({digest[:12]}); set "
+            "data.tokenizer to that directory and prepare the data again",
+        )
+
+
+def build_encoder_config(model: ModelConfig, spec: LabeledTextSpec, classes: Sequence[str]) -> Any:
+    """The ``transformers`` config of the encoder ``model`` names (``model.encoder_config``, a BERT size or a config
+    class), with the data's classes and no dropout. A name that builds no sequence classifier, overrides it cannot
+    take, or a name that disagrees with ``model.encoder_config`` raise ``ValueError`` naming the field."""
+    import transformers
+
+    if model.encoder_config:
+        config = _config_from_json(model)
+    elif model.name in ENCODER_SIZES:
+        size = ENCODER_SIZES[model.name]
+        hidden = model.hidden_size or size.hidden_size
+        config = transformers.BertConfig(
+            vocab_size=spec.vocab_size,
+            hidden_size=hidden,
+            num_hidden_layers=model.num_layers or size.num_layers,
+            num_attention_heads=model.num_heads or size.num_heads,
+            intermediate_size=4 * hidden,
+            max_position_embeddings=model.context_length or size.context_length,
+            pad_token_id=spec.pad_id,
+        )
+    else:
+        config = _config_from_class(model, spec)
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and value > 0 and ("dropout" in key or key.endswith("pdrop")):
+            setattr(config, key, 0.0)
+    config.num_labels = len(classes)
+    config.id2label = dict(enumerate(classes))
+    config.label2id = {name: index for index, name in enumerate(classes)}
+    config.problem_type = "single_label_classification"
+    return config
+
+
+def _config_from_json(model: ModelConfig) -> Any:
+    """The config of ``model.encoder_config``; ``model.name`` and the overrides, when given, must agree with it."""
+    from transformers import AutoConfig
+
+    raw = dict(model.encoder_config)
+    try:
+        config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    except Exception as exc:  # noqa: BLE001 - transformers raises various types for a config it cannot read
+        invalid("model.encoder_config", model.encoder_config, f"transformers cannot read it ({clip(str(exc))})")
+    expected = {attribute: getattr(model, field_name) for field_name, attribute in _OVERRIDES}
+    if model.name in ENCODER_SIZES:
+        size = ENCODER_SIZES[model.name]
+        sized = (size.num_layers, size.hidden_size, size.num_heads)
+        expected.update(
+            {a: expected[a] or s for a, s in zip(("num_hidden_layers", "hidden_size", "num_attention_heads"), sized)}
+        )
+    elif model.name and type(config).__name__ != model.name:
+        invalid("model.name", model.name, f"model.pretrained is a {type(config).__name__}: leave model.name empty")
+    differ = [
+        f"{a}={v} vs {getattr(config, a, None)}" for a, v in expected.items() if v and getattr(config, a, None) != v
+    ]
+    if differ:
+        invalid("model.name", model.name, f"it disagrees with model.pretrained's config.json ({', '.join(differ)}); "
+                "leave model.name empty and the model.* sizes at 0 to take the pretrained architecture")  # fmt: skip
+    return config
+
+
+def _config_from_class(model: ModelConfig, spec: LabeledTextSpec) -> Any:
+    """The ``transformers`` config class ``model.name``, with the data's vocabulary and the ``model.*`` overrides."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
+    found = getattr(transformers, model.name, None) if model.name.isidentifier() else None
+    if not (isinstance(found, type) and found in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING):
+        invalid(
+            "model.name",
+            model.name,
+            f"transformers {transformers.__version__} has no sequence-classification model of that config class; "
+            f"use {', '.join(ENCODER_SIZES)} or a config class such as BertConfig, RobertaConfig, DistilBertConfig",
+        )
+    kwargs: dict[str, Any] = {"vocab_size": spec.vocab_size, "pad_token_id": spec.pad_id}
+    defaults = found()
+    for field_name, attribute in _OVERRIDES:
+        value = getattr(model, field_name)
+        if value and not isinstance(getattr(defaults, attribute, None), int):
+            invalid(f"model.{field_name}", value, f"{model.name} has no {attribute}; leave model.{field_name} at 0")
+        if value:
+            kwargs[attribute] = value
+    try:
+        return found(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - transformers validates configs with various exception types
+        invalid("model.name", model.name, f"{type(exc).__name__}: {clip(str(exc))}; fix the model.* overrides")
+
+
+def _check_fits(config: TrainingConfig, encoder_config: Any, spec: LabeledTextSpec) -> None:
+    """The data's ids index the encoder's embedding, and its samples fit the encoder's positions."""
+    vocab = getattr(encoder_config, "vocab_size", None)
+    if not isinstance(vocab, int) or spec.vocab_size > vocab:
+        invalid(
+            "data.tokenizer",
+            config.data.tokenizer,
+            f"its ids run to {spec.vocab_size - 1} (padding included), past the encoder's vocabulary of {vocab}: "
+            "tokenise with the model's own tokenizer (model.pretrained's tokenizer.json) and prepare the data again",
+        )
+    pad = getattr(encoder_config, "pad_token_id", None)
+    if config.model.pretrained and pad is not None and pad != spec.pad_id:
+        invalid(
+            "data.tokenizer",
+            config.data.tokenizer,
+            f"its padding id {spec.pad_id} is not model.pretrained's pad_token_id {pad}: tokenise with the model's "
+            "own tokenizer and prepare the data again",
+        )
+    positions = getattr(encoder_config, "max_position_embeddings", None)
+    if isinstance(positions, int) and spec.seq_len > positions:
+        invalid(
+            "data.seq_len",
+            spec.seq_len,
+            f"the encoder has {positions} positions; lower data.seq_len to at most {positions} and prepare again",
+        )
+
+
+def new_encoder(config: TrainingConfig, manifest: Manifest) -> nn.Module:
+    """The ``transformers`` sequence classifier the config names for ``manifest``'s data, randomly initialised (from
+    the global torch RNG: seed it first); on the meta device under ``torch.device('meta')``."""
+    from transformers import AutoModelForSequenceClassification
+
+    spec = LabeledTextSpec.from_manifest(manifest)
+    model_cfg = config.model
+    if model_cfg.pretrained and not model_cfg.encoder_config:  # built without check(): read the architecture here
+        import dataclasses
+
+        model_cfg = dataclasses.replace(model_cfg, encoder_config=pretrained_config_json(model_cfg))
+    encoder_config = build_encoder_config(model_cfg, spec, manifest.classes)
+    try:
+        return AutoModelForSequenceClassification.from_config(encoder_config)
+    except Exception as exc:  # noqa: BLE001 - transformers raises various types for a config it cannot build
+        invalid("model.name", config.model.name, f"transformers cannot build it ({type(exc).__name__}: "
+                f"{clip(str(exc))}); fix the model.* overrides or model.encoder_config")  # fmt: skip
+
+
+def fit_weights(encoder: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
+    """``state_dict`` as ``encoder`` names its tensors: a backbone saved alone gets the encoder's prefix (``bert.``),
+    tensors outside the backbone that the encoder lacks (a pretraining head: ``cls.predictions.*``) are left out,
+    and a classification head or a pooler the weights lack entirely (a masked-LM checkpoint has neither) is taken
+    from ``encoder`` as it was initialised. Returns the state and a note of what was adapted ("" when nothing was)."""
+    prefix = f"{encoder.base_model_prefix}."
+    own = encoder.state_dict()
+    state = dict(state_dict)
+    if any(key.startswith(prefix) for key in own) and not any(key.startswith(prefix) for key in state):
+        state = {f"{prefix}{key}": value for key, value in state.items()}
+    dropped = sorted(key for key in state if not key.startswith(prefix) and key not in own)
+    for key in dropped:
+        del state[key]
+    notes = [f"left out {len(dropped)} tensors of another head ({', '.join(dropped[:5])})"] if dropped else []
+    parts = {
+        "classification head": [key for key in own if not key.startswith(prefix)],
+        "pooler": [key for key in own if key.startswith(f"{prefix}pooler.")],
+    }
+    for part, keys in parts.items():
+        if keys and not any(key in state for key in keys):
+            state.update({key: own[key] for key in keys})
+            notes.append(f"the {part} ({', '.join(keys[:5])}) is new, initialised here")
+    return state, "; ".join(notes)
+
+
+def load_pretrained(encoder: nn.Module, model: ModelConfig) -> None:
+    """Copy ``model.pretrained``'s weights (checked against ``model.pretrained_sha256``) into ``encoder``."""
+    from training_core.pretrained import PretrainedWeights, load_into, read_pretrained
+
+    weights = read_pretrained(model.pretrained, expected_sha256=model.pretrained_sha256)
+    state, note = fit_weights(encoder, weights.state_dict)
+    if note:
+        log.warning("model.pretrained: %s", note)
+    fitted = PretrainedWeights(source=weights.source, kind=weights.kind, sha256=weights.sha256, state_dict=state)
+    load_into(encoder, fitted, new_head=model.new_head, model_name=model.name)
+
+
+# ----------------------------------------------------------------------------------------------- batches
+
+
+class EncodedBatcher:
+    """Stored samples -> (input_ids [N, T] int64, labels [N] int64) on the device, cut after the batch's last
+    column that is not padding (so a batch of short texts costs short sequences)."""
+
+    def __init__(self, pad_id: int, device: torch.device) -> None:
+        self.pad_id, self.device = pad_id, device
+
+    def __call__(self, batch: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = batch["input_ids"]
+        used = np.flatnonzero((ids != self.pad_id).any(axis=0))
+        width = int(used[-1]) + 1 if len(used) else 1
+        input_ids = to_device_async(np.ascontiguousarray(ids[:, :width]), self.device).long()
+        return input_ids, to_device_async(batch["labels"], self.device)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+def encoded_texts(tokenizer: TextTokenizer, layout: SampleLayout, texts: Sequence[str]) -> np.ndarray:
+    """``texts`` as the model's input: samples of ``layout`` (int64, ``[len(texts), seq_len]``)."""
+    rows = np.full((len(texts), layout.seq_len), layout.pad_id, dtype=np.int64)
+    for row, ids in zip(rows, tokenizer.encode_batch(list(texts))):
+        layout.sample(ids[: layout.room], row)
+    return rows
+
+
+@dataclass
+class RegisteredClassifier:
+    """A registered version: its ``torch.export`` program with the tokenizer and classes logged beside it."""
+
+    program: Any
+    tokenizer: TextTokenizer
+    layout: SampleLayout
+    classes: list[str]
+
+    def classify(self, texts: Sequence[str]) -> list[str]:
+        """The predicted class name of each text (cut to the sequence length the model was trained on)."""
+        import torch
+
+        with torch.no_grad():
+            logits = self.program(torch.from_numpy(encoded_texts(self.tokenizer, self.layout, texts)))
+        return [self.classes[index] for index in logits.argmax(dim=1).tolist()]
+
+
+def load_classifier(model_uri: str) -> RegisteredClassifier:
+    """The model at ``model_uri`` (``models:/<name>@champion``, ``runs:/...``), downloaded with its
+    :data:`CLASSIFIER_FILE` and tokenizer, ready to :meth:`~RegisteredClassifier.classify` raw strings."""
+    import mlflow
+
+    local = mlflow.artifacts.download_artifacts(artifact_uri=model_uri)
+    files = os.path.join(local, "extra_files")
+    if not os.path.isfile(os.path.join(files, CLASSIFIER_FILE)):
+        raise ValueError(
+            f"model {quote(model_uri)} has no {CLASSIFIER_FILE} beside it: it was not logged by the "
+            f"{NAME} workload (or by an older version); register a model trained by it"
+        )
+    with open(os.path.join(files, CLASSIFIER_FILE), encoding="utf-8") as f:
+        described = json.load(f)
+    layout = SampleLayout(described["cls_id"], described["sep_id"], described["pad_id"], described["vocab_size"],
+                          described["seq_len"])  # fmt: skip
+    if described["tokenizer"] == BYTE:
+        tokenizer = tokenizer_from_description(BYTE, where=model_uri)
+    else:
+        with open(os.path.join(files, TOKENIZER_FILE), encoding="utf-8") as f:
+            tokenizer = tokenizer_from_description(f.read(), where=f"{TOKENIZER_FILE} of {quote(model_uri)}")
+    return RegisteredClassifier(mlflow.pytorch.load_model(local), tokenizer, layout, described["classes"])
+
+
+def _define_model_class() -> type:
+    """:class:`SequenceClassifierModel`, defined here so importing this module does not import torch."""
+    import torch
+    from torch import nn
+
+    class SequenceClassifierModel(nn.Module):
+        """A ``transformers`` sequence classifier as the loop trains it: ``forward(input_ids [N, T] int64) -> logits
+        [N, classes]``, attending to every position that is not padding. Carries its class names, sample layout and
+        tokenizer (the ``tokenizer.json`` text or ``byte``; empty when rebuilt without the data), so a pickled
+        model (MLflow's) classifies raw strings on its own. Its state dict is the encoder's under ``encoder.``."""
+
+        def __init__(self, encoder: nn.Module, *, spec: LabeledTextSpec, classes: list[str], tokenizer: str) -> None:
+            super().__init__()
+            self.encoder = encoder
+            self.layout = SampleLayout(spec.cls_id, spec.sep_id, spec.pad_id, spec.vocab_size, spec.seq_len)
+            self.classes = classes
+            self.tokenizer = tokenizer
+            self._text_tokenizer: TextTokenizer | None = None
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.encoder(input_ids=input_ids, attention_mask=(input_ids != self.layout.pad_id).long()).logits
+
+        @torch.no_grad()
+        def classify(self, texts: Sequence[str]) -> list[str]:
+            """The predicted class name of each text (cut to the sequence length the model was trained on)."""
+            if not self.tokenizer:
+                raise ValueError(
+                    "this model was built without its tokenizer (from a checkpoint's description, with no data "
+                    "directory); build it with the prepared data's manifest to classify text"
+                )
+            if self._text_tokenizer is None:
+                self._text_tokenizer = tokenizer_from_description(self.tokenizer, where="the model's tokenizer")
+            rows = encoded_texts(self._text_tokenizer, self.layout, texts)
+            was_training = self.training
+            self.eval()
+            try:
+                logits = self(torch.from_numpy(rows).to(next(self.parameters()).device))
+            finally:
+                self.train(was_training)
+            return [self.classes[index] for index in logits.argmax(dim=1).tolist()]
+
+        def __getstate__(self) -> dict[str, Any]:
+            state = super().__getstate__().copy()
+            state["_text_tokenizer"] = None  # rebuilt from ``tokenizer`` on first use
+            return state
+
+    SequenceClassifierModel.__qualname__ = "SequenceClassifierModel"
+    return SequenceClassifierModel
+
+
+_DEFINE_LOCK = threading.Lock()
+
+
+def model_class() -> type:
+    """:class:`SequenceClassifierModel`: defined once, on first use, then a module global."""
+    with _DEFINE_LOCK:
+        found = globals().get("SequenceClassifierModel")
+        if found is None:
+            globals()["SequenceClassifierModel"] = found = _define_model_class()
+    return found
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: created on first access and kept as a module global, so pickle finds it by module and name.
+    if name == "SequenceClassifierModel":
+        return model_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
