@@ -421,7 +421,9 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--version", default=None, help="launch plan version (default: the latest registered)")
     start.add_argument("--wait", action="store_true", help="follow it to the end and print its typed outputs")
 
-    follow = commands.add_parser("wait", parents=[waiting], help="follow an execution to the end and print its outputs")
+    follow = commands.add_parser(
+        "wait", aliases=["watch"], parents=[waiting], help="follow an execution to the end and print its outputs"
+    )
     follow.add_argument("execution")
 
     for verb in ("activate", "deactivate"):

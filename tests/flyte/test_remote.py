@@ -322,8 +322,9 @@ def _refused_endpoint() -> str:
         ["register", "{package}"],
         ["launch", "training_pipeline", "--config", "{config}"],
         ["activate", "nightly_training"],
+        ["watch", "f3a9c2e1b0"],
     ],
-    ids=["register", "launch", "activate"],
+    ids=["register", "launch", "activate", "watch"],
 )
 def test_cli_reads_the_endpoint_from_flytekit_config_and_says_clearly_when_flyteadmin_is_unreachable(
     command, fast_package, tmp_path, subprocess_env
