@@ -129,7 +129,8 @@ def test_a_rayjob_pods_hook_puts_the_daemons_that_ray_start_started_under_sched_
     assert hook.returncode == 0
     head = subprocess.Popen(
         ["ray", "start", "--head", "--block", "--num-cpus=1", "--include-dashboard=false", "--port=0"],
-        env=env,
+        # Stopped at once at the end: `ray start --block` would drain its node for 30 s on SIGTERM (tests/conftest.py).
+        env={**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

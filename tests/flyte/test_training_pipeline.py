@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from tests.conftest import VENV_BIN
 from tests.helpers.pyflyte import flat, pyflyte_run, squashed
 
 MODEL_NAME = "digits-classifier"
@@ -161,7 +165,7 @@ def _cifar_lookalike(path: Path) -> None:
     path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
 
 
-@pytest.mark.parametrize(
+BAD_INPUTS = pytest.mark.parametrize(
     ("config", "expected"),
     [
         ('{"model": {"name": "resnet9000"}}', "model.name='resnet9000' is invalid: choose one of small_cnn, resnet18"),
@@ -212,14 +216,42 @@ def _cifar_lookalike(path: Path) -> None:
         "lm-parquet-column-missing",
     ],
 )
-def test_bad_input_fails_before_any_ray_worker_starts(config, expected, tmp_path, subprocess_env, request):
-    _cifar_lookalike(tmp_path / "cifar-10-python.tar.gz")
-    pd.DataFrame({"body": ["some text " * 40] * 8}).to_parquet(tmp_path / "corpus.parquet")
-    subprocess_env.pop("RAY_ADDRESS", None)
-    subprocess_env["COLUMNS"] = "400"
-    result = pyflyte_run(
-        "--config", config.replace("{tmp}", str(tmp_path)), cwd=tmp_path, env=subprocess_env, timeout_s=300
-    )
+BAD_INPUT_TEST = "test_bad_input_fails_before_any_ray_worker_starts"
+CONCURRENT_BAD_INPUT_RUNS = 3
+"""Each bad-input run fails within seconds, most of them pyflyte's start-up (imports, one core each): the selected
+cases run this many at a time, started by the first case's test, so the 2 cores overlap them."""
+
+
+def _bad_input_run(config: str, workdir: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """``pyflyte run`` with one bad ``--config`` in ``workdir`` (holding a CIFAR look-alike and a Parquet corpus),
+    with no Ray cluster to attach to."""
+    _cifar_lookalike(workdir / "cifar-10-python.tar.gz")
+    pd.DataFrame({"body": ["some text " * 40] * 8}).to_parquet(workdir / "corpus.parquet")
+    (workdir / "home").mkdir()
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env.update(HOME=str(workdir / "home"), PYTHONUNBUFFERED="1", COLUMNS="400")
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    return workdir, pyflyte_run("--config", config.replace("{tmp}", str(workdir)), cwd=workdir, env=env, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(request, tmp_path_factory):
+    """The bad-input runs of the cases this session selected, by case id: futures of (workdir, completed process)."""
+    cases = {
+        item.callspec.id: (item.callspec.params["config"], tmp_path_factory.mktemp(f"bad-{item.callspec.id}"))
+        for item in request.session.items
+        if item.module is request.module and item.originalname == BAD_INPUT_TEST
+    }
+    with ThreadPoolExecutor(max_workers=CONCURRENT_BAD_INPUT_RUNS) as pool:
+        runs = {case: pool.submit(_bad_input_run, config, workdir) for case, (config, workdir) in cases.items()}
+        yield runs
+        for run in runs.values():
+            run.cancel()
+
+
+@BAD_INPUTS
+def test_bad_input_fails_before_any_ray_worker_starts(config, expected, bad_input_runs, request):
+    tmp_path, result = bad_input_runs[request.node.callspec.id].result()
     output = flat(result.stdout + result.stderr)
     assert result.returncode != 0
     assert squashed(expected.replace("{tmp}", str(tmp_path))) in squashed(output)
