@@ -303,3 +303,17 @@ def test_a_fifo_in_place_of_the_prepared_tokenizer_json_is_refused_without_block
     os.mkfifo(tmp_path / "out" / "tokenizer.json")
     found = error(read_tokenizer, manifest)
     assert "tokenizer.json in " in found and "is a FIFO, not a regular file" in found and "re-run data prep" in found
+
+
+def test_a_parquet_file_without_the_text_column_fails_the_source_check_before_any_prep(tmp_path):
+    import pandas as pd
+
+    (tmp_path / "corpus").mkdir()
+    pd.DataFrame({"text": ["a document " * 20] * 4}).to_parquet(tmp_path / "corpus" / "a.parquet")
+    pd.DataFrame({"body": ["another one " * 20] * 4}).to_parquet(tmp_path / "corpus" / "b.parquet")
+    data = DataConfig(dataset="text", path=str(tmp_path / "corpus"))
+    with pytest.raises(
+        ValueError, match=r"data.text_field='text' is invalid: Parquet file 'b.parquet' .* \(it has body\)"
+    ):
+        text.check_text_source(data)
+    text.check_text_source(DataConfig(dataset="text", path=str(tmp_path / "corpus" / "a.parquet")))

@@ -304,12 +304,22 @@ def check_text_source(data: DataConfig) -> None:
     if data.dataset not in dataset_names("causal_lm"):
         raise _text_dataset_error(data)
     if data.dataset == "text":
-        files = text_files(data.path)[2]
+        fs, root, files = text_files(data.path)
         if not files:
             raise no_text_error(data, SourceStats(), source=f"data.path={quote(data.path)}")
         if all(file.endswith(".txt") for file in files):  # a document a file: fewer than 3 cannot be split
             split_documents(np.ones(len(files)), data, source=f"data.path={quote(data.path)}")
+        # A Parquet file's columns are in its footer: a missing or mistyped text column fails here, not in a task.
+        for file in [file for file in files if file.endswith(".parquet")][:PARQUET_FILES_CHECKED]:
+            name = display_name(file[len(root) :].lstrip("/") or os.path.basename(file))
+            with _open_source(fs, file, name, data.path) as f:
+                _parquet_column(_parquet_file(f, name, data.path), "text", data.text_field, name, data.path)
     load_tokenizer(data.tokenizer)
+
+
+PARQUET_FILES_CHECKED = 16
+"""Parquet files whose columns :func:`check_text_source` reads before a prep starts (a footer each; the rest are
+checked as the prep reads them)."""
 
 
 def _text_dataset_error(data: DataConfig, workload: str = "causal_lm") -> ValueError:
@@ -684,17 +694,10 @@ def _parquet_documents(
 ) -> Iterator[Document]:
     import pyarrow as pa
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     cap = MAX_TEXT_DOCUMENT_BYTES
     with _open_source(fs, file, name, path) as f:
-        try:
-            parquet = pq.ParquetFile(f)
-        except (pa.ArrowException, OSError) as exc:
-            raise ValueError(
-                f"data.path={quote(path)} is invalid: {quote(name)} is not a Parquet file ({clip(str(exc))}); "
-                "remove it or rewrite it"
-            ) from None
+        parquet = _parquet_file(f, name, path)
         columns = [_parquet_column(parquet, "text", fields.text, name, path)]
         if fields.label:
             columns.append(_parquet_column(parquet, "label", fields.label, name, path))
@@ -725,6 +728,21 @@ def _parquet_documents(
                 else:
                     yield Document(f"{name}:{row}", text)
                 row += 1
+
+
+def _parquet_file(f: Any, name: str, path: str) -> Any:
+    """The open file ``f`` (``name`` under ``data.path``) as a ``pyarrow.parquet.ParquetFile`` (its footer read),
+    else ``ValueError`` naming ``data.path`` and the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(f)
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(
+            f"data.path={quote(path)} is invalid: {quote(name)} is not a Parquet file ({clip(str(exc))}); "
+            "remove it or rewrite it"
+        ) from None
 
 
 def _parquet_column(parquet: Any, role: str, column: str, name: str, path: str) -> str:
