@@ -15,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from flyteidl.core import errors_pb2, literals_pb2
 
 from tests.conftest import REPO_ROOT, VENV_BIN, session_train_workers
@@ -162,6 +163,19 @@ def test_a_failed_attempt_is_retried_and_the_retry_resumes_from_its_latest_check
         "attempt 2 must resume from attempt 1's latest step, not step 0"
     )
     assert "retry: resuming in" in log
+    # Goodput over the whole execution: both Flyte attempts, each one's categories adding up to its workers x wall.
+    from training_core.telemetry.goodput import ExecutionGoodput
+
+    execution = ExecutionGoodput.from_summary(meta.telemetry["goodput"])
+    assert trained.goodput.attempts == len(execution.attempts) == 2
+    assert trained.goodput.goodput == pytest.approx(execution.goodput) and 0 < execution.goodput < 1
+    for attempt in execution.attempts:
+        assert 0.98 <= attempt.attributed_fraction <= 1.02, attempt
+    # Attempt 1 was killed: its time past the checkpoint attempt 2 resumed from is settled (kept up to its last
+    # recorded step, then start-up) or recomputed, never lost; attempt 2 starts up again.
+    first_attempt, second_attempt = execution.attempts
+    assert first_attempt.outcome == "failed" and second_attempt.seconds.startup > 0
+    assert first_attempt.seconds.startup + first_attempt.seconds.recomputed > 0
 
 
 def test_a_prep_attempt_killed_half_way_is_retried_into_its_directory_and_writes_only_the_missing_shards(
