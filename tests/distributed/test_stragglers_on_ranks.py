@@ -13,12 +13,12 @@ from training_core.telemetry.goodput import ExecutionGoodput
 LOG_INTERVAL_STEPS, STRAGGLER_WINDOWS = 2, 3
 
 
-def _config() -> TrainingConfig:
+def _config(**loop: int) -> TrainingConfig:
     return TrainingConfig.from_dict(
         {
             "model": {"name": "small_cnn"},
             "workload": {"model_factory": "tests.helpers.slow_rank:build"},
-            "loop": {"epochs": 1, "batch_size": 16, "max_steps": 16, "log_interval_steps": LOG_INTERVAL_STEPS},
+            "loop": {"epochs": 1, "batch_size": 16, "max_steps": 16, "log_interval_steps": LOG_INTERVAL_STEPS, **loop},
             "checkpoint": {"interval_steps": 8},
             "scaling": {"num_workers": 2, "torch_threads_per_worker": 1},
             "observability": {"straggler_threshold": 0.2, "straggler_windows": STRAGGLER_WINDOWS},
@@ -26,10 +26,10 @@ def _config() -> TrainingConfig:
     )
 
 
-def _run(tmp_path, digits_dir) -> tuple[ckpt.CheckpointMeta, float]:
+def _run(tmp_path, digits_dir, **loop: int) -> tuple[ckpt.CheckpointMeta, float]:
     started = time.time()
     result = launch(
-        _config(),
+        _config(**loop),
         data_dir=digits_dir,
         checkpoint_dir=str(tmp_path / "final"),
         run_name="stragglers",
@@ -66,3 +66,14 @@ def test_a_rank_slowed_in_its_forward_is_flagged_as_compute_bound_within_the_con
     assert 0.8 <= attempt.seconds.total_s / (2 * wall_s) <= 1.02
     assert attempt.seconds.productive > 0 and attempt.seconds.communication > 0 and attempt.seconds.checkpoint > 0
     assert attempt.seconds.evaluation > 0 and attempt.seconds.startup > 0
+
+
+def test_a_healthy_run_flags_no_rank_over_200_windows(digits_dir, tmp_path, monkeypatch, capfd):
+    monkeypatch.delenv(SLOW_RANK_ENV, raising=False)
+    # One window a step, over epochs of 39 steps (validation and checkpoints between them): 200 windows in seconds.
+    meta, _ = _run(tmp_path, digits_dir, epochs=6, max_steps=200, log_interval_steps=1)
+
+    assert meta.global_step == 200
+    ranks = {r["rank"]: r for r in meta.telemetry["ranks"]}
+    assert [ranks[rank]["flagged_windows"] for rank in (0, 1)] == [0, 0], ranks
+    assert "is a straggler" not in capfd.readouterr().err
