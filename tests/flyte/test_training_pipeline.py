@@ -34,7 +34,7 @@ def default_run(ray_address, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_default_run_reaches_95_percent_and_registers_a_loadable_champion(default_run):
+def test_default_run_reaches_95_percent_and_registers_a_loadable_champion(default_run, session_root):
     import mlflow
     import torch
 
@@ -47,6 +47,17 @@ def test_default_run_reaches_95_percent_and_registers_a_loadable_champion(defaul
     goodput_line = re.search(r"^goodput\s*: ([0-9.]+)% of the worker-seconds productive over 1 attempt", output, re.M)
     goodput = float(goodput_line.group(1))
     assert 0 < goodput < 100
+    # Its categories add up to the workers x wall time of the run's one attempt, as the final checkpoint records it.
+    from training_core import checkpoint as ckpt
+    from training_core.config import TrainingConfig
+    from training_core.telemetry.goodput import ExecutionGoodput
+
+    final_step = ckpt.step_name(TrainingConfig().loop.epochs * 19)  # 19 steps an epoch on 2 workers
+    finals = [p for p in session_root.rglob(final_step) if (p / ckpt.MANIFEST_FILE).exists()]
+    executions = [ExecutionGoodput.from_summary(ckpt.load_meta(str(p)).telemetry["goodput"]) for p in finals]
+    assert any(e.goodput * 100 == pytest.approx(goodput, abs=0.1) for e in executions), (goodput, executions)
+    for execution in executions:
+        assert len(execution.attempts) == 1 and 0.98 <= execution.attributed_fraction <= 1.02, execution
     assert accuracy >= 0.95
     assert re.search(rf"registered model : {MODEL_NAME} version 1 \(alias 'champion' -> v1\)", output)
     tracking_uri = f"sqlite:///{workdir / 'mlflow.db'}"
