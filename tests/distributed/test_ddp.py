@@ -15,7 +15,8 @@ from training_core.data import Manifest, ShardStream
 from training_core.models import build_model
 from training_core.train.loop import train_step
 from training_core.train.optim import build_optimizer
-from training_core.workloads.image import Normalizer, classification_loss
+from training_core.workloads.image import Normalizer
+from training_core.workloads.protocol import classification_loss
 
 NUM_STEPS = 3
 MICRO_BATCH = 8

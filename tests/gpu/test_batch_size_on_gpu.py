@@ -12,7 +12,7 @@ from training_core.config import OptimizerConfig
 from training_core.models import build_model
 from training_core.train import batch_size
 from training_core.train.optim import build_optimizer
-from training_core.workloads.image import classification_loss
+from training_core.workloads.protocol import classification_loss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU on this machine")
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from training_core.parallel import sharding
 from training_core.train.loop import train_step
-from training_core.workloads.image import classification_loss
+from training_core.workloads.protocol import classification_loss
 
 DEVICES = [
     "cpu",

@@ -10,7 +10,7 @@ from training_core.models import build_model
 from training_core.records import EpochRecord
 from training_core.train.loop import train_step
 from training_core.train.optim import build_optimizer, build_scheduler
-from training_core.workloads.image import classification_loss
+from training_core.workloads.protocol import classification_loss
 
 
 def trained_objects(seed: int):

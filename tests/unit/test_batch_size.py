@@ -11,7 +11,7 @@ from tests.helpers.memory import RSS_BASE
 from training_core.config import TrainingConfig
 from training_core.models import build_model
 from training_core.train import batch_size
-from training_core.workloads.image import classification_loss
+from training_core.workloads.protocol import classification_loss
 
 
 def test_the_plan_is_the_largest_divisor_of_the_workers_share_that_fits():

@@ -64,7 +64,7 @@ def train_step(
     """One optimizer step over equally sized micro-batches, equal to one step on their concatenation.
 
     ``loss_fn`` is the workload's :meth:`~training_core.workloads.Workload.loss` (image classification's is
-    :func:`~training_core.workloads.image.classification_loss`).
+    :func:`~training_core.workloads.protocol.classification_loss`).
 
     Gradients of the micro-batches are accumulated (each loss scaled by ``1/len(micro_batches)``); a DDP
     model all-reduces, an FSDP model reduce-scatters, only on the last one. ``max_grad_norm <= 0`` disables

@@ -27,7 +27,6 @@ import hashlib
 import logging
 import math
 import os
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Callable, Mapping, NoReturn, Sequence
 
@@ -63,7 +62,7 @@ from training_core.redact import redact
 from training_core.registry import LM_SIZES as GPT2_SIZES
 from training_core.schema import Rule, SchemaError, check, is_int
 from training_core.workloads.image import user_model
-from training_core.workloads.protocol import LossOutput, mean_of, to_device_async
+from training_core.workloads.protocol import LossOutput, defined_once, mean_of, to_device_async
 from training_core.workloads.user_code import call_with_params, factory_params, load_attribute, takes_params
 
 if TYPE_CHECKING:
@@ -715,16 +714,9 @@ def _generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int) ->
     return torch.cat([input_ids, generated, padding], dim=1)
 
 
-_DEFINE_LOCK = threading.Lock()
-
-
 def model_class() -> type:
     """:class:`CausalLMModel`: defined once, on first use, then a module global."""
-    with _DEFINE_LOCK:
-        found = globals().get("CausalLMModel")
-        if found is None:
-            globals()["CausalLMModel"] = found = _define_model_class()
-    return found
+    return defined_once(globals(), "CausalLMModel", _define_model_class)
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,7 @@ from training_core.config import DataConfig, TrainingConfig, WorkloadConfig
 from training_core.data.prepared import ArraySpec, Manifest, split_samples, write_prepared
 from training_core.messages import clip, invalid, quote
 from training_core.registry import DATASET_SOURCES
-from training_core.workloads.protocol import LossOutput, mean_of, to_device_async
+from training_core.workloads.protocol import LossOutput, classification_loss, mean_of, sample_count, to_device_async
 from training_core.workloads.user_code import call_with_params, factory_params, load_optional
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ class ImageClassification:
             "loss_sum": F.cross_entropy(logits, targets, reduction="sum").double(),
             "correct": (top[:, 0] == targets).sum(),
             "correct_top5": (top == targets[:, None]).any(dim=1).sum(),
-            "samples": torch_count(targets),
+            "samples": sample_count(targets),
             "confusion": torch.bincount(targets * num_classes + top[:, 0], minlength=num_classes * num_classes).view(
                 num_classes, num_classes
             ),
@@ -208,24 +208,6 @@ class ImageClassification:
 
     def example_input(self, manifest: Manifest) -> np.ndarray:
         return np.zeros((2, *manifest.input_shape), dtype=np.float32)
-
-
-def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossOutput:
-    """Cross-entropy of ``model(inputs)`` against ``targets``, with the correct and sample counts."""
-    import torch.nn.functional as F
-
-    inputs, targets = batch
-    logits = model(inputs)
-    loss = F.cross_entropy(logits, targets)
-    correct = (logits.detach().argmax(dim=1) == targets).sum()
-    return LossOutput(loss=loss, sums={"correct": correct, "samples": torch_count(targets)}, num_samples=len(targets))
-
-
-def torch_count(values: torch.Tensor) -> torch.Tensor:
-    """How many ``values`` there are, as a 0-dim tensor on their device (a sum the loop adds without a sync)."""
-    import torch
-
-    return torch.tensor(values.shape[0], device=values.device)
 
 
 def user_model(config: TrainingConfig, manifest: Manifest, factory: Callable[..., Any]) -> nn.Module:

@@ -4,6 +4,7 @@ object implements the protocol (:func:`check_workload`), and small helpers the b
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
 
@@ -123,3 +124,62 @@ def mean_of(sums: Mapping[str, Any], numerator: str, denominator: str) -> float:
     if numerator not in sums or denominator not in sums or not float(sums[denominator]):
         return math.nan
     return float(sums[numerator]) / float(sums[denominator])
+
+
+def sample_count(values: torch.Tensor) -> torch.Tensor:
+    """How many ``values`` there are, as a 0-dim tensor on their device (a sum the loop adds without a sync)."""
+    import torch
+
+    return torch.tensor(values.shape[0], device=values.device)
+
+
+def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossOutput:
+    """Cross-entropy of ``model(inputs)`` against ``targets``, with the correct and sample counts."""
+    import torch.nn.functional as F
+
+    inputs, targets = batch
+    logits = model(inputs)
+    loss = F.cross_entropy(logits, targets)
+    correct = (logits.detach().argmax(dim=1) == targets).sum()
+    return LossOutput(loss=loss, sums={"correct": correct, "samples": sample_count(targets)}, num_samples=len(targets))
+
+
+def classification_sums(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The evaluation sums of a classifier's ``logits`` for ``labels``: ``loss_sum`` (cross-entropy), ``correct``,
+    ``samples`` and ``confusion`` (``[true][predicted]`` counts)."""
+    import torch
+    import torch.nn.functional as F
+
+    logits = logits.float()
+    predicted, num_classes = logits.argmax(dim=1), logits.shape[1]
+    pairs = torch.bincount(labels * num_classes + predicted, minlength=num_classes**2)
+    return {
+        "loss_sum": F.cross_entropy(logits, labels, reduction="sum").double(),
+        "correct": (predicted == labels).sum(),
+        "samples": sample_count(labels),
+        "confusion": pairs.view(num_classes, num_classes),
+    }
+
+
+def macro_f1(confusion: Any) -> float:
+    """The mean over classes of ``2 * tp / (2 * tp + fp + fn)`` of a confusion matrix (rows true, columns
+    predicted); a class neither true nor predicted counts as 1."""
+    import numpy as np
+
+    counts = np.asarray(confusion, dtype=np.float64)
+    denominators = counts.sum(axis=0) + counts.sum(axis=1)
+    scores = np.where(denominators > 0, 2 * counts.diagonal() / np.maximum(denominators, 1), 1.0)
+    return float(scores.mean()) if scores.size else math.nan
+
+
+_DEFINE_LOCK = threading.Lock()
+
+
+def defined_once(namespace: dict[str, Any], name: str, define: Callable[[], type]) -> type:
+    """``namespace[name]``, made by ``define()`` on first use: a class defined lazily (its base comes from a heavy
+    import) and then kept as a module global, so pickle finds it by module and name like any other."""
+    with _DEFINE_LOCK:
+        found = namespace.get(name)
+        if found is None:
+            namespace[name] = found = define()
+    return found

@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import re
-import threading
 from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -68,9 +67,15 @@ from training_core.files import UnreadableFile, join_path, read_regular, read_re
 from training_core.messages import clip, invalid, quote
 from training_core.redact import redact
 from training_core.registry import ENCODER_SIZES, PRIMARY_METRICS
-from training_core.workloads.image import torch_count
-from training_core.workloads.protocol import LossOutput, mean_of, to_device_async
-from training_core.workloads.simple import macro_f1
+from training_core.workloads.protocol import (
+    LossOutput,
+    classification_loss,
+    classification_sums,
+    defined_once,
+    macro_f1,
+    mean_of,
+    to_device_async,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -227,30 +232,13 @@ class SequenceClassification:
         return EncodedBatcher(LabeledTextSpec.from_manifest(manifest).pad_id, device)
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossOutput:
-        import torch.nn.functional as F
-
-        input_ids, labels = batch
-        logits = model(input_ids)
-        loss = F.cross_entropy(logits.float(), labels)
-        correct = (logits.detach().argmax(dim=1) == labels).sum()
-        return LossOutput(loss=loss, sums={"correct": correct, "samples": torch_count(labels)}, num_samples=len(labels))
+        return classification_loss(model, batch)
 
     def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``loss_sum`` (float64), ``correct``, ``samples`` and ``confusion`` (``[true, predicted]`` counts)."""
-        import torch
-        import torch.nn.functional as F
 
         input_ids, labels = batch
-        logits = model(input_ids).float()
-        predicted, num_classes = logits.argmax(dim=1), logits.shape[1]
-        return {
-            "loss_sum": F.cross_entropy(logits, labels, reduction="sum").double(),
-            "correct": (predicted == labels).sum(),
-            "samples": torch_count(labels),
-            "confusion": torch.bincount(labels * num_classes + predicted, minlength=num_classes**2).view(
-                num_classes, num_classes
-            ),
-        }
+        return classification_sums(model(input_ids), labels)
 
     def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
         """``accuracy``; with the evaluation figures also ``loss`` (per sample) and ``macro_f1`` (the mean over
@@ -869,16 +857,9 @@ def _define_model_class() -> type:
     return SequenceClassifierModel
 
 
-_DEFINE_LOCK = threading.Lock()
-
-
 def model_class() -> type:
     """:class:`SequenceClassifierModel`: defined once, on first use, then a module global."""
-    with _DEFINE_LOCK:
-        found = globals().get("SequenceClassifierModel")
-        if found is None:
-            globals()["SequenceClassifierModel"] = found = _define_model_class()
-    return found
+    return defined_once(globals(), "SequenceClassifierModel", _define_model_class)
 
 
 def __getattr__(name: str) -> Any:

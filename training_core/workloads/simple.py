@@ -27,7 +27,15 @@ from training_core.config import DataConfig, TrainingConfig, WorkloadConfig, inv
 from training_core.data import ARRAY_DTYPES, SPLIT_NAMES, ArraySpec, Manifest, split_samples, write_prepared
 from training_core.messages import clip
 from training_core.redact import redact
-from training_core.workloads.protocol import LossOutput, mean_of, to_device_async
+from training_core.workloads.protocol import (
+    LossOutput,
+    classification_loss,
+    classification_sums,
+    macro_f1,
+    mean_of,
+    sample_count,
+    to_device_async,
+)
 from training_core.workloads.user_code import call_with_params, factory_params, load_optional
 
 if TYPE_CHECKING:
@@ -243,27 +251,11 @@ class ArrayClassification(ArrayWorkload):
         return labels.astype(np.int64), ArraySpec("int64", [], max_value=len(names) - 1), names
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossOutput:
-        import torch.nn.functional as F
-
-        inputs, labels = batch
-        logits = model(inputs)
-        correct = (logits.detach().argmax(dim=1) == labels).sum()
-        return LossOutput(F.cross_entropy(logits, labels), {"correct": correct, "samples": count(labels)}, len(labels))
+        return classification_loss(model, batch)
 
     def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
-        import torch
-        import torch.nn.functional as F
-
         inputs, labels = batch
-        logits = model(inputs).float()
-        predicted, num_classes = logits.argmax(dim=1), logits.shape[1]
-        pairs = torch.bincount(labels * num_classes + predicted, minlength=num_classes**2)
-        return {
-            "loss_sum": F.cross_entropy(logits, labels, reduction="sum").double(),
-            "correct": (predicted == labels).sum(),
-            "samples": count(labels),
-            "confusion": pairs.view(num_classes, num_classes),
-        }
+        return classification_sums(model(inputs), labels)
 
     def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
         found = {"accuracy": mean_of(sums, "correct", "samples")}
@@ -297,7 +289,7 @@ class ArrayRegression(ArrayWorkload):
 
         inputs, targets = batch
         predicted = model(inputs).reshape(targets.shape)
-        return LossOutput(F.mse_loss(predicted, targets), {"samples": count(targets)}, len(targets))
+        return LossOutput(F.mse_loss(predicted, targets), {"samples": sample_count(targets)}, len(targets))
 
     def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
         inputs, targets = batch
@@ -305,7 +297,7 @@ class ArrayRegression(ArrayWorkload):
         return {
             "loss_sum": error.square().mean(dim=1).sum().double(),
             "abs_error_sum": error.abs().mean(dim=1).sum().double(),
-            "samples": count(targets),
+            "samples": sample_count(targets),
         }
 
     def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
@@ -480,19 +472,3 @@ def describe(value: Any) -> str:
 def refuse(source: str, found: str, fix: str) -> NoReturn:
     """Raise the error of data a shard cannot store: where it came from, what it is and the fix."""
     raise ValueError(f"{source} gave {clip(found)}; {clip(fix, 2000)}")
-
-
-def count(values: torch.Tensor) -> torch.Tensor:
-    """How many ``values`` there are, as a 0-dim tensor on their device (summed by the loop without a sync)."""
-    import torch
-
-    return torch.tensor(values.shape[0], device=values.device)
-
-
-def macro_f1(confusion: Any) -> float:
-    """The mean over classes of ``2 * tp / (2 * tp + fp + fn)`` of a confusion matrix (rows true, columns
-    predicted); a class neither true nor predicted counts as 1."""
-    counts = np.asarray(confusion, dtype=np.float64)
-    denominators = counts.sum(axis=0) + counts.sum(axis=1)
-    scores = np.where(denominators > 0, 2 * counts.diagonal() / np.maximum(denominators, 1), 1.0)
-    return float(scores.mean()) if scores.size else math.nan
