@@ -209,17 +209,8 @@ def prepare(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()) -> 
         prepared = prepare_data(**keys)
     else:
         # A wrong source fails here, before a RayJob is started for it.
-        if workload.name == "causal_lm":
-            from training_core.data.text import check_text_source
+        from training_core.registry import SOURCE_CHECKS, load
 
-            check_text_source(config)
-        elif workload.name == "sequence_classification":
-            from training_core.workloads.sequence_classification import check_source as check_labeled_source
-
-            check_labeled_source(config)
-        else:
-            from training_core.data.image_shards import check_source
-
-            check_source(config)
+        load(SOURCE_CHECKS[workload.name])(config)
         prepared = prepare_on_ray(**keys).with_overrides(task_config=prep_ray_job_config(config))
     return note_prepared(data=prepared, run_token=inputs.run_token)

@@ -22,6 +22,14 @@ WORKLOADS = {
 }
 """Built-in ``workload.name`` -> the class that implements it (called with the config's ``workload`` section)."""
 
+SOURCE_CHECKS = {
+    "image_classification": "training_core.data.image_shards:check_source",
+    "causal_lm": "training_core.data.text:check_text_source",
+    "sequence_classification": "training_core.workloads.sequence_classification:check_source",
+}
+"""Built-in ``workload.name`` whose prep runs on Ray -> ``package.module:function`` of ``(DataConfig) -> None``:
+raises the ``ValueError`` its prep would raise on a source it cannot read, before a RayJob starts for it."""
+
 ARRAY_WORKLOADS = ("array_classification", "array_regression")
 """The built-ins of a user's own arrays: they read no ``data.dataset`` but the ``.npz`` file ``data.path`` or what
 ``workload.dataset_source`` returns, and train the model ``workload.model_factory`` builds."""

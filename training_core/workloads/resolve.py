@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from training_core.config import DataConfig, TrainingConfig, WorkloadConfig
 from training_core.messages import invalid, quote
-from training_core.registry import DATASET_SOURCES, WORKLOADS, load
+from training_core.registry import DATASET_SOURCES, SOURCE_CHECKS, WORKLOADS, load
 from training_core.workloads.protocol import Workload, check_workload
 from training_core.workloads.user_code import (
     UserWorkload,
@@ -41,7 +41,7 @@ def prep_uses_ray(data: DataConfig, workload: WorkloadConfig) -> bool:
         return False
     if workload.name == "image_classification":
         return bool(DATASET_SOURCES[data.dataset].list_images)
-    return workload.name in ("causal_lm", "sequence_classification")
+    return workload.name in SOURCE_CHECKS  # the text workloads: tokenised in Ray tasks
 
 
 def resolve_workload(selected: WorkloadConfig) -> Workload:
