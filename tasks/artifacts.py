@@ -9,6 +9,7 @@ import os
 from typing import Sequence
 
 from flytekit import Deck, FlyteContextManager, current_context
+from flytekit.deck import DeckField
 from flytekit.deck.deck import DECK_FILE_NAME
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
@@ -25,6 +26,12 @@ def tracked_directory(local_path: str) -> FlyteDirectory:
     """
     remote = FlyteContextManager.current_context().file_access.get_random_remote_directory()
     return FlyteDirectory(local_path, remote_directory=remote)
+
+
+# The Deck tabs flytekit renders beside ours. Its Dependencies tab runs `pip list` and `pip freeze` in every task
+# (2-4 s each, in every attempt of every task); the image's dependencies are pinned in requirements.lock and its
+# tag, so the tab repeats what the image already says.
+DECK_FIELDS = (DeckField.SOURCE_CODE, DeckField.TIMELINE, DeckField.INPUT, DeckField.OUTPUT)
 
 
 def publish_report(title: str, sections: Sequence[str]) -> FlyteFile:

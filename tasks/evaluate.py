@@ -8,7 +8,7 @@ from datetime import timedelta
 
 from flytekit import Resources, current_context, task
 
-from tasks.artifacts import artifact_location, checkpoint_storage_path, publish_report
+from tasks.artifacts import DECK_FIELDS, artifact_location, checkpoint_storage_path, publish_report
 from tasks.logs import show_task_logs
 from tasks.ray_config import ray_job_config
 from tasks.train import RAY_DRIVER_TASK_ARGS
@@ -20,6 +20,7 @@ EVALUATE_TASK_ARGS = {
     "interruptible": True,  # read-only on the checkpoint and the test split: safe to preempt and redo
     "timeout": timedelta(hours=2),
     "enable_deck": True,
+    "deck_fields": DECK_FIELDS,
 }
 
 

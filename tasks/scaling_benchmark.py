@@ -15,7 +15,7 @@ from flytekit.types.file import FlyteFile
 from flytekit.types.structured import StructuredDataset
 
 from tasks import reports
-from tasks.artifacts import artifact_location, publish_report
+from tasks.artifacts import DECK_FIELDS, artifact_location, publish_report
 from tasks.train import TRAIN_TIMEOUT
 from tasks.types import PreparedData, TrainMetrics
 from training_core.config import ScalingConfig, TrainingConfig
@@ -85,6 +85,7 @@ def torch_baseline(config: TrainingConfig, data: PreparedData) -> TrainMetrics:
     requests=Resources(cpu="500m", mem="1Gi"),
     limits=Resources(cpu="1", mem="2Gi"),
     enable_deck=True,
+    deck_fields=DECK_FIELDS,
 )
 def scaling_report(
     models: list[str], worker_counts: list[int], ray_runs: list[TrainMetrics], torch_runs: list[TrainMetrics]

@@ -14,6 +14,7 @@ from flytekit import Resources, current_context, task
 from flytekit.types.directory import FlyteDirectory
 
 from tasks.artifacts import (
+    DECK_FIELDS,
     artifact_location,
     checkpoint_storage_path,
     publish_report,
@@ -43,6 +44,7 @@ RAY_DRIVER_TASK_ARGS = {
     "requests": Resources(cpu="1", mem="2Gi"),
     "limits": Resources(cpu="2", mem="4Gi"),
     "enable_deck": True,
+    "deck_fields": DECK_FIELDS,
 }
 
 # A train node can run on preemptible (spot) nodes: a preemption costs at most one checkpoint interval,

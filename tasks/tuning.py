@@ -20,7 +20,7 @@ from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
 from tasks import reports
-from tasks.artifacts import artifact_location, checkpoint_storage_path, publish_report
+from tasks.artifacts import DECK_FIELDS, artifact_location, checkpoint_storage_path, publish_report
 from tasks.ray_config import ray_job_config
 from tasks.train import RAY_DRIVER_TASK_ARGS, TRAIN_TASK_ARGS, run_training, trained_model
 from tasks.types import PreparedData, TrainedModel
@@ -285,7 +285,7 @@ def best_trial(config: TuningConfig, trials: list[Trial]) -> Trial:
     return full[order[0]]
 
 
-@task(retries=2, requests=Resources(cpu="500m", mem="1Gi"), enable_deck=True)
+@task(retries=2, requests=Resources(cpu="500m", mem="1Gi"), enable_deck=True, deck_fields=DECK_FIELDS)
 def finish_search(config: TuningConfig, state: SearchState) -> TuningOutputs:
     """Pick the best trial, close the MLflow parent run with its figures, and render the trial table and
     the metric-vs-epochs plot as a Deck."""

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import session_train_workers
+from tests.helpers.mlflow_db import seed_mlflow_db
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
 from training_core.data import Manifest, prepare
@@ -262,7 +263,7 @@ def test_a_sharded_model_is_evaluated_on_ray_workers_holding_its_shards_as_in_on
 
     reference = references("fsdp")
     assert (Path(reference.checkpoint_dir) / "shards").is_dir()
-    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking_uri = seed_mlflow_db(tmp_path / "mlflow.db")
     client = MlflowClient(tracking_uri=tracking_uri)
     runs = {name: client.create_run(client.create_experiment(name)).info.run_id for name in ("ray", "process")}
     (tmp_path / "report.html").write_text("<html></html>")

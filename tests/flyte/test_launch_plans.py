@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT, VENV_BIN
+from tests.helpers.mlflow_db import seed_mlflow_db
 from tests.helpers.pyflyte import pyflyte_run_entity, squashed
 
 LAUNCH_PLANS = str(REPO_ROOT / "workflows" / "launch_plans.py")
@@ -30,6 +31,7 @@ def pyflyte_run_launch_plan(
 
 def test_nightly_training_runs_locally_through_pyflyte_with_a_tiny_config(ray_address, tmp_path, subprocess_env):
     subprocess_env["RAY_ADDRESS"] = ray_address
+    seed_mlflow_db(tmp_path / "mlflow.db")  # the launch plan's relative tracking URI, in the run's directory
     result = pyflyte_run_launch_plan(
         "nightly_training", "--config", json.dumps(TINY_CONFIG), cwd=tmp_path, env=subprocess_env
     )

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO_ROOT
+from tests.helpers.mlflow_db import seed_mlflow_db
 from tests.helpers.pyflyte import flat, pyflyte_run
 
 CONFIG = REPO_ROOT / "examples" / "gpt_stdlib.yaml"
@@ -22,6 +23,7 @@ def lm_run(ray_address, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("lm-pipeline")
     home = workdir / "home"
     home.mkdir()
+    seed_mlflow_db(workdir / "mlflow.db")  # the example's relative tracking URI, in the run's directory
     env = dict(os.environ, HOME=str(home), PYTHONUNBUFFERED="1", RAY_ADDRESS=ray_address)
     result = pyflyte_run("--config", str(CONFIG), cwd=workdir, env=env)
     output = result.stdout + result.stderr

@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT, VENV_BIN
 from tests.helpers.image_data import odd_image_folder
+from tests.helpers.mlflow_db import seed_mlflow_db
 from training_core.data import Manifest
 
 
@@ -25,7 +26,7 @@ def test_an_image_folder_with_a_corrupt_png_and_animations_trains_to_the_end_wit
         "model": {"name": "small_cnn"},
         "loop": {"epochs": 1, "batch_size": 4},
         "scaling": {"num_workers": 1},
-        "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "promotion_threshold": 0.0},
+        "tracking": {"tracking_uri": seed_mlflow_db(tmp_path / "mlflow.db"), "promotion_threshold": 0.0},
     }
     result = subprocess.run(
         [

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO_ROOT, VENV_BIN
+from tests.helpers.mlflow_db import seed_mlflow_db
 from tests.helpers.pyflyte import pyflyte_run
 
 WORKLOAD = "fp_user_data.workload:NpzMLP"
@@ -89,7 +90,7 @@ def user_project(ray_address, tmp_path_factory):
         "model": {"name": "mlp", "hidden_size": 8, "num_layers": 1},
         "loop": {"epochs": 1, "batch_size": 16, "log_interval_steps": 1},
         "scaling": {"num_workers": 1, "cpus_per_worker": 1, "memory_per_worker_gib": 1},
-        "tracking": {"tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}", "experiment_name": "fingerprint"},
+        "tracking": {"tracking_uri": seed_mlflow_db(workdir / "mlflow.db"), "experiment_name": "fingerprint"},
     }
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
     env = dict(

@@ -23,6 +23,7 @@ import yaml
 
 from examples.signal_cnn.make_data import signals
 from tests.conftest import REPO_ROOT
+from tests.helpers.mlflow_db import seed_mlflow_db
 from tests.helpers.pyflyte import pyflyte_run_entity, squashed
 
 EXAMPLE_DIR = REPO_ROOT / "examples" / "signal_cnn"
@@ -67,7 +68,7 @@ def test_a_1d_cnn_is_tuned_on_its_kernel_size_and_lr_by_val_f1_then_evaluated_an
     raw["base"]["loop"]["epochs"] = 4
     raw["base"]["schedule"]["warmup_steps"] = 0
     raw["base"]["data"]["path"] = str(tmp_path / "signals.npz")
-    raw["base"]["tracking"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw["base"]["tracking"]["tracking_uri"] = seed_mlflow_db(tmp_path / "mlflow.db")
     (tmp_path / "tuning.yaml").write_text(yaml.safe_dump(raw))
     tuning = load_tuning_config(str(tmp_path / "tuning.yaml"), environ={})
     assert tuning.metric == "val_f1" and tuning.metric_mode == "max"  # the workload's direction for macro-F1

@@ -19,6 +19,7 @@ import pytest
 from flyteidl.core import errors_pb2, literals_pb2
 
 from tests.conftest import REPO_ROOT, VENV_BIN, session_train_workers
+from tests.helpers.mlflow_db import seed_mlflow_db
 
 KILL_AFTER_STEP = 10
 EPOCHS = 2
@@ -72,7 +73,7 @@ def _write_inputs(tmp_path: Path) -> int:
             "scaling": {"strategy": "fsdp"},
             "loop": {"epochs": EPOCHS, "batch_size": 8},
             "checkpoint": {"interval_steps": 5, "max_worker_restarts": 0},
-            "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "promotion_threshold": 1e9},
+            "tracking": {"tracking_uri": seed_mlflow_db(tmp_path / "mlflow.db"), "promotion_threshold": 1e9},
         }
     )
     manifest = prepare(config.data, str(tmp_path / "prepared"), workload=config.workload)

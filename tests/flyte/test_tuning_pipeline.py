@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from tests.conftest import REPO_ROOT
+from tests.helpers.mlflow_db import seed_mlflow_db
 from tests.helpers.pyflyte import pyflyte_run_entity, squashed
 from training_core.tuning import TuningConfig
 
@@ -68,17 +69,22 @@ def _search_parent_runs(client) -> list:
 def test_asha_uses_half_the_epochs_of_full_trials_finds_their_best_and_reuses_cached_trials(ray_address, tmp_path):
     env = dict(os.environ, HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1", RAY_ADDRESS=ray_address, COLUMNS="400")
     (tmp_path / "home").mkdir()
-    asha_output = _run(_config(algorithm="asha"), cwd=tmp_path, env=env)
+    seed_mlflow_db(tmp_path / "mlflow.db")  # the searches' relative tracking URI, in the runs' directory
+    # Rungs of 1 and 4 epochs, keeping a quarter: 5 trial slices instead of the 7 of rungs 1, 2 and 4 (a slice costs
+    # ~15 s, mostly its Ray Train start). A trial stopped at a middle rung is decided in
+    # tests/unit/test_tuning.py::test_asha_rounds_continue_the_top_trials_of_each_rung_and_stop_the_rest.
+    asha_config = _config(algorithm="asha", asha={"min_epochs": 1, "eta": 4})
+    asha_output = _run(asha_config, cwd=tmp_path, env=env)
     full_output = _run(_config(algorithm="random"), cwd=tmp_path, env=env)
     asha, full = _table(asha_output), _table(full_output)
 
-    # The same seed draws the same 8 trials for both algorithms.
+    # The same seed draws the same 4 trials for both algorithms.
     params = ["optimizer.lr", "loop.batch_size", "optimizer.name", "optimizer.weight_decay", "schedule.warmup_steps"]
     assert len(asha) == len(full) == 4
     pd.testing.assert_frame_equal(asha[params], full[params])
-    # Rungs 1, 2, 4: 8 trials train 1 epoch, the best 4 go on to 2, the best 2 to 4; nothing is retrained.
-    assert sorted(asha["epochs_trained"].tolist()) == [1, 1, 2, 4]
-    assert asha["epochs_used"].sum() == 4 * 1 + 2 * 1 + 1 * 2 == 8
+    # Rungs 1, 4: 4 trials train 1 epoch, the best goes on to 4 from its checkpoint; nothing is retrained.
+    assert sorted(asha["epochs_trained"].tolist()) == [1, 1, 1, 4]
+    assert asha["epochs_used"].sum() == 4 * 1 + 1 * 3 == 7
     assert full["epochs_used"].sum() == 4 * 4
     assert asha["epochs_used"].sum() / full["epochs_used"].sum() <= 0.5
     assert set(asha["status"]) == {"stopped", "done"} and set(full["status"]) == {"done"}
@@ -105,14 +111,14 @@ def test_asha_uses_half_the_epochs_of_full_trials_finds_their_best_and_reuses_ca
         history = client.get_metric_history(row["mlflow_run_id"], "val_accuracy")
         assert len(history) == row["epochs_trained"], "each epoch of each rung lands in the trial's one run"
         assert by_run[row["mlflow_run_id"]].data.params["optimizer.name"] == row["optimizer.name"]
-    assert asha_parent.data.metrics["epochs_used"] == 8
+    assert asha_parent.data.metrics["epochs_used"] == 7
     # The best trial went through evaluate and register_model.
     assert re.search(r"registered model : digits-classifier version \d", asha_output)
 
     # The same search again: every trial slice comes from the cache, in the same MLflow parent run. Only
     # train_trial logs val_accuracy to a trial's run, so a slice that ran again would add a child run (first
     # rung) or epochs to its trial's run (later rungs).
-    again = _table(_run(_config(algorithm="asha"), cwd=tmp_path, env=env))
+    again = _table(_run(asha_config, cwd=tmp_path, env=env))
     pd.testing.assert_frame_equal(again, asha)
     assert sorted(r.info.run_id for r in _search_parent_runs(client)) == sorted(r.info.run_id for r in parents)
     children = _children(tracking_uri, asha_parent.info.run_id)
@@ -208,7 +214,7 @@ def test_ray_tune_strategy_runs_asha_on_one_cluster_with_mlflow_children(workloa
             "base": {
                 **base,
                 "loop": {"epochs": 2},
-                "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment_name": "tuning"},
+                "tracking": {"tracking_uri": seed_mlflow_db(tmp_path / "mlflow.db"), "experiment_name": "tuning"},
             },
         }
     )

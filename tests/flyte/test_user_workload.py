@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO_ROOT
+from tests.helpers.mlflow_db import seed_mlflow_db
 from tests.helpers.pyflyte import flat, pyflyte_run, squashed
 
 EXAMPLE_CONFIG = REPO_ROOT / "examples" / "tabular_mlp.yaml"
@@ -44,6 +45,7 @@ def example_run(ray_address, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("user-workload")
     for name in ("home", "tmp"):
         (workdir / name).mkdir()
+    seed_mlflow_db(workdir / "mlflow.db")
     env = dict(
         os.environ,
         HOME=str(workdir / "home"),

@@ -10,6 +10,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import VENV_BIN
+from tests.helpers.mlflow_db import seed_mlflow_db
 from training_core.config import TrackingConfig
 from training_core.runners.launch import free_port
 from training_core.tracking import register_and_promote
@@ -33,7 +34,7 @@ def mlflow_server(tmp_path_factory):
             "--workers",
             "1",
             "--backend-store-uri",
-            f"sqlite:///{root / 'mlflow.db'}",
+            seed_mlflow_db(root / "mlflow.db"),
             "--artifacts-destination",
             str(root / "artifacts"),
         ],

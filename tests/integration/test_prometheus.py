@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.mlflow_db import seed_mlflow_db
 from training_core.config import DataConfig, TrainingConfig
 from training_core.data import Manifest, prepare
 from training_core.runners.launch import free_port
@@ -143,7 +144,7 @@ def pushed_run(prometheus_stack, ray_session, tmp_path_factory) -> dict:
         }
     )
     tracking_uri, run_id = tracking.create_run(
-        TrackingConfig(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db"), run_name="prometheus-it"
+        TrackingConfig(tracking_uri=seed_mlflow_db(tmp_path / "mlflow.db")), run_name="prometheus-it"
     )
     started_unix = time.time()
     result = fit(

@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT, VENV_BIN
 from tests.helpers.checkpoints import checkpoint_meta, checkpoint_state
+from tests.helpers.mlflow_db import seed_mlflow_db
 from training_core import checkpoint as ckpt
 
 
@@ -200,7 +201,7 @@ def test_an_image_folder_on_s3_goes_through_pyflyte_run_with_its_shards_and_chec
         "model": {"name": "small_cnn"},
         "loop": {"epochs": 1, "batch_size": 32},
         "checkpoint": {"interval_steps": 7},
-        "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "promotion_threshold": 0.0},
+        "tracking": {"tracking_uri": seed_mlflow_db(tmp_path / "mlflow.db"), "promotion_threshold": 0.0},
     }
     env = dict(subprocess_env, RAY_ADDRESS=ray_address)
     result = subprocess.run(

@@ -9,6 +9,7 @@ from flytekit.types.file import FlyteFile
 
 from tasks.tuning import trial_score
 from tasks.types import TrainedModel, TrainMetrics
+from tests.helpers.mlflow_db import seed_mlflow_db
 from training_core import tracking
 from training_core.config import TrackingConfig
 from training_core.tuning import TuningConfig
@@ -17,7 +18,7 @@ CNN = "examples.cnn_params.workload:DigitsCNN"
 
 
 def _trial(tmp_path, logged: dict[str, list[tuple[int, float]]]) -> TrainedModel:
-    store = TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment_name="metric")
+    store = TrackingConfig(tracking_uri=seed_mlflow_db(tmp_path / "mlflow.db"), experiment_name="metric")
     tracking_uri, run_id = tracking.create_run(store, run_name="trial-0")
     for name, points in logged.items():
         for step, value in points:
