@@ -25,6 +25,7 @@ from tasks.ray_config import prep_ray_job_config, text_prep_resources
 from tasks.types import PreparedData, PrepProvenance
 from training_core.config import DataConfig, WorkloadConfig
 from training_core.redact import redact
+from training_core.registry import SHARED_SOURCES
 
 # Bump when the shard format or split logic changes, so cached outputs are not reused.
 # 7: image shards of format 3 (every image decodes with the loader's own decoder: what it would not read, or a PNG
@@ -201,7 +202,7 @@ def prepare(config: DataConfig, workload: WorkloadConfig = WorkloadConfig()) -> 
         "inputs_fingerprint": inputs.fingerprint,
         "run_token": inputs.run_token,
     }
-    if workload.name == "causal_lm" and workload.dataset_source:
+    if SHARED_SOURCES.get(workload.name, workload.name) == "causal_lm" and workload.dataset_source:
         # A user's text is tokenised in this pod's tokenizer threads (training_core.data.text.tokenizer_threads).
         resources = text_prep_resources(config)
         prepared = prepare_data(**keys).with_overrides(requests=resources, limits=resources)

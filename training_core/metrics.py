@@ -7,7 +7,9 @@ A sink receives flat ``{name: float}`` dicts with a step. The loop only ever tal
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import sys
 import time
 from typing import Any, Mapping, Protocol, Sequence
@@ -128,11 +130,18 @@ def build_sink(*, rank: int, tracking_uri: str | None, run_id: str | None, conso
     return FanOutSink(sinks)
 
 
+_PARAM_NAME = re.compile(r"[/\w.\- ]*")
+"""The characters MLflow takes in a param's name (on every platform)."""
+
+
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``, for logging a config as params."""
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``, for logging a config as params. A mapping with a key MLflow would
+    refuse in a param's name (``optimizer.param_groups``' ``"bert.*"``) is one param, its JSON text."""
     flat: dict[str, Any] = {}
     for key, value in tree.items():
-        if isinstance(value, Mapping):
+        if isinstance(value, Mapping) and not all(_PARAM_NAME.fullmatch(str(k)) for k in value):
+            flat[f"{prefix}{key}"] = json.dumps(value, sort_keys=True)
+        elif isinstance(value, Mapping):
             flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value

@@ -6,6 +6,11 @@ dict (read with ``torch.load(weights_only=True)`` only) or a Hugging Face model 
 ``model.safetensors``, or sharded safetensors with ``model.safetensors.index.json``). Pickles (``pytorch_model.bin``)
 are refused by name, never opened. Every problem is a ``ValueError`` naming ``model.pretrained``, the value and the
 fix. Files are read through :mod:`training_core.files` (regular files only, bytes capped).
+
+Under FSDP a model is not loaded whole (:func:`plan_sharded_load`, :func:`load_shards`): each rank reads the rows of
+each safetensors tensor it holds as one byte range (:class:`SafetensorsRows`; ranged GETs on ``s3://``).
+``model.new_head`` (``true`` or a name pattern) names tensors that are re-initialised instead, from the seed
+(:func:`fresh_values`).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, NoReturn
 
 from training_core.files import UnreadableFile, join_path, open_regular, read_regular
 from training_core.messages import clip, invalid, is_plain_file_name, quote
@@ -93,6 +98,38 @@ class HeadPlan:
     reinitialised: list[str]
     head: str = ""
     classes: tuple[int, int] = (0, 0)
+    fresh: list[str] = field(default_factory=list)
+    """Of ``reinitialised``, those the weights lack (a :class:`NameMapping`'s fresh ones), not ``model.new_head``'s."""
+
+
+FRESH = ""
+"""A :class:`NameMapping` source for a tensor the weights lack: it takes a seeded fresh value (:func:`fresh_values`)."""
+
+
+@dataclass
+class NameMapping:
+    """How a workload's model names the tensors of pretrained weights: ``sources`` maps each model tensor to the
+    stored tensor it loads from (:data:`FRESH`: none, a seeded fresh value); ``dropped`` are stored tensors left
+    out (another head's), ``note`` says what was adapted. The whole load and the row-by-row load both read by it."""
+
+    sources: dict[str, str]
+    dropped: list[str] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def fresh(self) -> list[str]:
+        return [name for name, source in self.sources.items() if source == FRESH]
+
+    def renamed(self, stored: Mapping[str, Any]) -> dict[str, Any]:
+        """``stored`` under the model's names; stored tensors no model tensor loads from and not dropped keep their
+        names (:func:`plan_loading` then lists them as tensors the model lacks)."""
+        found = {name: stored[source] for name, source in self.sources.items() if source in stored}
+        used = set(self.sources.values()) | set(self.dropped)
+        return found | {name: value for name, value in stored.items() if name not in used}
+
+    def under(self, prefix: str) -> NameMapping:
+        """The mapping for a model that holds this one's at ``prefix`` (e.g. ``encoder.``)."""
+        return NameMapping({prefix + name: source for name, source in self.sources.items()}, self.dropped, self.note)
 
 
 def fail(source: str, fix: str) -> NoReturn:
@@ -299,30 +336,92 @@ def head_name(model: nn.Module) -> str:
 def plan_loading(
     source: str,
     model: nn.Module,
-    state_dict: Mapping[str, torch.Tensor],
+    state_dict: Mapping[str, Any],
     *,
-    new_head: bool,
+    new_head: bool | str,
     model_name: str,
     fix: str = "",
+    fresh: Iterable[str] = (),
 ) -> HeadPlan:
-    """Which of ``state_dict`` loads into ``model`` (which may be on the meta device): every name and shape must
-    match, except, with ``new_head``, the classifier head's (:func:`head_name`), left as the model initialised it.
-    Anything else that differs fails, listing the first few names, with ``fix`` (default: an image model's)."""
+    """Which of ``state_dict`` (tensors, or anything with a ``shape``) loads into ``model`` (which may be on the meta
+    device): every name and shape must match, except the tensors ``model.new_head`` re-initialises: with ``true``,
+    the classifier head's (:func:`head_name`) of another shape; with a name pattern, the model's tensors it names
+    (none: ``ValueError`` naming ``model.new_head``). Anything else that differs fails, listing the first few names,
+    with ``fix`` (default: an image model's). ``fresh`` (a :class:`NameMapping`'s) are re-initialised too."""
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     head = head_name(model)
     head_keys = {key for key in expected if head and key.rpartition(".")[0] == head}
     shapes = {name: tuple(tensor.shape) for name, tensor in state_dict.items()}
-    missing = sorted(expected.keys() - shapes.keys())
+    named = named_by_pattern(new_head, expected) if isinstance(new_head, str) else set()
+    fresh = set(fresh)
+    named |= fresh
+    missing = sorted(expected.keys() - shapes.keys() - named)
     unexpected = sorted(shapes.keys() - expected.keys())
     wrong = sorted(key for key in expected.keys() & shapes.keys() if expected[key] != shapes[key])
-    reinitialised = [key for key in wrong if new_head and key in head_keys]
+    reinitialised = [
+        key for key in expected if key in named or (new_head is True and key in head_keys and key in wrong)
+    ]
     wrong = [key for key in wrong if key not in reinitialised]
     if missing or unexpected or wrong:
         _mismatch(source, model_name, missing, unexpected, [(key, shapes[key], expected[key]) for key in wrong],
-                  head_keys=head_keys, new_head=new_head, fix=fix)  # fmt: skip
+                  head_keys=head_keys, new_head=bool(new_head), fix=fix)  # fmt: skip
+    _require_resettable(model, [key for key in reinitialised if key not in fresh], new_head)
     loaded = [key for key in expected if key not in reinitialised]
-    classes = (shapes[f"{head}.weight"][0], expected[f"{head}.weight"][0]) if reinitialised else (0, 0)
-    return HeadPlan(loaded=loaded, reinitialised=reinitialised, head=head if reinitialised else "", classes=classes)
+    counted = not (named - fresh) and f"{head}.weight" in reinitialised and f"{head}.weight" in shapes
+    classes = (shapes[f"{head}.weight"][0], expected[f"{head}.weight"][0]) if counted else (0, 0)
+    head = head if counted else ""
+    return HeadPlan(loaded, reinitialised, head, classes, fresh=[key for key in reinitialised if key in fresh])
+
+
+def named_by_pattern(pattern: str, names: Iterable[str]) -> set[str]:
+    """The names ``model.new_head``'s pattern (``fnmatch``; several separated by commas) matches; none fails,
+    naming a few of the model's tensors."""
+    import fnmatch
+
+    patterns = [part.strip() for part in pattern.split(",") if part.strip()]
+    names = list(names)
+    matched = {name for name in names if any(fnmatch.fnmatchcase(name, part) for part in patterns)}
+    if not matched:
+        some = ", ".join(names[-MAX_LISTED:])
+        invalid("model.new_head", pattern, f"it names none of the model's tensors (the last are {clip(some)}); name "
+                "the head's, e.g. 'fc.*' or 'classifier.*', or set true for the last linear layer")  # fmt: skip
+    return matched
+
+
+def _require_resettable(model: nn.Module, names: list[str], new_head: bool | str) -> None:
+    owners = sorted({name.rpartition(".")[0] for name in names})
+    bare = [owner for owner in owners if not callable(getattr(model.get_submodule(owner), "reset_parameters", None))]
+    if bare:
+        layer = quote(bare[0] or type(model).__name__)
+        invalid("model.new_head", new_head, f"{layer} has no reset_parameters() to re-initialise its tensors with; "
+                "name the tensors of its layers (e.g. 'classifier.out_proj.*')")  # fmt: skip
+
+
+def fresh_values(model: nn.Module, names: Iterable[str], *, seed: int) -> dict[str, torch.Tensor]:
+    """The values of the re-initialised tensors ``names`` (``model.new_head``): a CPU copy of each owning layer
+    (an empty one on the meta device), reset with ``reset_parameters()`` after seeding torch's RNG with ``seed``,
+    layers in name order; a layer without one (only a :class:`NameMapping`'s fresh tensors reach here so, such as
+    BERT's masked-LM output bias) has its own tensors zeroed, as ``transformers`` initialises such a bias. The same
+    on every rank and with every strategy; torch's own RNG is left as it was."""
+    import copy
+
+    import torch
+
+    names = set(names)
+    values: dict[str, torch.Tensor] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for owner in sorted({name.rpartition(".")[0] for name in names}):
+            layer = copy.deepcopy(model.get_submodule(owner)).to_empty(device="cpu")
+            if callable(getattr(layer, "reset_parameters", None)):
+                layer.reset_parameters()
+            else:
+                for tensor in layer.parameters(recurse=False):
+                    tensor.data.zero_()
+            prefix = f"{owner}." if owner else ""
+            state = layer.state_dict(prefix=prefix)
+            values.update({key: tensor.detach() for key, tensor in state.items() if key in names})
+    return values
 
 
 def _mismatch(
@@ -355,16 +454,248 @@ def _mismatch(
     fail(source, f"the weights do not fit the model: {'; '.join(parts)}. Fix: {fix}")
 
 
-def load_into(model: nn.Module, weights: PretrainedWeights, *, new_head: bool, model_name: str) -> HeadPlan:
-    """Copy ``weights`` into ``model`` as :func:`plan_loading` says, and log what was loaded and re-initialised."""
-    plan = plan_loading(weights.source, model, weights.state_dict, new_head=new_head, model_name=model_name)
+def load_into(
+    model: nn.Module,
+    weights: PretrainedWeights,
+    *,
+    new_head: bool | str,
+    model_name: str,
+    seed: int,
+    mapping: NameMapping | None = None,
+) -> HeadPlan:
+    """Copy ``weights`` (named as ``mapping`` says, by default as the model names them) into ``model`` as
+    :func:`plan_loading` says, the re-initialised tensors taking their :func:`fresh_values` from ``seed``, and log
+    what was loaded and re-initialised."""
+    import torch
+
+    state = mapping.renamed(weights.state_dict) if mapping else weights.state_dict
+    fresh = mapping.fresh if mapping else ()
+    plan = plan_loading(weights.source, model, state, new_head=new_head, model_name=model_name, fresh=fresh)
     skip = set(plan.reinitialised)
-    model.load_state_dict({key: value for key, value in weights.state_dict.items() if key not in skip}, strict=False)
-    log.info("model.pretrained: loaded %d tensors (sha256 %s)", len(plan.loaded), weights.sha256[:12])
-    if plan.reinitialised:
+    model.load_state_dict({key: value for key, value in state.items() if key not in skip}, strict=False)
+    own = model.state_dict()
+    with torch.no_grad():
+        for key, value in fresh_values(model, plan.reinitialised, seed=seed).items():
+            own[key].copy_(value)
+    log_plan(plan, weights.sha256)
+    return plan
+
+
+def log_plan(plan: HeadPlan, sha256: str) -> None:
+    """Say how many tensors were loaded, and which were re-initialised (``model.new_head``)."""
+    log.info("model.pretrained: loaded %d tensors (sha256 %s)", len(plan.loaded), sha256[:12])
+    if plan.head:
         log.warning(
             "model.new_head: re-initialised the classifier head %r (%d classes in the pretrained weights, %d here)",
             plan.head,
             *plan.classes,
         )
-    return plan
+    chosen = [key for key in plan.reinitialised if key not in plan.fresh]
+    if chosen:
+        log.warning("model.new_head: re-initialised %d tensors: %s", len(chosen), clip(", ".join(chosen), 1000))
+    if plan.fresh:
+        log.warning("model.pretrained: %d tensors the weights lack take seeded fresh values: %s", len(plan.fresh),
+                    clip(", ".join(plan.fresh), 1000))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- sharded loading (FSDP)
+
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+"""safetensors' dtype names, as torch names them."""
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor lies in a safetensors file: its bytes ``[begin, end)`` from the file's start."""
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class SafetensorsRows:
+    """Rows (dim-0 slices) of the tensors of safetensors files, each read as one byte range (a ranged GET on
+    ``s3://``, nothing downloaded whole); ``bytes_read`` counts what was read, headers included."""
+
+    def __init__(self, files: WeightFiles) -> None:
+        self.files, self.bytes_read = files, 0
+        self.tensors: dict[str, StoredTensor] = {}
+        for path in files.weight_files:
+            part = self._header(path)
+            repeated = sorted(part.keys() & self.tensors.keys())
+            if repeated:
+                fail(files.source, f"tensor {quote(repeated[0])} is in more than one shard; save the model again")
+            self.tensors.update(part)
+
+    def _range(self, path: str, begin: int, end: int, into: Any = None) -> bytes:
+        """Bytes ``[begin, end)`` of ``path``; with ``into`` (a writable buffer of that size) read into it (a local
+        file: no copy) and b"" returned."""
+        from fsspec.implementations.local import LocalFileSystem
+
+        try:
+            if isinstance(self.files.fs, LocalFileSystem):
+                with open_regular(self.files.fs, path) as f:
+                    f.seek(begin)
+                    data = f.read(end - begin) if into is None else b""
+                    done = f.readinto(into) if into is not None else len(data)
+            else:
+                data = self.files.fs.cat_file(path, start=begin, end=end)
+                done = len(data)
+                if into is not None:
+                    into[: len(data)] = data
+                    data = b""
+        except (UnreadableFile, OSError) as exc:
+            fail(self.files.source, f"{clip(str(exc))}; name {SUPPORTED}")
+        if done != end - begin:
+            fail(self.files.source, f"{quote(path)} ends before byte {end}: a truncated copy? Copy it again")
+        self.bytes_read += done
+        return data
+
+    def _header(self, path: str) -> dict[str, StoredTensor]:
+        import math
+
+        size = int.from_bytes(self._range(path, 0, 8), "little")
+        if size > MAX_JSON_BYTES:
+            fail(self.files.source, f"{quote(path)} has a header of {size} bytes: not a safetensors file; save again")
+        try:
+            header = json.loads(self._range(path, 8, 8 + size))
+            found = {
+                name: StoredTensor(path, SAFETENSORS_DTYPES[entry["dtype"]], tuple(map(int, entry["shape"])),
+                                   8 + size + int(entry["data_offsets"][0]), 8 + size + int(entry["data_offsets"][1]))
+                for name, entry in header.items() if name != "__metadata__"
+            }  # fmt: skip
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            fail(self.files.source, f"{quote(path)} has a header this reader does not take ({clip(repr(exc))}); save "
+                 "it with safetensors.torch.save_file")  # fmt: skip
+        import torch
+
+        for name, stored in found.items():
+            itemsize = torch.empty((), dtype=getattr(torch, stored.dtype)).element_size()
+            if stored.end - stored.begin != math.prod(stored.shape) * itemsize:
+                fail(self.files.source, f"tensor {quote(name)} of {quote(path)} has a size that is not its shape's")
+        return found
+
+    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Rows ``[start, stop)`` of tensor ``name`` (the whole of a 0-d one) into ``out``, read from its file as one
+        byte range: straight into ``out``'s memory when it is contiguous, in host memory and of the stored dtype."""
+        import torch
+
+        stored = self.tensors[name]
+        dtype = getattr(torch, stored.dtype)
+        begin, end = stored.begin, stored.end
+        if stored.shape:  # rows of a C-contiguous tensor are one byte range
+            row_bytes = (stored.end - stored.begin) // stored.shape[0] if stored.shape[0] else 0
+            begin, end = stored.begin + start * row_bytes, stored.begin + stop * row_bytes
+        if end <= begin:
+            return
+        direct = out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu"
+        target = out if direct else torch.empty(out.shape, dtype=dtype)  # a GPU shard: read on the host, then copy
+        self._range(stored.path, begin, end, into=memoryview(target.reshape(-1).view(torch.uint8).numpy()))
+        if target is not out:
+            out.copy_(target)
+
+
+class WholeRows:
+    """Rows of a state dict read whole (a ``.pt`` file, which cannot be read by parts)."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], bytes_read: int) -> None:
+        self.tensors, self.bytes_read = state_dict, bytes_read
+
+    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
+        tensor = self.tensors[name]
+        out.copy_(tensor[start:stop] if tensor.dim() else tensor)
+
+
+@dataclass
+class ShardedLoad:
+    """What :func:`load_shards` copies into a sharded model: the pretrained tensors to read (``reader``) and the
+    re-initialised ones' values (whole: a head is small)."""
+
+    plan: HeadPlan
+    sha256: str
+    reader: Any
+    fresh: dict[str, torch.Tensor]
+    sources: dict[str, str] = field(default_factory=dict)
+    """A model tensor's stored name where it is another (:class:`NameMapping`)."""
+
+
+def plan_sharded_load(
+    model: nn.Module,
+    model_cfg: Any,
+    *,
+    seed: int,
+    mapping_of: Callable[[nn.Module, Iterable[str]], NameMapping] | None = None,
+) -> ShardedLoad:
+    """Before sharding: match ``model_cfg.pretrained`` (``model.*``) against ``model`` (its parameters on the meta
+    device) by the safetensors headers alone, named as ``mapping_of(model, stored names)`` says (None: as the model
+    names them), and compute the re-initialised tensors. A ``.pt`` state dict is read whole (it cannot be sliced),
+    on each rank, then dropped as its rows are copied."""
+    files = locate(model_cfg.pretrained)
+    if files.kind == "torch":
+        weights = read_pretrained(model_cfg.pretrained, expected_sha256=model_cfg.pretrained_sha256)
+        reader: Any = WholeRows(
+            weights.state_dict, sum(t.numel() * t.element_size() for t in weights.state_dict.values())
+        )
+        shapes: Mapping[str, Any] = weights.state_dict
+    else:
+        reader = SafetensorsRows(files)
+        shapes = reader.tensors
+    mapping = mapping_of(model, list(shapes)) if mapping_of else NameMapping({name: name for name in shapes})
+    if mapping.note:
+        log.warning("model.pretrained: %s", mapping.note)
+    plan = plan_loading(model_cfg.pretrained, model, mapping.renamed(shapes), new_head=model_cfg.new_head,
+                        model_name=model_cfg.name, fresh=mapping.fresh)  # fmt: skip
+    fresh = fresh_values(model, plan.reinitialised, seed=seed)
+    return ShardedLoad(plan, model_cfg.pretrained_sha256, reader, fresh, sources=mapping.sources)
+
+
+def stored_shapes(source: str, expected_sha256: str = "") -> tuple[Mapping[str, Any], str]:
+    """The tensors (anything with a ``shape``) of the weights at ``source`` and their sha256, for a check before any
+    worker starts that holds no weights: the hash streamed and the safetensors headers read (a ``.pt`` state dict,
+    which cannot be read by parts, is read whole)."""
+    files = locate(source)
+    if files.kind == "torch":
+        weights = read_pretrained(source, expected_sha256=expected_sha256)
+        return weights.state_dict, weights.sha256
+    return SafetensorsRows(files).tensors, pinned_sha256(source, expected_sha256)
+
+
+def rank_rows(tensor: torch.Tensor) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of dim 0 this rank holds of ``tensor``: an FSDP2 ``DTensor`` with the placement
+    ``Shard(0)`` holds ``torch.chunk``'s piece (chunks of ``ceil(rows / ranks)`` rows, the last ones shorter or
+    empty; FSDP's padding is not in ``to_local()``); any other tensor all of them."""
+    rows = tensor.shape[0] if tensor.dim() else 0
+    mesh = getattr(tensor, "device_mesh", None)
+    if mesh is None:
+        return 0, rows
+    from torch.distributed.tensor import Shard
+
+    assert tuple(tensor.placements) == (Shard(0),), f"FSDP2 shards dim 0 alone, not {tensor.placements}"
+    chunk = -(-rows // mesh.size())
+    start = min(rows, mesh.get_local_rank() * chunk)
+    return start, min(rows, start + chunk)
+
+
+def load_shards(model: nn.Module, load: ShardedLoad) -> int:
+    """Copy into each of ``model``'s tensors (its ``DTensor`` shards' local rows, or a whole buffer) the rows this
+    rank holds, read by name and row range, or taken from the re-initialised values. Returns the bytes read."""
+    import torch
+
+    from training_core.parallel.sharding import local_tensor
+
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            start, stop = rank_rows(tensor)
+            local = local_tensor(tensor)
+            assert local.shape[:1] == (stop - start,) or not local.dim(), (name, local.shape, start, stop)
+            if name in load.fresh:
+                local.copy_(load.fresh[name][start:stop] if local.dim() else load.fresh[name])
+            else:
+                load.reader.read_rows(load.sources.get(name, name), start, stop, local)
+    log_plan(load.plan, load.sha256)
+    return load.reader.bytes_read

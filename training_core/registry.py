@@ -19,6 +19,7 @@ WORKLOADS = {
     "array_classification": "training_core.workloads.simple:ArrayClassification",
     "array_regression": "training_core.workloads.simple:ArrayRegression",
     "sequence_classification": "training_core.workloads.sequence_classification:SequenceClassification",
+    "masked_lm": "training_core.workloads.masked_lm:MaskedLM",
 }
 """Built-in ``workload.name`` -> the class that implements it (called with the config's ``workload`` section)."""
 
@@ -26,9 +27,14 @@ SOURCE_CHECKS = {
     "image_classification": "training_core.data.image_shards:check_source",
     "causal_lm": "training_core.data.text:check_text_source",
     "sequence_classification": "training_core.workloads.sequence_classification:check_source",
+    "masked_lm": "training_core.workloads.masked_lm:check_source",
 }
 """Built-in ``workload.name`` whose prep runs on Ray -> ``package.module:function`` of ``(DataConfig) -> None``:
 raises the ``ValueError`` its prep would raise on a source it cannot read, before a RayJob starts for it."""
+
+SHARED_SOURCES = {"masked_lm": "causal_lm"}
+"""A built-in ``workload.name`` -> the built-in whose ``data.dataset`` sources it reads (through the same text
+pipeline): :func:`dataset_names` lists that one's."""
 
 ARRAY_WORKLOADS = ("array_classification", "array_regression")
 """The built-ins of a user's own arrays: they read no ``data.dataset`` but the ``.npz`` file ``data.path`` or what
@@ -104,7 +110,8 @@ function can build a family)."""
 
 @dataclass(frozen=True)
 class LMSize:
-    """A named transformer size: a GPT-2 size of ``causal_lm``, a BERT size of ``sequence_classification``."""
+    """A named transformer size: a GPT-2 size of ``causal_lm``, a BERT size of ``sequence_classification`` and
+    ``masked_lm``."""
 
     num_layers: int
     hidden_size: int
@@ -132,9 +139,9 @@ ENCODER_SIZES = {
     "bert-base": LMSize(num_layers=12, hidden_size=768, num_heads=12, context_length=512),
     "bert-large": LMSize(num_layers=24, hidden_size=1024, num_heads=16, context_length=512),
 }
-"""``model.name`` of ``sequence_classification``'s BERT sizes (randomly initialised): Google's BERT-Base and -Large
-and its four smaller ones (Turc et al. 2019), each with an MLP 4x its width; the vocabulary is the prepared data's
-tokenizer's (:mod:`training_core.workloads.sequence_classification` builds them)."""
+"""``model.name`` of the BERT sizes of ``sequence_classification`` and ``masked_lm`` (randomly initialised): Google's
+BERT-Base and -Large and its four smaller ones (Turc et al. 2019), each with an MLP 4x its width; the vocabulary is
+the prepared data's tokenizer's (:mod:`training_core.workloads.sequence_classification` builds them)."""
 
 PRIMARY_METRICS = {"sequence_classification": ("accuracy", "macro_f1")}
 """The ``workload.primary_metric`` choices of a built-in workload that lets the config choose (the first is its
@@ -158,7 +165,8 @@ def register_model(name: str, builder: str) -> None:
 
 def dataset_names(workload: str = "") -> tuple[str, ...]:
     """The registered ``data.dataset`` names (those ``workload`` reads, when given), in registration order."""
-    return tuple(name for name, source in DATASET_SOURCES.items() if not workload or source.workload == workload)
+    reader = SHARED_SOURCES.get(workload, workload)
+    return tuple(name for name, source in DATASET_SOURCES.items() if not workload or source.workload == reader)
 
 
 def load(path: str) -> Any:

@@ -98,6 +98,8 @@ def describe(hint: Any) -> str:
     if rule is not None:
         return rule.expected
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if _is_choice(hint):
+        return " or ".join(describe(arg) if arg is not type(None) else "null" for arg in args)
     if origin in (typing.Union, types.UnionType):
         return f"{describe(_without_none(hint))} or null"
     if origin is list:
@@ -247,6 +249,9 @@ def _resolve(cls: type, loc: tuple) -> tuple[str, Any]:
         loc = loc[:-2] + loc[-1:]
     path, hint = "", cls
     for part in loc:
+        if _is_choice(hint):  # a field of several types (``bool | str``): pydantic names the type it tried
+            hint = Any
+            continue
         hint = _without_none(hint)
         if part == "[key]":
             path += " key"
@@ -258,6 +263,13 @@ def _resolve(cls: type, loc: tuple) -> tuple[str, Any]:
             args = typing.get_args(hint)
             hint = args[-1] if args else Any
     return path, _without_none(hint)
+
+
+def _is_choice(hint: Any) -> bool:
+    return (
+        typing.get_origin(hint) in (typing.Union, types.UnionType)
+        and len([arg for arg in typing.get_args(hint) if arg is not type(None)]) > 1
+    )
 
 
 def _without_none(hint: Any) -> Any:

@@ -203,7 +203,8 @@ def log_model(
     ``models:/`` URI. MLflow saves it as a ``torch.export`` program (no pickled code); ``dynamic_axes`` of the input
     and the output are left free in the signature, and so in the exported program (the batch; a language model's
     sequence length too, so the loaded model scores and generates at any length up to its context). ``extra_files``
-    (file name -> bytes: a text classifier's tokenizer and classes) are saved in the model's ``extra_files/``."""
+    (file name -> bytes: a text classifier's tokenizer and classes) are saved in the model's ``extra_files/``. A
+    model with LoRA adapters is logged merged (:func:`~training_core.train.lora.merge_adapters`)."""
     import copy
     import sys
     import tempfile
@@ -214,7 +215,10 @@ def log_model(
     import torchvision
     from mlflow.models import infer_signature
 
-    bare = copy.deepcopy(getattr(model, "module", model)).cpu().eval()
+    from training_core.train.lora import merge_adapters
+
+    # LoRA's adapters are merged into their layers: the registered model loads and predicts without peft.
+    bare = merge_adapters(copy.deepcopy(getattr(model, "module", model))).cpu().eval()
     with torch.no_grad():
         output = bare(torch.from_numpy(np.ascontiguousarray(example))).numpy()
     mlflow.set_tracking_uri(run.tracking_uri)

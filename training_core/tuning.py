@@ -397,6 +397,8 @@ def _field_type(path: str) -> type:
     node: Any = TrainingConfig
     parts = path.split(".")
     for i, part in enumerate(parts):
+        if _is_typed_mapping(node):  # a mapping field (optimizer.param_groups): the rest of the path is one key
+            return typing.get_args(node)[1]
         hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
         if part not in hints:
             valid = ", ".join(sorted(hints)) if hints else "(none: the path ends at a value)"
@@ -413,12 +415,31 @@ def apply_params(base: TrainingConfig, params: Mapping[str, str]) -> TrainingCon
     """``base`` with each dotted-path param set (converted to the field's type and validated)."""
     tree = base.to_dict()
     for path, value in params.items():
-        node = tree
-        *sections, leaf = path.split(".")
-        for section in sections:
-            node = node[section]
+        node, leaf = _parent(tree, path)
         node[leaf] = parse_yaml(value, where=f"{path}={value!r}") if path.startswith(PARAMS_PREFIX) else value
     return TrainingConfig.from_dict(tree)
+
+
+def _parent(tree: dict[str, Any], path: str) -> tuple[dict[str, Any], str]:
+    """The mapping of ``tree`` (a config as a dict) that holds dotted ``path``'s value, and its key there. Below a
+    mapping field (``optimizer.param_groups``) the rest of the path is one key: a name pattern may hold dots."""
+    import typing
+
+    node, kind, parts = tree, TrainingConfig, path.split(".")
+    for i, part in enumerate(parts[:-1]):
+        node = node.setdefault(part, {})
+        kind = typing.get_type_hints(kind).get(part) if dataclasses.is_dataclass(kind) else None
+        if _is_typed_mapping(kind):
+            return node, ".".join(parts[i + 1 :])
+    return node, parts[-1]
+
+
+def _is_typed_mapping(kind: Any) -> bool:
+    """Whether a config field's type is a mapping of name to a typed value (``dict[str, float]``), whose keys a
+    search-space path may name; not a free-form JSON mapping (``dict[str, Any]``)."""
+    import typing
+
+    return typing.get_origin(kind) is dict and typing.get_args(kind)[1] is not typing.Any
 
 
 def format_param(value: float, spec: ParamSpec) -> str:

@@ -489,6 +489,7 @@ def _assert_well_typed(meta: ckpt.CheckpointMeta) -> None:
         "preempted": isinstance(meta.preempted, bool),
         "data_exhausted": isinstance(meta.data_exhausted, bool),
         "num_parameters": is_int(meta.num_parameters) and meta.num_parameters >= 0,
+        "frozen_base_sha256": meta.frozen_base_sha256 == "" or len(meta.frozen_base_sha256) == 64,
         "data_remaining": all(len(pair) == 2 and all(is_int(n) for n in pair) for pair in meta.data_remaining),
     }
     assert set(checks) == {f.name for f in dataclasses.fields(meta)}

@@ -79,9 +79,8 @@ def test_unknown_field_lists_the_valid_ones():
     with pytest.raises(
         ValueError,
         match=r"model has unknown field\(s\) nmae: valid fields are activation_checkpointing, "
-        r"activation_checkpointing_every_k, channels_last, compile, context_length, encoder_config, hidden_size, name, "
-        r"new_head, "
-        r"num_heads, num_layers, pretrained, pretrained_sha256, sync_batchnorm",
+        r"activation_checkpointing_every_k, channels_last, compile, context_length, encoder_config, freeze, "
+        r"hidden_size, lora, name, new_head, num_heads, num_layers, pretrained, pretrained_sha256, sync_batchnorm",
     ):
         TrainingConfig.from_dict({"model": {"nmae": "x"}})
 

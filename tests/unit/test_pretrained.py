@@ -208,18 +208,50 @@ def test_names_or_shapes_that_do_not_match_fail_in_preflight_listing_the_first_f
     assert "set model.new_head: true" in message
 
 
-def test_new_head_reinitialises_only_a_head_of_another_class_count_and_says_so(data_dir, tmp_path, caplog):
+def _seeded_head(seed: int, in_features: int = 1024, classes: int = 10) -> dict[str, torch.Tensor]:
+    """What ``model.new_head`` re-initialises a head to: a fresh layer's ``reset_parameters()`` under the seed."""
+    layer = torch.nn.Linear(in_features, classes)
+    torch.manual_seed(seed)
+    layer.reset_parameters()
+    return {"head.weight": layer.weight.detach(), "head.bias": layer.bias.detach()}
+
+
+def test_new_head_reinitialises_only_a_head_of_another_class_count_from_the_seed_and_says_so(
+    data_dir, tmp_path, caplog
+):
     saved = _weights(data_dir, num_classes=1000)
     save_file(saved, tmp_path / "imagenet_head.safetensors")
     cfg = _config(str(tmp_path / "imagenet_head.safetensors"), new_head=True)
     with caplog.at_level(logging.INFO, logger="training_core"):
         torch.manual_seed(7)
         found = _built(cfg, data_dir)
-    torch.manual_seed(7)
-    fresh = resolve_workload(cfg.workload).new_model(cfg, Manifest.load(data_dir)).state_dict()
+    torch.manual_seed(8)  # the head depends on loop.seed alone, not on the RNG the build found
+    assert torch.equal(_built(cfg, data_dir)["head.weight"], found["head.weight"])
     _assert_equal(found, saved, except_=("head.weight", "head.bias"))
-    assert torch.equal(found["head.weight"], fresh["head.weight"]) and found["head.weight"].shape == (10, 1024)
+    head = _seeded_head(cfg.loop.seed)
+    assert torch.equal(found["head.weight"], head["head.weight"]) and torch.equal(found["head.bias"], head["head.bias"])
     assert "re-initialised the classifier head 'head' (1000 classes in the pretrained weights, 10 here)" in caplog.text
+    assert "re-initialised 2 tensors: head.weight, head.bias" in caplog.text
+
+
+def test_new_head_as_a_name_pattern_reinitialises_what_it_names_and_a_pattern_naming_nothing_fails(
+    data_dir, tmp_path, caplog
+):
+    saved = _weights(data_dir)  # the data's 10 classes: `true` would keep this head, a pattern re-initialises it
+    save_file({k: v for k, v in saved.items() if k != "head.bias"}, tmp_path / "headless_bias.safetensors")
+    cfg = _config(str(tmp_path / "headless_bias.safetensors"), new_head="head.*")
+    with caplog.at_level(logging.INFO, logger="training_core"):
+        found = _built(cfg, data_dir)
+    _assert_equal(found, saved, except_=("head.weight", "head.bias"))
+    assert torch.equal(found["head.weight"], _seeded_head(cfg.loop.seed)["head.weight"])
+    assert "re-initialised 2 tensors: head.weight, head.bias" in caplog.text
+    # The overrides and old checkpoints' booleans still read as booleans.
+    assert TrainingConfig.from_dict({"model": {"pretrained": "w.pt", "new_head": "true"}}).model.new_head is True
+    assert TrainingConfig.from_dict({"model": {"pretrained": "w.pt", "new_head": False}}).model.new_head is False
+
+    message = _error(_config(str(tmp_path / "headless_bias.safetensors"), new_head="classifier.*"), data_dir)
+    assert "model.new_head='classifier.*' is invalid: it names none of the model's tensors" in message
+    assert "head.weight, head.bias" in message and "e.g. 'fc.*'" in message
 
 
 def test_a_torchvision_resnet18_with_1000_classes_fine_tunes_its_fc_to_the_datas_10_classes(data_dir, tmp_path):
@@ -347,3 +379,113 @@ def test_a_searchs_trials_carry_the_weights_sha256_so_the_cached_trials_key_name
     trials = [Trial(trial_id=i, params=p) for i, p in enumerate(tuning.initial_params(config))]
     state = SearchState(0, trials, tracking_uri="sqlite:///m.db", parent_run_id="p", pretrained_sha256=digest)
     assert [s.config.model.pretrained_sha256 for s in plan_round(config, state)] == [digest, digest]
+
+
+def test_rows_of_safetensors_tensors_are_read_by_byte_range_and_only_their_bytes_count(tmp_path):
+    from training_core.pretrained import SafetensorsRows
+
+    tensors = {
+        "w": torch.arange(35, dtype=torch.float32).reshape(5, 7),
+        "half": torch.arange(6, dtype=torch.bfloat16).reshape(3, 2),
+        "ids": torch.arange(5, dtype=torch.int64),
+        "steps": torch.tensor(9, dtype=torch.int64),
+    }
+    save_file(tensors, tmp_path / "w.safetensors")
+    reader = SafetensorsRows(locate(str(tmp_path / "w.safetensors")))
+    header_bytes = reader.bytes_read
+    for name, start, stop in (("w", 3, 5), ("w", 5, 5), ("ids", 0, 3), ("steps", 0, 0)):
+        out = torch.empty_like(tensors[name][start:stop] if tensors[name].dim() else tensors[name])
+        reader.read_rows(name, start, stop, out)
+        assert torch.equal(out, tensors[name][start:stop] if out.dim() else tensors[name]), name
+    out = torch.empty(2, 2, dtype=torch.float32)  # another dtype than the file's: converted
+    reader.read_rows("half", 1, 3, out)
+    assert torch.equal(out, tensors["half"][1:3].float())
+    assert reader.bytes_read - header_bytes == 2 * 7 * 4 + 3 * 8 + 8 + 2 * 2 * 2
+
+    data = (tmp_path / "w.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-30])
+    with pytest.raises(ValueError, match=r"model.pretrained=.*cut.safetensors.* ends before byte"):
+        SafetensorsRows(locate(str(tmp_path / "cut.safetensors"))).read_rows("w", 0, 5, torch.empty(5, 7))
+
+
+@pytest.mark.parametrize("suffix", ["safetensors", "pt", "directory"])
+def test_an_fsdp_model_built_empty_gets_each_shards_rows_and_equals_the_whole_load(
+    data_dir, tmp_path, process_group, suffix
+):
+    from tests.helpers.runtime import InProcessRuntime
+    from training_core.parallel.sharding import is_sharded
+    from training_core.train.model import build_sharded_pretrained
+
+    saved = _weights(data_dir, num_classes=1000)
+    path = tmp_path / f"w.{suffix}"
+    if suffix == "safetensors":
+        save_file(saved, path)
+    elif suffix == "pt":
+        torch.save(saved, path)
+    else:  # a Hugging Face directory of two safetensors shards and their index
+        path.mkdir()
+        names = sorted(saved)
+        shards = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
+        for shard, keys in shards.items():
+            save_file({key: saved[key] for key in keys}, path / shard)
+        weight_map = {key: shard for shard, keys in shards.items() for key in keys}
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        (path / "config.json").write_text("{}")
+    cfg = _config(str(path), new_head=True)
+    whole = _built(cfg, data_dir)
+    cfg.scaling.strategy = "fsdp"
+    workload, manifest = resolve_workload(cfg.workload), Manifest.load(data_dir)
+    held, num_parameters, bytes_read = build_sharded_pretrained(cfg, workload, manifest, InProcessRuntime(),
+                                                                param_dtype=None)  # fmt: skip
+    assert is_sharded(held.model) and num_parameters == sum(p.numel() for p in held.model.parameters())
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    for key, tensor in get_model_state_dict(held.model).items():
+        assert torch.equal(tensor.full_tensor(), whole[key]), key  # the head: the same seeded re-initialisation
+    loaded_bytes = sum(t.numel() * t.element_size() for k, t in saved.items() if not k.startswith("head."))
+    if suffix != "pt":  # the head's 1,000 rows are never read; a .pt is read whole
+        assert loaded_bytes < bytes_read < loaded_bytes + 4096
+    else:
+        assert bytes_read == sum(t.numel() * t.element_size() for t in saved.values())
+
+
+def test_under_fsdp_the_loop_reads_the_weights_by_rows_and_a_resume_keeps_its_own_checkpoint(
+    data_dir, tmp_path, process_group, caplog
+):
+    save_file(_weights(data_dir, num_classes=1000), tmp_path / "weights.safetensors")
+    cfg = _config(str(tmp_path / "weights.safetensors"), new_head="head.*")
+    cfg.scaling.strategy = "fsdp"
+    as_ddp = TrainingConfig.from_dict(cfg.to_dict() | {"scaling": cfg.scaling.__dict__ | {"strategy": "ddp"}})
+    preflight(as_ddp, data_dir)  # records the sha256 (small_cnn has no blocks, which preflight wants under FSDP)
+    cfg.model.pretrained_sha256 = as_ddp.model.pretrained_sha256
+    with caplog.at_level(logging.INFO, logger="training_core"):
+        _run(cfg, data_dir, tmp_path / "whole")
+    assert "of the weights by rows (FSDP)" in caplog.text
+    first_slice = TrainingConfig.from_dict(cfg.to_dict() | {"loop": cfg.loop.__dict__ | {"stop_at_epoch": 1}})
+    _run(first_slice, data_dir, tmp_path / "sliced")
+    _run(cfg, data_dir, tmp_path / "sliced")  # reads the weights by rows again, then restores its checkpoint
+    sliced, ended = _final(tmp_path / "sliced"), _final(tmp_path / "whole")
+    assert sliced.meta.resumed_from_steps == [ended.meta.global_step // 2]
+    for key, tensor in ended.model.items():
+        assert torch.equal(sliced.model[key], tensor), key
+
+
+def test_an_fsdp_runs_preflight_matches_the_weights_by_their_headers_and_records_their_streamed_sha256(
+    data_dir, tmp_path
+):
+    path = tmp_path / "resnet18.safetensors"
+    save_file(_weights(data_dir, num_classes=1000, name="resnet18"), path)
+    cfg = _config(str(path))
+    cfg.model.name, cfg.scaling.strategy = "resnet18", "fsdp"
+    assert "fc.weight [1000, 512] vs the model's [10, 512]" in _error(cfg, data_dir)
+    cfg.model.new_head = "fc.*"
+    import tracemalloc
+
+    tracemalloc.start()  # the file's bytes would be a Python bytes object: read whole, they would show here
+    try:
+        preflight(cfg, data_dir)
+        peak_bytes = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak_bytes < path.stat().st_size / 8, (peak_bytes, path.stat().st_size)
+    assert cfg.model.pretrained_sha256 == hashlib.sha256(path.read_bytes()).hexdigest()

@@ -247,6 +247,42 @@ def test_a_pickle_or_a_tokenizer_other_than_the_models_is_refused(pretrained, tm
     assert "data.tokenizer='byte' is invalid: the data was tokenised with another tokenizer" in message
 
 
+@pytest.mark.parametrize("max_shard_size", ["1GB", "40KB"])
+def test_under_fsdp_each_rank_reads_its_rows_of_a_pretraining_checkpoint_and_equals_the_whole_load(
+    pretrained, tmp_path, process_group, caplog, max_shard_size
+):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from tests.helpers.runtime import InProcessRuntime
+    from training_core.train.model import build_sharded_pretrained
+
+    bert_dir, data_dir = pretrained
+    vocab_size = len(json.loads((bert_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    masked = tiny_bert(tmp_path / "saved", vocab_size=vocab_size, num_labels=3, head=False)
+    masked.save_pretrained(tmp_path / "mlm", max_shard_size=max_shard_size)  # one file, or shards and their index
+    assert (tmp_path / "mlm" / "model.safetensors.index.json").exists() == (max_shard_size == "40KB")
+    (tmp_path / "mlm" / "tokenizer.json").write_bytes((bert_dir / "tokenizer.json").read_bytes())
+    config = _config("unused", tokenizer=str(bert_dir), name="", hidden_size=0, num_heads=0,
+                     pretrained=str(tmp_path / "mlm"))  # fmt: skip
+    config.scaling.strategy = "fsdp"
+    workload, manifest = preflight(config, str(data_dir)), Manifest.load(str(data_dir))
+    torch.manual_seed(7)  # the whole load's random initialisation differs from any other: only loaded tensors agree
+    whole = workload.build_model(config, manifest).state_dict()
+    torch.manual_seed(8)
+    with caplog.at_level("WARNING"):
+        held, _, bytes_read = build_sharded_pretrained(config, workload, manifest, InProcessRuntime(),
+                                                       param_dtype=None)  # fmt: skip
+    sharded = get_model_state_dict(held.model)
+    assert sharded.keys() == whole.keys()
+    for key, tensor in sharded.items():
+        assert torch.equal(tensor.full_tensor(), whole[key]), key  # the new head and pooler: the same seeded values
+    backbone = masked.bert.state_dict()
+    assert all(torch.equal(whole[f"encoder.bert.{key}"], value) for key, value in backbone.items())
+    assert "the pooler (bert.pooler.dense.weight, bert.pooler.dense.bias) is new" in caplog.text
+    backbone_bytes = sum(t.numel() * t.element_size() for t in backbone.values())
+    assert backbone_bytes < bytes_read < backbone_bytes + 16384  # cls.predictions.* are never read
+
+
 def test_a_rebuilt_checkpoint_needs_no_pretrained_files(pretrained):
     """A checkpoint keeps model.encoder_config: the architecture rebuilds after model.pretrained is dropped."""
     from training_core.pretrained import without_pretrained

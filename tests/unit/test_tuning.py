@@ -39,7 +39,7 @@ from training_core.tuning import (
         (
             lambda: ParamSpec("optimizer.lrr", "log_uniform", low=1e-4, high=1e-2),
             "search_space.path='optimizer.lrr' is invalid: 'optimizer.lrr' is not a config field; fields here: fused, "
-            "lr, max_grad_norm, momentum, name, weight_decay",
+            "lr, max_grad_norm, momentum, name, param_groups, weight_decay",
         ),
         (
             lambda: ParamSpec("optimizer", "uniform", low=0, high=1),

@@ -57,6 +57,7 @@ from training_core.checkpoint.load import (
 )
 from training_core.checkpoint.manifest import CheckpointManifest, ManifestEntry, file_entry, manifest_for
 from training_core.checkpoint.meta import CheckpointMeta
+from training_core.checkpoint.partial import base_sha256
 from training_core.checkpoint.restore import build_saved_model, load_model, model_state_shapes, restore
 from training_core.checkpoint.shard_metadata import parse_shard_metadata
 from training_core.checkpoint.snapshot import detached, encode, snapshot
@@ -81,6 +82,7 @@ __all__ = [
     "ManifestEntry",
     "SaveObserver",
     "Storage",
+    "base_sha256",
     "build_saved_model",
     "detached",
     "encode",

@@ -21,6 +21,7 @@ from training_core.checkpoint.layout import (
 )
 from training_core.checkpoint.manifest import CheckpointManifest, file_entry, manifest_for
 from training_core.checkpoint.meta import CheckpointMeta
+from training_core.checkpoint.partial import state_dict_options
 from training_core.checkpoint.snapshot import encode, snapshot, to_cpu, torch_bytes
 from training_core.checkpoint.storage import Storage, remove_local
 
@@ -140,7 +141,7 @@ class Checkpointer:
         self._settle()
         started = time.perf_counter()
         rank, world_size, name = dist.get_rank(), dist.get_world_size(), step_name(global_step)
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dict(model, optimizer, options=state_dict_options(model))
         state = to_cpu(
             {"model": model_state, "optimizer": optim_state}, self._staging if self.async_save else None, "sharded"
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable
@@ -28,6 +29,7 @@ _STEP_RECORDS = "a list of step records (objects of numbers)"
 _RNG_STATES = "an object of per-rank 'python' and 'numpy' RNG states"
 _INTERVALS = "a list of [start, stop] pairs of integers >= 0"
 _DESCRIPTION = "a JSON object (the prepared data's description)"
+_SHA256 = "a sha256 (64 lowercase hex digits) or empty"
 
 
 @dataclass
@@ -92,6 +94,10 @@ class CheckpointMeta:
     data: Annotated[dict[str, Any], Rule(is_mapping, _DESCRIPTION)] = field(default_factory=dict)
     """The prepared data's description (:meth:`~training_core.data.Manifest.description`: workload, arrays, spec)
     that rebuilds the model; empty in checkpoints written before workloads (image classification)."""
+    frozen_base_sha256: Annotated[str, Rule(_is_sha256_or_empty, _SHA256)] = ""
+    """With frozen parameters (``model.lora``, ``model.freeze``): the checkpoint holds only the trainable ones, and
+    this is the sha256 of the frozen base it needs (:mod:`~training_core.checkpoint.partial`); a model whose frozen
+    parameters differ refuses it. Empty: the checkpoint holds the whole model (and in checkpoints written before)."""
     telemetry: dict[str, Any] = field(default_factory=dict)
     """Rank 0's telemetry for the Deck: ``samples`` (a bounded timeline of ``elapsed_s``, ``cpu_utilization``
     and ``gpu_utilization`` per GPU as ratios 0-1, ``memory_used_bytes`` and ``gpu_memory_used_bytes`` per GPU)
@@ -179,6 +185,10 @@ def _is_rng_states(value: Any) -> bool:
         if not (isinstance(numpy, list) and len(numpy) == 5 and _list_of(is_int)(numpy[1])):
             return False
     return True
+
+
+def _is_sha256_or_empty(value: Any) -> bool:
+    return isinstance(value, str) and (value == "" or re.fullmatch(r"[0-9a-f]{64}", value) is not None)
 
 
 def _is_interval(value: Any) -> bool:

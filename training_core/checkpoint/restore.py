@@ -3,12 +3,14 @@ model a checkpoint describes."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from typing import Any
 
 from training_core.checkpoint.load import LoadedCheckpoint, load_directory
 from training_core.checkpoint.meta import CheckpointMeta
+from training_core.checkpoint.partial import load_trainable, require_base, state_dict_options
 from training_core.checkpoint.snapshot import torch_bytes
 
 
@@ -27,6 +29,8 @@ def build_saved_model(meta: CheckpointMeta):
     from training_core.config import TrainingConfig
     from training_core.data.prepared import Manifest
     from training_core.pretrained import without_pretrained
+    from training_core.train.lora import prepare_trainable
+    from training_core.train.rng import seed_everything
     from training_core.workloads import resolve_workload
 
     # The saved config is a (redacted) record: only the sections that shape the model (and that a workload's
@@ -35,7 +39,9 @@ def build_saved_model(meta: CheckpointMeta):
     # One worker: the run's layout does not shape the model, and the default one (2 workers) would refuse the data
     # section of a run trained on fewer shards (data.num_shards >= scaling.num_workers).
     sections = {k: meta.config[k] for k in ("workload", "data", "model") if k in meta.config}
-    if isinstance(sections.get("model"), dict):  # the checkpoint holds the weights: not the pretrained ones, maybe gone
+    # The checkpoint holds the weights: not the pretrained ones, maybe gone. A checkpoint of the trainable part only
+    # needs its frozen base: the pretrained weights and the seeded initialisation, as the run built them.
+    if isinstance(sections.get("model"), dict) and not meta.frozen_base_sha256:
         sections["model"] = without_pretrained(sections["model"])
     config = TrainingConfig.from_dict({**sections, "scaling": {"num_workers": 1}})
     if meta.data:
@@ -45,7 +51,9 @@ def build_saved_model(meta: CheckpointMeta):
             dataset="", classes=meta.classes, input_shape=meta.input_shape, mean=meta.mean, std=meta.std, splits={}
         )
     workload = resolve_workload(config.workload)
-    return workload.build_model(config, manifest), workload
+    if meta.frozen_base_sha256:
+        seed_everything(int(meta.config.get("loop", {}).get("seed", 0)))
+    return prepare_trainable(workload.build_model(config, manifest), config.model), workload
 
 
 def restore(loaded: LoadedCheckpoint, *, model, optimizer=None, scheduler=None, scaler=None) -> None:
@@ -56,10 +64,16 @@ def restore(loaded: LoadedCheckpoint, *, model, optimizer=None, scheduler=None, 
     from training_core.parallel.sharding import is_sharded
 
     try:
+        if loaded.meta.frozen_base_sha256 and (loaded.shards_dir or is_sharded(model)):
+            require_base(model, loaded.meta.frozen_base_sha256, where=loaded.display_uri)
         if loaded.shards_dir:
             _load_shards(loaded.shards_dir, loaded.shard_metadata, model=model, optimizer=optimizer)
         elif is_sharded(model):
             _load_full_into_sharded(loaded, model=model, optimizer=optimizer)
+        elif loaded.meta.frozen_base_sha256:
+            load_trainable(model, loaded.model, base=loaded.meta.frozen_base_sha256, where=loaded.display_uri)
+            if optimizer is not None and "optimizer" in loaded.trainer:
+                optimizer.load_state_dict(loaded.trainer["optimizer"])
         else:
             getattr(model, "module", model).load_state_dict(loaded.model)
             if optimizer is not None and "optimizer" in loaded.trainer:
@@ -80,29 +94,33 @@ def _load_shards(directory: str, metadata: Any, *, model, optimizer) -> None:
         set_state_dict,
     )
 
+    # A model with frozen parameters loads its trainable ones (what such a checkpoint holds) over its frozen base.
+    options = state_dict_options(model)
+    into = dataclasses.replace(options, strict=not options.ignore_frozen_params)
     if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model, options=options)}
         dcp.load(state, storage_reader=_safe_reader(directory, metadata), planner=_weights_only_planner())
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=into)
         return
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, storage_reader=_safe_reader(directory, metadata), planner=_weights_only_planner())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=into)
 
 
 def _load_full_into_sharded(loaded: LoadedCheckpoint, *, model, optimizer) -> None:
     """A full checkpoint (written under DDP) into an FSDP model: each rank keeps its shard of the whole. The
-    optimizer's state, numbered in parameter order, is keyed by the parameters' names first (the order of
-    ``named_parameters``, in which the optimizer was built)."""
+    optimizer's state, numbered in the order of its groups' parameters, is keyed by the parameters' names first."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    options = StateDictOptions(full_state_dict=True)
+    partial = bool(loaded.meta.frozen_base_sha256)  # the trainable parameters only, over the frozen base
+    options = StateDictOptions(full_state_dict=True, strict=not partial)
     set_model_state_dict(model, loaded.model, options=options)
     saved = loaded.trainer.get("optimizer")
     if optimizer is None or saved is None:
         return
-    names = [name for name, _ in model.named_parameters()]
+    name_of = {id(param): name for name, param in model.named_parameters()}
+    names = [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
     by_name = {
         "state": {names[index]: value for index, value in saved["state"].items()},
         "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in saved["param_groups"]],
@@ -113,11 +131,13 @@ def _load_full_into_sharded(loaded: LoadedCheckpoint, *, model, optimizer) -> No
 def model_state_shapes(model) -> dict[str, tuple[int, ...]]:
     """The name and shape of every tensor :func:`restore` loads into ``model`` from a sharded checkpoint (its
     ``torch.distributed.checkpoint`` state dict: names without a DDP or ``torch.compile`` prefix, global shapes
-    under FSDP): what ``expected_shapes`` of :func:`load_latest_valid` checks a checkpoint against."""
+    under FSDP, frozen parameters left out): what ``expected_shapes`` of :func:`load_latest_valid` checks a
+    checkpoint against."""
     import torch
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return {name: tuple(value.shape) for name, value in get_model_state_dict(model).items() if torch.is_tensor(value)}
+    state = get_model_state_dict(model, options=state_dict_options(model))
+    return {name: tuple(value.shape) for name, value in state.items() if torch.is_tensor(value)}
 
 
 def _safe_reader(directory: str, metadata: Any):

@@ -9,6 +9,7 @@ from typing import Any
 
 from training_core.checkpoint.layout import META_FILE, MODEL_FILE, TRAINER_STATE_FILE
 from training_core.checkpoint.meta import CheckpointMeta
+from training_core.checkpoint.partial import trainable_state
 
 
 def to_cpu(obj: Any, staging: dict[str, Any] | None = None, path: str = "") -> Any:
@@ -79,8 +80,11 @@ def snapshot(
         trainer["rng"] = torch_rng
     if replicas:
         trainer["replicas"] = replicas
+    model_state = bare.state_dict()
+    if meta.frozen_base_sha256:  # the frozen base comes back from its source: only what trains is saved
+        model_state = trainable_state(model_state, bare)
     state = {
-        "model": to_cpu(bare.state_dict(), staging, "model"),
+        "model": to_cpu(model_state, staging, "model"),
         "trainer": to_cpu(trainer, staging, "trainer"),
         "meta": asdict(meta),
     }

@@ -147,8 +147,8 @@ class DataConfig:
     """Dataset source: ``digits`` (sklearn's 8x8 digits, shipped with scikit-learn), ``synthetic``
     (random images with learnable class templates, for benchmarks), ``cifar10`` (the python-version
     tarball ``cifar-10-python.tar.gz``) or ``image_folder`` (an ImageNet-style ``<split>/<class>/*.jpg``
-    tree, or ``<class>/*.jpg`` which is split here); text: ``stdlib`` and ``text`` (``causal_lm``), ``labeled_text``
-    (``sequence_classification``: ``.csv``, ``.jsonl`` or ``.parquet`` records of text and label under
+    tree, or ``<class>/*.jpg`` which is split here); text: ``stdlib`` and ``text`` (``causal_lm`` and ``masked_lm``),
+    ``labeled_text`` (``sequence_classification``: ``.csv``, ``.jsonl`` or ``.parquet`` records of text and label under
     ``data.path``)."""
 
     path: str = ""
@@ -319,6 +319,66 @@ LOADER_FIELDS = (
 """The ``DataConfig`` fields only training's loader reads: data prep's output does not depend on them."""
 
 
+MAX_NAME_PATTERNS = 256
+"""Most name patterns in one list (``model.freeze``, ``model.lora.target_modules``, ``optimizer.param_groups``)."""
+
+
+def _name_patterns(path: str, patterns: Any) -> list[str]:
+    """``patterns`` checked as a list of non-empty ``fnmatch`` name patterns, each once."""
+    if not isinstance(patterns, list) or len(patterns) > MAX_NAME_PATTERNS:
+        invalid(path, patterns, f"give a list of at most {MAX_NAME_PATTERNS} name patterns")
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not pattern.strip() or len(pattern) > 1000 or "\0" in pattern:
+            invalid(path, pattern, "give a parameter or module name pattern such as 'bert.encoder.*'")
+    if len(set(patterns)) != len(patterns):
+        invalid(path, patterns, "name each pattern once")
+    return patterns
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA, through Hugging Face ``peft``): each target linear layer ``W`` becomes
+    ``W x + (alpha / rank) * B A x`` with ``A`` (rank x in) and ``B`` (out x rank, zero at the start) the only weights
+    that train; ``W`` stays frozen. See :mod:`training_core.train.lora`."""
+
+    enabled: bool = False
+    """Adapt the model with LoRA: only the adapters (and, with ``train_head``, the classifier head) train, and only
+    they are checkpointed; the registered model is the merged one (``W + (alpha / rank) * B A``), loadable without
+    ``peft``. Off: the whole model trains."""
+
+    rank: int = 8
+    """Rank of each adapter (``r``): the adapter of an ``out x in`` layer has ``rank * (in + out)`` weights."""
+
+    alpha: float = 16.0
+    """Scale of the adapters' update: it is multiplied by ``alpha / rank``."""
+
+    dropout: float = 0.0
+    """Dropout on the adapters' input during training, in [0, 1)."""
+
+    target_modules: list[str] = field(default_factory=lambda: ["query", "value"])
+    """Which layers get an adapter, by module name as ``peft`` matches them: a pattern names a module whose full name
+    is the pattern or ends with ``.`` and the pattern (``query`` adapts every ``...attention.self.query``). BERT-class
+    encoders: ``query``, ``key``, ``value``, ``dense``; GPT-2 (``causal_lm``): ``c_attn``, ``c_proj``, ``c_fc``; an
+    image MLP: its linear layers' names. Each pattern must name at least one layer of the model (checked before any
+    worker starts)."""
+
+    train_head: bool = True
+    """Also train the classifier head in full (the model's last linear layer, the one ``model.new_head``
+    re-initialises): a head fitted to the data's classes is new and has no pretrained weights to adapt. A head whose
+    weight is tied to another parameter (a language model's output layer, tied to the token embeddings) stays frozen
+    either way."""
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0:
+            invalid("model.lora.rank", self.rank, "give the adapters' rank, a whole number > 0 (e.g. 8)")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            invalid("model.lora.alpha", self.alpha, "give a scale > 0 (e.g. 2 * rank)")
+        _fraction("model.lora.dropout", self.dropout)
+        _name_patterns("model.lora.target_modules", self.target_modules)
+        if self.enabled and not self.target_modules:
+            invalid("model.lora.target_modules", self.target_modules, "name at least one layer to adapt, e.g. query")
+
+
 @dataclass
 class ModelConfig:
     name: str = "resnet18"
@@ -329,8 +389,8 @@ class ModelConfig:
     by name (``LlamaConfig``, ``GPTNeoXConfig``...), randomly initialised. ``sequence_classification``: a BERT size
     (bert-tiny, bert-mini, bert-small, bert-medium, bert-base, bert-large) or a ``transformers`` config class with a
     sequence-classification model (``RobertaConfig``, ``DistilBertConfig``...), randomly initialised; or empty with
-    a Hugging Face directory in ``pretrained`` (its ``config.json`` is the architecture). A user workload reads it as
-    it likes."""
+    a Hugging Face directory in ``pretrained`` (its ``config.json`` is the architecture). ``masked_lm``: a BERT size
+    or a config class with a masked-LM model. A user workload reads it as it likes."""
 
     num_layers: int = 0
     """``causal_lm``, ``sequence_classification``: transformer blocks; 0 keeps the named size's."""
@@ -381,15 +441,28 @@ class ModelConfig:
     weights' content. Set: pins the weights (a run whose weights have another hash fails), and the Flyte cache key,
     which is the config, then names their content rather than their path."""
 
-    new_head: bool = False
-    """With ``pretrained``: re-initialise the classifier head (the model's last linear layer, e.g. a ResNet's
-    ``fc``) when its class count differs from the data's (1,000 ImageNet classes to 10), and log that it did."""
+    new_head: bool | str = False
+    """With ``pretrained``: ``true`` re-initialises the classifier head (the model's last linear layer, e.g. a
+    ResNet's ``fc``) when its class count differs from the data's (1,000 ImageNet classes to 10); a name pattern
+    (``fc.*``, ``classifier.*``; several separated by commas; ``*`` matches dots too) re-initialises the tensors it
+    names, whatever their shapes, and must name at least one. Re-initialised tensors take their layer's
+    ``reset_parameters()`` under ``loop.seed`` (the same values on every rank, with DDP or FSDP); the log lists
+    them. ``false`` (or empty) loads every tensor."""
 
     encoder_config: dict[str, Any] = field(default_factory=dict)
     """``sequence_classification``: the ``transformers`` config (a ``config.json``'s contents, with its
     ``model_type``) of the encoder. Filled in from ``pretrained``'s ``config.json`` before any worker starts, so a
     checkpoint rebuilds the architecture without the pretrained files; given with ``model.name`` empty and no
     ``pretrained``, a randomly initialised encoder of that architecture."""
+
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Parameter-efficient fine-tuning with low-rank adapters (off by default)."""
+
+    freeze: list[str] = field(default_factory=list)
+    """Parameters that do not train (``requires_grad`` off, not in the optimizer, not in the checkpoint), as
+    ``fnmatch`` patterns of their full names (``bert.embeddings.*``, ``*.bias``; ``*`` matches dots too), matched
+    against the names of the model as it trains (with LoRA: after the adapters are added). Each pattern must match a
+    parameter (checked before any worker starts). Empty: everything trains."""
 
     def __post_init__(self) -> None:
         _choice("model.activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
@@ -406,6 +479,7 @@ class ModelConfig:
             _non_negative(f"model.{name}", getattr(self, name))
         if self.num_heads and self.hidden_size and self.hidden_size % self.num_heads:
             invalid("model.num_heads", self.num_heads, f"it must divide model.hidden_size={self.hidden_size}")
+        _name_patterns("model.freeze", self.freeze)
 
     def _check_pretrained(self) -> None:
         scheme = self.pretrained.partition("://")[0] if "://" in self.pretrained else ""
@@ -415,6 +489,10 @@ class ModelConfig:
             invalid("model.pretrained_sha256", self.pretrained_sha256, "it pins model.pretrained: set that too")
         if self.pretrained_sha256 and not re.fullmatch(r"[0-9a-f]{64}", self.pretrained_sha256):
             invalid("model.pretrained_sha256", self.pretrained_sha256, "give 64 lowercase hex digits (sha256sum's)")
+        if isinstance(self.new_head, str) and self.new_head.strip().lower() in ("", "true", "false", "yes", "no"):
+            self.new_head = self.new_head.strip().lower() in ("true", "yes")  # YAML, overrides and forms say it so
+        if isinstance(self.new_head, str) and (len(self.new_head) > 1000 or "\0" in self.new_head):
+            invalid("model.new_head", self.new_head, "give true, false or a short name pattern such as 'fc.*'")
         if self.new_head and not self.pretrained:
             invalid("model.new_head", self.new_head, "it re-initialises the head of model.pretrained: set that too")
 
@@ -424,7 +502,8 @@ class WorkloadConfig:
     name: str = "image_classification"
     """What is trained: ``image_classification`` (the image models and datasets), ``causal_lm`` (GPT-style
     language models on text), ``array_classification`` and ``array_regression`` (a ``model_factory``'s model on the
-    user's own arrays), ``sequence_classification`` (BERT-class encoders classifying labelled text), or user
+    user's own arrays), ``sequence_classification`` (BERT-class encoders classifying labelled text), ``masked_lm``
+    (BERT-style pretraining on ``causal_lm``'s text), or user
     code as ``package.module:attribute``: a callable called with no arguments
     (a class or a factory; with ``params=`` when it has that parameter) that returns a
     :class:`training_core.workloads.Workload`."""
@@ -573,9 +652,22 @@ class OptimizerConfig:
     """On a GPU, PyTorch's fused kernel of the optimizer (one kernel for every parameter instead of a loop of
     them); on CPU the default (``foreach``) implementation either way."""
 
+    param_groups: dict[str, float] = field(default_factory=dict)
+    """Parameters with a learning rate of their own: ``fnmatch`` pattern of full parameter names -> peak learning
+    rate (``{"bert.*": 2.0e-5, "classifier.*": 1.0e-3}``: a lower one for the backbone than the head). The schedule
+    (warmup, decay) scales every group alike; parameters no pattern matches take ``lr``. Each pattern must match a
+    trainable parameter, and no parameter two patterns (checked before any worker starts). Tuning searches a group's
+    rate as ``optimizer.param_groups.<pattern>`` (the rest of the path is the pattern, dots and all)."""
+
     def __post_init__(self) -> None:
         _choice("optimizer.name", self.name, OPTIMIZERS)
         _positive("optimizer.lr", self.lr)
+        if not isinstance(self.param_groups, dict):
+            invalid("optimizer.param_groups", self.param_groups, "give a mapping of name pattern to learning rate")
+        _name_patterns("optimizer.param_groups", list(self.param_groups))
+        for pattern, lr in self.param_groups.items():
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+                invalid(f"optimizer.param_groups[{pattern!r}]", lr, "give the group's peak learning rate, > 0")
         _non_negative("optimizer.weight_decay", self.weight_decay)
         _fraction("optimizer.momentum", self.momentum)
         _non_negative("optimizer.max_grad_norm", self.max_grad_norm)
@@ -1317,12 +1409,12 @@ class TrainingConfig:
                     f"workload.name='causal_lm' builds {', '.join(LM_SIZES)} or a transformers causal-LM config "
                     "class by name (e.g. LlamaConfig)",
                 )
-        if name == "sequence_classification" and not self.workload.model_factory:
-            self._check_encoder_name()
+        if name in ("sequence_classification", "masked_lm") and not self.workload.model_factory:
+            self._check_encoder_name(name)
 
-    def _check_encoder_name(self) -> None:
-        """``sequence_classification`` builds a BERT size, a config class by name, or (name empty) the architecture
-        of ``model.pretrained`` or ``model.encoder_config``."""
+    def _check_encoder_name(self, workload: str) -> None:
+        """``sequence_classification`` and ``masked_lm`` build a BERT size, a config class by name, or (name empty)
+        the architecture of ``model.pretrained`` or ``model.encoder_config``."""
         name, model = self.model.name, self.model
         if name in ENCODER_SIZES or (name.endswith("Config") and name.isidentifier()):
             return
@@ -1331,7 +1423,7 @@ class TrainingConfig:
         invalid(
             "model.name",
             name,
-            f"workload.name='sequence_classification' builds {', '.join(ENCODER_SIZES)} or a transformers config "
+            f"workload.name={workload!r} builds {', '.join(ENCODER_SIZES)} or a transformers config "
             "class by name (e.g. RobertaConfig); or set model.name to '' to take model.pretrained's architecture",
         )
 

@@ -730,7 +730,9 @@ def _local_identity(path: str, manifest: Manifest, shard: ShardInfo) -> tuple | 
 
 
 class ArraySamples:
-    """An ``npz`` shard's samples: rows of its arrays, as stored."""
+    """An ``npz`` shard's samples: rows of its arrays, as stored. A shard that stores ``sample_ids`` gives each
+    training sample its ``sample_seeds`` too: the seed of its random draws (``masked_lm``'s masking) in this epoch,
+    the same whichever rank, batch or resume reads it."""
 
     def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
         self.arrays = arrays
@@ -739,7 +741,12 @@ class ArraySamples:
         return len(next(iter(self.arrays.values())))
 
     def sample(self, row: int, *, epoch: int, train: bool, seed: int = 0) -> dict[str, np.ndarray]:
-        return {name: value[row] for name, value in self.arrays.items()}
+        found = {name: value[row] for name, value in self.arrays.items()}
+        if train and "sample_ids" in found:
+            from training_core.data.loader import sample_seed
+
+            found["sample_seeds"] = np.int64(sample_seed(seed, epoch, int(found["sample_ids"])))
+        return found
 
 
 class ShardStream:

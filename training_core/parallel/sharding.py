@@ -106,7 +106,11 @@ def shard_model(
     """FSDP2 ``fully_shard`` on each block, then on the root (which holds what no block does: stems, heads,
     embeddings), over the default process group. ``param_dtype`` (bf16 or fp16) is the dtype parameters are
     gathered in for compute, gradients being reduced in fp32 into fp32 shards; None keeps fp32. With
-    ``cpu_offload`` the shards, their gradients and the optimizer state stay in host memory."""
+    ``cpu_offload`` the shards, their gradients and the optimizer state stay in host memory.
+
+    A model whose parameters are on the meta device (:func:`empty_parameters`) is sharded there, then each rank
+    allocates its shards alone, uninitialised, and its buffers keep their values: the caller fills the shards
+    (:func:`training_core.pretrained.load_shards`)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if not blocks:
@@ -115,7 +119,10 @@ def shard_model(
             "workload), so the whole model is one FSDP unit and is gathered whole for each forward and backward",
             type(model).__name__,
         )
-    model.to(torch.device("cpu") if cpu_offload else device)
+    empty = any(p.is_meta for p in model.parameters())
+    buffers = {name: buffer for name, buffer in model.named_buffers()}
+    if not empty:
+        model.to(torch.device("cpu") if cpu_offload else device)
     options = {
         "mp_policy": MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None
@@ -125,7 +132,20 @@ def shard_model(
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)
+    if empty:
+        model.to_empty(device=torch.device("cpu") if cpu_offload else device)
+        with torch.no_grad():
+            for name, buffer in buffers.items():
+                model.get_buffer(name).copy_(buffer)
     return model
+
+
+def empty_parameters() -> Any:
+    """A context in which modules are built with their parameters on the meta device (no memory, no values) and
+    their buffers as usual (small, and some, such as position ids, are not in any state dict to load them from)."""
+    from accelerate import init_empty_weights
+
+    return init_empty_weights(include_buffers=False)
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -41,10 +41,11 @@ from training_core.train.epoch_data import EpochData, run_length
 from training_core.train.failures import DIVERGED_METRIC, TrainingDiverged, is_collective_timeout
 from training_core.train.guards import DivergenceGuard, OomRetry, PreemptionWatch
 from training_core.train.local_sgd import LocalSgd
+from training_core.train.lora import prepare_trainable
 from training_core.train.meter import EPOCH_FIGURE_PREFIX, Reporter, StepMeter  # noqa: F401 - re-exported
-from training_core.train.model import ModelExport, hold_model
+from training_core.train.model import ModelExport, build_sharded_pretrained, hold_model, loads_by_rows
 from training_core.train.network_checks import NetworkChecks
-from training_core.train.optim import apply_hyperparameters, build_optimizer, build_scheduler
+from training_core.train.optim import apply_hyperparameters, build_optimizer, build_scheduler, param_groups
 from training_core.train.rng import gather_rng_states, restore_rng, seed_everything
 from training_core.train.run_state import CheckpointWrites, RunState, choose_checkpoint
 from training_core.train.step import (  # noqa: F401 - masked_step: importable from here too
@@ -82,14 +83,22 @@ class Trainer:
         self.autocast_dtype, use_scaler = resolve_precision(cfg.precision.mode, device)
         self.manifest = manifest = Manifest.load(self.args.data_dir)
         self.workload = resolve_workload(cfg.workload)
-        model = self.workload.build_model(cfg, manifest)
-        self.num_parameters = sum(p.numel() for p in model.parameters())
-        held = hold_model(model, cfg, self.workload, self.runtime, param_dtype=self.autocast_dtype)
+        if loads_by_rows(cfg, self.workload):  # FSDP from pretrained weights: the model is never whole here
+            held, self.num_parameters, _ = build_sharded_pretrained(
+                cfg, self.workload, manifest, self.runtime, param_dtype=self.autocast_dtype
+            )
+            self.frozen_base_sha256 = ""
+        else:
+            model = prepare_trainable(self.workload.build_model(cfg, manifest), cfg.model)
+            self.num_parameters = sum(p.numel() for p in model.parameters())
+            # With frozen parameters (model.lora, model.freeze) checkpoints hold the trainable ones and name this base.
+            self.frozen_base_sha256 = ckpt.base_sha256(model)
+            held = hold_model(model, cfg, self.workload, self.runtime, param_dtype=self.autocast_dtype)
         self.model, self.checkpoint_group = held.model, held.checkpoint_group
         self.comm_timer = CommTimer()
         if hasattr(self.model, "register_comm_hook"):
             self.comm_timer.install(self.model)
-        self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
+        self.optimizer = build_optimizer(cfg.optimizer, param_groups(cfg.optimizer, self.model))
         planner = BatchPlanner(self.model, self.workload, manifest, self.runtime, sharded=self.sharded)
         self.cfg = cfg = planner.plan(cfg)
         self.steps_per_epoch, self.total_steps, self.end_epoch = run_length(
@@ -356,6 +365,7 @@ class Trainer:
             preempted=preempted,
             json_rng=json_rng,
             num_parameters=self.num_parameters,
+            frozen_base_sha256=self.frozen_base_sha256,
         )
 
 

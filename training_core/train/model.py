@@ -3,6 +3,7 @@ compilation of its blocks, FSDP shards or a DDP replica), and the trained model 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from training_core.records import MlflowRun
     from training_core.train.guards import DivergenceGuard
     from training_core.workloads import Workload
+
+log = logging.getLogger("training_core")
 
 
 @dataclass
@@ -68,6 +71,43 @@ def hold_model(
     return HeldModel(runtime.prepare_model(model, ddp_options(cfg.scaling)), channels_last, None)
 
 
+def loads_by_rows(cfg: TrainingConfig, workload: Workload) -> bool:
+    """Whether the model's ``model.pretrained`` weights are read shard by shard (:func:`build_sharded_pretrained`):
+    under FSDP, for a workload that declares ``loads_pretrained_sharded``, with every parameter trained (LoRA and
+    frozen parameters change the model's names and what a checkpoint holds: those build whole)."""
+    trains_all = not (cfg.model.lora.enabled or cfg.model.freeze)
+    sharded = cfg.scaling.strategy == "fsdp" and bool(cfg.model.pretrained) and trains_all
+    return sharded and bool(getattr(workload, "loads_pretrained_sharded", False))
+
+
+def build_sharded_pretrained(
+    cfg: TrainingConfig,
+    workload: Workload,
+    manifest: Manifest,
+    runtime: WorkerRuntime,
+    *,
+    param_dtype: torch.dtype | None,
+) -> tuple[HeldModel, int, int]:
+    """The model held under FSDP (:func:`hold_model`), its parameter count and the bytes of weights this rank read,
+    never whole in this process: built with its parameters on the meta device, sharded, then each rank reads only
+    the rows of ``model.pretrained`` it holds (:func:`training_core.pretrained.load_shards`)."""
+    from training_core.pretrained import load_shards, plan_sharded_load
+
+    with sharding.empty_parameters():
+        model = workload.build_model(cfg, manifest)
+    mapping_of = getattr(workload, "pretrained_mapping", None)  # how its model names the weights' tensors
+    load = plan_sharded_load(model, cfg.model, seed=cfg.loop.seed, mapping_of=mapping_of)
+    num_parameters = _count(model)
+    held = hold_model(model, cfg, workload, runtime, param_dtype=param_dtype)
+    bytes_read = load_shards(held.model, load)
+    log.info("model.pretrained: this rank read %.1f MB of the weights by rows (FSDP)", bytes_read / 1e6)
+    return held, num_parameters, bytes_read
+
+
+def _count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
 class ModelExport:
     """What it takes to log the model: the run's MLflow run (None: no logging), and how to rebuild the model whole."""
 
@@ -115,9 +155,11 @@ class ModelExport:
         """The FSDP model whole, in one process on rank 0's CPU (None on the other ranks): a collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        from training_core.train.lora import prepare_trainable
+
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
-        rebuilt = self.workload.build_model(self.cfg, self.manifest)
+        rebuilt = prepare_trainable(self.workload.build_model(self.cfg, self.manifest), self.cfg.model)
         rebuilt.load_state_dict(full)
         return rebuilt

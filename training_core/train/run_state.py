@@ -122,8 +122,10 @@ class RunState:
         preempted: bool,
         json_rng: dict[str, Any],
         num_parameters: int,
+        frozen_base_sha256: str = "",
     ) -> ckpt.CheckpointMeta:
-        """What a checkpoint's ``meta.json`` records of this run now, ``data_left`` of its epoch's order untrained."""
+        """What a checkpoint's ``meta.json`` records of this run now, ``data_left`` of its epoch's order untrained
+        (``frozen_base_sha256``: the frozen base a checkpoint of the trainable parameters needs, "" for none)."""
         return ckpt.CheckpointMeta(
             model_name=cfg.model.name,
             classes=manifest.classes,
@@ -151,6 +153,7 @@ class RunState:
             data_exhausted=self.step_in_epoch > 0 and not data_left,
             preempted=preempted,
             num_parameters=num_parameters,
+            frozen_base_sha256=frozen_base_sha256,
             saved_unix=time.time(),
         )
 

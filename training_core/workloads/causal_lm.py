@@ -28,7 +28,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Mapping, NoReturn, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, Mapping, NoReturn, Sequence
 
 import numpy as np
 
@@ -194,8 +194,17 @@ class CausalLM:
         for split, stream in streams.items():
             packed = packed_shards(stream, seq_len=data.seq_len, num_shards=data.num_shards)
             count = min(data.num_shards, num_sequences(stream.num_tokens, data.seq_len))
-            shards[split] = (count, ({"tokens": tokens} for tokens in packed))
+            shards[split] = (count, self.shard_arrays(packed))
         return write_shards(out_dir, shards, template=template)
+
+    def shard_arrays(self, packed: Iterator[np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        """Each packed shard as the arrays written (:meth:`stored_arrays` names them): its ``tokens``."""
+        return ({"tokens": tokens} for tokens in packed)
+
+    def stored_arrays(self, data: DataConfig, tokenizer: TextTokenizer) -> tuple[dict[str, ArraySpec], dict[str, Any]]:
+        """The arrays a sample stores and what ``manifest.spec`` records beyond the tokenizer and the splits (a
+        workload sharing this prep adds its own)."""
+        return {"tokens": ArraySpec("int32", [data.seq_len + 1], max_value=tokenizer.vocab_size - 1)}, {}
 
     def _manifest_template(
         self, data: DataConfig, tokenizer: TextTokenizer, stats: SourceStats, streams: dict[str, SplitStream]
@@ -214,6 +223,8 @@ class CausalLM:
         }
         if stats.surrogates_replaced:
             spec["surrogates_replaced"] = stats.surrogates_replaced
+        arrays, extra_spec = self.stored_arrays(data, tokenizer)
+        spec.update(extra_spec)
         if data.dataset == "text" and self.dataset_source is None:
             spec["path"] = redact(data.path)
         return Manifest(
@@ -224,7 +235,7 @@ class CausalLM:
             std=[],
             splits={},
             workload=self.name,
-            arrays={"tokens": ArraySpec("int32", [data.seq_len + 1], max_value=tokenizer.vocab_size - 1)},
+            arrays=arrays,
             spec=spec,
         )
 

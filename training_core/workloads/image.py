@@ -27,6 +27,8 @@ class ImageClassification:
     name = "image_classification"
     primary_metric = "accuracy"
     primary_mode = "max"
+    loads_pretrained_sharded = True
+    """Under FSDP each rank reads only its shards' rows of ``model.pretrained`` (the file's names are the model's)."""
 
     def __init__(self, selected: WorkloadConfig | None = None) -> None:
         selected = self.selected = selected or WorkloadConfig()
@@ -140,31 +142,37 @@ class ImageClassification:
         """Read ``model.pretrained`` and match it against the model (built on the meta device, so without its
         memory): bad weights or names and shapes that do not fit fail here, before any worker starts. Records the
         weights' sha256 in ``config.model.pretrained_sha256`` (in place), so the workers verify that they read the
-        same weights and the MLflow params name them."""
+        same weights and the MLflow params name them. Under FSDP (a model that may not fit this process) safetensors
+        are checked by their headers, the hash streamed: no tensor is read."""
         import torch
 
-        from training_core.pretrained import plan_loading, read_pretrained
+        from training_core.pretrained import plan_loading, read_pretrained, stored_shapes
 
         model_cfg = config.model
-        weights = read_pretrained(model_cfg.pretrained, expected_sha256=model_cfg.pretrained_sha256)
+        if config.scaling.strategy == "fsdp":
+            tensors, sha256 = stored_shapes(model_cfg.pretrained, model_cfg.pretrained_sha256)
+        else:
+            weights = read_pretrained(model_cfg.pretrained, expected_sha256=model_cfg.pretrained_sha256)
+            tensors, sha256 = weights.state_dict, weights.sha256
         try:
             with torch.device("meta"):
                 model = self.new_model(config, manifest)
         except Exception:  # noqa: BLE001 - a user's model whose construction needs real tensors: built on CPU
             model = self.new_model(config, manifest)
-        plan_loading(weights.source, model, weights.state_dict, new_head=model_cfg.new_head, model_name=model_cfg.name)
-        model_cfg.pretrained_sha256 = weights.sha256
+        plan_loading(model_cfg.pretrained, model, tensors, new_head=model_cfg.new_head, model_name=model_cfg.name)
+        model_cfg.pretrained_sha256 = sha256
 
     def build_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
         """The model, with the ``model.pretrained`` weights loaded when there are some (not into a model on the
-        meta device, which holds no values). A resumed run's checkpoint is restored over them afterwards."""
+        meta device, which holds no values: under FSDP each rank reads its shards' rows after sharding,
+        ``loads_pretrained_sharded``). A resumed run's checkpoint is restored over them afterwards."""
         model = self.new_model(config, manifest)
         if config.model.pretrained and not any(p.is_meta for p in model.parameters()):
             from training_core.pretrained import load_into, read_pretrained
 
             model_cfg = config.model
             weights = read_pretrained(model_cfg.pretrained, expected_sha256=model_cfg.pretrained_sha256)
-            load_into(model, weights, new_head=model_cfg.new_head, model_name=model_cfg.name)
+            load_into(model, weights, new_head=model_cfg.new_head, model_name=model_cfg.name, seed=config.loop.seed)
         return model
 
     def new_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:

@@ -81,6 +81,7 @@ def preflight(config: TrainingConfig, data_dir: str) -> Workload:
     before any worker starts, so user code that does not import, a model that does not fit the data or a bad
     field fails here, in seconds, naming the field."""
     from training_core.data.prepared import Manifest
+    from training_core.train.lora import check_trainable
 
     workload = resolve_workload(config.workload)
     manifest = Manifest.load(data_dir)
@@ -91,6 +92,7 @@ def preflight(config: TrainingConfig, data_dir: str) -> Workload:
         )
     check_pretrained_supported(config, workload)
     workload.check(config, manifest)
+    check_trainable(config, manifest, workload)
     if config.scaling.strategy == "fsdp":
         from training_core.parallel.sharding import require_blocks
 
@@ -102,10 +104,10 @@ def preflight(config: TrainingConfig, data_dir: str) -> Workload:
 
 def check_pretrained_supported(config: TrainingConfig, workload: Workload) -> None:
     """``model.pretrained`` names weights only a workload that loads them may take: the image and sequence
-    classification workloads (which check them in their ``check``) or user code (which reads
+    classification workloads and ``masked_lm`` (which check them in their ``check``) or user code (which reads
     ``config.model.pretrained`` as it likes, with :func:`training_core.pretrained.read_pretrained`); a built-in
     that would ignore them is refused."""
-    loads = ("image_classification", "sequence_classification")
+    loads = ("image_classification", "sequence_classification", "masked_lm")
     if config.model.pretrained and workload.name not in loads and workload.name in WORKLOADS:
         invalid(
             "model.pretrained",

@@ -16,7 +16,8 @@ Models: a BERT size of :data:`~training_core.registry.ENCODER_SIZES` or a ``tran
 or one that agrees) and whose weights are loaded: names and shapes are checked on the meta device before any worker
 starts. A backbone without a classification head (a pretraining checkpoint) gets a freshly initialised head, and its
 pretraining head's tensors are left out, both logged; ``model.new_head`` re-initialises a head of another class
-count. The data must be tokenised with the directory's ``tokenizer.json`` (``data.tokenizer`` set to it or to the
+count. One name mapping (:func:`encoder_mapping`) serves the whole load and, under FSDP, each rank's read of its
+shards' rows. The data must be tokenised with the directory's ``tokenizer.json`` (``data.tokenizer`` set to it or to the
 directory). Dropout is 0, as in ``causal_lm``, so DDP equals one process and a resumed run an uninterrupted one.
 
 The loop trains :class:`SequenceClassifierModel`: ``forward(input_ids [N, T]) -> logits [N, classes]`` (padding
@@ -81,6 +82,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from training_core.pretrained import NameMapping
+
 log = logging.getLogger(__name__)
 
 NAME = "sequence_classification"
@@ -118,6 +121,8 @@ class SequenceClassification:
     """Which way each metric improves: tuning ranks by any of them (``val_macro_f1``)."""
     dynamic_axes = (0, 1)
     """The logged model takes any batch and any sequence length (up to its positions)."""
+    loads_pretrained_sharded = True
+    """Under FSDP each rank reads only its shards' rows of ``model.pretrained``, named by :meth:`pretrained_mapping`."""
 
     def __init__(self, selected: WorkloadConfig | None = None) -> None:
         selected = selected or WorkloadConfig(name=NAME)
@@ -185,7 +190,7 @@ class SequenceClassification:
             )
         spec = LabeledTextSpec.from_manifest(manifest)
         if config.model.pretrained:
-            check_pretrained_tokenizer(config, spec)
+            check_pretrained_tokenizer(config, spec.tokenizer_sha256)
             config.model.encoder_config = pretrained_config_json(config.model)
         encoder_config = build_encoder_config(config.model, spec, manifest.classes)
         _check_fits(config, encoder_config, spec)
@@ -195,26 +200,25 @@ class SequenceClassification:
     def _check_pretrained(self, config: TrainingConfig, manifest: Manifest) -> None:
         import torch
 
-        from training_core.pretrained import plan_loading, read_pretrained
-
-        model_cfg = config.model
-        weights = read_pretrained(model_cfg.pretrained, expected_sha256=model_cfg.pretrained_sha256)
         with torch.device("meta"):
             encoder = new_encoder(config, manifest)
-        state, _ = fit_weights(encoder, weights.state_dict)
-        plan_loading(weights.source, encoder, state, new_head=model_cfg.new_head, model_name=model_cfg.name,
-                     fix=PRETRAINED_FIX)  # fmt: skip
-        model_cfg.pretrained_sha256 = weights.sha256
+        check_pretrained_weights(config, encoder)
+
+    def pretrained_mapping(self, model: nn.Module, stored_names: Iterable[str]) -> NameMapping:
+        """How :class:`SequenceClassifierModel` names ``model.pretrained``'s tensors (:func:`encoder_mapping`, under
+        ``encoder.``): what the whole load and FSDP's row-by-row load (``loads_pretrained_sharded``) both read by."""
+        return encoder_mapping(model.encoder, stored_names).under("encoder.")
 
     def build_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
         """:class:`SequenceClassifierModel` around the encoder (randomly initialised from the loop's seeded RNG), with
-        ``model.pretrained``'s weights loaded when there are some. The tokenizer comes from the data directory when
-        the manifest has one (a model rebuilt from a checkpoint's description has none: it trains and scores but
-        cannot :meth:`~SequenceClassifierModel.classify` strings)."""
+        ``model.pretrained``'s weights loaded when there are some (not into parameters on the meta device: under FSDP
+        each rank reads its shards' rows after sharding, ``loads_pretrained_sharded``). The tokenizer comes from the
+        data directory when the manifest has one (a model rebuilt from a checkpoint's description has none: it trains
+        and scores but cannot :meth:`~SequenceClassifierModel.classify` strings)."""
         spec = LabeledTextSpec.from_manifest(manifest)
         encoder = new_encoder(config, manifest)
         if config.model.pretrained and not any(p.is_meta for p in encoder.parameters()):
-            load_pretrained(encoder, config.model)
+            load_pretrained(encoder, config.model, seed=config.loop.seed)
         tokenizer = data_tokenizer(manifest).description if manifest.directory else ""
         model = model_class()(encoder, spec=spec, classes=list(manifest.classes), tokenizer=tokenizer)
         log.info(
@@ -544,9 +548,10 @@ def pretrained_config_json(model: ModelConfig) -> dict[str, Any]:
     return config
 
 
-def check_pretrained_tokenizer(config: TrainingConfig, spec: LabeledTextSpec) -> None:
-    """The data must be tokenised with the ``tokenizer.json`` beside the pretrained weights, when there is one: other
-    ids would look up other tokens' embeddings."""
+def check_pretrained_tokenizer(config: TrainingConfig, tokenizer_sha256: str) -> None:
+    """The data (tokenised with the tokenizer of sha256 ``tokenizer_sha256``, empty for bytes) must be tokenised
+    with the ``tokenizer.json`` beside the pretrained weights, when there is one: other ids would look up other
+    tokens' embeddings."""
     from training_core.pretrained import locate
 
     files = locate(config.model.pretrained)
@@ -557,11 +562,11 @@ def check_pretrained_tokenizer(config: TrainingConfig, spec: LabeledTextSpec) ->
         digest = hashlib.sha256(read_regular(files.fs, beside, max_bytes=MAX_TOKENIZER_BYTES)).hexdigest()
     except (UnreadableFile, OSError):
         return  # no tokenizer beside the weights: the vocabulary check decides
-    if digest != spec.tokenizer_sha256:
+    if digest != tokenizer_sha256:
         invalid(
             "data.tokenizer",
             config.data.tokenizer,
-            f"the data was tokenised with another tokenizer (sha256 {spec.tokenizer_sha256[:12] or 'byte'}) than the "
+            f"the data was tokenised with another tokenizer (sha256 {tokenizer_sha256[:12] or 'byte'}) than the "
             f"tokenizer.json beside model.pretrained={quote(config.model.pretrained)} ({digest[:12]}); set "
             "data.tokenizer to that directory and prepare the data again",
         )
@@ -571,6 +576,18 @@ def build_encoder_config(model: ModelConfig, spec: LabeledTextSpec, classes: Seq
     """The ``transformers`` config of the encoder ``model`` names (``model.encoder_config``, a BERT size or a config
     class), with the data's classes and no dropout. A name that builds no sequence classifier, overrides it cannot
     take, or a name that disagrees with ``model.encoder_config`` raise ``ValueError`` naming the field."""
+    config = encoder_architecture(model, vocab_size=spec.vocab_size, pad_id=spec.pad_id)
+    config.num_labels = len(classes)
+    config.id2label = dict(enumerate(classes))
+    config.label2id = {name: index for index, name in enumerate(classes)}
+    config.problem_type = "single_label_classification"
+    return config
+
+
+def encoder_architecture(model: ModelConfig, *, vocab_size: int, pad_id: int | None) -> Any:
+    """The ``transformers`` config of the encoder ``model`` names (``model.encoder_config``, a BERT size or a config
+    class by name) for a vocabulary of ``vocab_size`` ids padded with ``pad_id``, without dropout and without a
+    task's fields (``masked_lm`` builds its encoder from it too)."""
     import transformers
 
     if model.encoder_config:
@@ -579,23 +596,19 @@ def build_encoder_config(model: ModelConfig, spec: LabeledTextSpec, classes: Seq
         size = ENCODER_SIZES[model.name]
         hidden = model.hidden_size or size.hidden_size
         config = transformers.BertConfig(
-            vocab_size=spec.vocab_size,
+            vocab_size=vocab_size,
             hidden_size=hidden,
             num_hidden_layers=model.num_layers or size.num_layers,
             num_attention_heads=model.num_heads or size.num_heads,
             intermediate_size=4 * hidden,
             max_position_embeddings=model.context_length or size.context_length,
-            pad_token_id=spec.pad_id,
+            pad_token_id=pad_id,
         )
     else:
-        config = _config_from_class(model, spec)
+        config = _config_from_class(model, vocab_size=vocab_size, pad_id=pad_id)
     for key, value in config.to_dict().items():
         if isinstance(value, float) and value > 0 and ("dropout" in key or key.endswith("pdrop")):
             setattr(config, key, 0.0)
-    config.num_labels = len(classes)
-    config.id2label = dict(enumerate(classes))
-    config.label2id = {name: index for index, name in enumerate(classes)}
-    config.problem_type = "single_label_classification"
     return config
 
 
@@ -626,7 +639,7 @@ def _config_from_json(model: ModelConfig) -> Any:
     return config
 
 
-def _config_from_class(model: ModelConfig, spec: LabeledTextSpec) -> Any:
+def _config_from_class(model: ModelConfig, *, vocab_size: int, pad_id: int | None) -> Any:
     """The ``transformers`` config class ``model.name``, with the data's vocabulary and the ``model.*`` overrides."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
@@ -639,7 +652,7 @@ def _config_from_class(model: ModelConfig, spec: LabeledTextSpec) -> Any:
             f"transformers {transformers.__version__} has no sequence-classification model of that config class; "
             f"use {', '.join(ENCODER_SIZES)} or a config class such as BertConfig, RobertaConfig, DistilBertConfig",
         )
-    kwargs: dict[str, Any] = {"vocab_size": spec.vocab_size, "pad_token_id": spec.pad_id}
+    kwargs: dict[str, Any] = {"vocab_size": vocab_size, "pad_token_id": pad_id}
     defaults = found()
     for field_name, attribute in _OVERRIDES:
         value = getattr(model, field_name)
@@ -699,41 +712,75 @@ def new_encoder(config: TrainingConfig, manifest: Manifest) -> nn.Module:
                 f"{clip(str(exc))}); fix the model.* overrides or model.encoder_config")  # fmt: skip
 
 
-def fit_weights(encoder: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
-    """``state_dict`` as ``encoder`` names its tensors: a backbone saved alone gets the encoder's prefix (``bert.``),
-    tensors outside the backbone that the encoder lacks (a pretraining head: ``cls.predictions.*``) are left out,
-    and a classification head or a pooler the weights lack entirely (a masked-LM checkpoint has neither) is taken
-    from ``encoder`` as it was initialised. Returns the state and a note of what was adapted ("" when nothing was)."""
-    prefix = f"{encoder.base_model_prefix}."
-    own = encoder.state_dict()
-    state = dict(state_dict)
-    if any(key.startswith(prefix) for key in own) and not any(key.startswith(prefix) for key in state):
-        state = {f"{prefix}{key}": value for key, value in state.items()}
-    dropped = sorted(key for key in state if not key.startswith(prefix) and key not in own)
-    for key in dropped:
-        del state[key]
+def encoder_mapping(
+    encoder: nn.Module, stored_names: Iterable[str], *, head: str = "classification head"
+) -> NameMapping:
+    """How ``encoder`` (a ``transformers`` model) names a Hugging Face checkpoint's tensors ``stored_names``: a
+    backbone saved alone gets the encoder's prefix (``bert.``); tensors the encoder lacks outside the backbone (a
+    pretraining head's: ``cls.*``) or in a pooler are left out; a tensor tied to another (a masked LM's decoder to
+    the word embeddings) loads from that one's; and a ``head`` (the tensors outside the backbone) or a pooler the
+    weights lack entirely takes a seeded fresh value (:data:`~training_core.pretrained.FRESH`)."""
+    from training_core.pretrained import FRESH, NameMapping
+
+    prefix, pooler = f"{encoder.base_model_prefix}.", f"{encoder.base_model_prefix}.pooler."
+    own = list(encoder.state_dict())
+    stored = list(stored_names)
+    if any(key.startswith(prefix) for key in own) and not any(key.startswith(prefix) for key in stored):
+        source_of = {f"{prefix}{key}": key for key in stored}
+    else:
+        source_of = {key: key for key in stored}
+    dropped = sorted(s for k, s in source_of.items() if k not in own and (k.startswith(pooler) or
+                     not k.startswith(prefix)))  # fmt: skip
     notes = [f"left out {len(dropped)} tensors of another head ({', '.join(dropped[:5])})"] if dropped else []
-    parts = {
-        "classification head": [key for key in own if not key.startswith(prefix)],
-        "pooler": [key for key in own if key.startswith(f"{prefix}pooler.")],
-    }
+    sources = {key: source_of.get(key, key) for key in own}  # one the weights lack: plan_loading lists it
+    parts = {head: [k for k in own if not k.startswith(prefix)], "pooler": [k for k in own if k.startswith(pooler)]}
     for part, keys in parts.items():
-        if keys and not any(key in state for key in keys):
-            state.update({key: own[key] for key in keys})
+        if keys and not any(key in source_of for key in keys):
+            sources.update(dict.fromkeys(keys, FRESH))
             notes.append(f"the {part} ({', '.join(keys[:5])}) is new, initialised here")
-    return state, "; ".join(notes)
+    for tied in _tied_names(encoder):
+        found = [source_of[key] for key in tied if key in source_of]
+        sources.update(dict.fromkeys(tied, found[0]) if found else {})
+    return NameMapping(sources, dropped, "; ".join(notes))
 
 
-def load_pretrained(encoder: nn.Module, model: ModelConfig) -> None:
-    """Copy ``model.pretrained``'s weights (checked against ``model.pretrained_sha256``) into ``encoder``."""
-    from training_core.pretrained import PretrainedWeights, load_into, read_pretrained
+def _tied_names(encoder: nn.Module) -> list[list[str]]:
+    """The groups of names of one shared parameter (tied weights)."""
+    groups: dict[int, list[str]] = {}
+    for name, parameter in encoder.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(parameter), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def check_pretrained_weights(config: TrainingConfig, encoder: nn.Module, *, head: str = "classification head") -> None:
+    """Match ``model.pretrained``'s tensors, named as :func:`encoder_mapping` says, against ``encoder`` (on the meta
+    device): read whole, or under FSDP by their safetensors headers alone (the hash streamed). Records their sha256
+    in ``model.pretrained_sha256`` (in place), so the workers verify they read the same weights."""
+    from training_core.pretrained import plan_loading, read_pretrained, stored_shapes
+
+    model_cfg = config.model
+    if config.scaling.strategy == "fsdp":
+        tensors, sha256 = stored_shapes(model_cfg.pretrained, model_cfg.pretrained_sha256)
+    else:
+        weights = read_pretrained(model_cfg.pretrained, expected_sha256=model_cfg.pretrained_sha256)
+        tensors, sha256 = weights.state_dict, weights.sha256
+    mapping = encoder_mapping(encoder, tensors, head=head)
+    plan_loading(model_cfg.pretrained, encoder, mapping.renamed(tensors), new_head=model_cfg.new_head,
+                 model_name=model_cfg.name, fix=PRETRAINED_FIX, fresh=mapping.fresh)  # fmt: skip
+    model_cfg.pretrained_sha256 = sha256
+
+
+def load_pretrained(encoder: nn.Module, model: ModelConfig, *, seed: int, head: str = "classification head") -> None:
+    """Copy ``model.pretrained``'s weights (checked against ``model.pretrained_sha256``) into ``encoder``, named as
+    :func:`encoder_mapping` says; the tensors ``model.new_head`` re-initialises and those the weights lack take
+    their values from ``seed``."""
+    from training_core.pretrained import load_into, read_pretrained
 
     weights = read_pretrained(model.pretrained, expected_sha256=model.pretrained_sha256)
-    state, note = fit_weights(encoder, weights.state_dict)
-    if note:
-        log.warning("model.pretrained: %s", note)
-    fitted = PretrainedWeights(source=weights.source, kind=weights.kind, sha256=weights.sha256, state_dict=state)
-    load_into(encoder, fitted, new_head=model.new_head, model_name=model.name)
+    mapping = encoder_mapping(encoder, weights.state_dict, head=head)
+    if mapping.note:
+        log.warning("model.pretrained: %s", mapping.note)
+    load_into(encoder, weights, new_head=model.new_head, model_name=model.name, seed=seed, mapping=mapping)
 
 
 # ----------------------------------------------------------------------------------------------- batches

@@ -1,0 +1,203 @@
+"""Fine-tuning from pretrained weights under FSDP on 2 gloo workers under Ray Train: each rank reads and holds about
+half of the weights (measured: the bytes it read, its shards' bytes, its peak resident set), and the run equals DDP
+on the same data and the same re-initialised head."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from training_core.config import OptimizerConfig, TrainingConfig
+from training_core.data import Manifest, ShardStream, prepare
+from training_core.train.loop import train_step
+from training_core.train.optim import build_optimizer
+from training_core.workloads.image import Normalizer
+
+WORLD_SIZE = 2
+NUM_STEPS = 2
+MICRO_BATCH = 4
+DATA = {"dataset": "synthetic", "synthetic_num_samples": 64, "synthetic_image_size": 8, "num_shards": 2}
+
+
+def _config(weights: str, strategy: str) -> TrainingConfig:
+    """resnet18 (44.7 MB of float32 for 10 classes) from weights with a 1,000-class ``fc``, re-initialised by name."""
+    return TrainingConfig.from_dict(
+        {
+            "data": DATA,
+            "model": {"name": "resnet18", "pretrained": weights, "new_head": "fc.*"},
+            "scaling": {"strategy": strategy, "num_workers": WORLD_SIZE},
+        }
+    )
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM, the kernel's peak resident set, restarts from the current one
+
+
+def _warm_up() -> None:
+    """Load what the first FSDP sharding and the first ResNet build import, outside what is measured."""
+    import torchvision.models  # noqa: F401 - imported for its memory, before the measure
+
+    from training_core.parallel import sharding
+
+    with sharding.empty_parameters():
+        tiny = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    sharding.shard_model(tiny, [tiny[0]], device=torch.device("cpu"), param_dtype=None, cpu_offload=False)
+    tiny(torch.ones(1, 4)).sum().backward()
+
+
+def _train(model: torch.nn.Module, manifest: Manifest, rank: int) -> None:
+    stream = ShardStream(manifest, "train", rank=rank, world_size=WORLD_SIZE)
+    normalize = Normalizer(manifest, torch.device("cpu"))
+    optimizer = build_optimizer(OptimizerConfig(name="sgd", lr=0.05, momentum=0.9), model.parameters())
+    from training_core.workloads.protocol import classification_loss
+
+    for batch in stream.train_batches(epoch=0, seed=0, batch_size=MICRO_BATCH, num_batches=NUM_STEPS):
+        train_step(model=model, optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False),
+                   micro_batches=[normalize(batch)], autocast_dtype=None, max_grad_norm=0.0,
+                   loss_fn=classification_loss)  # fmt: skip
+
+
+def _whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {k: v.clone() for k, v in get_model_state_dict(model, options=options).items()}
+
+
+def _resumed(model: torch.nn.Module, config: dict, runtime) -> dict[str, torch.Tensor]:
+    """A resume as the loop does it: ``model``'s sharded checkpoint, then a model built from the pretrained weights
+    again (each rank its rows), then the checkpoint restored over them: the weights it ends with."""
+    from training_core import checkpoint as ckpt
+    from training_core.train.model import build_sharded_pretrained
+    from training_core.workloads import resolve_workload
+
+    cfg = _config(config["weights"], "fsdp")
+    storage = ckpt.CheckpointStorage(config["checkpoints"])
+    meta = ckpt.CheckpointMeta(model_name="resnet18", classes=[], input_shape=[], mean=[], std=[], epoch=0,
+                               global_step=NUM_STEPS, config={})  # fmt: skip
+    first = runtime.rank == 0
+    checkpointer = ckpt.Checkpointer(storage, keep_last=1, async_save=False)
+    optimizer = build_optimizer(OptimizerConfig(name="sgd", lr=0.05), model.parameters())
+    checkpointer.save_sharded(NUM_STEPS, model=model, optimizer=optimizer, trainer_state={"rng": {}} if first else None,
+                              meta=meta if first else None)  # fmt: skip
+    checkpointer.wait()
+    workload, manifest = resolve_workload(cfg.workload), Manifest.load(config["data_dir"])
+    again, _, _ = build_sharded_pretrained(cfg, workload, manifest, runtime, param_dtype=None)
+    loaded = ckpt.load_latest_valid(storage)
+    assert loaded is not None and loaded.meta.global_step == NUM_STEPS
+    ckpt.restore(loaded, model=again.model)
+    return _whole(again.model)
+
+
+def _worker(config: dict) -> None:
+    import ray.train
+
+    from training_core.parallel import sharding
+    from training_core.parallel.distributed import RayTrainRuntime
+    from training_core.train.model import build_sharded_pretrained, hold_model
+    from training_core.workloads import resolve_workload
+
+    rank, runtime = ray.train.get_context().get_world_rank(), RayTrainRuntime()
+    manifest = Manifest.load(config["data_dir"])
+    _warm_up()
+    sharding.return_freed_host_memory()  # as the loop does under FSDP on CPU
+    figures, states = {}, {}
+    for strategy in ("ddp", "fsdp"):
+        cfg = _config(config["weights"], strategy)
+        workload = resolve_workload(cfg.workload)
+        _reset_peak_rss()
+        before = _rss_bytes("VmRSS:")
+        if strategy == "fsdp":
+            held, _, bytes_read = build_sharded_pretrained(cfg, workload, manifest, runtime, param_dtype=None)
+        else:  # what FSDP did before too: every rank builds the model whole and reads the whole file
+            held = hold_model(workload.build_model(cfg, manifest), cfg, workload, runtime, param_dtype=None)
+            bytes_read = Path(config["weights"]).stat().st_size
+        peak = _rss_bytes("VmHWM:") - before
+        shard_bytes = sum(
+            sharding.local_tensor(p).numel() * p.element_size() for p in held.model.parameters()
+        )  # fmt: skip
+        figures[strategy] = {"bytes_read": bytes_read, "peak_rss": peak, "shard_bytes": shard_bytes}
+        start = _whole(held.model)
+        _train(held.model, manifest, rank)
+        states[strategy] = {"start": start, "end": _whole(held.model)}
+    states["resumed"] = _resumed(held.model, config, runtime)
+    Path(config["out_dir"], f"figures-{rank}.json").write_text(json.dumps(figures))
+    if rank == 0:
+        torch.save(states, Path(config["out_dir"]) / "states.pt")
+    ray.train.report({"rank": rank})
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("synthetic")
+    prepare(TrainingConfig.from_dict({"data": DATA}).data, str(out))
+    return str(out)
+
+
+def test_fsdp_fine_tuning_from_pretrained_weights_reads_half_on_each_rank_and_equals_ddp(
+    ray_session, data_dir, tmp_path
+):
+    import cloudpickle
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from training_core.models import build_model
+
+    manifest = Manifest.load(data_dir)
+    torch.manual_seed(3)
+    imagenet = build_model("resnet18", num_classes=1000, input_shape=manifest.input_shape).state_dict()
+    saved = {key: value + 0.5 if value.is_floating_point() else value for key, value in imagenet.items()}
+    save_file(saved, tmp_path / "resnet18.safetensors")
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    TorchTrainer(
+        _worker,
+        train_loop_config={
+            "data_dir": data_dir,
+            "weights": str(tmp_path / "resnet18.safetensors"),
+            "out_dir": str(tmp_path),
+            "checkpoints": str(tmp_path / "checkpoints"),
+        },
+        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ScalingConfig(num_workers=WORLD_SIZE, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name="fsdp-pretrained", storage_path=str(tmp_path / "ray")),
+    ).fit()
+
+    states = torch.load(tmp_path / "states.pt", weights_only=True)
+    ddp, fsdp = states["ddp"], states["fsdp"]
+    # Step 0: the pretrained weights exactly, but fc, which is the same seeded re-initialisation with both.
+    for key, tensor in ddp["start"].items():
+        assert torch.equal(fsdp["start"][key], tensor), key
+        if not key.startswith("fc."):
+            assert torch.equal(tensor, saved[key]), key
+    assert ddp["start"]["fc.weight"].shape == (10, 512)
+    # The fine-tuned parameters: the same to float tolerance (gradients reduced in another order), and trained.
+    trained = dict(build_model("resnet18", num_classes=10, input_shape=manifest.input_shape).named_parameters())
+    for key in trained:
+        torch.testing.assert_close(fsdp["end"][key], ddp["end"][key], rtol=1e-4, atol=1e-6, msg=key)
+    assert not torch.equal(ddp["end"]["fc.weight"], ddp["start"]["fc.weight"])
+    # A resume reads the pretrained weights (by rows) again, then restores its own checkpoint over them. (Buffers
+    # are left out: each rank keeps its own BatchNorm statistics, and the sharded checkpoint holds one rank's.)
+    for key in trained:
+        assert torch.equal(states["resumed"][key], fsdp["end"][key]), key
+
+    model_bytes = sum(t.numel() * t.element_size() for t in ddp["start"].values())
+    for rank in range(WORLD_SIZE):
+        figures = json.loads((tmp_path / f"figures-{rank}.json").read_text())
+        sharded, whole = figures["fsdp"], figures["ddp"]
+        # Each rank read about half the weights (its rows, the skipped 1,000-class fc none) and holds half of them.
+        assert 0.45 < sharded["bytes_read"] / model_bytes < 0.55, (rank, figures, model_bytes)
+        assert 0.45 < sharded["shard_bytes"] / model_bytes < 0.55, (rank, figures, model_bytes)
+        # Its resident set grew by less than 60% of the model to load it; whole, it grew by more than the model.
+        assert sharded["peak_rss"] < 0.6 * model_bytes < whole["peak_rss"] / 1.6, (rank, figures, model_bytes)
