@@ -21,3 +21,14 @@ class InProcessRuntime:
 
     def report(self, metrics: dict[str, float]) -> None:
         self.reports.append(metrics)
+
+
+@dataclass
+class StartRecorder(InProcessRuntime):
+    """Also records the weights the loop hands to the runtime: the model's state before its first step."""
+
+    initial: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        self.initial = {key: value.clone() for key, value in model.state_dict().items()}
+        return super().prepare_model(model)
