@@ -24,11 +24,16 @@ from training_core.train.accounting import ProgressLog
 INTERVAL_STEPS = 5
 
 
-# A GPT sharded by FSDP (2 blocks), on 34 steps of text per epoch: its checkpoints are sharded ones.
+# A GPT sharded by FSDP (2 blocks), on 34 steps of text per epoch: its checkpoints are sharded ones. It trains LoRA
+# adapters on its attention and MLP layers: the checkpoints hold only them, over a frozen base rebuilt from the seed.
 GPT_FSDP = {
     "workload": {"name": "causal_lm"},
     "data": {"dataset": "stdlib", "max_text_bytes": 60_000, "seq_len": 32, "num_shards": 2},
-    "model": {"name": "gpt2-tiny", "num_layers": 2},
+    "model": {
+        "name": "gpt2-tiny",
+        "num_layers": 2,
+        "lora": {"enabled": True, "rank": 4, "target_modules": ["c_attn", "c_fc"]},
+    },
     "scaling": {"strategy": "fsdp"},
     "loop": {"epochs": 1},
 }
@@ -138,7 +143,7 @@ HANG_TIMEOUT_S = 15
 @pytest.mark.parametrize(
     ("stop_signal", "strategy"),
     [(signal.SIGKILL, "fsdp"), (signal.SIGTERM, "ddp"), (signal.SIGSTOP, "ddp")],
-    ids=["sigkill-fsdp", "sigterm", "sigstop"],
+    ids=["sigkill-fsdp-lora", "sigterm", "sigstop"],
 )
 def test_a_worker_killed_or_told_to_stop_mid_epoch_resumes_bit_identical(
     ray_session, digits_dir, gpt_dir, references, stop_signal, strategy, tmp_path
@@ -241,6 +246,8 @@ def test_a_worker_killed_or_told_to_stop_mid_epoch_resumes_bit_identical(
     got = _final_state(result.checkpoint_dir, tmp_path)
     _assert_equal(got["model"], expected["model"], "model")
     _assert_equal(got["optimizer"]["state"], expected["optimizer"]["state"], "optimizer")
+    if strategy == "fsdp":  # LoRA: the checkpoints hold the adapters, not the frozen base they adapt
+        assert any(".lora_A." in name for name in got["model"]) and not any("base_layer" in n for n in got["model"])
     # The resumed epoch's record is the same as the uninterrupted one's, too, the workload's figures (the
     # epoch's correct count, saved mid-epoch in the checkpoint) included.
     assert [(r.train_loss, r.train_accuracy, r.val_loss, r.val_accuracy) for r in result.meta.history] == [
