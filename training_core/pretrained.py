@@ -665,6 +665,15 @@ def stored_shapes(source: str, expected_sha256: str = "") -> tuple[Mapping[str, 
     return SafetensorsRows(files).tensors, pinned_sha256(source, expected_sha256)
 
 
+def tensors_to_match(model: Any, strategy: str) -> tuple[Mapping[str, Any], str]:
+    """``model.pretrained``'s tensors and their sha256, for the check before any worker starts: read whole, or under
+    FSDP (a model that may not fit this process) by their safetensors headers alone (:func:`stored_shapes`)."""
+    if strategy == "fsdp":
+        return stored_shapes(model.pretrained, model.pretrained_sha256)
+    weights = read_pretrained(model.pretrained, expected_sha256=model.pretrained_sha256)
+    return weights.state_dict, weights.sha256
+
+
 def rank_rows(tensor: torch.Tensor) -> tuple[int, int]:
     """The rows ``[start, stop)`` of dim 0 this rank holds of ``tensor``: an FSDP2 ``DTensor`` with the placement
     ``Shard(0)`` holds ``torch.chunk``'s piece (chunks of ``ceil(rows / ranks)`` rows, the last ones shorter or

@@ -146,14 +146,10 @@ class ImageClassification:
         are checked by their headers, the hash streamed: no tensor is read."""
         import torch
 
-        from training_core.pretrained import plan_loading, read_pretrained, stored_shapes
+        from training_core.pretrained import plan_loading, tensors_to_match
 
         model_cfg = config.model
-        if config.scaling.strategy == "fsdp":
-            tensors, sha256 = stored_shapes(model_cfg.pretrained, model_cfg.pretrained_sha256)
-        else:
-            weights = read_pretrained(model_cfg.pretrained, expected_sha256=model_cfg.pretrained_sha256)
-            tensors, sha256 = weights.state_dict, weights.sha256
+        tensors, sha256 = tensors_to_match(model_cfg, config.scaling.strategy)
         try:
             with torch.device("meta"):
                 model = self.new_model(config, manifest)

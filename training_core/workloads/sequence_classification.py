@@ -756,14 +756,10 @@ def check_pretrained_weights(config: TrainingConfig, encoder: nn.Module, *, head
     """Match ``model.pretrained``'s tensors, named as :func:`encoder_mapping` says, against ``encoder`` (on the meta
     device): read whole, or under FSDP by their safetensors headers alone (the hash streamed). Records their sha256
     in ``model.pretrained_sha256`` (in place), so the workers verify they read the same weights."""
-    from training_core.pretrained import plan_loading, read_pretrained, stored_shapes
+    from training_core.pretrained import plan_loading, tensors_to_match
 
     model_cfg = config.model
-    if config.scaling.strategy == "fsdp":
-        tensors, sha256 = stored_shapes(model_cfg.pretrained, model_cfg.pretrained_sha256)
-    else:
-        weights = read_pretrained(model_cfg.pretrained, expected_sha256=model_cfg.pretrained_sha256)
-        tensors, sha256 = weights.state_dict, weights.sha256
+    tensors, sha256 = tensors_to_match(model_cfg, config.scaling.strategy)
     mapping = encoder_mapping(encoder, tensors, head=head)
     plan_loading(model_cfg.pretrained, encoder, mapping.renamed(tensors), new_head=model_cfg.new_head,
                  model_name=model_cfg.name, fix=PRETRAINED_FIX, fresh=mapping.fresh)  # fmt: skip
