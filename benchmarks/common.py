@@ -65,6 +65,27 @@ FAST_NODE_DEATH = {
 default is 5 checks 3 s apart), so a node-loss run spends its time on the restart, not on noticing the loss."""
 
 
+_PROBE = """
+import json, sys
+import ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+for line in sys.stdin:
+    code = json.loads(line)
+    try:
+        try:
+            answer = {"value": eval(code, {"ray": ray})}
+        except SyntaxError:  # statements: run, answered by null
+            exec(code, {"ray": ray})
+            answer = {"value": None}
+    except Exception as exc:
+        answer = {"error": repr(exc)}
+    sys.stdout.write("ANSWER " + json.dumps(answer) + "\\n")  # Ray may print lines of its own
+    sys.stdout.flush()
+"""
+"""The driver behind :meth:`TwoNodeCluster.ask`: one JSON-quoted expression (or statements) a line in, one JSON answer
+a line out."""
+
+
 class TwoNodeCluster:
     """A Ray cluster of two nodes on this machine, 1 CPU each (a 2-worker run is placed across both): a head and a
     second node started with ``ray start --address``, each ``ray start --block`` in a session of its own, with the
@@ -79,6 +100,7 @@ class TwoNodeCluster:
         self.env.setdefault("RAY_AUTH_MODE", "disabled")
         self.nodes: list[Any] = []
         self.address = ""
+        self._probe: Any = None
 
     def _start(self, name: str, args: list[str]):
         import subprocess
@@ -117,20 +139,41 @@ class TwoNodeCluster:
             self.__exit__(None, None, None)
             raise
 
+    def ask(self, expression: str) -> Any:
+        """The JSON value of a Python ``expression`` (``None`` for statements) evaluated, with ``ray`` in scope, by
+        one driver attached to the cluster for its lifetime (started at the first question): a question costs
+        milliseconds instead of a new Python that imports Ray and connects (seconds). Raises :class:`RuntimeError`
+        with the driver's error."""
+        import subprocess
+
+        if self._probe is None or self._probe.poll() is not None:
+            self._probe = subprocess.Popen(
+                [sys.executable, "-u", "-c", _PROBE, self.address],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=open(self.log_dir / "probe.log", "a"),
+                text=True,
+                env=self.env,
+            )
+        self._probe.stdin.write(json.dumps(expression) + "\n")
+        self._probe.stdin.flush()
+        while not (line := self._probe.stdout.readline()).startswith("ANSWER "):
+            if not line:
+                raise RuntimeError(f"the cluster's probe driver exited; see {self.log_dir / 'probe.log'}")
+        answer = json.loads(line.removeprefix("ANSWER "))
+        if "error" in answer:
+            raise RuntimeError(f"{expression}: {answer['error']}")
+        return answer["value"]
+
     def _wait_for_nodes(self, count: int, deadline: float) -> None:
         """Until the cluster counts ``count`` nodes alive (a lost one is declared dead within seconds here:
         :data:`FAST_NODE_DEATH`)."""
-        import subprocess
         import time
 
-        check = f"import ray; ray.init(address={self.address!r}); print(sum(n['Alive'] for n in ray.nodes()))"
-        while True:
-            done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=self.env)
-            if done.returncode == 0 and done.stdout.strip().splitlines()[-1:] == [str(count)]:
-                return
+        while (alive := self.ask("sum(n['Alive'] for n in ray.nodes())")) != count:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"not {count} nodes alive:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-            time.sleep(1)
+                raise RuntimeError(f"{alive} nodes alive, not {count}")
+            time.sleep(0.2)
 
     def drain_second_node(self, *, deadline_s: int, reason: str = "DRAIN_NODE_REASON_PREEMPTION") -> float:
         """Tell the cluster the second node is going away (``ray drain-node``: what KubeRay's autoscaler and a spot
@@ -138,12 +181,9 @@ class TwoNodeCluster:
         import subprocess
         import time
 
-        find = (
-            f"import json, ray; ray.init(address={self.address!r}); print(json.dumps([n['NodeID'] for n in "
-            "ray.nodes() if n['Alive'] and 'node:__internal_head__' not in n['Resources']]))"
+        (node_id,) = self.ask(
+            "[n['NodeID'] for n in ray.nodes() if n['Alive'] and 'node:__internal_head__' not in n['Resources']]"
         )
-        found = subprocess.run([sys.executable, "-c", find], capture_output=True, text=True, env=self.env, check=True)
-        (node_id,) = json.loads(found.stdout.strip().splitlines()[-1])
         drained_unix = time.time()
         ray = Path(sys.executable).parent / "ray"
         subprocess.run(
@@ -195,6 +235,9 @@ class TwoNodeCluster:
         return self._kill(self.nodes[1])
 
     def __exit__(self, *exc_info: Any) -> None:
+        if self._probe is not None and self._probe.poll() is None:
+            self._probe.kill()
+            self._probe.wait(timeout=30)
         # A throwaway cluster: killed outright (a graceful ``ray stop`` of each node takes tens of seconds).
         for node in reversed(self.nodes):
             if node.poll() is None:

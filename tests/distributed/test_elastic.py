@@ -79,7 +79,7 @@ def _config(tree: Path) -> dict:
             "num_workers": 2,
             "min_workers": 1,
             "elastic_resize_interval_s": 3600,
-            "elastic_start_timeout_s": 10,
+            "elastic_start_timeout_s": 5,
         },
         "checkpoint": {"interval_steps": INTERVAL_STEPS, "max_worker_restarts": 2},
         "observability": {"enabled": False},
@@ -109,13 +109,11 @@ def _refresh_capacity_view(cluster: TwoNodeCluster) -> None:
     """An elastic run sizes its group from the capacity view of Ray's AutoscalingCoordinator, a detached actor of the
     cluster that refreshes it every 20 s: after the previous test, it may not count the node just restored yet, and
     the run would start on one worker. Ask it to recompute now (absent on a fresh cluster: nothing to refresh)."""
-    refresh = (
-        f"import ray; ray.init(address={cluster.address!r})\n"
+    cluster.ask(
         "try:\n    actor = ray.get_actor('AutoscalingCoordinator', namespace='AutoscalingCoordinator')\n"
         "except ValueError:\n    actor = None\n"
         "if actor is not None:\n    ray.get(actor.get_reserved_resources.remote('refresh', recompute=True))"
     )
-    subprocess.run([sys.executable, "-c", refresh], capture_output=True, text=True, env=cluster.env, check=True)
 
 
 def test_a_lost_node_shrinks_the_run_to_the_remaining_worker_which_finishes_the_epoch_once(two_nodes, tmp_path):
