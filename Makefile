@@ -29,8 +29,19 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 run: $(STAMP)
 	$(BIN)/pyflyte run --overwrite-cache workflows/training.py training_pipeline
 
+# The whole suite in two phases: the unit and tools tiers (CPU-bound, no Ray cluster) spread over up to 4 cores by
+# pytest-xdist, then the other tiers one test at a time (each of their runs takes both cores of a 2-core machine
+# itself, and some measure time). Both phases always run; either failing fails `make test`. With PYTEST_ARGS, one
+# pytest run of exactly those arguments instead: `make test PYTEST_ARGS="-m flyte"`.
 test: $(STAMP) system-packages lint
+ifeq ($(strip $(PYTEST_ARGS)),)
+	@status=0; \
+	$(BIN)/python -m pytest -m "unit or tools" -n auto --maxprocesses=4 || status=1; \
+	$(BIN)/python -m pytest -m "not (unit or tools)" || status=1; \
+	exit $$status
+else
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+endif
 
 # ruff (configured in pyproject.toml): a lint violation or an unformatted file fails `make test`.
 # `$(BIN)/ruff format . && $(BIN)/ruff check --fix .` fixes most of them.
