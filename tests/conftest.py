@@ -113,6 +113,21 @@ def session_ray_processes(root: Path) -> dict[int, str]:
     return found
 
 
+RUN_SHARED_TITLES = ("ray::IDLE", "ray::_AutoscalingCoordinatorActor")
+"""Processes a Ray Train run may leave by design: Ray's pool of idle workers, and Ray Data's autoscaling coordinator
+(a named detached actor that the first run creates and later runs share)."""
+
+
+def new_run_processes(root: Path, before: dict[int, str]) -> dict[int, str]:
+    """The Ray actor processes of ``root`` (:func:`session_ray_processes`) not in ``before``, but those a run leaves
+    by design (:data:`RUN_SHARED_TITLES`): what a finished run left running."""
+    return {
+        pid: command
+        for pid, command in session_ray_processes(root).items()
+        if pid not in before and command.startswith("ray::") and not command.startswith(RUN_SHARED_TITLES)
+    }
+
+
 def leftover_ray_processes(root: Path, *, wait_s: float = LEFTOVER_WAIT_S) -> list[tuple[int, str]]:
     """The Ray processes of ``root`` (:func:`session_ray_processes`) still running after up to ``wait_s``: each is
     killed (``SIGKILL``) and returned with its command line."""

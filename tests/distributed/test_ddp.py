@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import new_run_processes, session_ray_processes
 from training_core.config import OptimizerConfig, TrainingConfig
 from training_core.data import Manifest, ShardStream
 from training_core.models import build_model
@@ -123,7 +125,9 @@ def test_ddp_on_two_gloo_workers_equals_one_process_on_the_union_of_their_batche
     assert [r["allreduce_calls"] for r in reports] == [NUM_STEPS, NUM_STEPS]
 
 
-def test_fit_trains_two_workers_to_a_loadable_checkpoint(ray_session, digits_dir, tmp_path):
+def test_fit_trains_two_workers_to_a_loadable_checkpoint_and_leaves_no_process_running(
+    ray_session, session_root, digits_dir, tmp_path, caplog
+):
     from training_core.evaluation import evaluate_checkpoint
     from training_core.runners.ray_train import fit
 
@@ -134,13 +138,19 @@ def test_fit_trains_two_workers_to_a_loadable_checkpoint(ray_session, digits_dir
             "schedule": {"warmup_steps": 2},
         }
     )
-    result = fit(
-        cfg,
-        data_dir=digits_dir,
-        checkpoint_dir=str(tmp_path / "final"),
-        run_name="fit-smoke",
-        storage_path=str(tmp_path / "ray"),
-    )
+    before = session_ray_processes(session_root)
+    with caplog.at_level(logging.WARNING, logger="training_core.runners.ray_processes"):
+        result = fit(
+            cfg,
+            data_dir=digits_dir,
+            checkpoint_dir=str(tmp_path / "final"),
+            run_name="fit-smoke",
+            storage_path=str(tmp_path / "ray"),
+        )
+    # Its controller, workers, dataset manager...: all exited by themselves when fit returned. Before the change, the
+    # controller (and what it owns) lived on until the next run, held by the SIGINT handler Ray Train installs.
+    assert new_run_processes(session_root, before) == {}
+    assert "killed" not in caplog.text
     steps_per_epoch = Manifest.load(digits_dir).steps_per_epoch(world_size=2, batch_size=32, grad_accum_steps=2)
     assert result.meta.global_step == 2 * steps_per_epoch
     assert [r.epoch for r in result.meta.history] == [1.0, 2.0]

@@ -1,5 +1,6 @@
-"""No process of a Ray Train run outlives ``fit``: a healthy run's exit by themselves once the driver lets go of them,
-and a controller that cannot exit (as one caught in Ray 2.60's exit deadlock) is killed and named."""
+"""No process of a Ray Train run outlives ``fit``: a controller that cannot exit (as one caught in Ray 2.60's exit
+deadlock) is killed and named. That a healthy run's processes exit by themselves once the driver lets go of them is
+checked on the 2-worker run of tests/distributed/test_ddp.py (test_fit_trains_two_workers_to_a_loadable_checkpoint_...)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,12 @@ import signal
 
 import pytest
 
-from tests.conftest import session_ray_processes
+from tests.conftest import new_run_processes, session_ray_processes
 from tests.helpers import exit_blocker
 from training_core.config import TrainingConfig
 from training_core.data import prepare
 from training_core.runners.ray_processes import start_ticks
 from training_core.runners.ray_train import fit
-
-SHARED_TITLES = ("ray::IDLE", "ray::_AutoscalingCoordinatorActor")
-"""Processes a run may leave by design: Ray's pool of idle workers, and Ray Data's autoscaling coordinator (a named
-detached actor that the first run creates and later runs share)."""
 
 
 def _config() -> TrainingConfig:
@@ -40,27 +37,6 @@ def data_dir(tmp_path_factory) -> str:
     return str(out)
 
 
-def _run_processes(session_root, before: dict[int, str]) -> dict[int, str]:
-    """The session's Ray processes not in ``before``, but those a run leaves by design."""
-    return {
-        pid: command
-        for pid, command in session_ray_processes(session_root).items()
-        if pid not in before and command.startswith("ray::") and not command.startswith(SHARED_TITLES)
-    }
-
-
-def test_a_finished_run_leaves_no_process_of_its_own_running(ray_session, session_root, data_dir, tmp_path, caplog):
-    before = session_ray_processes(session_root)
-    with caplog.at_level(logging.WARNING, logger="training_core.runners.ray_processes"):
-        result = fit(_config(), data_dir=data_dir, checkpoint_dir=str(tmp_path / "final"), run_name="clean",
-                     storage_path=str(tmp_path / "runs"))  # fmt: skip
-    assert result.meta.global_step == 2
-    # Its controller, workers, dataset manager...: before the change, the controller (and what it owns) lived on
-    # until the next run, held by the SIGINT handler Ray Train installs.
-    assert _run_processes(session_root, before) == {}
-    assert "killed" not in caplog.text  # they exited by themselves
-
-
 def test_a_controller_that_cannot_exit_is_killed_and_named_when_fit_returns(
     ray_session, session_root, data_dir, tmp_path, monkeypatch, caplog
 ):
@@ -77,7 +53,7 @@ def test_a_controller_that_cannot_exit_is_killed_and_named_when_fit_returns(
         assert start_ticks(pid) is None  # gone (a zombie until the raylet collects it)
         assert f"Ray process {pid} (ray::TrainController) of the finished run did not exit" in caplog.text
         assert caplog.text.count("killed it") == 1  # only the blocked one: the others exited by themselves
-        assert _run_processes(session_root, before) == {}
+        assert new_run_processes(session_root, before) == {}
     finally:
         for pid in exit_blocker.blocked_pids(record_dir):  # the code before the change left it running
             if start_ticks(pid) is not None:
