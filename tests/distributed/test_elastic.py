@@ -67,6 +67,16 @@ def two_nodes():
     shutil.rmtree(workdir, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> tuple[Path, str]:
+    """The module's image tree and its prepared shards (read-only for the runs): the source path and the data dir."""
+    root = tmp_path_factory.mktemp("elastic-data")
+    tree = write_jpegs(root / "images", per_class=120, side=16)
+    data_dir = str(root / "prepared")
+    prepare(DataConfig(dataset="image_folder", path=str(tree), image_size=16, num_shards=4), data_dir)
+    return tree, data_dir
+
+
 def _config(tree: Path) -> dict:
     return {
         "workload": {"name": "tests.helpers.sample_recorder:SampleRecorder"},
@@ -116,11 +126,12 @@ def _refresh_capacity_view(cluster: TwoNodeCluster) -> None:
     )
 
 
-def test_a_lost_node_shrinks_the_run_to_the_remaining_worker_which_finishes_the_epoch_once(two_nodes, tmp_path):
+def test_a_lost_node_shrinks_the_run_to_the_remaining_worker_which_finishes_the_epoch_once(
+    two_nodes, prepared, tmp_path
+):
     address, env = two_nodes.address, two_nodes.env
-    tree = write_jpegs(tmp_path / "images", per_class=120, side=16)
-    data_dir = str(tmp_path / "prepared")
-    manifest = prepare(DataConfig(dataset="image_folder", path=str(tree), image_size=16, num_shards=4), data_dir)
+    tree, data_dir = prepared
+    manifest = Manifest.load(data_dir)
     train_ids = set()
     for batch in ShardStream(manifest, "train", rank=0, world_size=1).eval_batches(batch_size=64):
         train_ids.update(batch["sample_ids"].tolist())
@@ -181,14 +192,16 @@ def test_a_lost_node_shrinks_the_run_to_the_remaining_worker_which_finishes_the_
     assert got["train_loss"] == pytest.approx(want.train_loss, rel=0.25)
 
 
-def test_a_preemption_notice_from_ray_saves_the_step_and_the_run_goes_on_without_the_drained_node(two_nodes, tmp_path):
+def test_a_preemption_notice_from_ray_saves_the_step_and_the_run_goes_on_without_the_drained_node(
+    two_nodes, prepared, tmp_path
+):
     """A spot reclaim announced through Ray: the second node is drained with reason preemption and a deadline (what
     KubeRay's autoscaler or a termination handler does; the node keeps running). Ray Train's preemption watcher
     tells every worker, the loop writes a just-in-time checkpoint of the step it is at and stops as preempted, and
     the run goes on with the worker the cluster still has room for: nothing is recomputed."""
     two_nodes.restore_second_node()  # the previous test lost it
     _refresh_capacity_view(two_nodes)
-    tree = write_jpegs(tmp_path / "images", per_class=120, side=16)
+    tree, data_dir = prepared
     config = _config(tree)
     # The notice is read at log steps. The drain comes after the first epoch; five more leave the watcher (1 s polls)
     # seconds to see it before the run ends, where an epoch of this tiny model takes well under a second.
@@ -196,8 +209,6 @@ def test_a_preemption_notice_from_ray_saves_the_step_and_the_run_goes_on_without
     config["loop"].update(epochs=epochs, log_interval_steps=1)
     # No interval checkpoint: a resume can only come from the just-in-time one.
     config["checkpoint"]["interval_steps"] = 10_000
-    data_dir = str(tmp_path / "prepared")
-    prepare(DataConfig(dataset="image_folder", path=str(tree), image_size=16, num_shards=4), data_dir)
     steps_per_epoch = Manifest.load(data_dir).steps_per_epoch(world_size=2, batch_size=BATCH_SIZE, grad_accum_steps=1)
     names = {"address": two_nodes.address, "data_dir": data_dir, "checkpoint_dir": str(tmp_path / "final"),
              "run_name": "noticed", "storage_path": str(tmp_path / "runs")}  # fmt: skip
