@@ -181,7 +181,7 @@ def test_a_save_during_a_long_outage_fails_clearly_and_keeps_the_last_valid_chec
 def test_an_image_folder_on_s3_goes_through_pyflyte_run_with_its_shards_and_checkpoints_on_s3(
     ray_address, s3_server, tmp_path, subprocess_env
 ):
-    """A few thousand JPEGs under ``s3://`` are prepared on the session's Ray cluster (Ray shard tasks) into
+    """A thousand JPEGs under ``s3://`` are prepared on the session's Ray cluster (Ray shard tasks) into
     Parquet shards written straight to the run's S3 raw-output location, trained on 2 workers reading those shards,
     evaluated on the test split read from S3, and registered; the shards are listed and verified on S3."""
     import hashlib
@@ -193,9 +193,9 @@ def test_an_image_folder_on_s3_goes_through_pyflyte_run_with_its_shards_and_chec
     from training_core.data import Manifest
 
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    local = write_jpegs(tmp_path / "images", per_class=500, classes=4, side=16)
+    local = write_jpegs(tmp_path / "images", per_class=250, classes=4, side=16)
     fs.put(str(local), "flyte/datasets/images", recursive=True)
-    assert len(fs.find("flyte/datasets/images")) == 2000
+    assert len(fs.find("flyte/datasets/images")) == 1000
     config = {
         "data": {"dataset": "image_folder", "path": "s3://flyte/datasets/images", "image_size": 16, "num_shards": 4},
         "model": {"name": "small_cnn"},
@@ -228,7 +228,7 @@ def test_an_image_folder_on_s3_goes_through_pyflyte_run_with_its_shards_and_chec
     # The shards: on S3 beside their manifest, each one's bytes matching its recorded sha256, read by pandas.
     (data_manifest,) = [m for m in fs.glob("flyte/runs/**/manifest.json") if "/step-" not in m]
     manifest = Manifest.load("s3://" + data_manifest.rsplit("/", 1)[0])
-    assert manifest.format == "parquet" and sum(manifest.split_counts().values()) == 2000
+    assert manifest.format == "parquet" and sum(manifest.split_counts().values()) == 1000
     shards = [shard for split in manifest.splits.values() for shard in split.shards]
     assert len(shards) == 3 * 4  # data.num_shards per split
     prefix = manifest.directory[len("s3://") :]
