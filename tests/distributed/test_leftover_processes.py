@@ -1,6 +1,6 @@
 """No process of a Ray Train run outlives ``fit``: a controller that cannot exit (as one caught in Ray 2.60's exit
 deadlock) is killed and named. That a healthy run's processes exit by themselves once the driver lets go of them is
-checked on the 2-worker run of tests/distributed/test_ddp.py (test_fit_trains_two_workers_to_a_loadable_checkpoint_...)."""
+checked on the 2-worker fit of tests/distributed/test_ddp.py."""
 
 from __future__ import annotations
 
