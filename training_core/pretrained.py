@@ -623,6 +623,19 @@ class ShardedLoad:
     sources: dict[str, str] = field(default_factory=dict)
     """A model tensor's stored name where it is another (:class:`NameMapping`)."""
 
+    def wrapped(self, planned: Mapping[str, str], added: Mapping[str, torch.Tensor]) -> ShardedLoad:
+        """This load for the model it was planned for, with layers wrapped since (LoRA's adapters, which rename the
+        layer's own tensors): each tensor of ``planned`` (the wrapped model's name -> its name when planned) reads
+        what that one read or takes its re-initialised value; the tensors the wrapping ``added`` take the values
+        given (whole, as :attr:`fresh`)."""
+        fresh, sources = dict(added), {}
+        for name, before in planned.items():
+            if before in self.fresh:
+                fresh[name] = self.fresh[before]
+            else:
+                sources[name] = self.sources.get(before, before)
+        return ShardedLoad(self.plan, self.sha256, self.reader, fresh, sources)
+
 
 def plan_sharded_load(
     model: nn.Module,

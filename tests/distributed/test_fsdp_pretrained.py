@@ -1,11 +1,13 @@
 """Fine-tuning from pretrained weights under FSDP on 2 gloo workers under Ray Train: each rank reads and holds about
 half of the weights (measured: the bytes it read, its shards' bytes, its peak resident set), and the run equals DDP
-on the same data and the same re-initialised head."""
+on the same data and the same re-initialised head. With LoRA adapters or frozen parameters the model is built on the
+meta device and read by rows too, and starts with the same weights, adapters included, as when built whole."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,12 +26,20 @@ MICRO_BATCH = 4
 DATA = {"dataset": "synthetic", "synthetic_num_samples": 64, "synthetic_image_size": 8, "num_shards": 2}
 
 
-def _config(weights: str, strategy: str) -> TrainingConfig:
+TRAINABLE = {
+    "lora": {"lora": {"enabled": True, "rank": 4, "target_modules": ["conv2", "fc"]}},
+    "freeze": {"freeze": ["conv1.*", "layer1.*"]},
+}
+"""``model`` settings that leave part of the model frozen: LoRA on every block's second convolution and on the
+re-initialised head (whose ``base_layer`` takes the seeded fresh values), and frozen name patterns."""
+
+
+def _config(weights: str, strategy: str, **model) -> TrainingConfig:
     """resnet18 (44.7 MB of float32 for 10 classes) from weights with a 1,000-class ``fc``, re-initialised by name."""
     return TrainingConfig.from_dict(
         {
             "data": DATA,
-            "model": {"name": "resnet18", "pretrained": weights, "new_head": "fc.*"},
+            "model": {"name": "resnet18", "pretrained": weights, "new_head": "fc.*", **model},
             "scaling": {"strategy": strategy, "num_workers": WORLD_SIZE},
         }
     )
@@ -101,6 +111,34 @@ def _resumed(model: torch.nn.Module, config: dict, runtime) -> dict[str, torch.T
     return _whole(again.model)
 
 
+def _step_zero(config: dict, manifest: Manifest, runtime, model: dict) -> dict:
+    """With ``model`` (:data:`TRAINABLE`): the step-0 weights built on the meta device and read by rows (FSDP),
+    gathered, and on rank 0 (which saves them) built whole as the loop builds them (DDP); both frozen bases' sha256;
+    and the sharded build's figures."""
+    from training_core import checkpoint as ckpt
+    from training_core.train.lora import prepare_trainable
+    from training_core.train.model import build_sharded_pretrained
+    from training_core.train.rng import seed_everything
+    from training_core.workloads import resolve_workload
+
+    whole_cfg, sharded_cfg = (_config(config["weights"], strategy, **model) for strategy in ("ddp", "fsdp"))
+    workload = resolve_workload(whole_cfg.workload)
+    started = time.monotonic()
+    held, _, bytes_read = build_sharded_pretrained(sharded_cfg, workload, manifest, runtime, param_dtype=None)
+    states = {
+        "fsdp": _whole(held.model),
+        "sha256": [ckpt.base_sha256(held.model)],
+        "trainable": sorted(name for name, p in held.model.named_parameters() if p.requires_grad),
+    }
+    sharded_s = time.monotonic() - started
+    if runtime.rank == 0:
+        seed_everything(whole_cfg.loop.seed)
+        whole = prepare_trainable(workload.build_model(whole_cfg, manifest), whole_cfg.model, seed=whole_cfg.loop.seed)
+        states["whole"] = {key: value.clone() for key, value in whole.state_dict().items()}
+        states["sha256"].append(ckpt.base_sha256(whole))
+    return {"states": states, "bytes_read": bytes_read, "sharded_s": sharded_s}
+
+
 def _worker(config: dict) -> None:
     import ray.train
 
@@ -133,6 +171,12 @@ def _worker(config: dict) -> None:
         _train(held.model, manifest, rank)
         states[strategy] = {"start": start, "end": _whole(held.model)}
     states["resumed"] = _resumed(held.model, config, runtime)
+    started = time.monotonic()
+    for kind, model in TRAINABLE.items():
+        built = _step_zero(config, manifest, runtime, model)
+        states[kind] = built.pop("states")
+        figures[kind] = built
+    figures["trainable_s"] = time.monotonic() - started
     Path(config["out_dir"], f"figures-{rank}.json").write_text(json.dumps(figures))
     if rank == 0:
         torch.save(states, Path(config["out_dir"]) / "states.pt")
@@ -149,11 +193,15 @@ def data_dir(tmp_path_factory) -> str:
 def test_fsdp_fine_tuning_from_pretrained_weights_reads_half_on_each_rank_and_equals_ddp(
     ray_session, data_dir, tmp_path
 ):
+    """Also with LoRA and with frozen parameters: read by rows (``loads_by_rows``), the same step-0 weights as built
+    whole, adapters included (each ``lora_A`` drawn from the seed, each ``lora_B`` zeros), and the same frozen base."""
     import cloudpickle
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from training_core.models import build_model
+    from training_core.train.model import loads_by_rows
+    from training_core.workloads import resolve_workload
 
     manifest = Manifest.load(data_dir)
     torch.manual_seed(3)
@@ -201,3 +249,26 @@ def test_fsdp_fine_tuning_from_pretrained_weights_reads_half_on_each_rank_and_eq
         assert 0.45 < sharded["shard_bytes"] / model_bytes < 0.55, (rank, figures, model_bytes)
         # Its resident set grew by less than 60% of the model to load it; whole, it grew by more than the model.
         assert sharded["peak_rss"] < 0.6 * model_bytes < whole["peak_rss"] / 1.6, (rank, figures, model_bytes)
+        for kind in TRAINABLE:  # an adapted layer's base read its own rows; the adapters are not in the weights
+            assert 0.45 < figures[kind]["bytes_read"] / model_bytes < 0.55, (rank, kind, figures, model_bytes)
+        print(f"rank {rank}: the LoRA and freeze builds took {figures['trainable_s']:.1f} s, {figures}")
+
+    # LoRA and model.freeze: read by rows too, from the same step-0 weights and frozen base as built whole.
+    for kind, model in TRAINABLE.items():
+        cfg = _config(str(tmp_path / "resnet18.safetensors"), "fsdp", **model)
+        assert loads_by_rows(cfg, resolve_workload(cfg.workload)), kind
+        built = states[kind]
+        assert built["fsdp"].keys() == built["whole"].keys(), kind
+        for key, tensor in built["whole"].items():
+            assert torch.equal(built["fsdp"][key], tensor), (kind, key)
+        assert built["sha256"][0] == built["sha256"][1] != "", kind
+    lora, frozen = states["lora"], states["freeze"]
+    adapter = "layer2.1.conv2.lora_{}.default.weight"
+    assert torch.equal(lora["whole"]["layer2.1.conv2.base_layer.weight"], saved["layer2.1.conv2.weight"])
+    assert torch.equal(lora["whole"]["fc.base_layer.weight"], ddp["start"]["fc.weight"])  # the seeded new head
+    assert lora["whole"][adapter.format("A")].abs().sum() > 0 and not lora["whole"][adapter.format("B")].any()
+    assert {name.split(".lora_")[0] for name in lora["trainable"]} == {"fc"} | {
+        f"layer{layer}.{block}.conv2" for layer in range(1, 5) for block in range(2)
+    }
+    assert "conv1.weight" not in frozen["trainable"] and "layer2.0.conv1.weight" in frozen["trainable"]
+    assert not any(name.startswith("layer1.") for name in frozen["trainable"])

@@ -17,6 +17,7 @@ from tests.helpers.mlflow_db import seed_mlflow_db
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
 from training_core.data import Manifest, prepare
+from training_core.records import MlflowRun
 from training_core.runners.ray_train import checkpoint_root, fit
 from training_core.telemetry.goodput import ExecutionGoodput
 from training_core.train.accounting import ProgressLog
@@ -61,24 +62,42 @@ def gpt_dir(tmp_path_factory) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def references(ray_session, digits_dir, gpt_dir, tmp_path_factory):
-    """``references(strategy)``: the uninterrupted run every interrupted one must end bit-identical to (run once)."""
-    runs: dict[str, object] = {}
+class References:
+    """``references(strategy)``: the uninterrupted run every interrupted one must end bit-identical to, run once on
+    first use. The FSDP one logs its model to an MLflow run (``tracking_uri``): an FSDP + LoRA run's registered model,
+    gathered from the shards and merged (``ModelExport``), at no extra Ray run."""
 
-    def of(strategy: str):
-        if strategy not in runs:
-            tmp = tmp_path_factory.mktemp(f"reference-{strategy}")
-            runs[strategy] = fit(
+    def __init__(self, digits_dir: str, gpt_dir: str, tmp_path_factory) -> None:
+        self.data_dirs = {"ddp": digits_dir, "fsdp": gpt_dir}
+        self.tmp_path_factory = tmp_path_factory
+        self.runs: dict[str, object] = {}
+        self.tracking_uri = ""
+
+    def __call__(self, strategy: str):
+        if strategy not in self.runs:
+            tmp = self.tmp_path_factory.mktemp(f"reference-{strategy}")
+            mlflow_run = None
+            if strategy == "fsdp":  # artifacts under tmp, not the working directory's mlruns/
+                from mlflow.tracking import MlflowClient
+
+                self.tracking_uri = seed_mlflow_db(tmp / "mlflow.db")
+                client = MlflowClient(tracking_uri=self.tracking_uri)
+                experiment = client.create_experiment("fsdp-lora", artifact_location=(tmp / "artifacts").as_uri())
+                mlflow_run = MlflowRun(self.tracking_uri, client.create_run(experiment).info.run_id)
+            self.runs[strategy] = fit(
                 _config(strategy),
-                data_dir=gpt_dir if strategy == "fsdp" else digits_dir,
+                data_dir=self.data_dirs[strategy],
                 checkpoint_dir=str(tmp / "ref-final"),
                 run_name="reference",
                 storage_path=str(tmp / "ref"),
+                mlflow_run=mlflow_run,
             )
-        return runs[strategy]
+        return self.runs[strategy]
 
-    return of
+
+@pytest.fixture(scope="module")
+def references(ray_session, digits_dir, gpt_dir, tmp_path_factory) -> References:
+    return References(digits_dir, gpt_dir, tmp_path_factory)
 
 
 def _final_state(checkpoint_dir: str, scratch: Path) -> dict:
@@ -303,3 +322,30 @@ def test_a_sharded_model_is_evaluated_on_ray_workers_holding_its_shards_as_in_on
     assert on_ray.continuations == in_process.continuations
     logged = client.get_run(runs["ray"]).data.metrics
     assert logged["test_loss"] == pytest.approx(on_ray.metrics["loss"])
+
+
+def test_an_fsdp_lora_run_registers_its_merged_model_which_predicts_without_peft_as_the_trained_adapters_do(
+    references, gpt_dir
+):
+    """``ModelExport.gathered``: rank 0 gathers the FSDP shards, rebuilds the model with its adapters and logs it
+    merged. MLflow's model holds no peft layer and no adapter or ``base_layer`` tensor, and it predicts what the final
+    checkpoint's adapted model (frozen base from the seed, trained adapters) predicts."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    reference = references("fsdp")
+    assert reference.meta.mlflow_model_uri, "the FSDP run logged no model"
+    model_id = reference.meta.mlflow_model_uri.removeprefix("models:/")
+    logged = MlflowClient(tracking_uri=references.tracking_uri).get_logged_model(model_id)
+    registered = mlflow.pytorch.load_model(logged.artifact_location)
+    names = list(registered.state_dict())
+    assert names and not any("lora" in name or "base_layer" in name for name in names), names
+    assert not any(type(module).__module__.startswith("peft") for module in registered.modules())
+    adapted, _, _ = ckpt.load_model(reference.checkpoint_dir)
+    trained = [name for name in adapted.state_dict() if ".lora_B." in name]
+    assert trained and all(adapted.state_dict()[name].abs().sum() > 0 for name in trained)  # B starts at zero
+    manifest = Manifest.load(gpt_dir)
+    tokens = torch.randint(manifest.spec["vocab_size"], (3, manifest.input_shape[0]),
+                           generator=torch.Generator().manual_seed(0))  # fmt: skip
+    with torch.no_grad():
+        torch.testing.assert_close(registered(tokens), adapted.eval()(tokens), rtol=1e-5, atol=1e-5)

@@ -23,6 +23,7 @@ from training_core.metrics import flatten
 from training_core.pretrained import locate, read_pretrained, weights_sha256
 from training_core.records import WorkerArgs
 from training_core.train.loop import run_worker
+from training_core.train.lora import prepare_trainable
 from training_core.workloads import preflight, resolve_workload
 
 
@@ -449,11 +450,15 @@ def test_an_fsdp_model_built_empty_gets_each_shards_rows_and_equals_the_whole_lo
         assert bytes_read == sum(t.numel() * t.element_size() for t in saved.values())
 
 
+@pytest.mark.parametrize("trainable", [{}, {"lora": {"enabled": True, "rank": 2, "target_modules": ["features.2"]}}],
+                         ids=["all", "lora"])  # fmt: skip
 def test_under_fsdp_the_loop_reads_the_weights_by_rows_and_a_resume_keeps_its_own_checkpoint(
-    data_dir, tmp_path, process_group, caplog
+    data_dir, tmp_path, process_group, caplog, trainable
 ):
+    """With LoRA too: the adapters are added on the meta device, and the checkpoints hold the trainable parameters
+    only and name the frozen base the model read by rows, the one a whole build of the weights has."""
     save_file(_weights(data_dir, num_classes=1000), tmp_path / "weights.safetensors")
-    cfg = _config(str(tmp_path / "weights.safetensors"), new_head="head.*")
+    cfg = _config(str(tmp_path / "weights.safetensors"), new_head="head.*", **trainable)
     cfg.scaling.strategy = "fsdp"
     as_ddp = TrainingConfig.from_dict(cfg.to_dict() | {"scaling": cfg.scaling.__dict__ | {"strategy": "ddp"}})
     preflight(as_ddp, data_dir)  # records the sha256 (small_cnn has no blocks, which preflight wants under FSDP)
@@ -468,6 +473,15 @@ def test_under_fsdp_the_loop_reads_the_weights_by_rows_and_a_resume_keeps_its_ow
     assert sliced.meta.resumed_from_steps == [ended.meta.global_step // 2]
     for key, tensor in ended.model.items():
         assert torch.equal(sliced.model[key], tensor), key
+    if trainable:
+        whole = prepare_trainable(resolve_workload(cfg.workload).build_model(cfg, Manifest.load(data_dir)), cfg.model)
+        assert ended.meta.frozen_base_sha256 == sliced.meta.frozen_base_sha256 == ckpt.base_sha256(whole) != ""
+        assert ended.shard_metadata is not None
+        keys = ended.shard_metadata.state_dict_metadata
+        saved = {key.removeprefix("model.") for key in keys if key.startswith("model.")}
+        assert saved == {name for name, p in whole.named_parameters() if p.requires_grad} == {
+            "features.2.lora_A.default.weight", "features.2.lora_B.default.weight", "head.weight", "head.bias"
+        }  # fmt: skip
 
 
 def test_an_fsdp_runs_preflight_matches_the_weights_by_their_headers_and_records_their_streamed_sha256(

@@ -247,13 +247,16 @@ def test_a_pickle_or_a_tokenizer_other_than_the_models_is_refused(pretrained, tm
     assert "data.tokenizer='byte' is invalid: the data was tokenised with another tokenizer" in message
 
 
-@pytest.mark.parametrize("max_shard_size", ["1GB", "40KB"])
+@pytest.mark.parametrize(("max_shard_size", "lora"), [("1GB", False), ("40KB", True)], ids=["one-file", "shards-lora"])
 def test_under_fsdp_each_rank_reads_its_rows_of_a_pretraining_checkpoint_and_equals_the_whole_load(
-    pretrained, tmp_path, process_group, caplog, max_shard_size
+    pretrained, tmp_path, process_group, caplog, max_shard_size, lora
 ):
+    """With LoRA on the attention's query and value, the adapted layers' ``base_layer`` tensors read the stored
+    layers' rows, and the adapters start from the seed alone, whatever torch's global RNG did before."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from tests.helpers.runtime import InProcessRuntime
+    from training_core.train.lora import prepare_trainable, unadapted_names
     from training_core.train.model import build_sharded_pretrained
 
     bert_dir, data_dir = pretrained
@@ -262,12 +265,14 @@ def test_under_fsdp_each_rank_reads_its_rows_of_a_pretraining_checkpoint_and_equ
     masked.save_pretrained(tmp_path / "mlm", max_shard_size=max_shard_size)  # one file, or shards and their index
     assert (tmp_path / "mlm" / "model.safetensors.index.json").exists() == (max_shard_size == "40KB")
     (tmp_path / "mlm" / "tokenizer.json").write_bytes((bert_dir / "tokenizer.json").read_bytes())
+    adapters = {"lora": {"enabled": True, "rank": 2, "target_modules": ["query", "value"]}} if lora else {}
     config = _config("unused", tokenizer=str(bert_dir), name="", hidden_size=0, num_heads=0,
-                     pretrained=str(tmp_path / "mlm"))  # fmt: skip
+                     pretrained=str(tmp_path / "mlm"), **adapters)  # fmt: skip
     config.scaling.strategy = "fsdp"
     workload, manifest = preflight(config, str(data_dir)), Manifest.load(str(data_dir))
     torch.manual_seed(7)  # the whole load's random initialisation differs from any other: only loaded tensors agree
-    whole = workload.build_model(config, manifest).state_dict()
+    whole_model = prepare_trainable(workload.build_model(config, manifest), config.model, seed=config.loop.seed)
+    whole = whole_model.state_dict()
     torch.manual_seed(8)
     with caplog.at_level("WARNING"):
         held, _, bytes_read = build_sharded_pretrained(config, workload, manifest, InProcessRuntime(),
@@ -277,7 +282,12 @@ def test_under_fsdp_each_rank_reads_its_rows_of_a_pretraining_checkpoint_and_equ
     for key, tensor in sharded.items():
         assert torch.equal(tensor.full_tensor(), whole[key]), key  # the new head and pooler: the same seeded values
     backbone = masked.bert.state_dict()
-    assert all(torch.equal(whole[f"encoder.bert.{key}"], value) for key, value in backbone.items())
+    as_stored = {unadapted_names(whole_model).get(key, key): tensor for key, tensor in whole.items()}
+    assert all(torch.equal(as_stored[f"encoder.bert.{key}"], value) for key, value in backbone.items())
+    adapter = "encoder.bert.encoder.layer.1.attention.self.value.lora_{}.default.weight"
+    assert (adapter.format("A") in whole) == lora
+    if lora:  # A drawn from the seed, B zeros: the adapted model starts as the pretrained one
+        assert whole[adapter.format("A")].abs().sum() > 0 and not whole[adapter.format("B")].any()
     assert "the pooler (bert.pooler.dense.weight, bert.pooler.dense.bias) is new" in caplog.text
     backbone_bytes = sum(t.numel() * t.element_size() for t in backbone.values())
     assert backbone_bytes < bytes_read < backbone_bytes + 16384  # cls.predictions.* are never read

@@ -87,9 +87,9 @@ class Trainer:
             held, self.num_parameters, _ = build_sharded_pretrained(
                 cfg, self.workload, manifest, self.runtime, param_dtype=self.autocast_dtype
             )
-            self.frozen_base_sha256 = ""
+            self.frozen_base_sha256 = ckpt.base_sha256(held.model)  # a collective: each frozen tensor gathered in turn
         else:
-            model = prepare_trainable(self.workload.build_model(cfg, manifest), cfg.model)
+            model = prepare_trainable(self.workload.build_model(cfg, manifest), cfg.model, seed=cfg.loop.seed)
             self.num_parameters = sum(p.numel() for p in model.parameters())
             # With frozen parameters (model.lora, model.freeze) checkpoints hold the trainable ones and name this base.
             self.frozen_base_sha256 = ckpt.base_sha256(model)

@@ -11,6 +11,9 @@ Contract:
   for the data's classes has no pretrained weights to adapt; peft's ``modules_to_save`` would keep a second copy of
   it for adapter switching, which a run never does); then the ``model.freeze`` patterns freeze what they match.
   Every target and pattern must match something: otherwise ``ValueError`` naming the field, the value and the fix.
+  Given ``loop.seed``, the adapters start at :func:`adapter_values` (as peft draws them, from that seed): a model
+  built on the meta device and sharded (FSDP from pretrained weights, which reads its base by
+  :func:`unadapted_names`) starts them the same.
 - :func:`check_trainable` runs the same on the model built on the meta device, before any worker starts, with the
   optimizer's parameter groups over it (:func:`~training_core.train.optim.param_groups`).
 - :func:`merge_adapters` folds every adapter into its layer (``W + (alpha / rank) * B A``) and puts the plain layer
@@ -30,16 +33,21 @@ from typing import TYPE_CHECKING, Any
 from training_core.messages import clip, invalid, quote
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from training_core.config import LoraConfig, ModelConfig, TrainingConfig
 
 
-def prepare_trainable(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+def prepare_trainable(model: nn.Module, cfg: ModelConfig, *, seed: int | None = None) -> nn.Module:
     """``model`` with ``model.lora``'s adapters added and ``model.freeze``'s parameters frozen (the same object;
-    unchanged when neither is set)."""
+    unchanged when neither is set). With ``seed`` (``loop.seed``) the adapters start at :func:`adapter_values`,
+    as a model built on the meta device and sharded starts them; without, at peft's own draw (a model whose adapters
+    a checkpoint fills, or one on the meta device)."""
     if cfg.lora.enabled:
         model = add_adapters(model, cfg.lora)
+        if seed is not None:
+            start_adapters(model, seed)
     freeze(model, cfg.freeze)
     if (cfg.lora.enabled or cfg.freeze) and not any(p.requires_grad for p in model.parameters()):
         invalid("model.freeze", cfg.freeze, "nothing is left to train: freeze fewer parameters")
@@ -132,6 +140,84 @@ def check_trainable(config: TrainingConfig, manifest: Any, workload: Any) -> Non
     except Exception:  # noqa: BLE001 - a model whose construction needs real tensors is built on CPU instead
         model = workload.build_model(config, manifest)
     param_groups(config.optimizer, prepare_trainable(model, config.model))
+
+
+ADAPTER_INIT = {"lora_A": "kaiming", "lora_B": "zeros", "lora_embedding_A": "zeros", "lora_embedding_B": "normal"}
+"""How peft initialises each kind of adapter tensor (``init_lora_weights=True``): A as ``nn.Linear`` initialises a
+weight (Kaiming-uniform, ``a = sqrt(5)``) and B zeros, an embedding's the other way round (B standard normal)."""
+
+
+def adapter_values(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """The starting values of ``model``'s LoRA adapter tensors, by state-dict name, on the CPU: drawn as peft draws
+    them (:data:`ADAPTER_INIT`), in name order, from a generator seeded with ``seed``. Only shapes and dtypes are
+    read, so ``model`` may be on the meta device: a model built whole and one built on the meta device and sharded
+    start the same adapters (peft's own draw comes from torch's global RNG after the model's own initialisation,
+    which a meta build does not consume). {} for a model without adapters; torch's global RNG is left alone."""
+    import math
+
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    values: dict[str, torch.Tensor] = {}
+    for name, (kind, param) in sorted(_adapter_tensors(model).items()):
+        value = torch.empty(param.shape, dtype=param.dtype)
+        if kind == "kaiming":
+            torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
+        elif kind == "normal":
+            torch.nn.init.normal_(value, generator=generator)
+        else:
+            value.zero_()
+        values[name] = value
+    return values
+
+
+def _adapter_tensors(model: nn.Module) -> dict[str, tuple[str, Any]]:
+    """Each adapter tensor of ``model`` by state-dict name: its :data:`ADAPTER_INIT` kind and the tensor."""
+    if "peft" not in sys.modules:  # a model with adapters has imported it
+        return {}
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    found: dict[str, tuple[str, Any]] = {}
+    for layer_name, layer in model.named_modules():
+        if not isinstance(layer, BaseTunerLayer):
+            continue
+        for kind_name in layer.adapter_layer_names:
+            container = getattr(layer, kind_name)
+            prefix = f"{layer_name}.{kind_name}" if layer_name else kind_name
+            for name, param in container.named_parameters(prefix=prefix):
+                assert kind_name in ADAPTER_INIT, f"{name}: an adapter this platform does not configure"
+                kind = "zeros" if name.endswith(".bias") else ADAPTER_INIT[kind_name]  # a LoRA bias starts at 0
+                found[name] = (kind, param)
+    return found
+
+
+def start_adapters(model: nn.Module, seed: int) -> None:
+    """Set ``model``'s adapters (a model whole in this process) to :func:`adapter_values` of ``seed``."""
+    import torch
+
+    with torch.no_grad():
+        for name, value in adapter_values(model, seed).items():
+            model.get_parameter(name).copy_(value)
+
+
+def unadapted_names(model: nn.Module) -> dict[str, str]:
+    """Each state-dict name of ``model`` but its adapters' -> the name it had before :func:`add_adapters`: an adapted
+    layer's ``<layer>.base_layer.<tensor>`` was ``<layer>.<tensor>``, the rest kept theirs. What pretrained weights,
+    saved for the model without adapters, are read by."""
+    adapters = _adapter_tensors(model)
+    names = [name for name in model.state_dict() if name not in adapters]
+    if "peft" not in sys.modules:
+        return {name: name for name in names}
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    adapted = {name for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)}
+    plain: dict[str, str] = {}
+    for name in names:
+        head, marker, tail = name.rpartition("base_layer.")
+        layer = head.removesuffix(".")
+        wrapped = bool(marker) and (not head or head.endswith(".")) and layer in adapted
+        plain[name] = head + tail if wrapped else name
+    return plain
 
 
 def merge_adapters(model: nn.Module) -> nn.Module:

@@ -73,10 +73,9 @@ def hold_model(
 
 def loads_by_rows(cfg: TrainingConfig, workload: Workload) -> bool:
     """Whether the model's ``model.pretrained`` weights are read shard by shard (:func:`build_sharded_pretrained`):
-    under FSDP, for a workload that declares ``loads_pretrained_sharded``, with every parameter trained (LoRA and
-    frozen parameters change the model's names and what a checkpoint holds: those build whole)."""
-    trains_all = not (cfg.model.lora.enabled or cfg.model.freeze)
-    sharded = cfg.scaling.strategy == "fsdp" and bool(cfg.model.pretrained) and trains_all
+    under FSDP, for a workload that declares ``loads_pretrained_sharded`` (with ``model.lora`` and ``model.freeze``
+    too)."""
+    sharded = cfg.scaling.strategy == "fsdp" and bool(cfg.model.pretrained)
     return sharded and bool(getattr(workload, "loads_pretrained_sharded", False))
 
 
@@ -89,14 +88,23 @@ def build_sharded_pretrained(
     param_dtype: torch.dtype | None,
 ) -> tuple[HeldModel, int, int]:
     """The model held under FSDP (:func:`hold_model`), its parameter count and the bytes of weights this rank read,
-    never whole in this process: built with its parameters on the meta device, sharded, then each rank reads only
-    the rows of ``model.pretrained`` it holds (:func:`training_core.pretrained.load_shards`)."""
+    never whole in this process: built with its parameters on the meta device, given its ``model.lora`` adapters and
+    ``model.freeze`` there (:func:`~training_core.train.lora.prepare_trainable`), sharded, then each rank reads only
+    the rows of ``model.pretrained`` it holds (:func:`training_core.pretrained.load_shards`; an adapted layer's
+    ``base_layer`` tensors read the layer's own) and takes its rows of the adapters' seeded starting values
+    (:func:`~training_core.train.lora.adapter_values`): the same step-0 weights as the model built whole."""
     from training_core.pretrained import load_shards, plan_sharded_load
+    from training_core.train.lora import adapter_values, prepare_trainable, unadapted_names
 
     with sharding.empty_parameters():
         model = workload.build_model(cfg, manifest)
     mapping_of = getattr(workload, "pretrained_mapping", None)  # how its model names the weights' tensors
+    # Planned on the model as the weights name it, before peft renames an adapted layer's tensors.
     load = plan_sharded_load(model, cfg.model, seed=cfg.loop.seed, mapping_of=mapping_of)
+    with sharding.empty_parameters():  # the adapters on the meta device too: their values come after sharding
+        model = prepare_trainable(model, cfg.model)
+    if cfg.model.lora.enabled:
+        load = load.wrapped(unadapted_names(model), adapter_values(model, cfg.loop.seed))
     num_parameters = _count(model)
     held = hold_model(model, cfg, workload, runtime, param_dtype=param_dtype)
     bytes_read = load_shards(held.model, load)
