@@ -125,6 +125,13 @@ def test_ddp_on_two_gloo_workers_equals_one_process_on_the_union_of_their_batche
     assert [r["allreduce_calls"] for r in reports] == [NUM_STEPS, NUM_STEPS]
 
 
+def ray_actors() -> dict[str, dict]:
+    """The actor table of the session's cluster, by actor id (the state API needs the dashboard, which is off)."""
+    from ray._private.state import actors
+
+    return actors()
+
+
 def test_fit_trains_two_workers_to_a_loadable_checkpoint_and_leaves_no_process_running(
     ray_session, session_root, digits_dir, tmp_path, caplog
 ):
@@ -139,6 +146,7 @@ def test_fit_trains_two_workers_to_a_loadable_checkpoint_and_leaves_no_process_r
         }
     )
     before = session_ray_processes(session_root)
+    actors_before = set(ray_actors())
     with caplog.at_level(logging.WARNING, logger="training_core.runners.ray_processes"):
         result = fit(
             cfg,
@@ -147,9 +155,13 @@ def test_fit_trains_two_workers_to_a_loadable_checkpoint_and_leaves_no_process_r
             run_name="fit-smoke",
             storage_path=str(tmp_path / "ray"),
         )
-    # Its controller, workers, dataset manager...: all exited by themselves when fit returned. Before the change, the
-    # controller (and what it owns) lived on until the next run, held by the SIGINT handler Ray Train installs.
+    # Its controller, workers...: all exited by themselves when fit returned. Before the change, the controller (and
+    # what it owns) lived on until the next run, held by the SIGINT handler Ray Train installs.
     assert new_run_processes(session_root, before) == {}
+    # The run started no Ray Data actor: its workers read their shards themselves (Ray Train's datasets callback,
+    # which would start a DatasetManager, is left out of a run without Ray Datasets).
+    started = sorted(a["ActorClassName"] for actor_id, a in ray_actors().items() if actor_id not in actors_before)
+    assert started.count("RayTrainWorker") == 2 and "DatasetManager" not in started, started
     assert "killed" not in caplog.text
     steps_per_epoch = Manifest.load(digits_dir).steps_per_epoch(world_size=2, batch_size=32, grad_accum_steps=2)
     assert result.meta.global_step == 2 * steps_per_epoch
