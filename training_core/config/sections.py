@@ -692,7 +692,7 @@ class ScheduleConfig:
 
 @dataclass
 class LoopConfig:
-    epochs: int = 12
+    epochs: int = 6
     """Passes over the training split, at most ``MAX_EPOCHS`` (1,000,000)."""
 
     batch_size: int = 32
