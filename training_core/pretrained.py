@@ -464,8 +464,8 @@ def load_into(
     mapping: NameMapping | None = None,
 ) -> HeadPlan:
     """Copy ``weights`` (named as ``mapping`` says, by default as the model names them) into ``model`` as
-    :func:`plan_loading` says, the re-initialised tensors taking their :func:`fresh_values` from ``seed``, and log
-    what was loaded and re-initialised."""
+    :func:`plan_loading` says, the re-initialised tensors taking their :func:`fresh_values` from ``seed`` (a tied
+    tensor its first name's: :func:`tied_aliases`), and log what was loaded and re-initialised."""
     import torch
 
     state = mapping.renamed(weights.state_dict) if mapping else weights.state_dict
@@ -473,12 +473,28 @@ def load_into(
     plan = plan_loading(weights.source, model, state, new_head=new_head, model_name=model_name, fresh=fresh)
     skip = set(plan.reinitialised)
     model.load_state_dict({key: value for key, value in state.items() if key not in skip}, strict=False)
-    own = model.state_dict()
+    own, aliases = model.state_dict(), tied_aliases(model)
     with torch.no_grad():
         for key, value in fresh_values(model, plan.reinitialised, seed=seed).items():
-            own[key].copy_(value)
+            if key not in aliases:  # a tied tensor takes its first name's value, as load_shards gives it
+                own[key].copy_(value)
     log_plan(plan, weights.sha256)
     return plan
+
+
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """The groups of names of one shared parameter (tied weights: a masked LM's decoder and its word embeddings), in
+    the model's order."""
+    groups: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(parameter), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def tied_aliases(model: nn.Module) -> set[str]:
+    """The names of ``model``'s tied parameters but the first of each group (:func:`tied_names`): filling the first
+    name fills them all, so a load reads a tied tensor's rows once and gives it one value."""
+    return {name for names in tied_names(model) for name in names[1:]}
 
 
 def log_plan(plan: HeadPlan, sha256: str) -> None:
@@ -705,13 +721,17 @@ def rank_rows(tensor: torch.Tensor) -> tuple[int, int]:
 
 def load_shards(model: nn.Module, load: ShardedLoad) -> int:
     """Copy into each of ``model``'s tensors (its ``DTensor`` shards' local rows, or a whole buffer) the rows this
-    rank holds, read by name and row range, or taken from the re-initialised values. Returns the bytes read."""
+    rank holds, read by name and row range, or taken from the re-initialised values; a tied tensor once, under its
+    first name (:func:`tied_aliases`). Returns the bytes read."""
     import torch
 
     from training_core.parallel.sharding import local_tensor
 
+    aliases = tied_aliases(model)  # FSDP2 shards a tied parameter once, under each of its names
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
+            if name in aliases:
+                continue
             start, stop = rank_rows(tensor)
             local = local_tensor(tensor)
             assert local.shape[:1] == (stop - start,) or not local.dim(), (name, local.shape, start, stop)

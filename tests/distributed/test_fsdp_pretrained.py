@@ -1,7 +1,8 @@
 """Fine-tuning from pretrained weights under FSDP on 2 gloo workers under Ray Train: each rank reads and holds about
 half of the weights (measured: the bytes it read, its shards' bytes, its peak resident set), and the run equals DDP
 on the same data and the same re-initialised head. With LoRA adapters or frozen parameters the model is built on the
-meta device and read by rows too, and starts with the same weights, adapters included, as when built whole."""
+meta device and read by rows too, and starts with the same weights, adapters included, as when built whole. So does
+``masked_lm`` from a Hugging Face BERT, its decoder tied to the word embeddings: one sharded parameter, read once."""
 
 from __future__ import annotations
 
@@ -139,6 +140,37 @@ def _step_zero(config: dict, manifest: Manifest, runtime, model: dict) -> dict:
     return {"states": states, "bytes_read": bytes_read, "sharded_s": sharded_s}
 
 
+def _masked_lm_step_zero(sections: dict, text_dir: str, runtime) -> dict:
+    """``masked_lm`` from a Hugging Face directory (``sections``: the config preflight checked): built on the meta
+    device and read by rows (FSDP), its state gathered, whether the decoder and the word embeddings are one
+    parameter, and one forward and backward (FSDP2 refuses a tied parameter in two units); on rank 0 the same built
+    whole as the loop builds it (DDP) and run on the same tokens. Also the bytes this rank read."""
+    from training_core.train.model import build_sharded_pretrained
+    from training_core.train.rng import seed_everything
+    from training_core.workloads import resolve_workload
+
+    cfg, manifest = TrainingConfig.from_dict(sections), Manifest.load(text_dir)
+    workload = resolve_workload(cfg.workload)
+    tokens = torch.arange(2 * 12).reshape(2, 12) % manifest.spec["vocab_size"]
+    held, _, bytes_read = build_sharded_pretrained(cfg, workload, manifest, runtime, param_dtype=None)
+    encoder = held.model.encoder
+    embeddings = encoder.bert.embeddings.word_embeddings.weight
+    states = {"fsdp": _whole(held.model), "tied": encoder.cls.predictions.decoder.weight is embeddings}
+    logits = held.model(tokens)
+    logits.sum().backward()
+    states["fsdp_logits"] = logits.detach()
+    states["fsdp_grad"] = embeddings.grad.full_tensor()
+    if runtime.rank == 0:
+        seed_everything(cfg.loop.seed)
+        whole = workload.build_model(cfg, manifest)
+        states["whole"] = {key: value.clone() for key, value in whole.state_dict().items()}
+        logits = whole(tokens)
+        logits.sum().backward()
+        states["whole_logits"] = logits.detach()
+        states["whole_grad"] = whole.encoder.bert.embeddings.word_embeddings.weight.grad
+    return {"states": states, "bytes_read": bytes_read}
+
+
 def _worker(config: dict) -> None:
     import ray.train
 
@@ -177,6 +209,11 @@ def _worker(config: dict) -> None:
         states[kind] = built.pop("states")
         figures[kind] = built
     figures["trainable_s"] = time.monotonic() - started
+    started = time.monotonic()
+    for kind, sections in config["masked_lm"].items():
+        built = _masked_lm_step_zero(sections, config["text_dir"], runtime)
+        states[f"masked_lm-{kind}"], figures[f"masked_lm-{kind}"] = built.pop("states"), built
+    figures["masked_lm_s"] = time.monotonic() - started
     Path(config["out_dir"], f"figures-{rank}.json").write_text(json.dumps(figures))
     if rank == 0:
         torch.save(states, Path(config["out_dir"]) / "states.pt")
@@ -190,11 +227,60 @@ def data_dir(tmp_path_factory) -> str:
     return str(out)
 
 
+MASKED_LM_WEIGHTS = ("BertForMaskedLM", "BertModel")
+"""How the ``masked_lm`` weights are saved: with their masked-LM head (its decoder tied to the word embeddings, so
+saved once, under the embeddings' name), and the backbone alone (the head is new, from the seed)."""
+
+
+@pytest.fixture(scope="module")
+def masked_lm_configs(tmp_path_factory) -> tuple[str, dict[str, TrainingConfig]]:
+    """Text prepared for ``masked_lm`` with a WordPiece tokenizer, and for each of :data:`MASKED_LM_WEIGHTS` a tiny
+    BERT saved that way beside that tokenizer and the FSDP config preflight checked against the data."""
+    from tests.helpers.labeled_text import labeled_rows, tiny_bert, wordpiece_tokenizer
+    from training_core.workloads import preflight
+
+    root = tmp_path_factory.mktemp("masked-lm")
+    texts = [text for text, _ in labeled_rows(120)]
+    (root / "text").mkdir()
+    (root / "text" / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    tokenizer = wordpiece_tokenizer(root / "tokenizer.json", texts)
+    masked = tiny_bert(root / "BertForMaskedLM", vocab_size=len(json.loads(tokenizer.read_text())["model"]["vocab"]),
+                       num_labels=2, head=False)  # fmt: skip
+    masked.bert.save_pretrained(root / "BertModel", safe_serialization=True)
+    sections = {
+        "workload": {"name": "masked_lm"},
+        "data": {"dataset": "text", "path": str(root / "text"), "tokenizer": str(tokenizer), "seq_len": 16,
+                 "num_shards": 2, "prep_num_workers": 1},
+        "scaling": {"strategy": "fsdp", "num_workers": WORLD_SIZE},
+    }  # fmt: skip
+    configs = {}
+    for kind in MASKED_LM_WEIGHTS:
+        (root / kind / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+        configs[kind] = TrainingConfig.from_dict({**sections, "model": {"name": "", "pretrained": str(root / kind)}})
+    prepare(configs[kind].data, str(root / "data"), workload=configs[kind].workload)
+    for config in configs.values():
+        preflight(config, str(root / "data"))  # records the architecture and the weights' sha256
+    return str(root / "data"), configs
+
+
+def _tensor_bytes(weights: Path) -> dict[str, int]:
+    """The bytes of each tensor stored in the safetensors file ``weights``, and of its header (``""``)."""
+    with open(weights, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    stored = {name: entry["data_offsets"][1] - entry["data_offsets"][0] for name, entry in header.items()}
+    return {**stored, "": 8 + size}
+
+
 def test_fsdp_fine_tuning_from_pretrained_weights_reads_half_on_each_rank_and_equals_ddp(
-    ray_session, data_dir, tmp_path
+    ray_session, data_dir, masked_lm_configs, tmp_path
 ):
     """Also with LoRA and with frozen parameters: read by rows (``loads_by_rows``), the same step-0 weights as built
-    whole, adapters included (each ``lora_A`` drawn from the seed, each ``lora_B`` zeros), and the same frozen base."""
+    whole, adapters included (each ``lora_A`` drawn from the seed, each ``lora_B`` zeros), and the same frozen base.
+    And ``masked_lm`` from a Hugging Face BERT saved with and without its head: read by rows, the decoder and the
+    word embeddings one sharded parameter whose stored rows the ranks read once between them, the same step-0
+    weights (a head the weights lack: the seeded fresh one), logits and tied gradient as built whole."""
     import cloudpickle
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -203,6 +289,7 @@ def test_fsdp_fine_tuning_from_pretrained_weights_reads_half_on_each_rank_and_eq
     from training_core.train.model import loads_by_rows
     from training_core.workloads import resolve_workload
 
+    text_dir, masked_lm = masked_lm_configs
     manifest = Manifest.load(data_dir)
     torch.manual_seed(3)
     imagenet = build_model("resnet18", num_classes=1000, input_shape=manifest.input_shape).state_dict()
@@ -216,6 +303,8 @@ def test_fsdp_fine_tuning_from_pretrained_weights_reads_half_on_each_rank_and_eq
             "weights": str(tmp_path / "resnet18.safetensors"),
             "out_dir": str(tmp_path),
             "checkpoints": str(tmp_path / "checkpoints"),
+            "text_dir": text_dir,
+            "masked_lm": {kind: cfg.to_dict() for kind, cfg in masked_lm.items()},
         },
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=WORLD_SIZE, resources_per_worker={"CPU": 1}),
@@ -251,7 +340,8 @@ def test_fsdp_fine_tuning_from_pretrained_weights_reads_half_on_each_rank_and_eq
         assert sharded["peak_rss"] < 0.6 * model_bytes < whole["peak_rss"] / 1.6, (rank, figures, model_bytes)
         for kind in TRAINABLE:  # an adapted layer's base read its own rows; the adapters are not in the weights
             assert 0.45 < figures[kind]["bytes_read"] / model_bytes < 0.55, (rank, kind, figures, model_bytes)
-        print(f"rank {rank}: the LoRA and freeze builds took {figures['trainable_s']:.1f} s, {figures}")
+        print(f"rank {rank}: the LoRA and freeze builds took {figures['trainable_s']:.1f} s, the masked_lm ones "
+              f"{figures['masked_lm_s']:.1f} s, {figures}")  # fmt: skip
 
     # LoRA and model.freeze: read by rows too, from the same step-0 weights and frozen base as built whole.
     for kind, model in TRAINABLE.items():
@@ -272,3 +362,29 @@ def test_fsdp_fine_tuning_from_pretrained_weights_reads_half_on_each_rank_and_eq
     }
     assert "conv1.weight" not in frozen["trainable"] and "layer2.0.conv1.weight" in frozen["trainable"]
     assert not any(name.startswith("layer1.") for name in frozen["trainable"])
+
+    # masked_lm: read by rows, the tie kept through the meta build and FSDP2, each stored tensor read once.
+    ranks = [json.loads((tmp_path / f"figures-{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+    for kind, cfg in masked_lm.items():
+        assert loads_by_rows(cfg, resolve_workload(cfg.workload)), kind
+        built = states[f"masked_lm-{kind}"]
+        assert built["tied"], kind
+        assert built["fsdp"].keys() == built["whole"].keys(), kind
+        for key, tensor in built["whole"].items():
+            assert torch.equal(built["fsdp"][key], tensor), (kind, key)
+        torch.testing.assert_close(built["fsdp_logits"], built["whole_logits"], rtol=1e-5, atol=1e-6, msg=kind)
+        torch.testing.assert_close(built["fsdp_grad"], built["whole_grad"], rtol=1e-4, atol=1e-6, msg=kind)
+        whole = built["whole"]
+        tied = ("encoder.cls.predictions.decoder.weight", "encoder.bert.embeddings.word_embeddings.weight")
+        assert torch.equal(whole[tied[0]], whole[tied[1]]), kind
+        stored = _tensor_bytes(Path(cfg.model.pretrained) / "model.safetensors")
+        header = stored.pop("")
+        read = [figures[f"masked_lm-{kind}"]["bytes_read"] for figures in ranks]
+        # Between them the ranks read each stored tensor once (the tied one too) and each its header.
+        assert sum(read) == sum(stored.values()) + WORLD_SIZE * header, (kind, read, stored)
+        assert all(0.4 < count / sum(stored.values()) < 0.6 for count in read), (kind, read)
+    fresh = states["masked_lm-BertModel"]["whole"]  # its head is new: transformers' zero bias, a seeded dense layer
+    head = "encoder.cls.predictions."
+    assert not fresh[f"{head}bias"].any() and fresh[f"{head}transform.dense.weight"].any()
+    loaded = states["masked_lm-BertForMaskedLM"]["whole"]
+    assert not torch.equal(loaded[f"{head}transform.dense.weight"], fresh[f"{head}transform.dense.weight"])

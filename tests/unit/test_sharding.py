@@ -40,6 +40,19 @@ def test_a_transformers_model_names_its_blocks():
     assert [type(b).__name__ for b in blocks] == ["GPT2Block"] * 3
 
 
+def test_a_masked_lm_built_on_meta_keeps_its_decoder_tied_and_its_embeddings_out_of_the_blocks():
+    """FSDP2 shards a tied parameter in one unit only: BERT's embeddings, whose word embeddings are the masked-LM
+    decoder's weight, stay with the root, and the meta build keeps the two names one parameter."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=2, num_attention_heads=2, intermediate_size=8)
+    with sharding.empty_parameters():
+        model = BertForMaskedLM(config)
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    assert model.cls.predictions.decoder.weight.is_meta
+    assert [type(b).__name__ for b in sharding.find_blocks(model)] == ["BertLayer"] * 2
+
+
 class _Workload:
     def __init__(self, blocks):
         self._blocks = blocks

@@ -8,9 +8,11 @@ and MLflow models read the same with and without them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
-from typing import Any, Callable
+from collections import Counter
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -63,18 +65,28 @@ def require_blocks(config: Any, manifest: Any, workload: Any) -> int:
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """Blocks of the architectures this package builds (see :func:`model_blocks`)."""
+    """Blocks of the architectures this package builds (see :func:`model_blocks`). A ``transformers`` block that
+    shares a parameter with a module outside it (BERT's embeddings, their word embeddings tied to the masked-LM
+    decoder) is not one: FSDP2 shards a tied parameter in one unit only, so it stays in the root's with the other."""
     block_classes: set[str] = set()
     for module in model.modules():
         block_classes.update(getattr(module, "_no_split_modules", None) or ())
     if block_classes:
-        return _outermost([m for m in model.modules() if type(m).__name__ in block_classes])
+        named = [m for m in model.modules() if type(m).__name__ in block_classes]
+        return _outermost([m for m in named if not _shares_parameters(m, model)])
     if all(isinstance(getattr(model, f"layer{i}", None), nn.Module) for i in range(1, 5)):
         return [getattr(model, f"layer{i}") for i in range(1, 5)]
     layers = getattr(getattr(model, "encoder", None), "layers", None)
     if isinstance(layers, nn.Sequential) and len(layers):
         return list(layers)
     return []
+
+
+def _shares_parameters(block: nn.Module, model: nn.Module) -> bool:
+    """Whether a parameter of ``block`` is also registered in ``model`` outside it (tied weights)."""
+    inside = Counter(id(p) for _, p in block.named_parameters(remove_duplicate=False))
+    everywhere = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return any(everywhere[key] > count for key, count in inside.items())
 
 
 def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
@@ -140,12 +152,27 @@ def shard_model(
     return model
 
 
-def empty_parameters() -> Any:
+@contextlib.contextmanager
+def empty_parameters() -> Iterator[None]:
     """A context in which modules are built with their parameters on the meta device (no memory, no values) and
-    their buffers as usual (small, and some, such as position ids, are not in any state dict to load them from)."""
+    their buffers as usual (small, and some, such as position ids, are not in any state dict to load them from).
+    A parameter already on the meta device is registered as itself, so a weight a model ties by assigning one
+    parameter to two modules (``transformers``' ``tie_weights``: a masked LM's decoder and its word embeddings)
+    stays one parameter, as when built whole (accelerate's context would register a new one)."""
     from accelerate import init_empty_weights
 
-    return init_empty_weights(include_buffers=False)
+    plain = nn.Module.register_parameter
+    with init_empty_weights(include_buffers=False):
+        emptying = nn.Module.register_parameter
+
+        def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            (plain if param is not None and param.is_meta else emptying)(module, name, param)
+
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = emptying  # type: ignore[method-assign]
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -20,7 +20,8 @@ Models: a BERT size of :data:`~training_core.registry.ENCODER_SIZES`, a ``transf
 ``*ForMaskedLM`` model, randomly initialised, without dropout; or ``model.pretrained``, a Hugging Face directory
 (``BertForMaskedLM``, ``BertForPreTraining``, ``BertModel``) loaded by ``sequence_classification``'s name mapping (a
 head the weights lack fresh from ``loop.seed``; pooler and next-sentence tensors left out), with the data tokenised
-by the ``tokenizer.json`` beside it. The loop trains :class:`MaskedLMModel`:
+by the ``tokenizer.json`` beside it; under FSDP each rank reads only the rows it holds (``loads_pretrained_sharded``,
+the decoder tied to the word embeddings sharing their one sharded parameter). The loop trains :class:`MaskedLMModel`:
 ``forward(input_ids [N, T]) -> logits [N, T, V]``; its ``encoder`` is the Hugging Face model, so
 ``model.encoder.save_pretrained(directory)`` (with the data's ``tokenizer.json`` beside it) is a pretraining checkpoint
 ``sequence_classification`` fine-tunes from (``model.pretrained``: the backbone loads, the classification head is
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -49,6 +50,7 @@ from training_core.workloads.sequence_classification import (
     check_pretrained_tokenizer,
     check_pretrained_weights,
     encoder_architecture,
+    encoder_mapping,
     load_pretrained,
     pretrained_config_json,
 )
@@ -56,6 +58,8 @@ from training_core.workloads.sequence_classification import (
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from training_core.pretrained import NameMapping
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +148,9 @@ class MaskedLM(CausalLM):
     dynamic_axes = (0, 1)
     showcase = None
     """No generated text in the evaluation report: an encoder does not continue a prompt."""
+    loads_pretrained_sharded = True
+    """Under FSDP each rank reads only its shards' rows of ``model.pretrained``, named by :meth:`pretrained_mapping`
+    (the decoder tied to the word embeddings reads their stored rows, once)."""
 
     def __init__(self, selected: WorkloadConfig | None = None) -> None:
         selected = selected or WorkloadConfig(name=NAME)
@@ -202,11 +209,18 @@ class MaskedLM(CausalLM):
                 encoder = new_masked_lm(config, manifest)
             check_pretrained_weights(config, encoder, head=HEAD)
 
+    def pretrained_mapping(self, model: nn.Module, stored_names: Iterable[str]) -> NameMapping:
+        """How :class:`MaskedLMModel` names ``model.pretrained``'s tensors (:func:`~training_core.workloads.
+        sequence_classification.encoder_mapping`, under ``encoder.``): what the whole load and FSDP's row-by-row
+        load (``loads_pretrained_sharded``) both read by."""
+        return encoder_mapping(model.encoder, stored_names, head=HEAD).under("encoder.")
+
     def build_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
         """:class:`MaskedLMModel` around a ``transformers`` masked LM, randomly initialised (from the loop's seeded
         RNG), with ``model.pretrained``'s weights loaded when there are some (:func:`~training_core.workloads.
         sequence_classification.load_pretrained`: the masked-LM head's tensors when the weights have them, else a
-        seeded fresh head; a pooler's and next-sentence tensors left out and logged)."""
+        seeded fresh head; a pooler's and next-sentence tensors left out and logged), but not into parameters on
+        the meta device: under FSDP each rank reads its shards' rows after sharding (``loads_pretrained_sharded``)."""
         encoder = new_masked_lm(config, manifest)
         if config.model.pretrained and not any(p.is_meta for p in encoder.parameters()):
             load_pretrained(encoder, config.model, seed=config.loop.seed, head=HEAD)

@@ -720,7 +720,7 @@ def encoder_mapping(
     pretraining head's: ``cls.*``) or in a pooler are left out; a tensor tied to another (a masked LM's decoder to
     the word embeddings) loads from that one's; and a ``head`` (the tensors outside the backbone) or a pooler the
     weights lack entirely takes a seeded fresh value (:data:`~training_core.pretrained.FRESH`)."""
-    from training_core.pretrained import FRESH, NameMapping
+    from training_core.pretrained import FRESH, NameMapping, tied_names
 
     prefix, pooler = f"{encoder.base_model_prefix}.", f"{encoder.base_model_prefix}.pooler."
     own = list(encoder.state_dict())
@@ -738,18 +738,10 @@ def encoder_mapping(
         if keys and not any(key in source_of for key in keys):
             sources.update(dict.fromkeys(keys, FRESH))
             notes.append(f"the {part} ({', '.join(keys[:5])}) is new, initialised here")
-    for tied in _tied_names(encoder):
+    for tied in tied_names(encoder):
         found = [source_of[key] for key in tied if key in source_of]
         sources.update(dict.fromkeys(tied, found[0]) if found else {})
     return NameMapping(sources, dropped, "; ".join(notes))
-
-
-def _tied_names(encoder: nn.Module) -> list[list[str]]:
-    """The groups of names of one shared parameter (tied weights)."""
-    groups: dict[int, list[str]] = {}
-    for name, parameter in encoder.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(parameter), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
 
 
 def check_pretrained_weights(config: TrainingConfig, encoder: nn.Module, *, head: str = "classification head") -> None:
