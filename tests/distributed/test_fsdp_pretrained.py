@@ -87,16 +87,15 @@ def _whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in get_model_state_dict(model, options=options).items()}
 
 
-def _resumed(model: torch.nn.Module, config: dict, runtime) -> dict[str, torch.Tensor]:
-    """A resume as the loop does it: ``model``'s sharded checkpoint, then a model built from the pretrained weights
-    again (each rank its rows), then the checkpoint restored over them: the weights it ends with."""
+def _resumed(model: torch.nn.Module, cfg: TrainingConfig, manifest: Manifest, runtime, checkpoints: str):
+    """A resume as the loop does it: ``model``'s sharded checkpoint under ``checkpoints``, then a model built from
+    the pretrained weights again (each rank its rows), then the checkpoint restored over them: that model."""
     from training_core import checkpoint as ckpt
     from training_core.train.model import build_sharded_pretrained
     from training_core.workloads import resolve_workload
 
-    cfg = _config(config["weights"], "fsdp")
-    storage = ckpt.CheckpointStorage(config["checkpoints"])
-    meta = ckpt.CheckpointMeta(model_name="resnet18", classes=[], input_shape=[], mean=[], std=[], epoch=0,
+    storage = ckpt.CheckpointStorage(checkpoints)
+    meta = ckpt.CheckpointMeta(model_name=cfg.model.name, classes=[], input_shape=[], mean=[], std=[], epoch=0,
                                global_step=NUM_STEPS, config={})  # fmt: skip
     first = runtime.rank == 0
     checkpointer = ckpt.Checkpointer(storage, keep_last=1, async_save=False)
@@ -104,12 +103,11 @@ def _resumed(model: torch.nn.Module, config: dict, runtime) -> dict[str, torch.T
     checkpointer.save_sharded(NUM_STEPS, model=model, optimizer=optimizer, trainer_state={"rng": {}} if first else None,
                               meta=meta if first else None)  # fmt: skip
     checkpointer.wait()
-    workload, manifest = resolve_workload(cfg.workload), Manifest.load(config["data_dir"])
-    again, _, _ = build_sharded_pretrained(cfg, workload, manifest, runtime, param_dtype=None)
+    again, _, _ = build_sharded_pretrained(cfg, resolve_workload(cfg.workload), manifest, runtime, param_dtype=None)
     loaded = ckpt.load_latest_valid(storage)
     assert loaded is not None and loaded.meta.global_step == NUM_STEPS
     ckpt.restore(loaded, model=again.model)
-    return _whole(again.model)
+    return again.model
 
 
 def _step_zero(config: dict, manifest: Manifest, runtime, model: dict) -> dict:
@@ -140,11 +138,13 @@ def _step_zero(config: dict, manifest: Manifest, runtime, model: dict) -> dict:
     return {"states": states, "bytes_read": bytes_read, "sharded_s": sharded_s}
 
 
-def _masked_lm_step_zero(sections: dict, text_dir: str, runtime) -> dict:
+def _masked_lm_step_zero(sections: dict, text_dir: str, runtime, checkpoints: str) -> dict:
     """``masked_lm`` from a Hugging Face directory (``sections``: the config preflight checked): built on the meta
     device and read by rows (FSDP), its state gathered, whether the decoder and the word embeddings are one
     parameter, and one forward and backward (FSDP2 refuses a tied parameter in two units); on rank 0 the same built
-    whole as the loop builds it (DDP) and run on the same tokens. Also the bytes this rank read."""
+    whole as the loop builds it (DDP) and run on the same tokens. Then one SGD step, and a resume from a sharded
+    checkpoint of it under ``checkpoints`` (:func:`_resumed`): the trained and the resumed states, and whether the
+    resumed model's decoder is still its word embeddings. Also the bytes this rank read."""
     from training_core.train.model import build_sharded_pretrained
     from training_core.train.rng import seed_everything
     from training_core.workloads import resolve_workload
@@ -168,6 +168,12 @@ def _masked_lm_step_zero(sections: dict, text_dir: str, runtime) -> dict:
         logits.sum().backward()
         states["whole_logits"] = logits.detach()
         states["whole_grad"] = whole.encoder.bert.embeddings.word_embeddings.weight.grad
+    torch.optim.SGD(held.model.parameters(), lr=0.5).step()  # the tied weight takes both names' gradients, once
+    states["trained"] = _whole(held.model)
+    resumed = _resumed(held.model, cfg, manifest, runtime, checkpoints)
+    states["resumed"] = _whole(resumed)
+    decoder = resumed.encoder.cls.predictions.decoder.weight
+    states["resumed_tied"] = decoder is resumed.encoder.bert.embeddings.word_embeddings.weight
     return {"states": states, "bytes_read": bytes_read}
 
 
@@ -202,7 +208,8 @@ def _worker(config: dict) -> None:
         start = _whole(held.model)
         _train(held.model, manifest, rank)
         states[strategy] = {"start": start, "end": _whole(held.model)}
-    states["resumed"] = _resumed(held.model, config, runtime)
+    cfg = _config(config["weights"], "fsdp")
+    states["resumed"] = _whole(_resumed(held.model, cfg, manifest, runtime, config["checkpoints"]))
     started = time.monotonic()
     for kind, model in TRAINABLE.items():
         built = _step_zero(config, manifest, runtime, model)
@@ -211,7 +218,7 @@ def _worker(config: dict) -> None:
     figures["trainable_s"] = time.monotonic() - started
     started = time.monotonic()
     for kind, sections in config["masked_lm"].items():
-        built = _masked_lm_step_zero(sections, config["text_dir"], runtime)
+        built = _masked_lm_step_zero(sections, config["text_dir"], runtime, f"{config['checkpoints']}-{kind}")
         states[f"masked_lm-{kind}"], figures[f"masked_lm-{kind}"] = built.pop("states"), built
     figures["masked_lm_s"] = time.monotonic() - started
     Path(config["out_dir"], f"figures-{rank}.json").write_text(json.dumps(figures))
@@ -377,6 +384,13 @@ def test_fsdp_fine_tuning_from_pretrained_weights_reads_half_on_each_rank_and_eq
         whole = built["whole"]
         tied = ("encoder.cls.predictions.decoder.weight", "encoder.bert.embeddings.word_embeddings.weight")
         assert torch.equal(whole[tied[0]], whole[tied[1]]), kind
+        # A sharded checkpoint of a step (the tied weight saved and restored as one parameter): the resume reads the
+        # pretrained weights by rows again, restores the trained ones over them, and keeps the tie.
+        trained, resumed = built["trained"], built["resumed"]
+        assert not torch.equal(trained[tied[1]], whole[tied[1]]) and torch.equal(trained[tied[0]], trained[tied[1]])
+        assert resumed.keys() == trained.keys() and built["resumed_tied"], kind
+        for key, tensor in trained.items():
+            assert torch.equal(resumed[key], tensor), (kind, key)
         stored = _tensor_bytes(Path(cfg.model.pretrained) / "model.safetensors")
         header = stored.pop("")
         read = [figures[f"masked_lm-{kind}"]["bytes_read"] for figures in ranks]
