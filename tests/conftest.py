@@ -128,6 +128,26 @@ def new_run_processes(root: Path, before: dict[int, str]) -> dict[int, str]:
     }
 
 
+EXIT_BEGUN = "Destructing CoreWorkerProcessImpl"
+"""What a Ray process's core-worker log says once its exit has begun (a clean exit logs more lines after it)."""
+
+
+def kills_not_in_rays_exit(log_text: str, root: Path) -> list[str]:
+    """The processes ``reaped_run`` logged as killed (``log_text``) that had not begun to exit by themselves: each
+    one's core-worker log under ``root`` lacks :data:`EXIT_BEGUN`. A process whose exit had begun was caught in Ray
+    2.60's exit deadlock (deployment/docs/troubleshooting.md: about 1 run in 20, not provoked by the run), which the
+    kill is there for; one held alive, as Ray Train's SIGINT handler held a finished run's controller, never got
+    that far."""
+    import re
+
+    not_exiting = []
+    for pid, name in re.findall(r"Ray process (\d+) \(ray::(\S+)\) of the finished run did not exit", log_text):
+        logs = list(root.rglob(f"python-core-worker-*_{pid}.log"))
+        if not any(EXIT_BEGUN in log.read_text(errors="replace") for log in logs):
+            not_exiting.append(f"{pid} (ray::{name})")
+    return not_exiting
+
+
 def leftover_ray_processes(root: Path, *, wait_s: float = LEFTOVER_WAIT_S) -> list[tuple[int, str]]:
     """The Ray processes of ``root`` (:func:`session_ray_processes`) still running after up to ``wait_s``: each is
     killed (``SIGKILL``) and returned with its command line."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import new_run_processes, session_ray_processes
+from tests.conftest import kills_not_in_rays_exit, new_run_processes, session_ray_processes
 from training_core.config import OptimizerConfig, TrainingConfig
 from training_core.data import Manifest, ShardStream
 from training_core.models import build_model
@@ -162,7 +162,8 @@ def test_fit_trains_two_workers_to_a_loadable_checkpoint_and_leaves_no_process_r
     # which would start a DatasetManager, is left out of a run without Ray Datasets).
     started = sorted(a["ActorClassName"] for actor_id, a in ray_actors().items() if actor_id not in actors_before)
     assert started.count("RayTrainWorker") == 2 and "DatasetManager" not in started, started
-    assert "killed" not in caplog.text
+    # A process killed by fit had begun its own exit (Ray's exit deadlock), never one a handler held alive.
+    assert kills_not_in_rays_exit(caplog.text, session_root) == [], caplog.text
     steps_per_epoch = Manifest.load(digits_dir).steps_per_epoch(world_size=2, batch_size=32, grad_accum_steps=2)
     assert result.meta.global_step == 2 * steps_per_epoch
     assert [r.epoch for r in result.meta.history] == [1.0, 2.0]
