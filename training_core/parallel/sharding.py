@@ -73,7 +73,8 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
         block_classes.update(getattr(module, "_no_split_modules", None) or ())
     if block_classes:
         named = [m for m in model.modules() if type(m).__name__ in block_classes]
-        return _outermost([m for m in named if not _shares_parameters(m, model)])
+        everywhere = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+        return _outermost([m for m in named if not _shares_parameters(m, everywhere)])
     if all(isinstance(getattr(model, f"layer{i}", None), nn.Module) for i in range(1, 5)):
         return [getattr(model, f"layer{i}") for i in range(1, 5)]
     layers = getattr(getattr(model, "encoder", None), "layers", None)
@@ -82,10 +83,10 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def _shares_parameters(block: nn.Module, model: nn.Module) -> bool:
-    """Whether a parameter of ``block`` is also registered in ``model`` outside it (tied weights)."""
+def _shares_parameters(block: nn.Module, everywhere: Counter) -> bool:
+    """Whether a parameter of ``block`` is registered more often in the model (``everywhere``: how many times each
+    parameter is, by id) than in ``block`` itself: tied to a parameter outside it."""
     inside = Counter(id(p) for _, p in block.named_parameters(remove_duplicate=False))
-    everywhere = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     return any(everywhere[key] > count for key, count in inside.items())
 
 
