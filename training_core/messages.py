@@ -25,8 +25,7 @@ class _BoundedRepr(reprlib.Repr):
         self.maxlevel = 3
         self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = self.maxdeque = self.maxarray = 6
         self.maxdict = 6
-        self.maxstring = 120
-        self.maxother = 120
+        self.maxstring = self.maxother = 120
         self.maxlong = 40
 
     def repr_int(self, x: int, level: int) -> str:

@@ -185,16 +185,15 @@ def _read(source: str, fs: Any, path: str, max_bytes: int) -> bytes:
         return fail(source, f"{exc}; name {SUPPORTED}")
 
 
-def _read_json(source: str, fs: Any, path: str) -> Any:
-    name = path.rsplit("/", 1)[-1]
+def _parse_json(source: str, name: str, data: bytes) -> Any:
     try:
-        return json.loads(_read(source, fs, path, MAX_JSON_BYTES))
+        return json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         return fail(source, f"its {name} is not JSON ({clip(str(exc))}); save the model again with save_pretrained")
 
 
 def _index_shards(source: str, fs: Any, index_path: str) -> list[str]:
-    weight_map = _read_json(source, fs, index_path)
+    weight_map = _parse_json(source, SAFETENSORS_INDEX, _read(source, fs, index_path, MAX_JSON_BYTES))
     weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         fail(source, f"its {SAFETENSORS_INDEX} has no weight_map; save the model again with save_pretrained")
@@ -217,9 +216,13 @@ def pinned_sha256(pretrained: str, pinned: str = "") -> str:
     if not pretrained:
         return ""
     found = weights_sha256(locate(pretrained))
-    if pinned and found != pinned:
-        fail(pretrained, f"its sha256 is {found}, not model.pretrained_sha256={pinned}: the weights changed; {REPIN}")
+    _check_pinned(pretrained, found, pinned)
     return found
+
+
+def _check_pinned(source: str, sha256: str, pinned: str) -> None:
+    if pinned and sha256 != pinned:
+        fail(source, f"its sha256 is {sha256}, not model.pretrained_sha256={pinned}: the weights changed; {REPIN}")
 
 
 def combined_sha256(files: WeightFiles, digests: list[str]) -> str:
@@ -231,14 +234,11 @@ def combined_sha256(files: WeightFiles, digests: list[str]) -> str:
 
 
 def _file_sha256(source: str, fs: Any, path: str) -> str:
-    digest = hashlib.sha256()
     try:
         with open_regular(fs, path) as f:
-            while piece := f.read(2**20):
-                digest.update(piece)
+            return hashlib.file_digest(f, "sha256").hexdigest()
     except UnreadableFile as exc:
-        fail(source, f"{exc}; name {SUPPORTED}")
-    return digest.hexdigest()
+        return fail(source, f"{exc}; name {SUPPORTED}")
 
 
 def read_pretrained(source: str, *, expected_sha256: str = "") -> PretrainedWeights:
@@ -252,29 +252,26 @@ def read_pretrained(source: str, *, expected_sha256: str = "") -> PretrainedWeig
     sha256 = combined_sha256(files, [hashlib.sha256(contents[path]).hexdigest() for path in files.files])
     if files.kind == "huggingface":
         _check_config_json(source, contents[files.files[0]])
-    if expected_sha256 and sha256 != expected_sha256:
-        fail(
-            source,
-            f"its sha256 is {sha256}, not model.pretrained_sha256={expected_sha256}: the weights changed; {REPIN}",
-        )
-    state_dict: dict[str, torch.Tensor] = {}
-    for path in files.weight_files:
-        part = _state_dict_of(source, files.kind, path, contents[path])
-        repeated = sorted(part.keys() & state_dict.keys())
-        if repeated:
-            fail(source, f"tensor {quote(repeated[0])} is in more than one shard; save the model again")
-        state_dict.update(part)
+    _check_pinned(source, sha256, expected_sha256)
+    state_dict = _merged(source, [_state_dict_of(source, files.kind, p, contents[p]) for p in files.weight_files])
     if files.kind == "huggingface" and len(files.weight_files) > 1:
         _check_index(source, json.loads(contents[files.files[1]])["weight_map"], state_dict)
     return PretrainedWeights(source=source, kind=files.kind, sha256=sha256, state_dict=state_dict)
 
 
+def _merged(source: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The tensors of a model's shards as one dict; a name in two shards fails."""
+    merged: dict[str, Any] = {}
+    for part in parts:
+        repeated = sorted(part.keys() & merged.keys())
+        if repeated:
+            fail(source, f"tensor {quote(repeated[0])} is in more than one shard; save the model again")
+        merged.update(part)
+    return merged
+
+
 def _check_config_json(source: str, data: bytes) -> None:
-    try:
-        config = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        fail(source, f"its config.json is not JSON ({clip(str(exc))}); save the model again with save_pretrained")
-    if not isinstance(config, dict):
+    if not isinstance(_parse_json(source, "config.json", data), dict):
         fail(source, "its config.json is not a JSON object; save the model again with save_pretrained")
 
 
@@ -352,9 +349,8 @@ def plan_loading(
     head = head_name(model)
     head_keys = {key for key in expected if head and key.rpartition(".")[0] == head}
     shapes = {name: tuple(tensor.shape) for name, tensor in state_dict.items()}
-    named = named_by_pattern(new_head, expected) if isinstance(new_head, str) else set()
     fresh = set(fresh)
-    named |= fresh
+    named = (named_by_pattern(new_head, expected) if isinstance(new_head, str) else set()) | fresh
     missing = sorted(expected.keys() - shapes.keys() - named)
     unexpected = sorted(shapes.keys() - expected.keys())
     wrong = sorted(key for key in expected.keys() & shapes.keys() if expected[key] != shapes[key])
@@ -540,13 +536,7 @@ class SafetensorsRows:
 
     def __init__(self, files: WeightFiles) -> None:
         self.files, self.bytes_read = files, 0
-        self.tensors: dict[str, StoredTensor] = {}
-        for path in files.weight_files:
-            part = self._header(path)
-            repeated = sorted(part.keys() & self.tensors.keys())
-            if repeated:
-                fail(files.source, f"tensor {quote(repeated[0])} is in more than one shard; save the model again")
-            self.tensors.update(part)
+        self.tensors: dict[str, StoredTensor] = _merged(files.source, [self._header(p) for p in files.weight_files])
 
     def _range(self, path: str, begin: int, end: int, into: Any = None) -> bytes:
         """Bytes ``[begin, end)`` of ``path``; with ``into`` (a writable buffer of that size) read into it (a local
@@ -619,8 +609,9 @@ class SafetensorsRows:
 class WholeRows:
     """Rows of a state dict read whole (a ``.pt`` file, which cannot be read by parts)."""
 
-    def __init__(self, state_dict: Mapping[str, torch.Tensor], bytes_read: int) -> None:
-        self.tensors, self.bytes_read = state_dict, bytes_read
+    def __init__(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = state_dict
+        self.bytes_read = sum(t.numel() * t.element_size() for t in state_dict.values())
 
     def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
         tensor = self.tensors[name]
@@ -667,9 +658,7 @@ def plan_sharded_load(
     files = locate(model_cfg.pretrained)
     if files.kind == "torch":
         weights = read_pretrained(model_cfg.pretrained, expected_sha256=model_cfg.pretrained_sha256)
-        reader: Any = WholeRows(
-            weights.state_dict, sum(t.numel() * t.element_size() for t in weights.state_dict.values())
-        )
+        reader: Any = WholeRows(weights.state_dict)
         shapes: Mapping[str, Any] = weights.state_dict
     else:
         reader = SafetensorsRows(files)
@@ -683,22 +672,12 @@ def plan_sharded_load(
     return ShardedLoad(plan, model_cfg.pretrained_sha256, reader, fresh, sources=mapping.sources)
 
 
-def stored_shapes(source: str, expected_sha256: str = "") -> tuple[Mapping[str, Any], str]:
-    """The tensors (anything with a ``shape``) of the weights at ``source`` and their sha256, for a check before any
-    worker starts that holds no weights: the hash streamed and the safetensors headers read (a ``.pt`` state dict,
-    which cannot be read by parts, is read whole)."""
-    files = locate(source)
-    if files.kind == "torch":
-        weights = read_pretrained(source, expected_sha256=expected_sha256)
-        return weights.state_dict, weights.sha256
-    return SafetensorsRows(files).tensors, pinned_sha256(source, expected_sha256)
-
-
 def tensors_to_match(model: Any, strategy: str) -> tuple[Mapping[str, Any], str]:
-    """``model.pretrained``'s tensors and their sha256, for the check before any worker starts: read whole, or under
-    FSDP (a model that may not fit this process) by their safetensors headers alone (:func:`stored_shapes`)."""
-    if strategy == "fsdp":
-        return stored_shapes(model.pretrained, model.pretrained_sha256)
+    """``model.pretrained``'s tensors (anything with a ``shape``) and their sha256, for the check before any worker
+    starts: read whole, or under FSDP (a model that may not fit this process) by their safetensors headers alone, the
+    hash streamed (a ``.pt`` state dict, which cannot be read by parts, is read whole)."""
+    if strategy == "fsdp" and (files := locate(model.pretrained)).kind != "torch":
+        return SafetensorsRows(files).tensors, pinned_sha256(model.pretrained, model.pretrained_sha256)
     weights = read_pretrained(model.pretrained, expected_sha256=model.pretrained_sha256)
     return weights.state_dict, weights.sha256
 

@@ -144,9 +144,6 @@ class StepLog:
         na, nb = max(1, spans[i]), max(1, spans[i + 1])
         self.records[i : i + 2] = [_merged(a, b, na, nb)]
 
-    def to_list(self) -> list[dict[str, float]]:
-        return [r.to_dict() for r in self.records]
-
     @classmethod
     def from_list(cls, raw: Iterable[Mapping[str, Any] | StepRecord], *, capacity: int = 64) -> StepLog:
         records = [r if isinstance(r, StepRecord) else StepRecord.from_dict(r) for r in raw]

@@ -1,16 +1,15 @@
 """The one schema layer for what training_core reads: pydantic 2 validates the package's dataclasses as they are.
 
-:func:`check` runs a ``TypeAdapter``'s validator over a dataclass (one per type and mode, cached): unknown keys are
-refused, each field gets its type, and the dataclass's own ``__post_init__`` checks run. Two modes:
+:func:`check` runs a cached pydantic validator of a dataclass: unknown keys are refused, each field gets its type,
+and the dataclass's own ``__post_init__`` checks run. Two modes:
 
 - ``lax`` (config files and ``TRAINING_CORE__*`` overrides): numbers and booleans are read as the config always
   read them (a string ``"3"`` is an int, ``"yes"`` is true; ``1`` is not a boolean, ``2.5`` not an int, ``inf`` not a
   float, and ints stay within int64). Everything else is strict.
 - strict (what we wrote to disk: checkpoint metadata, manifests): a string where an int belongs is refused.
 
-A failure raises :class:`SchemaError` with pydantic's findings as :class:`Problem`\\ s: the field's dotted path,
-the bad value and the fix. Each reader words its message from them (``training_core.messages``). pydantic is
-imported here only inside functions, so importing a module that uses this one stays light.
+A failure raises :class:`SchemaError` of :class:`Problem`\\ s, from which each reader words its message. pydantic is
+imported only inside functions, so importing a module that uses this one stays light.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ class SchemaError(ValueError):
     """The input does not fit the schema: :attr:`problems`, in pydantic's order."""
 
     def __init__(self, problems: list[Problem]) -> None:
-        super().__init__(problems[0].fix if problems else "invalid input")
+        super().__init__(problems[0].fix)
         self.problems = problems
 
 
@@ -98,10 +97,8 @@ def describe(hint: Any) -> str:
     if rule is not None:
         return rule.expected
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if _is_choice(hint):
-        return " or ".join(describe(arg) if arg is not type(None) else "null" for arg in args)
     if origin in (typing.Union, types.UnionType):
-        return f"{describe(_without_none(hint))} or null"
+        return f"{describe(_options(hint)[0])} or null"
     if origin is list:
         return f"a list of {_plural(describe(args[0]))}"
     if origin is dict:
@@ -222,37 +219,32 @@ UNKNOWN_KEY_KINDS = ("extra_forbidden", "unexpected_keyword_argument", "invalid_
 
 
 def _problem(cls: type, error: Any) -> Problem:
-    loc = tuple(error["loc"])
+    loc, kind, value = tuple(error["loc"]), error["type"], error["input"]
     cause = (error.get("ctx") or {}).get("error")
     fix = str(cause) if isinstance(cause, Fix) else error["msg"]
     own_error = cause if isinstance(cause, BaseException) and not isinstance(cause, Fix) else None
-    keyed = error["type"] in (*UNKNOWN_KEY_KINDS, "missing")
-    path, owner = _resolve(cls, loc[:-1] if keyed else loc)  # an unknown or missing key: its dataclass
+    unknown = kind in UNKNOWN_KEY_KINDS
+    path, owner = _resolve(cls, loc[:-1] if unknown or kind == "missing" else loc)  # a key: its dataclass
     fields = tuple(f.name for f in dataclasses.fields(owner)) if dataclasses.is_dataclass(owner) else ()
-    if error["type"] in UNKNOWN_KEY_KINDS:
-        # A key that is not a string is the input itself (its location holds its text).
-        key = error["input"] if error["type"] == "invalid_key" else loc[-1]
-        return Problem(path, error["input"], error["type"], fix, key=key, fields=fields, loc=loc)
-    path = field_path(cls, loc) if keyed else path  # a missing key: the field's own path
-    return Problem(path, error["input"], error["type"], fix, own_error, fields=fields, loc=loc)
-
-
-def field_path(cls: type, loc: tuple) -> str:
-    """pydantic's location ``loc`` in ``cls`` as the dotted path messages name: ``a.b``, ``a.items[0]``,
-    ``a.mapping[key]`` and ``a.mapping key`` (the key itself)."""
-    return _resolve(cls, loc)[0]
+    if kind == "missing":
+        path = _resolve(cls, loc)[0]  # the missing field's own path
+    # A key that is not a string is the input itself (its location holds its text).
+    key = (value if kind == "invalid_key" else loc[-1]) if unknown else None
+    return Problem(path, value, kind, fix, own_error, key, fields, loc)
 
 
 def _resolve(cls: type, loc: tuple) -> tuple[str, Any]:
-    """The path of ``loc`` (see :func:`field_path`) and the type found there."""
+    """pydantic's location ``loc`` in ``cls`` as the dotted path messages name (``a.b``, ``a.items[0]``,
+    ``a.mapping[key]``, and ``a.mapping key`` for the key itself), and the type found there."""
     if loc[-1:] == ("[key]",):  # pydantic names the bad key twice: as the key, then as "[key]"
         loc = loc[:-2] + loc[-1:]
     path, hint = "", cls
     for part in loc:
-        if _is_choice(hint):  # a field of several types (``bool | str``): pydantic names the type it tried
+        options = _options(hint)
+        if len(options) > 1:  # a field of several types (``bool | str``): pydantic names the type it tried
             hint = Any
             continue
-        hint = _without_none(hint)
+        hint = options[0]
         if part == "[key]":
             path += " key"
         elif dataclasses.is_dataclass(hint):
@@ -262,17 +254,11 @@ def _resolve(cls: type, loc: tuple) -> tuple[str, Any]:
             path += f"[{clip(str(part), 60)}]"
             args = typing.get_args(hint)
             hint = args[-1] if args else Any
-    return path, _without_none(hint)
+    return path, _options(hint)[0]
 
 
-def _is_choice(hint: Any) -> bool:
-    return (
-        typing.get_origin(hint) in (typing.Union, types.UnionType)
-        and len([arg for arg in typing.get_args(hint) if arg is not type(None)]) > 1
-    )
-
-
-def _without_none(hint: Any) -> Any:
-    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
-        return hint
-    return next(arg for arg in typing.get_args(hint) if arg is not type(None))
+def _options(hint: Any) -> tuple:
+    """The types ``hint`` allows besides None: ``int | None`` -> ``(int,)``, ``bool | str`` -> ``(bool, str)``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return tuple(arg for arg in typing.get_args(hint) if arg is not type(None))
+    return (hint,)

@@ -70,23 +70,18 @@ def find_or_create_run(
     return uri, run.info.run_id
 
 
-def resume_run(cfg: TrackingConfig, run_id: str) -> tuple[str, str]:
-    """Reopen a run a failed attempt left behind, so a retry logs into the same run."""
+def resume_or_create_run(
+    cfg: TrackingConfig, *, run_id: str, run_name: str, tags: dict[str, str] | None = None
+) -> tuple[str, str]:
+    """Reopen ``run_id`` when there is one (a retry, a trial's later slice), so it logs into the same run; else
+    create a run named ``run_name`` with ``tags`` (they apply to a new run only). Returns ``(tracking_uri, run_id)``."""
+    if not run_id:
+        return create_run(cfg, run_name=run_name, tags=tags)
     from mlflow.tracking import MlflowClient
 
     uri = resolve_tracking_uri(cfg.tracking_uri)
     MlflowClient(tracking_uri=uri).update_run(run_id, status="RUNNING")
     return uri, run_id
-
-
-def resume_or_create_run(
-    cfg: TrackingConfig, *, run_id: str, run_name: str, tags: dict[str, str] | None = None
-) -> tuple[str, str]:
-    """Reopen ``run_id`` when there is one (a retry, a trial's later slice), else create a run named
-    ``run_name`` with ``tags`` (they apply to a new run only); returns ``(tracking_uri, run_id)``."""
-    if run_id:
-        return resume_run(cfg, run_id)
-    return create_run(cfg, run_name=run_name, tags=tags)
 
 
 def finish_run(tracking_uri: str, run_id: str, *, status: str = "FINISHED") -> None:

@@ -26,7 +26,7 @@ import itertools
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, get_args, get_origin, get_type_hints
 
 from training_core.config import (
     METRIC_DIRECTIONS,
@@ -287,8 +287,8 @@ class TuningConfig:
 
     def _check_budget(self) -> None:
         """The algorithm's budget: the grid within ``num_trials``, epochs for ASHA and PBT, PBT's population."""
-        if self.algorithm == "grid" and len(grid_points(self.search_space)) > self.num_trials:
-            size = len(grid_points(self.search_space))
+        size = len(grid_points(self.search_space)) if self.algorithm == "grid" else 0
+        if size > self.num_trials:
             invalid(
                 "num_trials",
                 self.num_trials,
@@ -342,7 +342,7 @@ class TuningConfig:
             if not isinstance(raw["base"], Mapping):
                 invalid("base", raw["base"], "expected a mapping of TrainingConfig sections")
             raw["base"] = merge(default_base().to_dict(), raw["base"])
-        return build_dataclass(cls, raw, prefix="")
+        return build_dataclass(cls, raw)
 
 
 def load_tuning_config(path: str | None = None, *, environ: Mapping[str, str] | None = None) -> TuningConfig:
@@ -383,8 +383,6 @@ PARAMS_PREFIX = "workload.params."
 def _field_type(path: str) -> type:
     """The type of the ``TrainingConfig`` leaf at dotted ``path``; ValueError if there is none. A user
     hyperparameter (``workload.params.<name>``) takes any JSON value: its type is the workload's to check."""
-    import typing
-
     if path.startswith(PARAMS_PREFIX):
         name = path.removeprefix(PARAMS_PREFIX)
         if not name.isidentifier():
@@ -393,13 +391,13 @@ def _field_type(path: str) -> type:
                 path,
                 "name one hyperparameter as workload.params.<name>, e.g. workload.params.kernel_size",
             )
-        return typing.Any
+        return Any
     node: Any = TrainingConfig
     parts = path.split(".")
     for i, part in enumerate(parts):
         if _is_typed_mapping(node):  # a mapping field (optimizer.param_groups): the rest of the path is one key
-            return typing.get_args(node)[1]
-        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+            return get_args(node)[1]
+        hints = get_type_hints(node) if dataclasses.is_dataclass(node) else {}
         if part not in hints:
             valid = ", ".join(sorted(hints)) if hints else "(none: the path ends at a value)"
             invalid(
@@ -423,12 +421,10 @@ def apply_params(base: TrainingConfig, params: Mapping[str, str]) -> TrainingCon
 def _parent(tree: dict[str, Any], path: str) -> tuple[dict[str, Any], str]:
     """The mapping of ``tree`` (a config as a dict) that holds dotted ``path``'s value, and its key there. Below a
     mapping field (``optimizer.param_groups``) the rest of the path is one key: a name pattern may hold dots."""
-    import typing
-
     node, kind, parts = tree, TrainingConfig, path.split(".")
     for i, part in enumerate(parts[:-1]):
         node = node.setdefault(part, {})
-        kind = typing.get_type_hints(kind).get(part) if dataclasses.is_dataclass(kind) else None
+        kind = get_type_hints(kind).get(part) if dataclasses.is_dataclass(kind) else None
         if _is_typed_mapping(kind):
             return node, ".".join(parts[i + 1 :])
     return node, parts[-1]
@@ -437,9 +433,7 @@ def _parent(tree: dict[str, Any], path: str) -> tuple[dict[str, Any], str]:
 def _is_typed_mapping(kind: Any) -> bool:
     """Whether a config field's type is a mapping of name to a typed value (``dict[str, float]``), whose keys a
     search-space path may name; not a free-form JSON mapping (``dict[str, Any]``)."""
-    import typing
-
-    return typing.get_origin(kind) is dict and typing.get_args(kind)[1] is not typing.Any
+    return get_origin(kind) is dict and get_args(kind)[1] is not Any
 
 
 def format_param(value: float, spec: ParamSpec) -> str:
@@ -541,20 +535,16 @@ def suggest(
     for params, value in finished:
         typed = {path: _optuna_value(spec, params[path]) for path, spec in zip(distributions, cfg.search_space)}
         study.add_trial(optuna.trial.create_trial(params=typed, distributions=distributions, value=value))
-    suggestions = []
-    for _ in range(count):
-        trial = study.ask(distributions)
-        suggestions.append(
-            {
-                spec.path: (
-                    str(trial.params[spec.path])
-                    if spec.kind == "choice"
-                    else format_param(trial.params[spec.path], spec)
-                )
-                for spec in cfg.search_space
-            }
-        )
-    return suggestions
+    trials = [study.ask(distributions) for _ in range(count)]
+    return [
+        {
+            spec.path: str(trial.params[spec.path])
+            if spec.kind == "choice"
+            else format_param(trial.params[spec.path], spec)
+            for spec in cfg.search_space
+        }
+        for trial in trials
+    ]
 
 
 def _optuna_value(spec: ParamSpec, text: str) -> Any:
@@ -688,22 +678,19 @@ def decide_round(
     next_round = round_index + 1
     if next_round >= num_rounds(cfg):
         return RoundDecision()
-    if cfg.algorithm == "asha":
-        return asha_decision(cfg, trained)
+    if cfg.algorithm == "asha":  # the top ``1/eta`` of the rung's trials train on to the next rung, the rest stop
+        keep = set(successive_halving_keep([t.score for t in trained], eta=cfg.asha.eta, mode=cfg.mode))
+        return RoundDecision(
+            continuing=[t.trial_id for i, t in enumerate(trained) if i in keep],
+            stopped=[t.trial_id for i, t in enumerate(trained) if i not in keep],
+        )
     if cfg.algorithm == "pbt":
         return pbt_decision(cfg, trained, rng=random.Random(cfg.seed * 7919 + round_index))
-    if cfg.algorithm == "bayesian":
-        return bayesian_decision(cfg, finished, round_index=next_round)
+    if cfg.algorithm == "bayesian":  # the next round's new trials, suggested by TPE from every finished one
+        finished_points = [(t.params, t.score) for t in finished]
+        count = bayesian_round_sizes(cfg)[next_round]
+        return RoundDecision(new_params=suggest(cfg, finished=finished_points, count=count, round_index=next_round))
     return RoundDecision()
-
-
-def asha_decision(cfg: TuningConfig, trained: Sequence[ScoredTrial]) -> RoundDecision:
-    """Successive halving: the top ``1/eta`` of the rung's trials train on to the next rung, the rest stop."""
-    keep = set(successive_halving_keep([t.score for t in trained], eta=cfg.asha.eta, mode=cfg.mode))
-    return RoundDecision(
-        continuing=[t.trial_id for i, t in enumerate(trained) if i in keep],
-        stopped=[t.trial_id for i, t in enumerate(trained) if i not in keep],
-    )
 
 
 def pbt_decision(cfg: TuningConfig, trained: Sequence[ScoredTrial], *, rng: random.Random) -> RoundDecision:
@@ -725,15 +712,3 @@ def pbt_decision(cfg: TuningConfig, trained: Sequence[ScoredTrial], *, rng: rand
         for loser, winner in sources.items()
     ]
     return RoundDecision(continuing=[t.trial_id for t in trained], copies=copies)
-
-
-def bayesian_decision(cfg: TuningConfig, finished: Sequence[ScoredTrial], *, round_index: int) -> RoundDecision:
-    """Bayesian: round ``round_index`` gets new trials, suggested by TPE from every finished one."""
-    return RoundDecision(
-        new_params=suggest(
-            cfg,
-            finished=[(t.params, t.score) for t in finished],
-            count=bayesian_round_sizes(cfg)[round_index],
-            round_index=round_index,
-        )
-    )

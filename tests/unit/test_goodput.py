@@ -13,6 +13,7 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 
+from tests.helpers.timelines import SpanEvent, StepEvent, WorkerTimeline, attribute
 from training_core.telemetry.goodput import (
     CATEGORIES,
     AttemptGoodput,
@@ -20,10 +21,6 @@ from training_core.telemetry.goodput import (
     GoodputClock,
     GoodputSeconds,
     LastProgress,
-    SpanEvent,
-    StepEvent,
-    WorkerTimeline,
-    attribute,
     recompute_through_step,
     settle_interrupted,
 )

@@ -82,15 +82,14 @@ class CheckpointManifest:
         names = set(raw["files"])
         if format == "full" and names != set(CHECKPOINT_FILES):
             raise CheckpointError(
-                f"{where} lists the files {listed(sorted(raw['files']))}: "
-                f"expected exactly {', '.join(CHECKPOINT_FILES)}"
+                f"{where} lists the files {listed(sorted(names))}: expected exactly {', '.join(CHECKPOINT_FILES)}"
             )
         shard_files = {name for name in names if name.startswith(f"{SHARDS_DIR}/")}
         if format == "sharded" and (
             names - shard_files != set(SHARDED_FILES) or SHARD_METADATA_FILE not in shard_files or len(shard_files) < 2
         ):
             raise CheckpointError(
-                f"{where} lists the files {listed(sorted(raw['files']))}: a sharded checkpoint lists exactly "
+                f"{where} lists the files {listed(sorted(names))}: a sharded checkpoint lists exactly "
                 f"{', '.join(SHARDED_FILES)}, {SHARD_METADATA_FILE} and the ranks' {SHARDS_DIR}/__<rank>_0.distcp"
             )
         return cls(
@@ -141,7 +140,7 @@ def _entry(name: str, entry: Any, *, where: str) -> ManifestEntry:
     return ManifestEntry(num_bytes=entry["bytes"], sha256=entry["sha256"])
 
 
-def _check_file_name(name: Any, *, where: str, sharded: bool = False) -> None:
+def _check_file_name(name: Any, *, where: str, sharded: bool) -> None:
     """Refuse a file name read from a manifest unless it is a plain name inside the checkpoint's directory
     (:func:`~training_core.messages.is_plain_file_name`), or in a sharded checkpoint one of the names
     ``torch.distributed.checkpoint`` gives its files in ``shards/``. Checked before anything is read."""

@@ -24,12 +24,9 @@ from training_core.messages import clip, quote
 from training_core.records import EpochRecord, StepLog, StepRecord
 from training_core.schema import UNKNOWN_KEY_KINDS, Count, Problem, Rule, SchemaError, check, describe
 
-_EPOCH_RECORDS = "a list of epoch records (objects of numbers)"
-_STEP_RECORDS = "a list of step records (objects of numbers)"
 _RNG_STATES = "an object of per-rank 'python' and 'numpy' RNG states"
 _INTERVALS = "a list of [start, stop] pairs of integers >= 0"
 _DESCRIPTION = "a JSON object (the prepared data's description)"
-_SHA256 = "a sha256 (64 lowercase hex digits) or empty"
 
 
 @dataclass
@@ -50,13 +47,13 @@ class CheckpointMeta:
     """Best value so far of the metric that ranks checkpoints (see ``CheckpointConfig``)."""
     metric: float | None = None
     """This checkpoint's value of that metric, when it was measured here."""
-    history: Annotated[list[EpochRecord], Rule(_list_of(_record_of(EpochRecord)), _EPOCH_RECORDS)] = field(
-        default_factory=list
-    )
+    history: Annotated[
+        list[EpochRecord], Rule(_list_of(_record_of(EpochRecord)), "a list of epoch records (objects of numbers)")
+    ] = field(default_factory=list)
     """One record per completed epoch: train/val loss and accuracy, LR, throughput."""
-    step_log: Annotated[list[StepRecord], Rule(_list_of(_record_of(StepRecord)), _STEP_RECORDS)] = field(
-        default_factory=list
-    )
+    step_log: Annotated[
+        list[StepRecord], Rule(_list_of(_record_of(StepRecord)), "a list of step records (objects of numbers)")
+    ] = field(default_factory=list)
     """Logged step windows (loss, accuracy, LR, grad norm, samples/s), at most ``STEP_LOG_CAPACITY``: once full,
     adjacent windows are merged (see :class:`~training_core.records.StepLog`), so the file's size does not grow
     with the run's length. Every window is in MLflow at full resolution."""
@@ -94,7 +91,7 @@ class CheckpointMeta:
     data: Annotated[dict[str, Any], Rule(is_mapping, _DESCRIPTION)] = field(default_factory=dict)
     """The prepared data's description (:meth:`~training_core.data.Manifest.description`: workload, arrays, spec)
     that rebuilds the model; empty in checkpoints written before workloads (image classification)."""
-    frozen_base_sha256: Annotated[str, Rule(_is_sha256_or_empty, _SHA256)] = ""
+    frozen_base_sha256: Annotated[str, Rule(_is_sha256_or_empty, "a sha256 (64 lowercase hex digits) or empty")] = ""
     """With frozen parameters (``model.lora``, ``model.freeze``): the checkpoint holds only the trainable ones, and
     this is the sha256 of the frozen base it needs (:mod:`~training_core.checkpoint.partial`); a model whose frozen
     parameters differ refuses it. Empty: the checkpoint holds the whole model (and in checkpoints written before)."""
@@ -139,7 +136,7 @@ def _meta_error(problems: list[Problem], raw: dict[str, Any], *, where: str) -> 
         return ValueError(f"{where} lacks the required field(s) {', '.join(missing)}")
     if problems[0].error is not None:
         return problems[0].error
-    key = problems[0].path.split(".")[0].split("[")[0]
+    key = problems[0].loc[0]
     expected = describe(typing.get_type_hints(CheckpointMeta, include_extras=True)[key])
     return ValueError(f"{where} field {key}={quote(raw[key])} is invalid: expected {expected}")
 
@@ -148,26 +145,19 @@ def _list_of(is_item: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda value: isinstance(value, list) and all(is_item(v) for v in value)
 
 
-def _numbers_by_name(value: Any) -> bool:
-    return isinstance(value, dict) and all(is_number(v) for v in value.values())
-
-
 def _record_of(cls: type) -> Callable[[Any], bool]:
     """Whether a value is one record of ``cls`` as JSON holds it: its required fields present, its fields numbers
     (integral where the field is an int; JSON stores them as floats). Other keys are left to ``cls.from_dict``."""
     fields = dataclasses.fields(cls)
     required = {f.name for f in fields if f.default is dataclasses.MISSING}
     integral = {f.name for f in fields if f.type == "int"}
-    numeric = {f.name for f in fields}
+    names = {f.name for f in fields}
 
     def is_record(value: Any) -> bool:
         if not isinstance(value, dict) or not required <= value.keys():
             return False
-        for key in numeric & value.keys():
-            number = value[key]
-            if not is_number(number) or (key in integral and not float(number).is_integer()):
-                return False
-        return True
+        known = [(name, value[name]) for name in names & value.keys()]
+        return all(is_number(v) and (name not in integral or float(v).is_integer()) for name, v in known)
 
     return is_record
 
@@ -179,11 +169,10 @@ def _is_rng_states(value: Any) -> bool:
     for rank, states in value.items():
         if not (isinstance(rank, str) and rank.isdigit() and isinstance(states, dict)):
             return False
-        python, numpy = states.get("python"), states.get("numpy")
-        if not (isinstance(python, list) and len(python) == 3 and _list_of(is_int)(python[1])):
-            return False
-        if not (isinstance(numpy, list) and len(numpy) == 5 and _list_of(is_int)(numpy[1])):
-            return False
+        for name, length in (("python", 3), ("numpy", 5)):  # random.getstate() and np.random.get_state()
+            state = states.get(name)
+            if not (isinstance(state, list) and len(state) == length and _list_of(is_int)(state[1])):
+                return False
     return True
 
 

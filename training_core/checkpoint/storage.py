@@ -179,57 +179,48 @@ class CheckpointStorage:
                 delay = min(delay * 2, 30.0)
 
     def write(self, name: str, files: dict[str, bytes], manifest: bytes) -> None:
-        """Write one checkpoint directory so that it becomes visible complete or not at all."""
-        final = f"{self.path}/{name}"
-        if self.is_local:
-            staging = f"{self.path}/.tmp-{name}-{uuid.uuid4().hex[:8]}"
-            try:
-                os.makedirs(staging, exist_ok=True)
-                for file, data in {**files, MANIFEST_FILE: manifest}.items():
-                    with open(os.path.join(staging, file), "wb") as f:
-                        f.write(data)
-                        f.flush()
-                        os.fsync(f.fileno())
-                if os.path.exists(final):
-                    remove_local(final)
-                os.rename(staging, final)
-            except OSError as exc:
-                remove_local(staging)
-                raise CheckpointError(
-                    f"writing checkpoint {self.display_uri(name)} failed: {self.scrub(reason(exc))}"
-                ) from exc
+        """Write one checkpoint directory so that it becomes visible complete or not at all (on an object store: the
+        manifest is uploaded last)."""
+        if not self.is_local:
+            self._upload(name, files, manifest)
             return
-        for file, data in files.items():
-            self._retry(
-                f"uploading {self.uri(name)}/{file}", lambda f=file, d=data: self._fs.pipe_file(f"{final}/{f}", d)
-            )
-        self._retry(
-            f"uploading {self.uri(name)}/{MANIFEST_FILE}",
-            lambda: self._fs.pipe_file(f"{final}/{MANIFEST_FILE}", manifest),
-        )
+        final = f"{self.path}/{name}"
+        staging = f"{self.path}/.tmp-{name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.makedirs(staging, exist_ok=True)
+            for file, data in {**files, MANIFEST_FILE: manifest}.items():
+                write_synced(os.path.join(staging, file), data)
+            if os.path.exists(final):
+                remove_local(final)
+            os.rename(staging, final)
+        except OSError as exc:
+            remove_local(staging)
+            raise CheckpointError(
+                f"writing checkpoint {self.display_uri(name)} failed: {self.scrub(reason(exc))}"
+            ) from exc
 
     def add_files(self, name: str, files: dict[str, bytes], manifest: bytes) -> None:
         """Write ``files`` and then ``manifest`` into checkpoint ``name``, whose directory already holds its shards:
         on a local root each file goes to a temporary name, is synced and renamed into place (the manifest last, so
         it appears complete or not at all); on an object store the manifest is uploaded last."""
         if not self.is_local:
-            for file, data in {**files, MANIFEST_FILE: manifest}.items():
-                target = f"{self.path}/{name}/{file}"
-                self._retry(f"uploading {self.uri(name)}/{file}", lambda t=target, d=data: self._fs.pipe_file(t, d))
+            self._upload(name, files, manifest)
             return
         try:
             for file, data in {**files, MANIFEST_FILE: manifest}.items():
                 target = f"{self.path}/{name}/{file}"
                 temporary = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
-                with open(temporary, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                write_synced(temporary, data)
                 os.replace(temporary, target)
         except OSError as exc:
             raise CheckpointError(
                 f"writing checkpoint {self.display_uri(name)} failed: {self.scrub(reason(exc))}"
             ) from exc
+
+    def _upload(self, name: str, files: dict[str, bytes], manifest: bytes) -> None:
+        for file, data in {**files, MANIFEST_FILE: manifest}.items():
+            target = f"{self.path}/{name}/{file}"
+            self._retry(f"uploading {self.uri(name)}/{file}", lambda t=target, d=data: self._fs.pipe_file(t, d))
 
     def staging_dir(self, name: str) -> str:
         """A new local directory for this process's files of checkpoint ``name`` before they are put in place:
@@ -358,6 +349,13 @@ class CheckpointStorage:
             remove_local(f"{self.path}/{name}")
         else:
             self._retry(f"deleting {self.uri(name)}", lambda: self._fs.rm(f"{self.path}/{name}", recursive=True))
+
+
+def write_synced(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def remove_local(path: str) -> None:

@@ -1,14 +1,10 @@
 """The config: one typed tree for a training run (:mod:`~training_core.config.sections`) and the one way it is read
-from YAML and the environment (:mod:`~training_core.config.loading`). Import every name from here."""
+from YAML and the environment (:mod:`~training_core.config.loading`). Import their public names from here."""
 
 from training_core.config.loading import (  # noqa: F401
     AUTO,
-    AUTO_FIELDS,
-    ENV_PREFIX,
-    MAX_YAML_DEPTH,
     build_dataclass,
     coerce,
-    env_overrides,
     load_layers,
     merge,
     overlay,
@@ -16,31 +12,11 @@ from training_core.config.loading import (  # noqa: F401
     read_yaml_mapping,
 )
 from training_core.config.sections import (  # noqa: F401
-    ACTIVATION_CHECKPOINTING,
-    BACKENDS,
     DDP_DEFAULT_BUCKET_CAP_MB,
-    EVALUATION_PLACEMENTS,
     IMPORT_PATH_FIX,
     LOADER_FIELDS,
-    MAX_EPOCHS,
-    MAX_NAME_PATTERNS,
-    MAX_NONFINITE_STEPS,
-    MAX_SEED,
-    MAX_WORKLOAD_PARAMS_BYTES,
     METRIC_DIRECTIONS,
-    MIN_SHM_GIB,
-    NONFINITE_POLICIES,
-    OOM_POLICIES,
-    OPTIMIZERS,
-    PARAMS_FIX,
-    PRECISIONS,
-    PUSHGATEWAY_URL_ENV,
-    SCHEDULES,
     SHM_SHARE,
-    STRATEGIES,
-    SYNC_MODES,
-    TOLERATION_EFFECTS,
-    TOLERATION_OPERATORS,
     CheckpointConfig,
     DataConfig,
     EvaluationConfig,
@@ -57,35 +33,14 @@ from training_core.config.sections import (  # noqa: F401
     TrackingConfig,
     TrainingConfig,
     WorkloadConfig,
-    checked_params,
     is_better,
     is_import_path,
-    json_value,
     load_config,
-    log,
     no_training_samples_error,
 )
 from training_core.messages import (  # noqa: F401
-    MAX_QUOTE_CHARS,
     clip,
     invalid,
     is_plain_file_name,
     quote,
-)
-from training_core.redact import (  # noqa: F401
-    redact,
-)
-from training_core.registry import (  # noqa: F401
-    DATASET_SOURCES,
-    IMAGE_MODELS,
-    LM_SIZES,
-    WORKLOADS,
-    dataset_names,
-)
-from training_core.schema import (  # noqa: F401
-    INT64_MAX,
-    INT64_MIN,
-    UNKNOWN_KEY_KINDS,
-    SchemaError,
-    check,
 )

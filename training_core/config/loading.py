@@ -10,16 +10,8 @@ import re
 import typing
 from typing import Any, Mapping
 
-from training_core.messages import (
-    clip,
-    invalid,
-    quote,
-)
-from training_core.schema import (
-    UNKNOWN_KEY_KINDS,
-    SchemaError,
-    check,
-)
+from training_core.messages import clip, invalid, quote
+from training_core.schema import UNKNOWN_KEY_KINDS, SchemaError, check
 
 AUTO = 0
 """How a field that takes ``auto`` (``loop.batch_size``) stores it."""
@@ -28,14 +20,14 @@ AUTO_FIELDS = frozenset({"loop.batch_size"})
 ENV_PREFIX = "TRAINING_CORE__"
 
 
-def build_dataclass(cls: type, raw: Mapping[str, Any], *, prefix: str) -> Any:
+def build_dataclass(cls: type, raw: Mapping[str, Any]) -> Any:
     """``cls`` (a config dataclass) built from ``raw``, a partial nested mapping of config input, by the schema
     layer in lax mode (:mod:`training_core.schema`): ``"3"`` and ``"yes"`` read as they always did, unknown fields
-    are refused, and each ``__post_init__`` runs. Errors name fields under ``prefix`` (``"loop."``)."""
+    are refused, and each ``__post_init__`` runs."""
     try:
-        return check(cls, raw if prefix else _with_auto(raw), lax=True)
+        return check(cls, _with_auto(raw), lax=True)
     except SchemaError as exc:
-        _raise_config_error(exc, prefix.rstrip("."))
+        _raise_config_error(exc, "")
 
 
 def coerce(path: str, value: Any, hint: type) -> Any:
@@ -109,7 +101,7 @@ def _construct_bool(loader, node) -> bool:
     """A ``!!bool`` scalar: only true/false (YAML 1.2 core schema)."""
     text = loader.construct_scalar(node)
     if text not in _YAML_BOOL:
-        raise loader.refused(None, None, f"{quote(text)} is not a boolean: write true or false", node.start_mark)
+        raise loader.refused(f"{quote(text)} is not a boolean: write true or false", node.start_mark)
     return _YAML_BOOL[text]
 
 
@@ -117,23 +109,19 @@ def _construct_int(loader, node) -> int:
     """A ``!!int`` scalar: decimal, ``0o`` octal or ``0x`` hex."""
     text = loader.construct_scalar(node)
     if not re.fullmatch(_YAML_INT, text):
-        raise loader.refused(
-            None, None, f"{quote(text)} is not an integer: write one in decimal digits", node.start_mark
-        )
+        raise loader.refused(f"{quote(text)} is not an integer: write one in decimal digits", node.start_mark)
     base = {"0o": 8, "0x": 16}.get(text[:2], 10)
     try:
         return int(text[2:] if base != 10 else text, base)
     except ValueError:  # more digits than Python converts
-        raise loader.refused(None, None, f"an integer of {len(text)} digits is out of range", node.start_mark) from None
+        raise loader.refused(f"an integer of {len(text)} digits is out of range", node.start_mark) from None
 
 
 def _construct_float(loader, node) -> float:
     """A ``!!float`` scalar, ``.inf`` and ``.nan`` included (``coerce`` refuses them for fields)."""
     text = loader.construct_scalar(node)
     if not re.fullmatch(_YAML_FLOAT, text):
-        raise loader.refused(
-            None, None, f"{quote(text)} is not a number: write one such as 0.5 or 1e-3", node.start_mark
-        )
+        raise loader.refused(f"{quote(text)} is not a number: write one such as 0.5 or 1e-3", node.start_mark)
     if text.lower().endswith(".inf"):
         return -math.inf if text.startswith("-") else math.inf
     return math.nan if text.lower() == ".nan" else float(text)
@@ -143,8 +131,6 @@ def _construct_undefined(loader, node):
     """Any tag outside the core schema is refused."""
     tag = node.tag.replace("tag:yaml.org,2002:", "!!")
     raise loader.refused(
-        None,
-        None,
         f"the tag {quote(tag)} is not supported: config input holds strings, numbers, true/false, null, "
         "lists and mappings",
         node.start_mark,
@@ -185,8 +171,6 @@ def _compose_node(loader: Any, parent: Any, index: Any) -> Any:
     if isinstance(event, AliasEvent) or event.anchor is not None:
         sign = "*" if isinstance(event, AliasEvent) else "&"
         raise loader.refused(
-            None,
-            None,
             f"found {sign}{clip(event.anchor, 60)}: anchors and aliases are not supported in config input; "
             "write each value out in full",
             event.start_mark,
@@ -195,8 +179,6 @@ def _compose_node(loader: Any, parent: Any, index: Any) -> Any:
     try:
         if loader.depth > MAX_YAML_DEPTH:
             raise loader.refused(
-                None,
-                None,
                 f"values nest deeper than {MAX_YAML_DEPTH} levels; config fields are at most four deep",
                 event.start_mark,
             )
@@ -210,7 +192,7 @@ def _construct_mapping(loader: Any, node: Any, deep: bool = False) -> dict:
     import yaml
 
     if not isinstance(node, yaml.MappingNode):
-        raise loader.refused(None, None, f"expected a mapping, found a {node.id}", node.start_mark)
+        raise loader.refused(f"expected a mapping, found a {node.id}", node.start_mark)
     mapping: dict = {}
     first_lines: dict = {}
     for key_node, value_node in node.value:
@@ -219,12 +201,10 @@ def _construct_mapping(loader: Any, node: Any, deep: bool = False) -> dict:
             hash(key)
         except TypeError:
             raise loader.refused(
-                None, None, f"a {type(key).__name__} cannot be a key: field names are strings", key_node.start_mark
+                f"a {type(key).__name__} cannot be a key: field names are strings", key_node.start_mark
             ) from None
         if key in mapping:
             raise loader.refused(
-                None,
-                None,
                 f"duplicate key {quote(key)} (first at line {first_lines[key]}): YAML would keep only the "
                 "last one; write each key once, merging the two",
                 key_node.start_mark,
@@ -250,6 +230,9 @@ def _yaml_loader() -> type:
 
     class Refused(ConstructorError):
         """Input this loader refuses on purpose; its ``problem`` says what to write instead."""
+
+        def __init__(self, problem: str, mark: Any) -> None:
+            super().__init__(None, None, problem, mark)
 
     class ConfigLoader(yaml.SafeLoader):
         yaml_implicit_resolvers: dict = {}
@@ -354,10 +337,8 @@ def merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     """``base`` with ``top`` laid over it, section by section (a nested mapping merges, anything else replaces)."""
     merged = dict(base)
     for key, value in top.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = merge(merged[key], value)
-        else:
-            merged[key] = value
+        nested = isinstance(value, Mapping) and isinstance(merged.get(key), Mapping)
+        merged[key] = merge(merged[key], value) if nested else value
     return merged
 
 

@@ -1,14 +1,11 @@
-"""The typed config tree: every section's dataclass, its documented fields and their checks, and
-:func:`load_config`.
+"""The one typed config tree for a training run: every section's dataclass, and :func:`load_config`.
 
-The one typed config tree for a training run.
+Every setting of the pipeline lives here, documented in the field's docstring and validated in ``__post_init__``.
+An invalid value raises ``ValueError`` naming the dotted field, the bad value and what to use instead, so a bad run
+fails on the laptop, before any Ray worker starts.
 
-Every setting of the pipeline lives here, documented in the field's docstring and validated in
-``__post_init__``. An invalid value raises ``ValueError`` naming the dotted field, the bad value and
-what to use instead, so a bad run fails on the laptop, before any Ray worker starts.
-
-The tree is plain dataclasses of str/int/float/bool, so flytekit can pass it as a typed task input and
-FlyteConsole can render it. Load it from YAML with :func:`load_config`; environment variables named
+The tree is plain dataclasses of str/int/float/bool, so flytekit can pass it as a typed task input and FlyteConsole
+can render it. Load it from YAML with :func:`load_config`; environment variables named
 ``TRAINING_CORE__<SECTION>__<FIELD>`` override single fields.
 """
 
@@ -22,18 +19,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from training_core.config.loading import (  # noqa: F401 - AUTO and ENV_PREFIX: the tree's names too
-    AUTO,
-    AUTO_FIELDS,
-    ENV_PREFIX,
-    MAX_YAML_DEPTH,
-    build_dataclass,
-    load_layers,
-)
-from training_core.messages import (
-    clip,
-    invalid,
-)
+from training_core.config.loading import AUTO, MAX_YAML_DEPTH, build_dataclass, load_layers
+from training_core.messages import clip, invalid
 from training_core.redact import redact
 from training_core.registry import (
     ARRAY_WORKLOADS,
@@ -45,10 +32,7 @@ from training_core.registry import (
     WORKLOADS,
     dataset_names,
 )
-from training_core.schema import (
-    INT64_MAX,
-    INT64_MIN,
-)
+from training_core.schema import INT64_MAX, INT64_MIN
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +117,11 @@ def _between(path: str, value: float, low: float, high: float, why: str = "") ->
 def _seed(path: str, value: int) -> None:
     if not 0 <= value <= MAX_SEED:
         invalid(path, value, f"use a seed in [0, {MAX_SEED}] (2**32 - 1), the range numpy's seeding takes")
+
+
+def _pod_memory_gib(path: str, value: float) -> None:
+    why = " GiB: a pod's memory is written in whole MiB, and a Ray node needs at least 256 MiB to start"
+    _between(path, value, MIN_MEMORY_GIB, MAX_MEMORY_GIB, why)
 
 
 def _fraction(path: str, value: float, *, upper_inclusive: bool = False) -> None:
@@ -277,13 +266,7 @@ class DataConfig:
         _non_negative("data.max_text_bytes", self.max_text_bytes)
         _non_negative("data.max_bad_samples", self.max_bad_samples)
         _between("data.prep_num_workers", self.prep_num_workers, 1, 1024)
-        _between(
-            "data.prep_memory_per_worker_gib",
-            self.prep_memory_per_worker_gib,
-            MIN_MEMORY_GIB,
-            MAX_MEMORY_GIB,
-            " GiB: a pod's memory is written in whole MiB, and a Ray node needs at least 256 MiB to start",
-        )
+        _pod_memory_gib("data.prep_memory_per_worker_gib", self.prep_memory_per_worker_gib)
         _between("data.loader_num_workers", self.loader_num_workers, 0, 64)
         _positive("data.loader_prefetch_batches", self.loader_prefetch_batches)
         if not 0 < self.augment_min_crop_scale <= 1:
@@ -546,11 +529,7 @@ class WorkloadConfig:
                 invalid("workload.primary_metric", self.primary_metric, fix)
         from_user = self.name not in WORKLOADS
         if from_user and not is_import_path(self.name):
-            invalid(
-                "workload.name",
-                self.name,
-                f"choose {', '.join(WORKLOADS)} or {IMPORT_PATH_FIX}",
-            )
+            invalid("workload.name", self.name, f"choose {', '.join(WORKLOADS)} or {IMPORT_PATH_FIX}")
         for name in ("model_factory", "dataset_source"):
             value = getattr(self, name)
             if value and from_user:
@@ -931,14 +910,11 @@ class ScalingConfig:
     def __post_init__(self) -> None:
         _positive("scaling.num_workers", self.num_workers)
         cpus_why = ": a millicore (0.001) is the least CPU a pod can request, and no node has more than 1024"
-        memory_why = " GiB: a pod's memory is written in whole MiB, and a Ray node needs at least 256 MiB to start"
         _between("scaling.cpus_per_worker", self.cpus_per_worker, MIN_CPUS, MAX_CPUS, cpus_why)
         _positive("scaling.gpus_per_worker", self.gpus_per_worker)
-        _between(
-            "scaling.memory_per_worker_gib", self.memory_per_worker_gib, MIN_MEMORY_GIB, MAX_MEMORY_GIB, memory_why
-        )
+        _pod_memory_gib("scaling.memory_per_worker_gib", self.memory_per_worker_gib)
         _between("scaling.head_cpus", self.head_cpus, MIN_CPUS, MAX_CPUS, cpus_why)
-        _between("scaling.head_memory_gib", self.head_memory_gib, MIN_MEMORY_GIB, MAX_MEMORY_GIB, memory_why)
+        _pod_memory_gib("scaling.head_memory_gib", self.head_memory_gib)
         _positive("scaling.torch_threads_per_worker", self.torch_threads_per_worker)
         _choice("scaling.backend", self.backend, BACKENDS)
         _choice("scaling.strategy", self.strategy, STRATEGIES)
@@ -1450,7 +1426,7 @@ class TrainingConfig:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "TrainingConfig":
         """Build from a (possibly partial) nested mapping; missing fields keep their defaults."""
-        return build_dataclass(cls, raw, prefix="")
+        return build_dataclass(cls, raw)
 
 
 def load_config(

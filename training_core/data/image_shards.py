@@ -21,8 +21,10 @@ Training workers decode and augment these shards in loader processes (:mod:`trai
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
+import itertools
 import json
 import logging
 import os
@@ -38,7 +40,7 @@ import numpy as np
 from training_core.config import DataConfig, no_training_samples_error
 from training_core.data.shard_files import plain_shard_name, shard_error
 from training_core.files import UnreadableFile, join_path, open_regular
-from training_core.messages import clip, quote
+from training_core.messages import clip, invalid, quote
 from training_core.redact import redact
 from training_core.registry import DATASET_SOURCES, DatasetSource, load
 
@@ -46,8 +48,8 @@ log = logging.getLogger(__name__)
 
 PARQUET_COLUMNS = ("sample_id", "label", "image", "source")
 DONE_SUFFIX = ".done.json"
-MAX_BAD_EXAMPLES = 10
-"""Bad samples named in the manifest and the prep log (the count covers them all)."""
+MAX_EXAMPLES = 10
+"""Bad, re-encoded and left-out samples named in the manifest and the prep log (the counts cover them all)."""
 
 
 @dataclass
@@ -125,7 +127,7 @@ def assign_splits(items: list[ImageItem], cfg: DataConfig, *, own: tuple[str, ..
     return splits
 
 
-def shard_tasks(splits: dict[str, list[ImageItem]], cfg: DataConfig, *, kind: str, out_dir: str) -> list[ShardTask]:
+def shard_tasks(splits: dict[str, list[ImageItem]], cfg: DataConfig, *, out_dir: str) -> list[ShardTask]:
     """Each split in a hashed order (classes mixed), cut into up to ``data.num_shards`` shards."""
     tasks = []
     for split, items in splits.items():
@@ -136,7 +138,7 @@ def shard_tasks(splits: dict[str, list[ImageItem]], cfg: DataConfig, *, kind: st
                 ShardTask(
                     split=split,
                     file=f"{split}-{index:05d}-of-{len(parts):05d}.parquet",
-                    kind=kind,
+                    kind=cfg.dataset,
                     root=cfg.path,
                     out_dir=out_dir,
                     stats_size=cfg.image_size or 32,
@@ -151,9 +153,6 @@ FOLDER_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif
 does not read as one 8-bit image (BMP, TIFF, an animated GIF or WebP...) is stored re-encoded as an 8-bit PNG."""
 
 SPLIT_FOLDERS = ("train", "val", "test")
-
-MAX_LEFT_OUT_EXAMPLES = 10
-"""Entries of an image folder left out, named in the manifest and the prep log (the counts cover them all)."""
 
 
 @dataclass
@@ -170,7 +169,7 @@ class LeftOut:
     def add(self, path: str, reason: str) -> None:
         self.count += 1
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
-        if len(self.examples) < MAX_LEFT_OUT_EXAMPLES:
+        if len(self.examples) < MAX_EXAMPLES:
             self.examples.append(f"{_printable(path)}: {reason}")
 
 
@@ -226,15 +225,11 @@ def list_image_folder(cfg: DataConfig) -> ImageListing:
         trees[split] = {cls: _images(fs, root, f"{prefix}{cls}/", cfg, left_out) for cls in class_dirs}
     _check_classes(cfg, trees, under="train/" if tree_names else "./")
     classes = sorted(trees["train"])
-    splits: dict[str, list[ImageItem]] = {}
-    next_id = 0
-    for split, tree in trees.items():
-        items = []
-        for cls, paths in sorted(tree.items()):
-            for path in paths:
-                items.append(ImageItem(source=path, label=classes.index(cls), sample_id=next_id))
-                next_id += 1
-        splits[split] = items
+    ids = itertools.count()
+    splits = {
+        split: [ImageItem(path, classes.index(cls), next(ids)) for cls, paths in sorted(tree.items()) for path in paths]
+        for split, tree in trees.items()
+    }
     if left_out.count:
         log.warning(
             "image folder %s: left out %d entr%s (%s); first: %s",
@@ -375,9 +370,7 @@ def _folder_root(cfg: DataConfig):
 
     fs, root = existing_location(cfg.path)
     if not fs.isdir(root):
-        raise ValueError(
-            f"data.path={quote(cfg.path)} is invalid: not a directory; point it at the root of <class>/<image> folders"
-        )
+        invalid("data.path", cfg.path, "not a directory; point it at the root of <class>/<image> folders")
     return fs, root
 
 
@@ -393,9 +386,7 @@ def encoded_source(dataset: str) -> DatasetSource:
     source = DATASET_SOURCES.get(dataset)
     if source is None or not source.list_images:
         encoded = ", ".join(name for name, known in DATASET_SOURCES.items() if known.list_images)
-        raise ValueError(
-            f"data.dataset={quote(dataset)} is invalid: it is not an encoded image source; choose one of {encoded}"
-        )
+        invalid("data.dataset", dataset, f"it is not an encoded image source; choose one of {encoded}")
     return source
 
 
@@ -418,20 +409,17 @@ def list_cifar10(cfg: DataConfig) -> ImageListing:
     from training_core.data.sources import CIFAR10_BATCHES, CIFAR10_CLASSES, cifar10_members
 
     splits: dict[str, list[ImageItem]] = {"train": [], "test": []}
-    next_id = 0
+    ids = itertools.count()
     for name, (_, labels) in cifar10_members(cfg.path):
         split = "test" if name == CIFAR10_BATCHES[5] else "train"
-        for row, label in enumerate(labels.tolist()):
-            splits[split].append(ImageItem(source=f"{name}#{row}", label=int(label), sample_id=next_id))
-            next_id += 1
+        splits[split] += [ImageItem(f"{name}#{row}", label, next(ids)) for row, label in enumerate(labels.tolist())]
     return ImageListing(splits, list(CIFAR10_CLASSES), ("test",))
 
 
 def run_tasks(tasks: list[ShardTask], *, num_workers: int) -> list[ShardResult]:
     """Every shard task as a Ray task of one CPU, ``num_workers`` at a time
-    (:func:`training_core.runners.ray_tasks.map_tasks`),
-    on the running Ray cluster (or a local one started as the platform starts it). Only the small results come back
-    to the driver."""
+    (:func:`training_core.runners.ray_tasks.map_tasks`), on the running Ray cluster (or a local one started as the
+    platform starts it). Only the small results come back to the driver."""
     import ray
 
     from training_core.runners.ray_tasks import map_tasks
@@ -448,21 +436,15 @@ def run_tasks(tasks: list[ShardTask], *, num_workers: int) -> list[ShardResult]:
 
 
 def _reset_peak_rss() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM, the peak resident set, to the current one
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM, the peak resident set, to the current one
 
 
 def _peak_rss_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return 0
 
 
@@ -508,9 +490,8 @@ ROW_GROUP_SAMPLES = 256
 
 
 def write_shard(task: ShardTask) -> ShardResult:
-    """Read, check and write one shard (or keep a previous prep's valid one). Rows are written a row group at a time
-    and hashed on the way, so the task holds one row group of images, not the shard (held whole, with the file
-    built in memory, a task peaked at ~4.5x the shard's encoded images)."""
+    """Read, check and write one shard (or keep a previous prep's valid one) a row group at a time
+    (:class:`_ShardWriter`): a shard held whole, with its file built in memory, peaked at ~4.5x its encoded images."""
     import fsspec
 
     _reset_peak_rss()
@@ -540,19 +521,19 @@ def write_shard(task: ShardTask) -> ShardResult:
     result = ShardResult(
         split=task.split,
         file=task.file,
-        num_samples=writer.num_rows,
+        num_samples=len(writer.labels),
         sha256=writer.digest.hexdigest(),
-        label_range=writer.label_range,
+        label_range=[min(writer.labels, default=0), max(writer.labels, default=0)],
         pixel_sum=sums.tolist(),
         pixel_sq_sum=sq_sums.tolist(),
         num_pixels=num_pixels,
         num_bad=len(bad),
-        bad_examples=bad[:MAX_BAD_EXAMPLES],
+        bad_examples=bad[:MAX_EXAMPLES],
         num_reencoded=len(reencoded),
-        reencoded_examples=reencoded[:MAX_BAD_EXAMPLES],
+        reencoded_examples=reencoded[:MAX_EXAMPLES],
+        peak_rss_bytes=_peak_rss_bytes(),
         inputs_sha256=task_fingerprint(task),
     )
-    result.peak_rss_bytes = _peak_rss_bytes()
     with fs.open(join_path(task.out_dir, task.file + DONE_SUFFIX), "w") as f:
         f.write(json.dumps(asdict(result)))
     return result
@@ -571,23 +552,19 @@ class _ShardWriter:
             [("sample_id", pa.int64()), ("label", pa.int64()), ("image", pa.binary()), ("source", pa.string())]
         )
         self.rows: dict[str, list] = {name: [] for name in PARQUET_COLUMNS}
+        self.labels: list[int] = []
+        """Every row's label, the row groups written included."""
         self.digest = hashlib.sha256()
-        self.num_rows, self.label_range = 0, [0, 0]
-        self._stack: Any = None
+        self._stack = contextlib.ExitStack()
         self._writer: Any = None
 
     def __enter__(self) -> "_ShardWriter":
-        import contextlib
-
-        self._stack = contextlib.ExitStack()
         return self
 
     def add(self, item: ImageItem, payload: bytes) -> None:
         for name, value in zip(PARQUET_COLUMNS, (item.sample_id, item.label, payload, item.source)):
             self.rows[name].append(value)
-        low, high = self.label_range
-        self.label_range = [min(low, item.label), max(high, item.label)] if self.num_rows else [item.label] * 2
-        self.num_rows += 1
+        self.labels.append(item.label)
         if len(self.rows["image"]) == ROW_GROUP_SAMPLES:
             self._flush()
 
@@ -798,9 +775,7 @@ def _stored(payload: bytes) -> tuple[bytes, str]:
     from PIL import Image
 
     with Image.open(io.BytesIO(payload)) as image:
-        buffer = io.BytesIO()
-        _rgb8(image).save(buffer, format="PNG")
-        return buffer.getvalue(), problem
+        return _png(_rgb8(image)), problem
 
 
 def _read_items(task: ShardTask) -> Iterator[tuple[ImageItem, bytes | UnreadableFile]]:
@@ -817,19 +792,20 @@ def _read_items(task: ShardTask) -> Iterator[tuple[ImageItem, bytes | Unreadable
             except UnreadableFile as exc:
                 yield item, exc
         return
-    if layout != "cifar_batches":
-        raise ValueError(f"data.dataset={quote(task.kind)} has an unknown layout {layout!r}: files or cifar_batches")
+    assert layout == "cifar_batches", f"data.dataset={task.kind!r} has an unknown layout {layout!r}"
     by_member: dict[str, list[tuple[int, ImageItem]]] = {}
     for item in task.items:
         member, row = item.source.rsplit("#", 1)
         by_member.setdefault(member, []).append((int(row), item))
+    from PIL import Image
+
     from training_core.data.sources import cifar10_members
 
     encoded: dict[int, bytes] = {}
     # Rows are encoded as PNG member by member, then yielded in the task's order.
     for member, (images, _) in cifar10_members(task.root, set(by_member)):
         for row, item in by_member[member]:
-            encoded[item.sample_id] = _png(images[row])
+            encoded[item.sample_id] = _png(Image.fromarray(np.ascontiguousarray(images[row].transpose(1, 2, 0))))
     for item in task.items:
         yield item, encoded[item.sample_id]
 
@@ -863,11 +839,9 @@ def _read_image(fs: Any, path: str, name: str) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _png(chw: np.ndarray) -> bytes:
-    from PIL import Image
-
+def _png(image: Any) -> bytes:
     buffer = io.BytesIO()
-    Image.fromarray(np.ascontiguousarray(chw.transpose(1, 2, 0))).save(buffer, format="PNG")
+    image.save(buffer, format="PNG")
     return buffer.getvalue()
 
 
@@ -904,12 +878,12 @@ def prepare_images(cfg: DataConfig, out_dir: str) -> ImagePrep:
     splits = _checked_splits(listing, cfg)
     fs, root = fsspec.core.url_to_fs(out_dir)
     fs.makedirs(root, exist_ok=True)
-    tasks = shard_tasks(splits, cfg, kind=cfg.dataset, out_dir=out_dir)
+    tasks = shard_tasks(splits, cfg, out_dir=out_dir)
     results = run_tasks(tasks, num_workers=cfg.prep_num_workers)
     num_bad, examples = _check_bad_samples(results, cfg)
     mean, std = _pixel_moments([r for r in results if r.split == "train"])
     num_reencoded = sum(r.num_reencoded for r in results)
-    reencoded = [e for r in results for e in r.reencoded_examples][:MAX_BAD_EXAMPLES]
+    reencoded = [e for r in results for e in r.reencoded_examples][:MAX_EXAMPLES]
     if num_reencoded:
         log.info(
             "data prep stored %d image(s) of %s re-encoded as 8-bit PNGs (the loader's decoder does not read them as "
@@ -945,11 +919,10 @@ def _checked_splits(listing: ImageListing, cfg: DataConfig) -> dict[str, list[Im
     splits = {**assign_splits(splits.pop("train"), cfg, own=listing.own), **splits}
     for name in ("val", "test"):
         if name not in splits:
-            field_name = f"data.{name}_fraction"
             raise ValueError(
-                f"{field_name}={getattr(cfg, f'{name}_fraction')!r} is invalid: data.path={quote(cfg.path)} has no "
-                f"{name} split of its own and this fraction of its {len(splits['train'])} training images holds none; "
-                "raise it or add more images"
+                f"data.{name}_fraction={getattr(cfg, f'{name}_fraction')!r} is invalid: data.path={quote(cfg.path)} "
+                f"has no {name} split of its own and this fraction of its {len(splits['train'])} training images holds "
+                "none; raise it or add more images"
             )
     return splits
 
@@ -958,7 +931,7 @@ def _check_bad_samples(results: list[ShardResult], cfg: DataConfig) -> tuple[int
     """The shards' bad samples (their number, the first few), logged; raises ``ValueError`` when more than
     ``data.max_bad_samples`` are bad or a split is left without a sample."""
     num_bad = sum(r.num_bad for r in results)
-    examples = [e for r in results for e in r.bad_examples][:MAX_BAD_EXAMPLES]
+    examples = [e for r in results for e in r.bad_examples][:MAX_EXAMPLES]
     if num_bad:
         log.warning("data prep skipped %d bad sample(s) of %s, first: %s", num_bad, redact(cfg.path), examples)
     if num_bad > cfg.max_bad_samples:
@@ -969,9 +942,7 @@ def _check_bad_samples(results: list[ShardResult], cfg: DataConfig) -> tuple[int
         )
     empty = sorted({r.split for r in results} - {r.split for r in results if r.num_samples})
     if empty:
-        raise ValueError(
-            f"data.path={quote(cfg.path)} is invalid: every image of split(s) {', '.join(empty)} is bad; fix the source"
-        )
+        invalid("data.path", cfg.path, f"every image of split(s) {', '.join(empty)} is bad; fix the source")
     return num_bad, examples
 
 
@@ -997,10 +968,9 @@ def shard_bytes(manifest: Any, shard: Any, data: DataConfig) -> bytes:
     remote = "://" in manifest.directory and not manifest.directory.startswith("file://")
     cache = data.cache_dir or os.path.join(tempfile.gettempdir(), "training-shard-cache")
     cached = os.path.join(cache, shard.sha256 + SHARD_SUFFIX) if remote else ""
-    if cached:
-        payload = _from_cache(cached, shard.sha256)
-        if payload is not None:
-            return payload
+    payload = _from_cache(cached, shard.sha256) if cached else None
+    if payload is not None:
+        return payload
     with fsspec.open(url, "rb") as f:
         payload = f.read()
     digest = hashlib.sha256(payload).hexdigest()
@@ -1021,10 +991,8 @@ def _from_cache(cached: str, sha256: str) -> bytes | None:
         return None
     if hashlib.sha256(payload).hexdigest() != sha256:
         return None
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.utime(cached)  # recently used
-    except FileNotFoundError:
-        pass
     return payload
 
 
@@ -1041,10 +1009,8 @@ def _to_cache(cached: str, payload: bytes, *, max_bytes: int) -> None:
         log.warning(
             "the shard cache could not keep %s (%s); it is read from its source again when next needed", cached, exc
         )
-        try:
+        with contextlib.suppress(OSError):  # never written, or no directory to write it in
             os.remove(staging)
-        except OSError:  # never written, or no directory to write it in
-            pass
         return
     evict(os.path.dirname(cached), max_bytes)
 
@@ -1070,10 +1036,8 @@ def evict(cache: str, max_bytes: int) -> None:
     for _, size, name in entries[:-1]:
         if used <= max_bytes:
             break
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(cache, name))
-        except FileNotFoundError:
-            pass
         used -= size
 
 
@@ -1082,11 +1046,9 @@ STALE_STAGING_S = 600
 
 
 def _remove_stale(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         if time.time() - os.stat(path).st_mtime > STALE_STAGING_S:
             os.remove(path)
-    except FileNotFoundError:
-        pass
 
 
 def import_decoders() -> None:
@@ -1130,9 +1092,7 @@ class EncodedImages:
         try:
             # ParquetFile.read, one thread: 0.6 ms a 2 MB shard where pq.read_table, which goes through
             # pyarrow.dataset and its thread pool, takes 2.9 ms; every loader process reads every shard it takes from.
-            table = pq.ParquetFile(pa.BufferReader(payload)).read(
-                columns=["sample_id", "label", "image", "source"], use_threads=False
-            )
+            table = pq.ParquetFile(pa.BufferReader(payload)).read(columns=list(PARQUET_COLUMNS), use_threads=False)
         except (pa.ArrowException, OSError, ValueError) as exc:
             shard_error(where, f"is not a readable Parquet shard ({type(exc).__name__}: {clip(str(exc))})")
         types = {"sample_id": pa.int64(), "label": pa.int64(), "image": pa.binary()}
@@ -1163,8 +1123,7 @@ class EncodedImages:
 
     def undecodable(self, row: int, why: str) -> NoReturn:
         """Raise :class:`~training_core.train.failures.UserCodeError` for sample ``row``: its shard, its id, its
-        source file
-        and the fix. A deterministic error of the data, which a restart would meet again: not retried."""
+        source file and the fix. A deterministic error of the data, which a restart would meet again: not retried."""
         from training_core.train.failures import UserCodeError
 
         source = self.sources[row] if self.sources is not None else "(not recorded in the shard)"

@@ -180,22 +180,17 @@ class TrainBatches:
         # The loop asks for what the chunk holds (``steps_left``); more would yield empty batches.
         assert self.num_batches * self.batch_size <= total(self.chunk), (self.num_batches, total(self.chunk))
 
-    def batch_positions(self, batch: int) -> list[int]:
-        positions: list[int] = []
-        for start, stop in _slice(self.chunk, batch * self.batch_size, (batch + 1) * self.batch_size):
-            positions.extend(range(start, stop))
-        return positions
-
     def batches(self, worker: int = 0, num_processes: int = 1) -> Iterator[list[dict[str, Any]]]:
         """The samples of batches ``worker, worker + num_processes, ...`` (a list per batch, to collate)."""
         current: tuple[int, ShardSamples] | None = None
         for batch in range(self.start_batch + worker, self.num_batches, num_processes):
             samples = []
-            for position in self.batch_positions(batch):
-                shard, row = self.order.locate(position)
-                if current is None or current[0] != shard:
-                    current = (shard, self.read(shard))  # one shard held at a time
-                samples.append(current[1].sample(row, epoch=self.order.epoch, train=True, seed=self.order.seed))
+            for start, stop in _slice(self.chunk, batch * self.batch_size, (batch + 1) * self.batch_size):
+                for position in range(start, stop):
+                    shard, row = self.order.locate(position)
+                    if current is None or current[0] != shard:
+                        current = (shard, self.read(shard))  # one shard held at a time
+                    samples.append(current[1].sample(row, epoch=self.order.epoch, train=True, seed=self.order.seed))
             yield samples
 
 
@@ -212,12 +207,6 @@ def _iterable(source: Callable[[int, int], Iterator[Any]]):
 
 def _as_built(batch: Any) -> Any:
     return batch
-
-
-def _to_arrays(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, np.ndarray]]:
-    # Batches stay numpy for the step: a workload's ``to_device`` takes arrays. ``.numpy()`` shares the memory.
-    for batch in batches:
-        yield {name: value if isinstance(value, np.ndarray) else value.numpy() for name, value in batch.items()}
 
 
 def loader_iter(
@@ -240,4 +229,8 @@ def loader_iter(
         # starts in milliseconds where a spawned process imports torch again.
         multiprocessing_context="fork",
     )
-    return _to_arrays(iter(loader))
+    # Batches stay numpy for the step: a workload's ``to_device`` takes arrays. ``.numpy()`` shares the memory.
+    return (
+        {name: value if isinstance(value, np.ndarray) else value.numpy() for name, value in batch.items()}
+        for batch in loader
+    )

@@ -1,22 +1,19 @@
-"""Prepared data: the manifest, the shard files and the per-worker shard stream (:mod:`training_core.data` re-exports
-them beside ``prepare``; the workloads write and read through this module).
-
-Data prep writes each split as ``num_shards`` ``.npz`` files (uint8 images, int64 labels; no pickles)
-plus ``manifest.json``: split counts, classes, input shape, normalisation stats and every shard with its
-sha256, sample count and label range. The directory may be local or any fsspec URI (``s3://...``).
+"""Prepared data: the manifest, the ``.npz`` shard files and the per-worker shard stream (:mod:`training_core.data`
+re-exports them beside ``prepare``, whose docstring describes the layout; the workloads write and read through this
+module).
 
 A manifest is data, never a path out: it is validated whole against its schema when read (every shard file a
 plain name inside the directory, counts that add up, label ranges within the classes), and each shard is checked
 against it when read (sha256, count, shape, dtypes, labels), so bad data fails when training starts, naming the
 file, rather than thousands of steps in.
 
-Worker ``rank`` of ``world_size`` streams only shards ``rank, rank + world_size, ...`` of a split, one shard
-in memory at a time. Every rank derives the same number of steps per epoch from the manifest, so DDP
-ranks never wait on a peer that ran out of data.
+Every rank derives the same number of steps per epoch from the manifest, so DDP ranks never wait on a peer that ran
+out of data (:mod:`training_core.data.loader` orders an epoch and cuts it between the ranks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -28,7 +25,7 @@ import os
 import re
 import zipfile
 from dataclasses import asdict, dataclass, field, make_dataclass
-from typing import Annotated, Any, Callable, Iterable, Iterator, Mapping, NoReturn
+from typing import Annotated, Any, Iterable, Iterator, Mapping, NoReturn
 
 import numpy as np
 
@@ -82,9 +79,6 @@ class SplitInfo:
     shards: list[ShardInfo]
 
 
-IMAGE_ARRAYS_V2 = ("images", "labels")
-
-
 @dataclass
 class Manifest:
     dataset: str
@@ -114,10 +108,14 @@ class Manifest:
 
     def __post_init__(self) -> None:
         if not self.arrays:  # written before version 3: images and labels
-            self.arrays = {
-                "images": ArraySpec("uint8", list(self.input_shape)),
-                "labels": ArraySpec("int64", [], max_value=len(self.classes) - 1),
-            }
+            self.arrays = self.image_arrays()
+
+    def image_arrays(self) -> dict[str, ArraySpec]:
+        """What image classification stores: uint8 images of :attr:`input_shape` and int64 labels, one per class."""
+        return {
+            "images": ArraySpec("uint8", list(self.input_shape)),
+            "labels": ArraySpec("int64", [], max_value=len(self.classes) - 1),
+        }
 
     @property
     def num_classes(self) -> int:
@@ -127,7 +125,7 @@ class Manifest:
         return {name: split.num_samples for name, split in self.splits.items()}
 
     def to_json(self) -> str:
-        """The manifest as written (version 3; an older one loaded keeps its own form)."""
+        """The manifest as written (an older one loaded keeps its own form)."""
         payload = asdict(self)
         payload.pop("directory")
         if self.version < 4:
@@ -193,9 +191,8 @@ class Manifest:
         if len(shards) < world_size:
             raise ValueError(
                 f"split {split!r} has {len(shards)} shard(s) ({self.splits[split].num_samples} samples) for "
-                f"{world_size} "
-                f"workers; re-run data prep with data.num_shards >= {world_size}, and enough samples in the split "
-                "(data.val_fraction / data.test_fraction) for one shard per worker"
+                f"{world_size} workers; re-run data prep with data.num_shards >= {world_size}, and enough samples in "
+                "the split (data.val_fraction / data.test_fraction) for one shard per worker"
             )
         return shards[rank::world_size]
 
@@ -217,11 +214,11 @@ def _where(directory: str) -> str:
     return clip(redact(join_path(directory, MANIFEST_NAME) if directory else MANIFEST_NAME), 500)
 
 
+@dataclass
 class _Schema:
     """Words the checks of one parsed manifest: ``ValueError`` with the manifest file and the field path."""
 
-    def __init__(self, where: str) -> None:
-        self.where = where
+    where: str
 
     def fail(self, path: str, value: Any, why: str) -> NoReturn:
         raise ValueError(f"{self.where}: {clip(path)}={quote(value)} is invalid: {why}; {RERUN_PREP}")
@@ -246,15 +243,14 @@ class _Schema:
         why = {"dataclass_type": f"expected an object with the keys {fields}", "list_type": "expected a list"}
         self.fail(_path(first.loc), first.value, why.get(first.kind, first.fix))
 
-    def integer(self, path: str, value: Any, minimum: int, maximum: float = math.inf) -> int:
+    def integer(self, path: str, value: Any, minimum: int, maximum: int) -> int:
         if not is_int(value) or not minimum <= value <= maximum:
-            bound = f"{minimum}..{maximum}" if maximum != math.inf else f">= {minimum}"
-            self.fail(path, value, f"expected an integer {bound}")
+            self.fail(path, value, f"expected an integer {minimum}..{maximum}")
         return value
 
-    def items(self, path: str, value: Any, length: int | None = None) -> list:
-        if not isinstance(value, list) or (length is not None and len(value) != length):
-            self.fail(path, value, "expected a list" + (f" of {length}" if length is not None else ""))
+    def items(self, path: str, value: Any, length: int) -> list:
+        if not isinstance(value, list) or len(value) != length:
+            self.fail(path, value, f"expected a list of {length}")
         return value
 
     def numbers(self, path: str, value: Any, length: int, *, positive: bool) -> list[float]:
@@ -421,11 +417,7 @@ def _check_image_manifest(schema: _Schema, manifest: Manifest, raw_arrays: Any) 
     for name in ("mean", "std"):
         if len(getattr(manifest, name)) != shape[0]:
             schema.fail(name, getattr(manifest, name), f"expected a list of {shape[0]}")
-    expected = {
-        "images": ArraySpec("uint8", list(shape)),
-        "labels": ArraySpec("int64", [], max_value=len(manifest.classes) - 1),
-    }
-    if manifest.arrays != expected:
+    if manifest.arrays != manifest.image_arrays():
         schema.fail(
             "arrays",
             raw_arrays,
@@ -467,19 +459,15 @@ def write_prepared(
 ) -> Manifest:
     """Write each split's arrays (name -> array, first axis the samples) as up to ``num_shards`` ``.npz`` shards
     of consecutive samples (see :func:`write_shards`)."""
+
+    def shards_of(arrays: Mapping[str, np.ndarray]) -> tuple[int, Iterator[dict[str, np.ndarray]]]:
+        count = len(next(iter(arrays.values())))
+        parts = np.array_split(np.arange(count), min(num_shards, count))
+        return len(parts), ({key: value[part] for key, value in arrays.items()} for part in parts)
+
     for name, arrays in splits.items():
         _check_split(template, name, arrays)
-
-    def shards_of(arrays: Mapping[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
-        count = len(next(iter(arrays.values())))
-        for part in np.array_split(np.arange(count), min(num_shards, count)):
-            yield {key: value[part] for key, value in arrays.items()}
-
-    planned = {}
-    for name, arrays in splits.items():
-        count = len(next(iter(arrays.values())))
-        planned[name] = (min(num_shards, count), shards_of(arrays))
-    return write_shards(out_dir, planned, template=template)
+    return write_shards(out_dir, {name: shards_of(arrays) for name, arrays in splits.items()}, template=template)
 
 
 def write_shards(
@@ -601,14 +589,11 @@ def split_samples(
     train = {name: value[order] for name, value in train.items()}
     n_test = 0 if "test" in raw else int(round(n * cfg.test_fraction))
     n_val = 0 if "val" in raw else int(round(n * cfg.val_fraction))
-    for name, field_name, value, count in (
-        ("test", "test_fraction", cfg.test_fraction, n_test),
-        ("val", "val_fraction", cfg.val_fraction, n_val),
-    ):
+    for name, count in (("test", n_test), ("val", n_val)):
         if name not in raw and not count:
             raise ValueError(
-                f"data.{field_name}={value!r} is invalid: {source} has no {name} split of its own and this fraction "
-                f"of its {n} samples rounds to 0; raise it to at least {1 / max(n, 1):.2g}"
+                f"data.{name}_fraction={getattr(cfg, f'{name}_fraction')!r} is invalid: {source} has no {name} split "
+                f"of its own and this fraction of its {n} samples rounds to 0; raise it to at least {1 / max(n, 1):.2g}"
             )
     if n_test + n_val >= n:
         raise no_training_samples_error(cfg, n, source=source)
@@ -623,10 +608,10 @@ def split_samples(
     return splits
 
 
-def read_shard(manifest: Manifest, shard: ShardInfo, *, verify: bool = True) -> dict[str, np.ndarray]:
+def read_shard(manifest: Manifest, shard: ShardInfo) -> dict[str, np.ndarray]:
     """One shard's arrays (name -> array, first axis the samples), checked against what the manifest records: the
-    sha256 (when ``verify``), the count, each array's dtype and sample shape, and the value bounds. A mismatch
-    raises ``ValueError`` naming the shard file and the fix.
+    sha256, the count, each array's dtype and sample shape, and the value bounds. A mismatch raises ``ValueError``
+    naming the shard file and the fix.
 
     A local shard is memory-mapped where it can be (:mod:`training_core.data.mapped_npz`), and checked whole once
     per process: read again unchanged (same inode, size and modification time), it is mapped without a second hash
@@ -636,45 +621,40 @@ def read_shard(manifest: Manifest, shard: ShardInfo, *, verify: bool = True) -> 
     path = join_path(manifest.directory, shard.file)
     identity = _local_identity(path, manifest, shard)
     if identity is None:
-        return _checked_arrays(manifest, shard, where, _read_remote(path, manifest, shard, where, verify=verify))
+        return _checked_arrays(manifest, shard, where, _read_remote(path, manifest, shard, where))
     local_path = identity[0]
     if identity in _VERIFIED:
         arrays = _load_local(local_path, manifest, where)
         if identity == _local_identity(path, manifest, shard):
             return arrays
-    if verify:
-        with open(local_path, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-        if digest != shard.sha256:
-            shard_error(where, f"is corrupt: sha256 {digest} != manifest {shard.sha256}")
+    with open(local_path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if digest != shard.sha256:
+        shard_error(where, f"is corrupt: sha256 {digest} != manifest {shard.sha256}")
     arrays = _checked_arrays(manifest, shard, where, _load_local(local_path, manifest, where))
     if identity != _local_identity(path, manifest, shard):
         shard_error(where, "changed while it was read (another data prep writing the directory?)")
-    if verify:
-        _VERIFIED.add(identity)
+    _VERIFIED.add(identity)
     return arrays
 
 
-def _read_remote(path: str, manifest: Manifest, shard: ShardInfo, where: str, *, verify: bool) -> dict[str, np.ndarray]:
+def _read_remote(path: str, manifest: Manifest, shard: ShardInfo, where: str) -> dict[str, np.ndarray]:
     import fsspec
 
     with fsspec.open(path, "rb") as f:
         payload = f.read()
-    if verify:
-        digest = hashlib.sha256(payload).hexdigest()
-        if digest != shard.sha256:
-            shard_error(where, f"is corrupt: sha256 {digest} != manifest {shard.sha256}")
-    return _unreadable_as_shard_error(where, lambda: _np_load(io.BytesIO(payload), manifest.arrays))
+    digest = hashlib.sha256(payload).hexdigest()
+    if digest != shard.sha256:
+        shard_error(where, f"is corrupt: sha256 {digest} != manifest {shard.sha256}")
+    with _readable(where):
+        return _np_load(io.BytesIO(payload), manifest.arrays)
 
 
 def _load_local(local_path: str, manifest: Manifest, where: str) -> dict[str, np.ndarray]:
     from training_core.data.mapped_npz import map_arrays
 
-    def load() -> dict[str, np.ndarray]:
-        mapped = map_arrays(local_path, manifest.arrays)
-        return mapped if mapped is not None else _np_load(local_path, manifest.arrays)
-
-    return _unreadable_as_shard_error(where, load)
+    with _readable(where):
+        return map_arrays(local_path, manifest.arrays) or _np_load(local_path, manifest.arrays)
 
 
 def _np_load(source: Any, names: Iterable[str]) -> dict[str, np.ndarray]:
@@ -682,9 +662,11 @@ def _np_load(source: Any, names: Iterable[str]) -> dict[str, np.ndarray]:
         return {name: stored[name] for name in names}
 
 
-def _unreadable_as_shard_error(where: str, load: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+@contextlib.contextmanager
+def _readable(where: str) -> Iterator[None]:
+    """What reading a shard raises for a file that is not a readable ``.npz``, as a shard error naming it."""
     try:
-        return load()
+        yield
     except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile) as exc:
         shard_error(where, f"is not a readable shard ({type(exc).__name__}: {clip(str(exc))})")
 
@@ -754,8 +736,7 @@ class ShardStream:
 
     Training batches come from the rank's chunk of the epoch's global order, read, decoded and augmented in
     ``data.loader_num_workers`` loader processes (Parquet shards of encoded images; ``.npz`` arrays are read in this
-    thread); evaluation reads the rank's shards ``rank, rank + world_size, ...`` in stored order.
-    """
+    thread); evaluation reads the rank's shards ``rank, rank + world_size, ...`` in stored order."""
 
     def __init__(
         self, manifest: Manifest, split: str, *, rank: int, world_size: int, data: DataConfig | None = None
@@ -793,14 +774,7 @@ class ShardStream:
 
         order = EpochOrder([s.num_samples for s in self.all_shards], seed=seed, epoch=epoch)
         chunk = plan_ranks(remaining if remaining is not None else [(0, order.num_samples)], self.world_size)
-        batches = TrainBatches(
-            read=self.read,
-            order=order,
-            chunk=chunk[self.rank],
-            batch_size=batch_size,
-            num_batches=num_batches,
-            start_batch=start_batch,
-        )
+        batches = TrainBatches(self.read, order, chunk[self.rank], batch_size, num_batches, start_batch)
         return loader_iter(
             batches.batches,
             num_processes=min(self._loader_processes(), max(num_batches - start_batch, 0)),

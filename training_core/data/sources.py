@@ -29,7 +29,7 @@ import numpy as np
 
 from training_core.config import DataConfig
 from training_core.files import UnreadableFile, open_regular
-from training_core.messages import clip, quote
+from training_core.messages import clip, invalid, quote
 from training_core.redact import redact
 from training_core.registry import DATASET_SOURCES, load
 
@@ -194,10 +194,7 @@ def cifar10_archive(path: str) -> Iterator[tarfile.TarFile]:
     read, or a device), or it is not a tar archive."""
     fs, fs_path = existing_location(path)
     if fs.isdir(fs_path):
-        raise ValueError(
-            f"data.path={quote(path)} is invalid: it is a directory; point it at the cifar-10-python.tar.gz "
-            "tarball itself"
-        )
+        invalid("data.path", path, "it is a directory; point it at the cifar-10-python.tar.gz tarball itself")
     try:
         opened = open_regular(fs, fs_path, path)
     except UnreadableFile as exc:
@@ -276,12 +273,7 @@ def _cifar10_batch(archive: tarfile.TarFile, member: tarfile.TarInfo, path: str)
         )
 
     pixels = record[b"data"]
-    if (
-        not isinstance(pixels, np.ndarray)
-        or pixels.dtype.kind not in "ui"
-        or pixels.ndim != 2
-        or pixels.shape[1] != _CIFAR10_PIXELS
-    ):
+    if not isinstance(pixels, np.ndarray) or pixels.dtype.kind not in "ui" or pixels.shape[1:] != (_CIFAR10_PIXELS,):
         raise refuse(
             f"has b'data' {_describe(pixels)}; the format's is a uint8 array of N rows x {_CIFAR10_PIXELS} pixels "
             "(3 x 32 x 32)"
@@ -376,13 +368,7 @@ class _SafeNumpyUnpickler(pickle.Unpickler):
         found = super().find_class(module, name)
         if name == "_reconstruct":
             return functools.partial(self._reconstruct, found)
-        if name == "dtype":
-            return self._dtype
-        if name == "encode":
-            return self._latin1
-        if name == "bytes":
-            return self._empty_bytes
-        return found
+        return {"dtype": self._dtype, "encode": self._latin1, "bytes": self._empty_bytes}.get(name, found)
 
     def _reconstruct(self, reconstruct, subtype, shape, dtype):
         if subtype is not np.ndarray:

@@ -46,11 +46,7 @@ def require_blocks(config: Any, manifest: Any, workload: Any) -> int:
     and the fixes."""
     from training_core.messages import invalid
 
-    try:
-        with torch.device("meta"):
-            model = workload.build_model(config, manifest)
-    except Exception:  # noqa: BLE001 - a model whose construction needs real tensors is built on CPU instead
-        model = workload.build_model(config, manifest)
+    model = build_on_meta(config, manifest, workload)
     blocks = model_blocks(model, workload)
     if not blocks:
         invalid(
@@ -62,6 +58,15 @@ def require_blocks(config: Any, manifest: Any, workload: Any) -> int:
             "scaling.strategy='ddp'",
         )
     return len(blocks)
+
+
+def build_on_meta(config: Any, manifest: Any, workload: Any) -> nn.Module:
+    """The workload's model built on the meta device (without its memory), for checks before any worker starts."""
+    try:
+        with torch.device("meta"):
+            return workload.build_model(config, manifest)
+    except Exception:  # noqa: BLE001 - a model whose construction needs real tensors is built on CPU instead
+        return workload.build_model(config, manifest)
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -133,7 +138,7 @@ def shard_model(
             type(model).__name__,
         )
     empty = any(p.is_meta for p in model.parameters())
-    buffers = {name: buffer for name, buffer in model.named_buffers()}
+    buffers = dict(model.named_buffers())
     if not empty:
         model.to(torch.device("cpu") if cpu_offload else device)
     options = {
@@ -205,10 +210,7 @@ def channels_last_inputs(to_device: Callable[[Any], Any]) -> Callable[[Any], Any
             return value.contiguous(memory_format=torch.channels_last)
         return value
 
-    def to_device_channels_last(batch: Any) -> Any:
-        return torch.utils._pytree.tree_map(convert, to_device(batch))
-
-    return to_device_channels_last
+    return lambda batch: torch.utils._pytree.tree_map(convert, to_device(batch))
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
@@ -221,8 +223,7 @@ def return_freed_host_memory() -> bool:
     their own, and the heap is trimmed past 1 MiB). Returns whether glibc took the settings.
 
     The platform's process settings (:mod:`training_core.parallel.ray_settings`) keep freed memory mapped, which makes
-    DDP's
-    steps faster; under FSDP every step all-gathers each block's parameters and gradients into buffers it frees
+    DDP's steps faster; under FSDP every step all-gathers each block's parameters and gradients into buffers it frees
     again, and kept mapped they would hold on to most of what sharding saves (measured on a GPT-2 on 2 CPU workers:
     a peak of 2.7 GB per worker instead of 1.6 GB; ``benchmarks/memory_scaling.py``). Set at run time with
     ``mallopt``, for this process only."""

@@ -1,23 +1,9 @@
 """Prometheus telemetry of one training worker: the catalogue's metrics, GPU and host samplers, delivery, cost.
 
 Every rank builds one :class:`PrometheusTelemetry` (or a :class:`NullTelemetry` when
-``observability.enabled`` is false) with :func:`build_telemetry`. It owns a private ``CollectorRegistry``
-holding exactly the metrics of :mod:`training_core.telemetry.catalog`, every series labelled with
-:data:`~training_core.telemetry.catalog.JOB_LABELS`.
-
-- The loop calls :meth:`~PrometheusTelemetry.step` once per optimizer step (a histogram observation and
-  four counter increments, no device sync), :meth:`~PrometheusTelemetry.window` at log windows and
-  :meth:`~PrometheusTelemetry.validation` at epoch ends; the :class:`~training_core.checkpoint.Checkpointer`
-  reports each save's real outcome through :meth:`~PrometheusTelemetry.checkpoint_saved` /
-  :meth:`~PrometheusTelemetry.checkpoint_failed`.
-- One background thread samples the GPUs (NVML, :class:`NvmlGpus`) and the host (psutil, :class:`HostSampler`)
-  every ``sample_interval_s``, and pushes the registry to the Pushgateway every ``push_interval_s``. On rank 0
-  the same samples go to the MLflow run as ``system/...`` metrics and into a bounded timeline for the Deck,
-  and the job's cost is updated.
-- :meth:`~PrometheusTelemetry.close` (the loop calls it in a ``finally``) stops the thread and pushes a last
-  time, with ``training_run_finished`` = 1 when training returned normally.
-
-Delivery never fails training: a failed push is a (rate-limited) warning.
+``observability.enabled`` is false) with :func:`build_telemetry`; the loop and the
+:class:`~training_core.checkpoint.Checkpointer` report into it, and its thread samples the GPUs and the host and
+pushes to the Pushgateway (the contract: :mod:`training_core.telemetry.exporter`). Delivery never fails training.
 
 MLflow's own ``SystemMetricsMonitor`` is not reused: it samples on a thread of its own (its numbers would
 differ from what Prometheus gets), logs through the fluent API's active run, which Ray Train workers do not

@@ -101,9 +101,6 @@ class EtaReading:
         real_s = end_unix - self.unix
         return abs(self.eta_s - real_s) / real_s if real_s > 0 else float("inf")
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"global_step": self.global_step, "unix": self.unix, "eta_s": self.eta_s}
-
     @classmethod
     def from_dict(cls, saved: Mapping[str, Any]) -> EtaReading:
         return cls(int(saved["global_step"]), float(saved["unix"]), float(saved["eta_s"]))

@@ -62,7 +62,8 @@ class JobLabels:
 
 
 class Telemetry(Protocol):
-    """What the training loop and the checkpointer tell telemetry. :class:`NullTelemetry` ignores it all."""
+    """What the training loop and the checkpointer tell telemetry. :class:`NullTelemetry` subclasses it, so these
+    bodies are its no-ops: keep them empty."""
 
     def step(
         self, *, duration_s: float, num_samples: int, data_wait_s: float, comm_s: float, num_tokens: int = 0
@@ -108,67 +109,14 @@ class Telemetry(Protocol):
     def close(self, *, finished: bool) -> None: ...
 
 
-class NullTelemetry:
-    """Observability off: every call returns at once."""
-
-    def step(
-        self, *, duration_s: float, num_samples: int, data_wait_s: float, comm_s: float, num_tokens: int = 0
-    ) -> None:
-        pass
-
-    def window(self, record: Mapping[str, float], *, global_step: int) -> None:
-        pass
-
-    def validation(self, *, loss: float, accuracy: float) -> None:
-        pass
-
-    def resumed(
-        self,
-        saved: Mapping[str, Any],
-        *,
-        global_step: int,
-        elapsed_s: float,
-        num_restarts: int,
-        num_preemptions: int = 0,
-        attempt_start_unix: float | None = None,
-    ) -> None:
-        pass
+class NullTelemetry(Telemetry):
+    """Observability off: every call returns at once (it inherits the protocol's empty methods)."""
 
     def preemption_recovered(self, *, first_step_unix: float) -> float:
         return 0.0
 
-    def gpu_oom(self) -> None:
-        pass
-
-    def oom_retried(self) -> None:
-        pass
-
-    def allreduce_probe(self, *, bus_bandwidth_bytes_per_s: float, latency_s: float) -> None:
-        pass
-
-    def nonfinite_steps(self, count: int) -> None:
-        pass
-
-    def stragglers(self, causes: Mapping[str, float]) -> None:
-        pass
-
-    def progress(self, progress: Progress) -> None:
-        pass
-
-    def goodput(self, execution: ExecutionGoodput) -> None:
-        pass
-
-    def checkpoint_saved(self, *, duration_s: float, bytes_written: int) -> None:
-        pass
-
-    def checkpoint_failed(self) -> None:
-        pass
-
     def snapshot(self) -> dict[str, Any]:
         return {}
-
-    def close(self, *, finished: bool) -> None:
-        pass
 
 
 class _WithoutCreated:
@@ -221,9 +169,9 @@ class PrometheusTelemetry:
         self._push_failures = 0
         self._last_push_warning = -float("inf")
         self._http_server = None
-        self._host_totals: dict[str, float] = {}
+        self._totals: dict[str, float] = {}
+        """The totals the host and goodput counters last counted up to (:meth:`_count_up`)."""
         self._global_step = 0
-        self._goodput_reported: dict[str, float] = {}
 
         self.gpus = NvmlGpus.open() if cfg.nvml else None
         self._m["training_gpus"].set(len(self.gpus.handles) if self.gpus else 0)
@@ -377,13 +325,16 @@ class PrometheusTelemetry:
             return
         with self._lock:
             for name, total in zip(GOODPUT_CATEGORIES, execution.seconds.as_list()):
-                increase = total - self._goodput_reported.get(name, 0.0)
-                if increase > 0:
-                    self._families["training_job_goodput_seconds_total"].labels(**self._job, category=name).inc(
-                        increase
-                    )
-                    self._goodput_reported[name] = total
+                family = self._families["training_job_goodput_seconds_total"]
+                self._count_up(family.labels(**self._job, category=name), f"goodput.{name}", total)
             self._m["training_goodput_ratio"].set(execution.goodput)
+
+    def _count_up(self, counter: Any, key: str, total: float) -> None:
+        """Counters only go up: ``counter`` gains what ``total`` grew past the last total seen for ``key``."""
+        increase = total - self._totals.get(key, 0.0)
+        if increase > 0:
+            counter.inc(increase)
+            self._totals[key] = total
 
     # --- from the checkpoint writer thread ---
 
@@ -419,15 +370,13 @@ class PrometheusTelemetry:
 
     def _report_cost(self, cost: JobCost) -> None:
         """Counters only go up: add what accrued since the last report."""
-        self._m["training_job_gpu_seconds_total"].inc(max(0.0, cost.gpu_seconds - self._cost_reported.gpu_seconds))
-        self._m["training_job_cpu_seconds_total"].inc(max(0.0, cost.cpu_seconds - self._cost_reported.cpu_seconds))
-        reported = self._cost_reported
-        self._m["training_job_preemption_gpu_seconds_total"].inc(
-            max(0.0, cost.preemption_gpu_seconds - reported.preemption_gpu_seconds)
-        )
-        self._m["training_job_preemption_cpu_seconds_total"].inc(
-            max(0.0, cost.preemption_cpu_seconds - reported.preemption_cpu_seconds)
-        )
+        for name, seconds in (
+            ("training_job_gpu_seconds_total", "gpu_seconds"),
+            ("training_job_cpu_seconds_total", "cpu_seconds"),
+            ("training_job_preemption_gpu_seconds_total", "preemption_gpu_seconds"),
+            ("training_job_preemption_cpu_seconds_total", "preemption_cpu_seconds"),
+        ):
+            self._m[name].inc(max(0.0, getattr(cost, seconds) - getattr(self._cost_reported, seconds)))
         self._m["training_job_cost_usd"].set(cost.cost_usd)
         self._cost_reported = cost
 
@@ -494,10 +443,7 @@ class PrometheusTelemetry:
             ("training_host_disk_read_bytes_total", host.disk_read_bytes),
             ("training_host_disk_written_bytes_total", host.disk_written_bytes),
         ):
-            delta = total - self._host_totals.get(name, 0.0)
-            if delta > 0:
-                m[name].inc(delta)
-                self._host_totals[name] = total
+            self._count_up(m[name], name, total)
 
     def push(self) -> bool:
         """Push the registry to the Pushgateway (replacing this rank's group); False when it failed or no URL
@@ -575,19 +521,10 @@ class PrometheusTelemetry:
             log.exception("final telemetry sample failed")
         self._m["training_run_finished"].set(1 if finished else 0)
         if self.is_rank0 and self.system_sink is not None and finished:
-            summary = self._cost_reported.summary()
+            # The cost figures, not the prices they were computed at.
+            figures = {k: v for k, v in self._cost_reported.summary().items() if not k.endswith("_hour_usd")}
             try:
-                self.system_sink.log_metrics(
-                    {
-                        "cost_usd": summary["cost_usd"],
-                        "gpu_hours": summary["gpu_hours"],
-                        "cpu_hours": summary["cpu_hours"],
-                        "preemption_gpu_hours": summary["preemption_gpu_hours"],
-                        "preemption_cpu_hours": summary["preemption_cpu_hours"],
-                        "preemption_cost_usd": summary["preemption_cost_usd"],
-                    },
-                    step=self._global_step,
-                )
+                self.system_sink.log_metrics(figures, step=self._global_step)
             except Exception as exc:  # noqa: BLE001
                 log.warning("logging the job's cost to MLflow failed: %s", exc)
         self.push()

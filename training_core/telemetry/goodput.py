@@ -171,58 +171,6 @@ class GoodputClock:
 
 
 @dataclass(frozen=True)
-class StepEvent:
-    """A finished step, as :meth:`GoodputClock.step` takes it."""
-
-    end_s: float
-    global_step: int
-    step_time_s: float
-    data_wait_s: float = 0.0
-    comm_wait_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class SpanEvent:
-    """A finished checkpoint stall or validation, as :meth:`GoodputClock.span` takes it."""
-
-    category: Category
-    end_s: float
-
-
-@dataclass(frozen=True)
-class WorkerTimeline:
-    """One worker's record of one attempt, from its start to its end."""
-
-    start_s: float
-    end_s: float
-    outcome: Outcome
-    events: tuple[StepEvent | SpanEvent, ...] = ()
-    recompute_through_step: int = 0
-    after_preemption: bool = False
-
-
-def attribute(timeline: WorkerTimeline) -> GoodputSeconds:
-    """The worker's seconds by category over its whole timeline (they add up to ``end_s - start_s``)."""
-    clock = GoodputClock(
-        start_s=timeline.start_s,
-        recompute_through_step=timeline.recompute_through_step,
-        after_preemption=timeline.after_preemption,
-    )
-    for event in timeline.events:
-        if isinstance(event, StepEvent):
-            clock.step(
-                end_s=event.end_s,
-                global_step=event.global_step,
-                step_time_s=event.step_time_s,
-                data_wait_s=event.data_wait_s,
-                comm_wait_s=event.comm_wait_s,
-            )
-        else:
-            clock.span(event.category, end_s=event.end_s)
-    return clock.close(end_s=timeline.end_s, outcome=timeline.outcome)
-
-
-@dataclass(frozen=True)
 class LastProgress:
     """What an interrupted attempt reached, recorded outside its checkpoints (it cannot write one at its end)."""
 
@@ -237,9 +185,6 @@ class LastProgress:
     def ended_unix(self) -> float:
         """Its end, or its last step's time when the end is unknown."""
         return self.step_unix if self.end_unix is None else max(self.step_unix, self.end_unix)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"global_step": self.global_step, "step_unix": self.step_unix, "end_unix": self.end_unix}
 
     @classmethod
     def from_dict(cls, saved: Mapping[str, Any]) -> LastProgress:
@@ -281,11 +226,9 @@ class AttemptGoodput:
 def settle_interrupted(
     attempt: AttemptGoodput, *, resumed_unix: float, preempted: bool, progress: LastProgress | None = None
 ) -> AttemptGoodput:
-    """``attempt`` as its checkpoint recorded it, completed up to ``resumed_unix`` (the next attempt's start): the
-    unrecorded time is ``preempted`` after a preemption; else, from ``progress``, steps kept ``productive``, the
-    wait ``hung`` and the retry's scheduling ``startup``; without ``progress``, ``recomputed`` (see the module
-    docstring; an unknown end is the last step's time). Each span is clipped to what lies between the record and
-    ``resumed_unix``."""
+    """``attempt`` as its checkpoint recorded it, its unrecorded time up to ``resumed_unix`` (the next attempt's start)
+    attributed as the module docstring says, from ``progress`` when known; each span clipped to what lies between the
+    record and ``resumed_unix``."""
     workers, seconds = attempt.num_workers, attempt.seconds
     cursor = attempt.end_unix
     end = max(cursor, resumed_unix)
@@ -318,10 +261,7 @@ class ExecutionGoodput:
 
     @property
     def seconds(self) -> GoodputSeconds:
-        total = GoodputSeconds()
-        for attempt in self.attempts:
-            total = total + attempt.seconds
-        return total
+        return sum((a.seconds for a in self.attempts), GoodputSeconds())
 
     @property
     def goodput(self) -> float:
@@ -344,20 +284,8 @@ class ExecutionGoodput:
 
     def summary(self) -> dict[str, Any]:
         """The ``goodput`` entry of a checkpoint's ``meta.telemetry`` (JSON)."""
-        return {
-            "attempts": [
-                {
-                    "index": a.index,
-                    "num_workers": a.num_workers,
-                    "start_unix": a.start_unix,
-                    "end_unix": a.end_unix,
-                    "outcome": a.outcome,
-                    "seconds": dict(zip(CATEGORIES, a.seconds.as_list())),
-                }
-                | ({"last_progress": a.last_progress.as_dict()} if a.last_progress is not None else {})
-                for a in self.attempts
-            ]
-        }
+        attempts = [dataclasses.asdict(a) for a in self.attempts]
+        return {"attempts": [{k: v for k, v in a.items() if k != "last_progress" or v is not None} for a in attempts]}
 
     @classmethod
     def from_summary(cls, saved: Mapping[str, Any] | None) -> ExecutionGoodput:

@@ -46,13 +46,10 @@ class GpuReading:
 
 
 class NvmlGpus:
-    """The GPUs this process may use, read through NVML.
-
-    :meth:`open` returns ``None`` (after one info log) where NVML is unusable: no library, no driver, no GPU.
-    Every read guards each NVML call on its own, so a field a GPU does not support (power on some boards,
-    XID events on others) is left out without losing the rest. ``nvml`` is the pynvml module; a test hands
-    handles to a real, uninitialised pynvml to walk every call path through NVML's error returns.
-    """
+    """The GPUs this process may use, read through NVML (see the module docstring). Every read guards each NVML call
+    on its own, so a field a GPU does not support (power on some boards, XID events on others) is left out without
+    losing the rest. ``nvml`` is the pynvml module; a test hands handles to a real, uninitialised pynvml to walk every
+    call path through NVML's error returns."""
 
     def __init__(self, nvml: Any, handles: Mapping[str, Any]) -> None:
         self.nvml = nvml
@@ -76,12 +73,11 @@ class NvmlGpus:
             return None
         try:
             handles = cls._visible_handles(nvml)
+            problem = "" if handles else "NVML sees no GPU this process may use"
         except nvml.NVMLError as exc:
-            log.info("GPU metrics off: NVML could not list the GPUs (%s)", exc)
-            nvml.nvmlShutdown()
-            return None
-        if not handles:
-            log.info("GPU metrics off: NVML sees no GPU this process may use")
+            problem = f"NVML could not list the GPUs ({exc})"
+        if problem:
+            log.info("GPU metrics off: %s", problem)
             nvml.nvmlShutdown()
             return None
         gpus = cls(nvml, handles)

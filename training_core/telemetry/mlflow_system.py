@@ -21,8 +21,7 @@ class SystemMetricsSink(Protocol):
 
 
 def mlflow_system_metrics(host: HostReading | None, gpus: list[GpuReading]) -> dict[str, float]:
-    """A sample under MLflow's own system-metric names (those of ``mlflow.system_metrics``), so it shows in
-    the run's System Metrics tab next to what MLflow's monitor would log."""
+    """A sample under MLflow's own system-metric names (see the module docstring)."""
     metrics: dict[str, float] = {}
     if host is not None:
         metrics.update(

@@ -12,8 +12,7 @@ from typing import Any
 
 
 class Timeline:
-    """At most ``max_samples`` readings for the Deck; when full, every other one is dropped, so the whole run
-    stays covered at a coarser interval."""
+    """At most ``max_samples`` readings for the Deck (see the module docstring)."""
 
     def __init__(self, max_samples: int, samples: list[dict[str, Any]] | None = None) -> None:
         self.max_samples = max_samples

@@ -18,6 +18,7 @@ the wait to its end hung, the rest start-up; without an end (a SIGKILL), none of
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -92,9 +93,6 @@ class ProgressRecord:
         except (TypeError, KeyError, AttributeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a progress record ({type(exc).__name__})") from None
 
-    def last_progress(self) -> LastProgress:
-        return LastProgress(global_step=self.global_step, step_unix=self.step_unix, end_unix=self.end_unix)
-
 
 class ProgressLog:
     """:data:`PROGRESS_FILE` in a run's checkpoint storage, written off the training thread: :meth:`note` hands the
@@ -165,9 +163,6 @@ class RankTotals:
     flagged_windows: int = 0
     cause: str = ""
     """The cause of its latest flag ("compute" or "data"); empty when it was never flagged."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -300,7 +295,7 @@ class RunAccounting:
         record = self.progress_log.read() if self.progress_log is not None else None
         if record is None or record.attempt_start_unix != attempt_start_unix:
             return None
-        return record.last_progress()
+        return LastProgress(record.global_step, record.step_unix, record.end_unix)
 
     def end(self, *, failed: bool) -> None:
         """This rank's attempt ends: a failure it sees (after a window of this attempt) adds its end to the
@@ -326,16 +321,13 @@ class RunAccounting:
             comm_wait_s=comm_wait_s,
         )
 
-    def stall(self, category: str, seconds: float) -> None:
-        """A checkpoint stall or a validation of ``seconds`` just ended: it, and the loop's time since the last
-        reported moment (the window's close, the checkpoint's collectives), is overhead for the ETA."""
-        self._span(category)  # type: ignore[arg-type]
-        self.validated = self.validated or category == "evaluation"
-
-    def _span(self, category: Category) -> None:
+    def stall(self, category: Category) -> None:
+        """A checkpoint stall or a validation just ended: it, and the loop's time since the last reported moment (the
+        window's close, the checkpoint's collectives), is ``category`` and overhead for the ETA."""
         now_s = time.monotonic()
         self.eta.overhead(now_s - self.clock.cursor_s)
         self.clock.span(category, end_s=now_s)
+        self.validated = self.validated or category == "evaluation"
 
     def window(self, times: WindowTimes, *, global_step: int) -> tuple[Straggler, ...]:
         """A log window closed (a collective): the ranks' windows and goodput summed, stragglers flagged (the new
@@ -366,20 +358,15 @@ class RunAccounting:
             self.progress_log.note(ProgressRecord(self.start_unix, global_step, self.last_window[1]))
         if self.validated and self.progress.eta_s is not None:
             self.validated = False
-            self.keep_eta(EtaReading(global_step, self.last_window[1], self.progress.eta_s))
+            self.eta_readings.append(EtaReading(global_step, self.last_window[1], self.progress.eta_s))
+            if len(self.eta_readings) > MAX_ETA_READINGS:  # the first, the earliest full estimate, stays
+                del self.eta_readings[1]
         return self.flagged
-
-    def keep_eta(self, reading: EtaReading) -> None:
-        """``reading`` into :attr:`eta_readings`; past :data:`MAX_ETA_READINGS`, the second oldest goes (the first,
-        the earliest full estimate, stays)."""
-        self.eta_readings.append(reading)
-        if len(self.eta_readings) > MAX_ETA_READINGS:
-            del self.eta_readings[1]
 
     def sync(self, *, outcome: Outcome = "running") -> ExecutionGoodput:
         """The time up to now counted as a checkpoint's (the caller is writing one), summed over the ranks into the
         execution's record (a collective)."""
-        self._span("checkpoint")
+        self.stall("checkpoint")
         summed = all_reduce_sum(self.clock.seconds.as_list(), self.device)
         self._record(GoodputSeconds.from_list(summed), outcome=outcome)
         return self.execution
@@ -388,8 +375,8 @@ class RunAccounting:
         """What a checkpoint's ``meta.telemetry`` carries of this accounting (the latest sync's)."""
         return {
             GOODPUT_KEY: self.execution.summary(),
-            RANKS_KEY: [r.as_dict() for r in self.ranks],
-            ETA_KEY: [r.as_dict() for r in self.eta_readings],
+            RANKS_KEY: [dataclasses.asdict(r) for r in self.ranks],
+            ETA_KEY: [dataclasses.asdict(r) for r in self.eta_readings],
         }
 
     def next_checkpoint(self, global_step: int) -> int | None:
@@ -448,7 +435,5 @@ def gather_hosts(world_size: int, start_unix: float) -> list[tuple[str, float]]:
 
 def goodput_metrics(execution: ExecutionGoodput) -> dict[str, float]:
     """The execution's goodput for MLflow: the ratio and the worker-seconds per category."""
-    seconds = execution.seconds
-    return {"goodput": execution.goodput} | {
-        f"goodput_{name}_s": value for name, value in zip(CATEGORIES, seconds.as_list())
-    }
+    seconds = zip(CATEGORIES, execution.seconds.as_list())
+    return {"goodput": execution.goodput} | {f"goodput_{name}_s": value for name, value in seconds}

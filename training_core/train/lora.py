@@ -1,24 +1,14 @@
 """Which parameters train: LoRA adapters (``model.lora``, through Hugging Face ``peft``) and frozen parameters
-(``model.freeze``), applied to the model a workload builds, and the adapted model merged back for export.
+(``model.freeze``), applied to the model a workload builds (:func:`prepare_trainable`; checked before any worker
+starts by :func:`check_trainable`), and the adapters merged back into their layers for export (:func:`merge_adapters`).
 
-Contract:
-
-- :func:`prepare_trainable` turns the workload's model into the one that trains, in place: with ``model.lora``
-  every target layer gets an adapter (``peft.inject_adapter_in_model``: the model keeps its class and its
-  ``forward``; a target layer's weight moves to ``<layer>.base_layer.weight`` and its adapter is
-  ``<layer>.lora_A.default.weight`` and ``<layer>.lora_B.default.weight``) and everything but the adapters is
-  frozen, except the classifier head with ``model.lora.train_head`` (trained in full as itself: a head re-initialised
-  for the data's classes has no pretrained weights to adapt; peft's ``modules_to_save`` would keep a second copy of
-  it for adapter switching, which a run never does); then the ``model.freeze`` patterns freeze what they match.
-  Every target and pattern must match something: otherwise ``ValueError`` naming the field, the value and the fix.
-  Given ``loop.seed``, the adapters start at :func:`adapter_values` (as peft draws them, from that seed): a model
-  built on the meta device and sharded (FSDP from pretrained weights, which reads its base by
-  :func:`unadapted_names`) starts them the same.
-- :func:`check_trainable` runs the same on the model built on the meta device, before any worker starts, with the
-  optimizer's parameter groups over it (:func:`~training_core.train.optim.param_groups`).
-- :func:`merge_adapters` folds every adapter into its layer (``W + (alpha / rank) * B A``) and puts the plain layer
-  back: a model that loads and predicts without ``peft`` (what MLflow registers). peft is imported only where a
-  model has adapters.
+``peft.inject_adapter_in_model`` keeps the model's class and its ``forward``: a target layer's weight moves to
+``<layer>.base_layer.weight`` and its adapter is ``<layer>.lora_A.default.weight`` and
+``<layer>.lora_B.default.weight``. With ``model.lora.train_head`` the classifier head trains in full as itself: a
+head re-initialised for the data's classes has no pretrained weights to adapt, and peft's ``modules_to_save`` would
+keep a second copy of it for adapter switching, which a run never does. Every target and pattern must match
+something: otherwise ``ValueError`` naming the field, the value and the fix. peft is imported only where a model has
+adapters.
 
 What a checkpoint of such a model holds (its trainable parameters only, and the frozen base it needs) is
 :mod:`training_core.checkpoint.partial`'s.
@@ -61,8 +51,8 @@ def add_adapters(model: nn.Module, lora: LoraConfig) -> nn.Module:
     from training_core.pretrained import head_name
 
     names = [name for name, _ in model.named_modules()]
-    for target in lora.target_modules:
-        if not any(_is_target(name, target) for name in names):
+    for target in lora.target_modules:  # peft's rule: a module's full name, or its last dotted parts
+        if not any(name == target or name.endswith(f".{target}") for name in names):
             invalid(
                 "model.lora.target_modules",
                 target,
@@ -86,11 +76,6 @@ def add_adapters(model: nn.Module, lora: LoraConfig) -> nn.Module:
     return model
 
 
-def _is_target(module_name: str, target: str) -> bool:
-    """peft's rule for a target module given by name: the module's full name, or its last dotted parts."""
-    return module_name == target or module_name.endswith(f".{target}")
-
-
 def _linear_names(model: nn.Module, count: int = 6) -> str:
     from torch import nn
 
@@ -104,13 +89,9 @@ def _train_head(model: nn.Module, head: str) -> None:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     module = model.get_submodule(head)
-    if isinstance(module, BaseTunerLayer):
-        return
-    shared = [name for name, p in model.named_parameters(remove_duplicate=False) if p is module.weight]
-    if len(shared) > 1:
-        return
-    for param in module.parameters():
-        param.requires_grad_(True)
+    tied = sum(p is module.weight for _, p in model.named_parameters(remove_duplicate=False)) > 1
+    if not isinstance(module, BaseTunerLayer) and not tied:
+        module.requires_grad_(True)
 
 
 def freeze(model: nn.Module, patterns: list[str]) -> None:
@@ -128,18 +109,12 @@ def freeze(model: nn.Module, patterns: list[str]) -> None:
 def check_trainable(config: TrainingConfig, manifest: Any, workload: Any) -> None:
     """``model.lora``, ``model.freeze`` and ``optimizer.param_groups`` checked against the model (built on the meta
     device, so without its memory), before any worker starts."""
-    import torch
-
+    from training_core.parallel.sharding import build_on_meta
     from training_core.train.optim import param_groups
 
     if not (config.model.lora.enabled or config.model.freeze or config.optimizer.param_groups):
         return
-    try:
-        with torch.device("meta"):
-            model = workload.build_model(config, manifest)
-    except Exception:  # noqa: BLE001 - a model whose construction needs real tensors is built on CPU instead
-        model = workload.build_model(config, manifest)
-    param_groups(config.optimizer, prepare_trainable(model, config.model))
+    param_groups(config.optimizer, prepare_trainable(build_on_meta(config, manifest, workload), config.model))
 
 
 ADAPTER_INIT = {"lora_A": "kaiming", "lora_B": "zeros", "lora_embedding_A": "zeros", "lora_embedding_B": "normal"}
@@ -182,9 +157,8 @@ def _adapter_tensors(model: nn.Module) -> dict[str, tuple[str, Any]]:
         if not isinstance(layer, BaseTunerLayer):
             continue
         for kind_name in layer.adapter_layer_names:
-            container = getattr(layer, kind_name)
             prefix = f"{layer_name}.{kind_name}" if layer_name else kind_name
-            for name, param in container.named_parameters(prefix=prefix):
+            for name, param in getattr(layer, kind_name).named_parameters(prefix=prefix):
                 assert kind_name in ADAPTER_INIT, f"{name}: an adapter this platform does not configure"
                 kind = "zeros" if name.endswith(".bias") else ADAPTER_INIT[kind_name]  # a LoRA bias starts at 0
                 found[name] = (kind, param)
@@ -221,9 +195,9 @@ def unadapted_names(model: nn.Module) -> dict[str, str]:
 
 
 def merge_adapters(model: nn.Module) -> nn.Module:
-    """``model`` with every LoRA adapter merged into its layer and the layer put back as the plain one it wrapped
-    (in place; returns ``model``): it loads and predicts without ``peft``. A model without adapters is unchanged
-    (and peft is not imported: a model with adapters has imported it)."""
+    """``model`` with every LoRA adapter merged into its layer (``W + (alpha / rank) * B A``) and the layer put back
+    as the plain one it wrapped (in place; returns ``model``): it loads and predicts without ``peft``. A model without
+    adapters is unchanged (and peft is not imported: a model with adapters has imported it)."""
     if "peft" not in sys.modules:
         return model
     from peft.tuners.tuners_utils import BaseTunerLayer

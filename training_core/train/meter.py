@@ -5,7 +5,6 @@ steady state, and the window's non-finite steps, counted on the device so no ste
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -307,7 +306,7 @@ class Reporter:
         """The epoch's record from its sums and its validation figures ``val`` (finite: checked first), into the
         history, the telemetry and the sink; the run's best ``best_metric`` so far updated."""
         if self.accounting is not None:  # validation ran since the epoch's last step (or the stall after it)
-            self.accounting.stall("evaluation", time.monotonic() - self.accounting.clock.cursor_s)
+            self.accounting.stall("evaluation")
         self.guard.require_finite_validation(val["loss"], global_step=state.global_step)
         record = self.meter.close_epoch(
             epoch=epoch, global_step=state.global_step, steps_in_epoch=steps_in_epoch, val=val, lr=lr
@@ -334,7 +333,7 @@ class Reporter:
         """A checkpoint write held the loop for ``seconds``: into the sink and the accounting."""
         self.sink.log_metrics({"checkpoint_stall_s": seconds}, step=global_step)
         if self.accounting is not None:
-            self.accounting.stall("checkpoint", seconds)
+            self.accounting.stall("checkpoint")
 
     def sync_goodput(self, state: RunState) -> None:
         """Before a checkpoint: the ranks' goodput summed (a collective) for its meta, the telemetry and the sink."""

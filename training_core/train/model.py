@@ -4,7 +4,7 @@ compilation of its blocks, FSDP shards or a DDP replica), and the trained model 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -105,41 +105,29 @@ def build_sharded_pretrained(
         model = prepare_trainable(model, cfg.model)
     if cfg.model.lora.enabled:
         load = load.wrapped(unadapted_names(model), adapter_values(model, cfg.loop.seed))
-    num_parameters = _count(model)
+    num_parameters = sum(p.numel() for p in model.parameters())
     held = hold_model(model, cfg, workload, runtime, param_dtype=param_dtype)
     bytes_read = load_shards(held.model, load)
     log.info("model.pretrained: this rank read %.1f MB of the weights by rows (FSDP)", bytes_read / 1e6)
     return held, num_parameters, bytes_read
 
 
-def _count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
+@dataclass
 class ModelExport:
     """What it takes to log the model: the run's MLflow run (None: no logging), and how to rebuild the model whole."""
 
-    def __init__(
-        self,
-        mlflow: MlflowRun | None,
-        cfg: TrainingConfig,
-        *,
-        manifest: Manifest,
-        workload: Workload,
-        rank: int,
-        sharded: bool,
-    ) -> None:
-        self.mlflow, self.cfg, self.manifest, self.workload = mlflow, cfg, manifest, workload
-        self.rank, self.sharded = rank, sharded
-
-    def wanted(self, *, full_budget: bool) -> bool:
-        """Whether the model is logged now: a slice that stops before the budget (a tuning rung) logs none, as only
-        a finished trial is registered, and logging costs seconds per slice."""
-        return self.mlflow is not None and full_budget
+    mlflow: MlflowRun | None
+    cfg: TrainingConfig
+    _: KW_ONLY
+    manifest: Manifest
+    workload: Workload
+    rank: int
+    sharded: bool
 
     def log_checked(self, model: nn.Module, guard: DivergenceGuard, *, full_budget: bool, global_step: int) -> str:
-        """When :meth:`wanted`: :meth:`log` once the weights are checked finite (a collective); else ""."""
-        if not self.wanted(full_budget=full_budget):
+        """:meth:`log` once the weights are checked finite (a collective); "" without MLflow or for a slice that
+        stops before the budget (a tuning rung): only a finished trial is registered, and logging costs seconds."""
+        if self.mlflow is None or not full_budget:
             return ""
         guard.require_finite_weights(model, "the MLflow model", global_step=global_step)
         return self.log(model)

@@ -3,33 +3,26 @@ on labelled text; cross-entropy, ``accuracy`` and macro-F1 (``workload.primary_m
 
 Data (``data.dataset: labeled_text``): ``.csv`` rows, ``.jsonl`` lines or ``.parquet`` rows under ``data.path``
 (local or ``s3://``), each with its text (``data.text_field``) and label (``data.label_field``: strings or
-integers; the sorted distinct labels are the manifest's classes). Prep is the ``causal_lm`` text pipeline of
-:mod:`training_core.data.text`: the same readers, tokenised in Ray tasks into a spill file (memory bounded by a batch
-and a shard, not by the source), split by record with ``data.split_seed``, written as verified ``.npz`` shards with
-the manifest and a copy of the ``tokenizer.json``. A sample is ``[CLS] text [SEP]`` (the tokenizer's own start and
-end tokens where it has them), cut to ``data.seq_len`` tokens and padded with its padding token (one is added past
-the vocabulary when it has none): ``input_ids`` int32 ``[seq_len]`` and ``labels`` int64.
+integers; the sorted distinct labels are the manifest's classes), prepared by the ``causal_lm`` text pipeline of
+:mod:`training_core.data.text`. A sample (:class:`SampleLayout`) is ``[CLS] text [SEP]`` cut to ``data.seq_len``
+tokens and padded: ``input_ids`` int32 ``[seq_len]`` and ``labels`` int64.
 
 Models: a BERT size of :data:`~training_core.registry.ENCODER_SIZES` or a ``transformers`` config class by name
 (``model.name``, randomly initialised, the data's vocabulary), or a Hugging Face directory (``model.pretrained``:
 ``config.json`` plus safetensors, never a pickle) whose ``config.json`` is the architecture (``model.name`` empty,
-or one that agrees) and whose weights are loaded: names and shapes are checked on the meta device before any worker
-starts. A backbone without a classification head (a pretraining checkpoint) gets a freshly initialised head, and its
-pretraining head's tensors are left out, both logged; ``model.new_head`` re-initialises a head of another class
-count. One name mapping (:func:`encoder_mapping`) serves the whole load and, under FSDP, each rank's read of its
-shards' rows. The data must be tokenised with the directory's ``tokenizer.json`` (``data.tokenizer`` set to it or to the
-directory). Dropout is 0, as in ``causal_lm``, so DDP equals one process and a resumed run an uninterrupted one.
+or one that agrees) and whose weights are loaded as :func:`encoder_mapping` names them, checked on the meta device
+before any worker starts (``model.new_head`` re-initialises a head of another class count). The data must be
+tokenised with the directory's ``tokenizer.json`` (``data.tokenizer`` set to it or to the directory). Dropout is 0,
+as in ``causal_lm``, so DDP equals one process and a resumed run an uninterrupted one.
 
-The loop trains :class:`SequenceClassifierModel`: ``forward(input_ids [N, T]) -> logits [N, classes]`` (padding
-masked), with :meth:`~SequenceClassifierModel.classify` for raw strings (it carries its tokenizer and classes). The
-MLflow model is a ``torch.export`` program with the tokenizer and classes logged beside it
-(:meth:`~SequenceClassification.model_files`); :func:`load_classifier` turns a registered version
-(``models:/<name>@champion``) into a classifier of raw strings. Importing this module imports neither torch nor
-transformers.
+The loop trains :class:`SequenceClassifierModel`. The MLflow model is a ``torch.export`` program with the tokenizer
+and classes logged beside it (:meth:`~SequenceClassification.model_files`), which :func:`load_classifier` turns into
+a classifier of raw strings. Importing this module imports neither torch nor transformers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -106,8 +99,7 @@ _OVERRIDES = (
     ("num_heads", "num_attention_heads"),
     ("context_length", "max_position_embeddings"),
 )
-"""``model.*`` override -> the standard ``transformers`` config attribute (each config's ``attribute_map`` maps
-it)."""
+"""``model.*`` override -> the standard ``transformers`` config attribute (each config's ``attribute_map`` maps it)."""
 _INTEGER = re.compile(r"-?\d{1,18}")
 
 
@@ -160,11 +152,10 @@ class SequenceClassification:
                             stats.missing_field, stats.records, quote(data.text_field))  # fmt: skip
             classes, label_ids = labels.classes()
             layout = SampleLayout.of(tokenizer, data.seq_len)
-            splits = split_documents(spill.sizes, data, source=source)
-            for split, index in splits.items():  # shuffled within the split: a source sorted by label mixes
-                splits[split] = index[
-                    np.random.default_rng([data.split_seed, SPLIT_IDS[split]]).permutation(len(index))
-                ]
+            splits = {  # shuffled within the split: a source sorted by label mixes
+                split: np.random.default_rng([data.split_seed, SPLIT_IDS[split]]).permutation(index)
+                for split, index in split_documents(spill.sizes, data, source=source).items()
+            }
             if tokenizer.kind != BYTE:
                 _write_text(out_dir, TOKENIZER_FILE, tokenizer.json_text)
             template = _manifest_template(data, tokenizer, layout, classes, stats, splits, spill)
@@ -192,17 +183,13 @@ class SequenceClassification:
         if config.model.pretrained:
             check_pretrained_tokenizer(config, spec.tokenizer_sha256)
             config.model.encoder_config = pretrained_config_json(config.model)
-        encoder_config = build_encoder_config(config.model, spec, manifest.classes)
-        _check_fits(config, encoder_config, spec)
+        _check_fits(config, build_encoder_config(config.model, spec, manifest.classes), spec)
         if config.model.pretrained:
-            self._check_pretrained(config, manifest)
+            import torch
 
-    def _check_pretrained(self, config: TrainingConfig, manifest: Manifest) -> None:
-        import torch
-
-        with torch.device("meta"):
-            encoder = new_encoder(config, manifest)
-        check_pretrained_weights(config, encoder)
+            with torch.device("meta"):
+                encoder = new_encoder(config, manifest)
+            check_pretrained_weights(config, encoder)
 
     def pretrained_mapping(self, model: nn.Module, stored_names: Iterable[str]) -> NameMapping:
         """How :class:`SequenceClassifierModel` names ``model.pretrained``'s tensors (:func:`encoder_mapping`, under
@@ -233,7 +220,18 @@ class SequenceClassification:
     # ------------------------------------------------------------------------------------------ batches, loss
 
     def to_device(self, manifest: Manifest, device: torch.device) -> Callable[[Mapping[str, np.ndarray]], Any]:
-        return EncodedBatcher(LabeledTextSpec.from_manifest(manifest).pad_id, device)
+        """Stored samples -> (input_ids [N, T] int64, labels [N] int64) on ``device``, cut after the batch's last
+        column that is not padding (so a batch of short texts costs short sequences)."""
+        pad_id = LabeledTextSpec.from_manifest(manifest).pad_id
+
+        def batch_to_device(batch: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+            ids = batch["input_ids"]
+            used = np.flatnonzero((ids != pad_id).any(axis=0))
+            width = int(used[-1]) + 1 if len(used) else 1
+            input_ids = to_device_async(np.ascontiguousarray(ids[:, :width]), device).long()
+            return input_ids, to_device_async(batch["labels"], device)
+
+        return batch_to_device
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossOutput:
         return classification_loss(model, batch)
@@ -259,10 +257,7 @@ class SequenceClassification:
         :func:`load_classifier` classifies raw strings with a registered version: :data:`CLASSIFIER_FILE` (the class
         names and the sample layout) and the data's ``tokenizer.json`` (none for ``byte``)."""
         spec = LabeledTextSpec.from_manifest(manifest)
-        described = {
-            "classes": list(manifest.classes),
-            **{key: getattr(spec, key) for key in spec.__dataclass_fields__},
-        }
+        described = {"classes": list(manifest.classes), **dataclasses.asdict(spec)}
         files = {CLASSIFIER_FILE: json.dumps(described, sort_keys=True).encode()}
         if spec.tokenizer == TOKENIZER_FILE:
             files[TOKENIZER_FILE] = data_tokenizer(manifest).json_text.encode("utf-8")
@@ -332,9 +327,7 @@ class LabelRecorder:
             )
         numeric = all(isinstance(label, int) or _INTEGER.fullmatch(label) for label in labels)
         order = sorted(labels, key=lambda label: (int(label), str(label)) if numeric else (0, str(label)))
-        remap = np.empty(len(labels), dtype=np.int64)
-        for new, label in enumerate(order):
-            remap[self.distinct[label]] = new
+        remap = np.argsort([self.distinct[label] for label in order])  # first-seen index -> sorted index
         return [str(label) for label in order], remap[np.frombuffer(self.ids, dtype=np.int64)]
 
 
@@ -528,8 +521,6 @@ def data_tokenizer(manifest: Manifest) -> TextTokenizer:
 def pretrained_config_json(model: ModelConfig) -> dict[str, Any]:
     """The ``config.json`` of the Hugging Face directory ``model.pretrained`` (a JSON object with a ``model_type``);
     a weights file without one needs ``model.name``, and gets ``{}``."""
-    import json
-
     from training_core.pretrained import fail, locate
 
     files = locate(model.pretrained)
@@ -594,15 +585,9 @@ def encoder_architecture(model: ModelConfig, *, vocab_size: int, pad_id: int | N
         config = _config_from_json(model)
     elif model.name in ENCODER_SIZES:
         size = ENCODER_SIZES[model.name]
-        hidden = model.hidden_size or size.hidden_size
+        sized = {a: getattr(model, f) or getattr(size, f) for f, a in _OVERRIDES}
         config = transformers.BertConfig(
-            vocab_size=vocab_size,
-            hidden_size=hidden,
-            num_hidden_layers=model.num_layers or size.num_layers,
-            num_attention_heads=model.num_heads or size.num_heads,
-            intermediate_size=4 * hidden,
-            max_position_embeddings=model.context_length or size.context_length,
-            pad_token_id=pad_id,
+            vocab_size=vocab_size, pad_token_id=pad_id, intermediate_size=4 * sized["hidden_size"], **sized
         )
     else:
         config = _config_from_class(model, vocab_size=vocab_size, pad_id=pad_id)
@@ -621,14 +606,10 @@ def _config_from_json(model: ModelConfig) -> Any:
         config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     except Exception as exc:  # noqa: BLE001 - transformers raises various types for a config it cannot read
         invalid("model.encoder_config", model.encoder_config, f"transformers cannot read it ({clip(str(exc))})")
-    expected = {attribute: getattr(model, field_name) for field_name, attribute in _OVERRIDES}
-    if model.name in ENCODER_SIZES:
-        size = ENCODER_SIZES[model.name]
-        sized = (size.num_layers, size.hidden_size, size.num_heads)
-        expected.update(
-            {a: expected[a] or s for a, s in zip(("num_hidden_layers", "hidden_size", "num_attention_heads"), sized)}
-        )
-    elif model.name and type(config).__name__ != model.name:
+    size = ENCODER_SIZES.get(model.name)
+    sized = ("num_layers", "hidden_size", "num_heads") if size else ()  # a BERT size fixes these, not its positions
+    expected = {a: getattr(model, f) or (getattr(size, f) if f in sized else 0) for f, a in _OVERRIDES}
+    if not size and model.name and type(config).__name__ != model.name:
         invalid("model.name", model.name, f"model.pretrained is a {type(config).__name__}: leave model.name empty")
     differ = [
         f"{a}={v} vs {getattr(config, a, None)}" for a, v in expected.items() if v and getattr(config, a, None) != v
@@ -701,8 +682,6 @@ def new_encoder(config: TrainingConfig, manifest: Manifest) -> nn.Module:
     spec = LabeledTextSpec.from_manifest(manifest)
     model_cfg = config.model
     if model_cfg.pretrained and not model_cfg.encoder_config:  # built without check(): read the architecture here
-        import dataclasses
-
         model_cfg = dataclasses.replace(model_cfg, encoder_config=pretrained_config_json(model_cfg))
     encoder_config = build_encoder_config(model_cfg, spec, manifest.classes)
     try:
@@ -771,24 +750,6 @@ def load_pretrained(encoder: nn.Module, model: ModelConfig, *, seed: int, head: 
     load_into(encoder, weights, new_head=model.new_head, model_name=model.name, seed=seed, mapping=mapping)
 
 
-# ----------------------------------------------------------------------------------------------- batches
-
-
-class EncodedBatcher:
-    """Stored samples -> (input_ids [N, T] int64, labels [N] int64) on the device, cut after the batch's last
-    column that is not padding (so a batch of short texts costs short sequences)."""
-
-    def __init__(self, pad_id: int, device: torch.device) -> None:
-        self.pad_id, self.device = pad_id, device
-
-    def __call__(self, batch: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = batch["input_ids"]
-        used = np.flatnonzero((ids != self.pad_id).any(axis=0))
-        width = int(used[-1]) + 1 if len(used) else 1
-        input_ids = to_device_async(np.ascontiguousarray(ids[:, :width]), self.device).long()
-        return input_ids, to_device_async(batch["labels"], self.device)
-
-
 # ------------------------------------------------------------------------------------------------ the model
 
 
@@ -832,8 +793,7 @@ def load_classifier(model_uri: str) -> RegisteredClassifier:
         )
     with open(os.path.join(files, CLASSIFIER_FILE), encoding="utf-8") as f:
         described = json.load(f)
-    layout = SampleLayout(described["cls_id"], described["sep_id"], described["pad_id"], described["vocab_size"],
-                          described["seq_len"])  # fmt: skip
+    layout = SampleLayout(**{key: described[key] for key in SampleLayout.__dataclass_fields__})
     if described["tokenizer"] == BYTE:
         tokenizer = tokenizer_from_description(BYTE, where=model_uri)
     else:
