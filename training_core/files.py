@@ -75,8 +75,7 @@ def read_regular(fs: Any, path: str, *, max_bytes: int, name: str = "") -> bytes
     be opened, and a file holding more than ``max_bytes`` (counted as read, not as reported)."""
     name = redact(name or path)
     if _is_local(fs):
-        with open_regular_local(_local_path(fs, path), name) as f:
-            return _read_at_most(f, max_bytes, name)
+        return read_regular_local(_local_path(fs, path), max_bytes=max_bytes, name=name)
     try:
         with fs.open(path, "rb") as f:
             return _read_at_most(f, max_bytes, name)
@@ -86,6 +85,13 @@ def read_regular(fs: Any, path: str, *, max_bytes: int, name: str = "") -> bytes
         raise UnreadableFile(f"{quote(name)} does not exist (it was removed?)") from None
     except Exception as exc:  # noqa: BLE001 - whatever a remote filesystem raises for an object it cannot read
         raise UnreadableFile(f"{quote(name)} cannot be read ({type(exc).__name__}: {clip(redact(str(exc)))})") from None
+
+
+def read_regular_local(path: str, *, max_bytes: int, name: str = "") -> bytes:
+    """:func:`read_regular` of a path on this machine, without fsspec."""
+    name = redact(name or path)
+    with open_regular_local(path, name) as f:
+        return _read_at_most(f, max_bytes, name)
 
 
 def read_regular_path(path: str, *, max_bytes: int, name: str = "") -> bytes:

@@ -4,12 +4,14 @@
 import dataclasses
 import functools
 import math
+import os
 import types
 import typing
 
 import pytest
 
 from training_core.config import TrainingConfig, load_config, read_yaml_mapping
+from training_core.config.loading import MAX_CONFIG_BYTES
 from training_core.tuning import load_tuning_config
 
 MAX_MESSAGE_CHARS = 4096
@@ -94,6 +96,23 @@ def test_a_duplicate_key_is_refused_naming_the_key_both_lines_and_the_file(tmp_p
     nested = tmp_path / "nested.yaml"
     nested.write_text("loop:\n  epochs: 3\n  epochs: 4\n")
     assert "line 3, column 3: duplicate key 'epochs' (first at line 2)" in _error(load_config, nested, environ={})
+
+
+def test_a_config_file_that_is_a_fifo_a_device_a_directory_or_too_large_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "run.yaml"
+    os.mkfifo(fifo)  # no writer: a plain open() would wait here forever
+    message = _error(load_config, fifo, environ={})
+    assert message.startswith(f"config file {str(fifo)!r} is invalid: ") and "is a FIFO, not a regular file" in message
+    assert message.endswith("give a readable YAML file")
+    assert "is a character device" in _error(read_yaml_mapping, "/dev/zero", setting="--config")
+    assert "is a directory" in _error(read_yaml_mapping, tmp_path)
+    huge = tmp_path / "huge.yaml"
+    huge.write_bytes(b"#" * (MAX_CONFIG_BYTES + 1))
+    assert "holds more than 16 MiB" in _error(load_config, huge, environ={})
+    dangling = tmp_path / "dangling.yaml"
+    dangling.symlink_to(tmp_path / "gone.yaml")
+    assert "does not exist (a dangling symlink" in _error(load_config, dangling, environ={})
+    assert _error(load_config, tmp_path / "missing.yaml", environ={}).endswith("is invalid: no file there")
 
 
 def test_yaml_numbers_and_booleans_follow_yaml_1_2(tmp_path):

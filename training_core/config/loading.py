@@ -272,22 +272,27 @@ def parse_yaml(text: str, *, where: str) -> Any:
         ) from None
 
 
+MAX_CONFIG_BYTES = 16 * 2**20
+"""Most bytes read from one config file: far beyond any config, so a large file named by mistake fails at once."""
+
+
 def read_yaml_mapping(path: str | os.PathLike[str], *, setting: str = "config file") -> dict[str, Any]:
     """The mapping of fields in the YAML file at ``path`` (partial: only the fields it sets; empty file: none),
     read by the config loader (YAML 1.2 numbers and booleans; no anchors, aliases or duplicate keys).
 
     ``setting`` names where the path came from (``--config``, ``config file``) in the error a missing file, bad
     YAML or a document that is not a mapping raises."""
+    from training_core.files import UnreadableFile, read_regular_local
+
     where = f"{setting} {quote(os.fspath(path))}"
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise ValueError(f"{where} is invalid: no file there") from None
+    if not os.path.lexists(path):
+        raise ValueError(f"{where} is invalid: no file there")
+    try:  # a FIFO, a device or a directory is refused without a blocking read; /dev/zero stops at the cap
+        text = read_regular_local(os.fspath(path), max_bytes=MAX_CONFIG_BYTES).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"{where} is invalid: byte {exc.start} is not UTF-8; save the file as UTF-8 text") from None
-    except OSError as exc:
-        raise ValueError(f"{where} is invalid: it cannot be read ({exc.strerror}); give a readable YAML file") from None
+    except UnreadableFile as exc:
+        raise ValueError(f"{where} is invalid: {exc}; give a readable YAML file") from None
     raw = parse_yaml(text, where=where)
     if raw is None:
         return {}
