@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hypothesis
 import numpy as np
 import pytest
 import torch
@@ -121,7 +122,6 @@ def test_prep_is_deterministic_and_the_split_is_by_document(tmp_path):
 def test_packed_shards_cut_the_split_stream_like_windows_of_the_whole_split(tmp_path):
     """The streamed packing (one shard's tokens read from the spill at a time) against the windows of the whole
     split's stream, cut once and split like ``np.array_split``: for any documents, split, seq_len and shard count."""
-    hypothesis = pytest.importorskip("hypothesis", reason="the property tier needs hypothesis (not installed)")
     st = hypothesis.strategies
     byte = text.byte_tokenizer()
 

@@ -22,6 +22,7 @@ import typing
 import uuid
 from pathlib import Path
 
+import hypothesis
 import pytest
 import torch
 
@@ -596,7 +597,6 @@ def _apply(raw, edits):
 
 
 def test_a_mutated_manifest_or_meta_loads_unchanged_or_falls_back_with_a_short_warning(template, tmp_path, caplog):
-    hypothesis = pytest.importorskip("hypothesis", reason="the property tier needs hypothesis (not installed)")
     root = tmp_path / "ckpt"
     shutil.copytree(template, root)
     newest = root / NEWER

@@ -8,6 +8,7 @@ import os
 import types
 import typing
 
+import hypothesis
 import pytest
 
 from training_core.config import TrainingConfig, load_config, read_yaml_mapping
@@ -374,7 +375,6 @@ def _mutated_configs(st):
 
 
 def test_a_mutated_config_loads_or_raises_a_short_value_error_from_a_dict_and_from_yaml():
-    hypothesis = pytest.importorskip("hypothesis", reason="the property tier needs hypothesis (not installed)")
     import yaml
 
     from training_core.config import parse_yaml

@@ -10,6 +10,7 @@ import struct
 import tarfile
 import traceback
 
+import hypothesis
 import numpy as np
 import pytest
 
@@ -691,7 +692,6 @@ def _mutated_manifests(st, valid: dict):
 
 
 def test_a_mutated_manifest_loads_or_raises_a_short_value_error(prepared):
-    hypothesis = pytest.importorskip("hypothesis", reason="the property tier needs hypothesis (not installed)")
     cases = []
 
     @hypothesis.settings(max_examples=200, deadline=None, database=None, derandomize=True)
@@ -713,7 +713,6 @@ def test_a_mutated_manifest_loads_or_raises_a_short_value_error(prepared):
 
 
 def test_a_mutated_cifar_batch_reads_or_raises_a_short_value_error(tmp_path_factory):
-    hypothesis = pytest.importorskip("hypothesis", reason="the property tier needs hypothesis (not installed)")
     st = hypothesis.strategies
     directory = tmp_path_factory.mktemp("mutated-cifar")
     valid = pickle.dumps(_record(), protocol=2)

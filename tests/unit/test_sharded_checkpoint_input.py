@@ -17,6 +17,7 @@ import sys
 import tracemalloc
 from pathlib import Path
 
+import hypothesis
 import pytest
 import torch
 
@@ -286,7 +287,6 @@ def test_a_generated_metadata_is_refused_or_reads_only_its_own_listed_shards(run
     """Property: whatever file names a re-signed ``.metadata`` gives its entries (any text, path-like names, another
     run's shard) and wherever the pickle is cut, a resume loads either the newer checkpoint, reading only the shard
     its manifest lists, or the older one with a warning; no file outside the run's checkpoints is opened."""
-    hypothesis = pytest.importorskip("hypothesis", reason="the property tier needs hypothesis (not installed)")
     st = hypothesis.strategies
     root, other, weights = run
     target = str(other / OTHER / ckpt.SHARDS_DIR / "__0_0.distcp")

@@ -226,9 +226,11 @@ class AttemptGoodput:
 def settle_interrupted(
     attempt: AttemptGoodput, *, resumed_unix: float, preempted: bool, progress: LastProgress | None = None
 ) -> AttemptGoodput:
-    """``attempt`` as its checkpoint recorded it, its unrecorded time up to ``resumed_unix`` (the next attempt's start)
-    attributed as the module docstring says, from ``progress`` when known; each span clipped to what lies between the
-    record and ``resumed_unix``."""
+    """``attempt`` as its checkpoint recorded it, completed up to ``resumed_unix`` (the next attempt's start): the
+    unrecorded time is ``preempted`` after a preemption; else, from ``progress``, steps kept ``productive``, the
+    wait ``hung`` and the retry's scheduling ``startup``; without ``progress``, ``recomputed`` (see the module
+    docstring; an unknown end is the last step's time). Each span is clipped to what lies between the record and
+    ``resumed_unix``."""
     workers, seconds = attempt.num_workers, attempt.seconds
     cursor = attempt.end_unix
     end = max(cursor, resumed_unix)
