@@ -28,7 +28,8 @@ def join_path(directory: str, name: str) -> str:
     return f"{directory.rstrip('/')}/{name}"
 
 
-def _is_local(fs: Any) -> bool:
+def is_local(fs: Any) -> bool:
+    """Whether the fsspec filesystem ``fs`` is this machine's disk."""
     protocol = getattr(fs, "protocol", "file")
     protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
     return bool({"file", "local"} & set(protocols))
@@ -74,7 +75,7 @@ def read_regular(fs: Any, path: str, *, max_bytes: int, name: str = "") -> bytes
     a FIFO, device, socket or directory (never opened for a blocking read), a dangling symlink, a file that cannot
     be opened, and a file holding more than ``max_bytes`` (counted as read, not as reported)."""
     name = redact(name or path)
-    if _is_local(fs):
+    if is_local(fs):
         return read_regular_local(_local_path(fs, path), max_bytes=max_bytes, name=name)
     try:
         with fs.open(path, "rb") as f:
@@ -125,6 +126,6 @@ def open_regular_local(path: str, name: str = "") -> Any:
 def open_regular(fs: Any, path: str, name: str = "") -> Any:
     """A binary file object of ``path`` on ``fs``: for a local path through :func:`open_regular_local`, else the
     filesystem's own (object stores hold only regular objects). The caller caps what it reads."""
-    if _is_local(fs):
+    if is_local(fs):
         return open_regular_local(_local_path(fs, path), name)
     return fs.open(path, "rb")

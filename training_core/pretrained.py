@@ -458,7 +458,7 @@ def load_into(
     model_name: str,
     seed: int,
     mapping: NameMapping | None = None,
-) -> HeadPlan:
+) -> None:
     """Copy ``weights`` (named as ``mapping`` says, by default as the model names them) into ``model`` as
     :func:`plan_loading` says, the re-initialised tensors taking their :func:`fresh_values` from ``seed`` (a tied
     tensor its first name's: :func:`tied_aliases`), and log what was loaded and re-initialised."""
@@ -475,7 +475,6 @@ def load_into(
             if key not in aliases:  # a tied tensor takes its first name's value, as load_shards gives it
                 own[key].copy_(value)
     log_plan(plan, weights.sha256)
-    return plan
 
 
 def tied_names(model: nn.Module) -> list[list[str]]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from training_core.config import DataConfig, WorkloadConfig
+from training_core.files import UnreadableFile, is_local, open_regular_local
 from training_core.messages import clip, quote
 from training_core.redact import redact
 from training_core.registry import ARRAY_WORKLOADS, DATASET_SOURCES, WORKLOADS
@@ -128,7 +129,7 @@ def _data_source(name: str, location: str, content_max_bytes: int) -> SourceFing
     # A fresh client: a listing an earlier one cached in this process could be of data since replaced.
     fs, root = fsspec.core.url_to_fs(location, skip_instance_cache=True)
     digest = hashlib.sha256(json.dumps(["data", location]).encode())
-    if _local(fs):
+    if is_local(fs):
         entries = _local_entries(root, source, content_max_bytes, skip_hidden=False)
     else:
         entries = _listed_entries(fs, root, source, name)
@@ -136,11 +137,6 @@ def _data_source(name: str, location: str, content_max_bytes: int) -> SourceFing
         digest.update(f"{json.dumps(entry)}\n".encode())
     source.digest = digest.hexdigest()
     return source
-
-
-def _local(fs: Any) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return bool({"file", "local"} & set(protocol))
 
 
 def _code_source(name: str, import_path: str, content_max_bytes: int) -> SourceFingerprint:
@@ -226,8 +222,6 @@ def _folder_entries(
 
 
 def _file_entry(path: str, relative: str, status: os.stat_result, source: SourceFingerprint, budget: list[int]):
-    from training_core.files import UnreadableFile, open_regular_local
-
     if not stat.S_ISREG(status.st_mode):  # a FIFO or a device: named, never opened
         return [relative, f"not a regular file (mode {stat.S_IFMT(status.st_mode):o})"]
     source.num_files += 1

@@ -39,7 +39,7 @@ import numpy as np
 
 from training_core.config import DataConfig, no_training_samples_error
 from training_core.data.shard_files import plain_shard_name, shard_error
-from training_core.files import UnreadableFile, join_path, open_regular
+from training_core.files import UnreadableFile, join_path, read_regular
 from training_core.messages import clip, invalid, quote
 from training_core.redact import redact
 from training_core.registry import DATASET_SOURCES, DatasetSource, load
@@ -810,33 +810,16 @@ def _read_items(task: ShardTask) -> Iterator[tuple[ImageItem, bytes | Unreadable
         yield item, encoded[item.sample_id]
 
 
-READ_CHUNK_BYTES = 2**20
-"""Bytes asked of an image file per read. One ``read(MAX_IMAGE_BYTES + 1)`` allocates the whole cap for every image
-and shrinks it after: under the platform's malloc settings (``MALLOC_MMAP_THRESHOLD_`` of 128 MiB) a shard task's
-heap grew by ~30 KB an image that way (1,200 JPEGs of 256 px: 35 MB more than 300 of them; read in chunks: 2 MB)."""
-
-
 def _read_image(fs: Any, path: str, name: str) -> bytes:
-    """The bytes of the image file ``path`` (opened by :func:`~training_core.files.open_regular`: a FIFO, a device
-    or a dangling symlink is refused, never opened for a blocking read), at most :data:`MAX_IMAGE_BYTES` of them
-    counted as read. Raises :class:`~training_core.files.UnreadableFile` naming ``name``."""
-    parts: list[bytes] = []
-    num_bytes = 0
+    """The bytes of the image file ``path`` by :func:`~training_core.files.read_regular` (a FIFO, a device or a
+    dangling symlink is refused, never opened for a blocking read), at most :data:`MAX_IMAGE_BYTES` of them.
+    Raises :class:`~training_core.files.UnreadableFile` naming ``name``, also for an error while reading."""
     try:
-        with open_regular(fs, path, name) as f:
-            while num_bytes <= MAX_IMAGE_BYTES:
-                part = f.read(min(READ_CHUNK_BYTES, MAX_IMAGE_BYTES + 1 - num_bytes))
-                if not part:
-                    break
-                parts.append(part)
-                num_bytes += len(part)
+        return read_regular(fs, path, max_bytes=MAX_IMAGE_BYTES, name=name)
     except UnreadableFile:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever a filesystem raises for a file it cannot read
         raise UnreadableFile(f"{quote(name)} cannot be read ({type(exc).__name__}: {clip(redact(str(exc)))})") from None
-    if num_bytes > MAX_IMAGE_BYTES:
-        raise UnreadableFile(f"{quote(name)} holds more than {MAX_IMAGE_BYTES:,} bytes, the most read from one image")
-    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _png(image: Any) -> bytes:

@@ -265,8 +265,6 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
 )
 
-BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
-
 
 def series_names() -> frozenset[str]:
     """Every sample name the exporter can produce (histograms expand to ``_bucket``/``_sum``/``_count``)."""
