@@ -52,6 +52,12 @@ def quote(value: Any) -> str:
     return clip(redact(_bounded_repr.repr(value)))
 
 
+def listed(names: list[Any], limit: int = 10) -> str:
+    """Up to ``limit`` names, each quoted bounded in size, and how many more there are."""
+    shown = ", ".join(quote(n) for n in names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
 _PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
 
 

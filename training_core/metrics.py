@@ -8,7 +8,6 @@ A sink receives flat ``{name: float}`` dicts with a step. The loop only ever tal
 from __future__ import annotations
 
 import json
-import logging
 import re
 import sys
 import time
@@ -16,30 +15,18 @@ from typing import Any, Mapping, Protocol, Sequence
 
 from training_core.redact import redact
 
-log = logging.getLogger("training_core")
-
 
 class MetricSink(Protocol):
     """Where the loop's numbers and config go. A sink that writes outside the process strips URL credentials
-    from params and payloads (:func:`~training_core.redact.redact`); the caller passes the real config."""
+    from params and payloads (:func:`~training_core.redact.redact`); the caller passes the real config. The sinks
+    below subclass it to inherit its methods, which drop everything, for what they do not log."""
 
-    def log_params(self, params: Mapping[str, Any]) -> None: ...
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        pass
 
     def log_dict(self, payload: Mapping[str, Any], name: str) -> None:
         """Store ``payload`` as a JSON artifact called ``name`` (for example the resolved config)."""
 
-    def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class NullSink:
-    def log_params(self, params: Mapping[str, Any]) -> None:
-        pass
-
-    def log_dict(self, payload: Mapping[str, Any], name: str) -> None:
-        pass
-
     def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
         pass
 
@@ -47,29 +34,21 @@ class NullSink:
         pass
 
 
-class ConsoleSink:
+class NullSink(MetricSink):
+    """Drops everything: the sink of every rank but 0."""
+
+
+class ConsoleSink(MetricSink):
     """One compact line per call on stderr."""
-
-    def __init__(self, *, prefix: str = "[rank 0]") -> None:
-        self.prefix = prefix
-
-    def log_params(self, params: Mapping[str, Any]) -> None:
-        pass
-
-    def log_dict(self, payload: Mapping[str, Any], name: str) -> None:
-        pass
 
     def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
         body = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
         # Not print(): Ray Train V2 patches it into a logger that echoes every line twice on the driver.
-        sys.stderr.write(f"{self.prefix} step={step} {body}\n")
+        sys.stderr.write(f"[rank 0] step={step} {body}\n")
         sys.stderr.flush()
 
-    def close(self) -> None:
-        pass
 
-
-class MlflowSink:
+class MlflowSink(MetricSink):
     """Logs into an existing MLflow run with batched client calls (one request per ``log_metrics``). Params and
     dicts are redacted (keys and values) before they leave the process."""
 
@@ -96,11 +75,8 @@ class MlflowSink:
         now_ms = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now_ms, step) for k, v in metrics.items()])
 
-    def close(self) -> None:
-        pass
 
-
-class FanOutSink:
+class FanOutSink(MetricSink):
     def __init__(self, sinks: Sequence[MetricSink]) -> None:
         self.sinks = list(sinks)
 
@@ -121,10 +97,10 @@ class FanOutSink:
             sink.close()
 
 
-def build_sink(*, rank: int, tracking_uri: str | None, run_id: str | None, console: bool = True) -> MetricSink:
+def build_sink(*, rank: int, tracking_uri: str | None, run_id: str | None) -> MetricSink:
     if rank != 0:
         return NullSink()
-    sinks: list[MetricSink] = [ConsoleSink()] if console else []
+    sinks: list[MetricSink] = [ConsoleSink()]
     if tracking_uri and run_id:
         sinks.append(MlflowSink(tracking_uri=tracking_uri, run_id=run_id))
     return FanOutSink(sinks)

@@ -1,11 +1,6 @@
-"""Typed records that cross module boundaries: what a worker is asked to do, and what it reports.
-
-- :class:`WorkerArgs`: the arguments of every rank's loop, built once by :func:`WorkerArgs.build` for Ray Train
-  (:mod:`training_core.runners.ray_train`) and for the plain ``torch.distributed`` launcher
-  (:mod:`training_core.runners.launch`).
-- :class:`StepRecord`: one logged window of optimizer steps (what goes to MLflow, the metrics and the step log).
-- :class:`EpochRecord`: one finished epoch (what each rank reports, and the run's history in its checkpoint).
-- :class:`StepLog`: the step records a checkpoint keeps, bounded so a checkpoint does not grow with the run.
+"""Typed records that cross module boundaries: what a worker is asked to do (:class:`WorkerArgs`, built once by
+:meth:`WorkerArgs.build` for Ray Train and the plain ``torch.distributed`` launcher) and what it reports
+(:class:`StepRecord`, :class:`EpochRecord`, and the bounded :class:`StepLog` a checkpoint keeps).
 
 Plain dataclasses of numbers and strings: importing this module loads neither torch nor Ray.
 """
@@ -15,19 +10,22 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Self
 
 from training_core.config import TrainingConfig
 
 
-def _known_fields(cls: type, raw: Mapping[str, Any]) -> dict[str, Any]:
-    """The entries of ``raw`` that are fields of ``cls``, converted to the field's type (JSON stores ints as floats)."""
-    types = {f.name: f.type for f in dataclasses.fields(cls)}
-    return {name: int(value) if types[name] == "int" else value for name, value in raw.items() if name in types}
+class _Record:
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Self:
+        """The record of ``raw``'s entries that are fields of it, converted to the field's type (JSON stores ints as
+        floats); any other entry is dropped."""
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        return cls(**{k: int(v) if types[k] == "int" else v for k, v in raw.items() if k in types})
 
 
 @dataclass
-class StepRecord:
+class StepRecord(_Record):
     """The mean figures of one logged window of optimizer steps, over all ranks."""
 
     step: int
@@ -60,16 +58,9 @@ class StepRecord:
         skipped = ("step", "elapsed_s", "num_steps") + (() if self.tokens_per_s else ("tokens_per_s",))
         return {k: float(v) for k, v in dataclasses.asdict(self).items() if k not in skipped}
 
-    def to_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> StepRecord:
-        return cls(**_known_fields(cls, raw))
-
 
 @dataclass
-class EpochRecord:
+class EpochRecord(_Record):
     """One finished epoch: train figures over all ranks, validation, and the steady-state throughput."""
 
     epoch: int
@@ -102,10 +93,6 @@ class EpochRecord:
     def to_dict(self) -> dict[str, float]:
         """Numbers only, as ``ray.train.report`` and the checkpoint's JSON take them."""
         return {k: float(v) for k, v in dataclasses.asdict(self).items()}
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> EpochRecord:
-        return cls(**_known_fields(cls, raw))
 
 
 @dataclass
@@ -153,10 +140,12 @@ class StepLog:
 def _merged(a: StepRecord, b: StepRecord, na: int, nb: int) -> StepRecord:
     """One record for two adjacent windows of ``na`` and ``nb`` steps: step-weighted means, ``b``'s position."""
     total_time_s = a.step_time_s * na + b.step_time_s * nb
-    samples = a.samples_per_s * a.step_time_s * na + b.samples_per_s * b.step_time_s * nb
 
     def mean(x: float, y: float) -> float:
         return (x * na + y * nb) / (na + nb)
+
+    def time_mean(x: float, y: float) -> float:
+        return (x * a.step_time_s * na + y * b.step_time_s * nb) / total_time_s if total_time_s else 0.0
 
     return StepRecord(
         step=b.step,
@@ -165,14 +154,11 @@ def _merged(a: StepRecord, b: StepRecord, na: int, nb: int) -> StepRecord:
         train_accuracy=mean(a.train_accuracy, b.train_accuracy),
         lr=b.lr,
         grad_norm=b.grad_norm,
-        samples_per_s=samples / total_time_s if total_time_s else 0.0,
+        samples_per_s=time_mean(a.samples_per_s, b.samples_per_s),
+        tokens_per_s=time_mean(a.tokens_per_s, b.tokens_per_s),
         step_time_s=total_time_s / (na + nb),
         data_wait_s=mean(a.data_wait_s, b.data_wait_s),
-        allreduce_fraction=(
-            (a.allreduce_fraction * a.step_time_s * na + b.allreduce_fraction * b.step_time_s * nb) / total_time_s
-            if total_time_s
-            else 0.0
-        ),
+        allreduce_fraction=time_mean(a.allreduce_fraction, b.allreduce_fraction),
         elapsed_s=b.elapsed_s,
         num_steps=na + nb,
     )

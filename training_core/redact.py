@@ -99,12 +99,8 @@ def install_log_redaction() -> None:
     loggers that exist now (a logger's filters see only the records logged on it, not its children's).
     Idempotent; every process that logs for this project calls it at its entry point (the Flyte task bodies, the
     Ray Train and Ray Tune trial entry points, the processes of the plain ``torch.distributed`` launcher)."""
-    names = [
-        name
-        for name in list(logging.root.manager.loggerDict)
-        if any(name == root or name.startswith(f"{root}.") for root in REDACTED_LOGGERS)
-    ]
-    for name in {*REDACTED_LOGGERS, *names}:
+    existing = [name for name in list(logging.root.manager.loggerDict) if name.split(".")[0] in REDACTED_LOGGERS]
+    for name in {*REDACTED_LOGGERS, *existing}:
         logger = logging.getLogger(name)
         if not any(isinstance(f, RedactingFilter) for f in logger.filters):
             logger.addFilter(RedactingFilter())

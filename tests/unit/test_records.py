@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -21,6 +22,7 @@ def _window(step: int, num_steps: int, rng: random.Random) -> StepRecord:
         lr=rng.uniform(0, 0.1),
         grad_norm=rng.uniform(0, 5),
         samples_per_s=64 / step_time_s,
+        tokens_per_s=64 * 128 / step_time_s,
         step_time_s=step_time_s,
         data_wait_s=rng.uniform(0, 0.001),
         allreduce_fraction=rng.uniform(0, 0.5),
@@ -43,9 +45,11 @@ def test_a_full_step_log_merges_windows_keeping_step_weighted_means_and_the_newe
     assert sum(r.num_steps for r in log.records) == 1500
     whole = sum(w.train_loss * w.num_steps for w in windows) / 1500
     assert sum(r.train_loss * r.num_steps for r in log.records) / 1500 == pytest.approx(whole, rel=1e-12)
-    # Samples over time, as a window's samples/s times its step time, is still the global batch of 64.
+    # Samples (and tokens) over time, as a window's rate times its step time, is still the global batch of 64
+    # (of 128 tokens each): a merged window keeps a language model's tokens/s.
     for record in log.records:
         assert record.samples_per_s * record.step_time_s == pytest.approx(64, rel=1e-9)
+        assert record.tokens_per_s * record.step_time_s == pytest.approx(64 * 128, rel=1e-9)
     # Merging keeps the points spread over the run: no record covers more than a few times its share.
     assert max(r.num_steps for r in log.records) <= 4 * 1500 / 16
 
@@ -89,7 +93,7 @@ def test_records_round_trip_and_records_of_older_checkpoints_load():
     assert step.step == 4 and step.elapsed_s == 0.0 and not math.isnan(step.metrics()["train_loss"])
     # tokens/s is logged only where there are tokens.
     assert step.tokens_per_s == 0.0 and "tokens_per_s" not in step.metrics()
-    with_tokens = StepRecord.from_dict(step.to_dict() | {"tokens_per_s": 2560.0})
+    with_tokens = StepRecord.from_dict(dataclasses.asdict(step) | {"tokens_per_s": 2560.0})
     assert with_tokens.metrics()["tokens_per_s"] == 2560.0
     assert with_tokens.metrics().keys() - {"tokens_per_s"} == step.metrics().keys()
 

@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import KW_ONLY, asdict, dataclass, field
 from typing import Any, Callable, Protocol
 
 from training_core.checkpoint.layout import (
@@ -22,7 +22,7 @@ from training_core.checkpoint.layout import (
 from training_core.checkpoint.manifest import CheckpointManifest, file_entry, manifest_for
 from training_core.checkpoint.meta import CheckpointMeta
 from training_core.checkpoint.partial import state_dict_options
-from training_core.checkpoint.snapshot import encode, snapshot, to_cpu, torch_bytes
+from training_core.checkpoint.snapshot import detached, encode, snapshot, torch_bytes
 from training_core.checkpoint.storage import Storage, remove_local
 
 log = logging.getLogger("training_core")
@@ -36,45 +36,36 @@ class SaveObserver(Protocol):
     def checkpoint_failed(self) -> None: ...
 
 
+@dataclass(eq=False)
 class Checkpointer:
     """Asynchronous, verified checkpoints with retention (keep the last ``keep_last`` and, when a metric
     ranks them, the best one)."""
 
-    def __init__(
-        self,
-        storage: Storage,
-        *,
-        keep_last: int,
-        interval_steps: int = 0,
-        at_epoch_end: bool = True,
-        keep_best: bool = False,
-        best_mode: str = "max",
-        async_save: bool = True,
-        max_consecutive_failures: int = 1,
-        observer: SaveObserver | None = None,
-        shard_wait_s: float = 600.0,
-    ) -> None:
-        assert keep_last >= 1 and max_consecutive_failures >= 1, "validated by CheckpointConfig"
-        self.shard_wait_s = shard_wait_s
-        """How long rank 0 waits for the other ranks' shards of a sharded checkpoint to be on storage."""
-        self.storage = storage
-        self.interval_steps = interval_steps
-        self.at_epoch_end = at_epoch_end
-        self.max_consecutive_failures = max_consecutive_failures
-        self.consecutive_failures = 0
-        self.keep_last = keep_last
-        self.keep_best = keep_best
-        self.best_mode = best_mode
-        self.async_save = async_save
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._staging: dict[str, Any] = {}
-        self.num_saved = 0
-        self.num_failed = 0
-        self.bytes_written = 0
-        self.last_save_s = 0.0
-        self.observer = observer
-        self._last_stage_s = 0.0
+    storage: Storage
+    _: KW_ONLY
+    keep_last: int
+    interval_steps: int = 0
+    at_epoch_end: bool = True
+    keep_best: bool = False
+    best_mode: str = "max"
+    async_save: bool = True
+    max_consecutive_failures: int = 1
+    observer: SaveObserver | None = None
+    shard_wait_s: float = 600.0
+    """How long rank 0 waits for the other ranks' shards of a sharded checkpoint to be on storage."""
+    consecutive_failures: int = field(default=0, init=False)
+    num_saved: int = field(default=0, init=False)
+    num_failed: int = field(default=0, init=False)
+    bytes_written: int = field(default=0, init=False)
+    last_save_s: float = field(default=0.0, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
+    _error: BaseException | None = field(default=None, init=False)
+    _staging: dict[str, Any] | None = field(default=None, init=False)
+    _last_stage_s: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
+        assert self.keep_last >= 1 and self.max_consecutive_failures >= 1, "validated by CheckpointConfig"
+        self._staging = {} if self.async_save else None
 
     def should_save(self, global_step: int, *, epoch_end: bool) -> bool:
         """The save policy: every ``interval_steps`` optimizer steps, and at epoch ends when ``at_epoch_end``.
@@ -88,7 +79,7 @@ class Checkpointer:
         (it reads those buffers), so with saves spaced wider than a write it costs a memory copy only."""
         self._settle()
         start = time.perf_counter()
-        state = snapshot(**snapshot_args, staging=self._staging if self.async_save else None)
+        state = snapshot(**snapshot_args, staging=self._staging)
         self._last_stage_s = time.perf_counter() - start
         return state
 
@@ -121,20 +112,15 @@ class Checkpointer:
         process_group: Any = None,
     ) -> float:
         """Save a sharded checkpoint (``scaling.strategy=fsdp``): every rank calls it at the same step. Returns the
-        seconds the caller was blocked.
+        seconds the caller was blocked: a copy of this rank's shards of the model and optimizer state in host memory.
 
-        What the step waits for: a copy of this rank's shards of the model and optimizer state in host memory
-        (buffers reused from save to save). The rest runs in the background when ``async_save``: rank 0 removes what
-        an earlier attempt left of this step, every rank writes its shard to local disk through
-        ``torch.distributed.checkpoint`` (rank 0 adds ``.metadata``), hashes it, the hashes are gathered, and each
-        rank moves (local root) or uploads its files into the checkpoint's ``shards/``; rank 0 waits until every
-        shard is on storage at its size, then writes ``trainer_state.pt`` (scheduler, scaler, RNG), ``meta.json``
-        and, last, the manifest with every file's sha256, and prunes. The background collectives run on
-        ``process_group``: give it a group of its own (gloo) so they never meet training's collectives; None is the
-        default group, for callers that wait for the save before any other collective.
-        ``trainer_state`` and ``meta`` are rank 0's (tensors already on CPU); other ranks pass None. Failures count
-        as in :meth:`save`; a rank whose write failed raises at its next save or :meth:`wait`, and rank 0's save
-        fails when a shard does not arrive within ``shard_wait_s``."""
+        The rest runs in the background when ``async_save``: every rank writes its shard through
+        ``torch.distributed.checkpoint`` (rank 0 adds ``.metadata``) and moves or uploads it into ``shards/``; rank 0
+        waits up to ``shard_wait_s`` until every shard is on storage at its size, then writes ``trainer_state.pt``,
+        ``meta.json`` and, last, the manifest, and prunes. The background collectives run on ``process_group``: give
+        it a group of its own (gloo) so they never meet training's collectives; None is the default group, for callers
+        that wait for the save before any other collective. ``trainer_state`` and ``meta`` are rank 0's (tensors
+        already on CPU); other ranks pass None. Failures count as in :meth:`save`."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -142,9 +128,7 @@ class Checkpointer:
         started = time.perf_counter()
         rank, world_size, name = dist.get_rank(), dist.get_world_size(), step_name(global_step)
         model_state, optim_state = get_state_dict(model, optimizer, options=state_dict_options(model))
-        state = to_cpu(
-            {"model": model_state, "optimizer": optim_state}, self._staging if self.async_save else None, "sharded"
-        )
+        state = detached({"model": model_state, "optimizer": optim_state}, self._staging, "sharded")
         self._last_stage_s = time.perf_counter() - started
 
         def write() -> int:
@@ -206,37 +190,31 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the save in flight is done; raise its error, if any. For the final checkpoint."""
-        self._join()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
             raise error
 
-    def _join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
     def _settle(self) -> None:
         """Finish the save in flight; tolerate its failure until too many failed in a row."""
-        self._join()
-        if self._error is None:
-            return
-        error, self._error = self._error, None
-        if self.consecutive_failures >= self.max_consecutive_failures:
-            raise CheckpointError(
-                f"{self.consecutive_failures} checkpoint saves in a row failed; last: {error}"
-            ) from error
+        try:
+            self.wait()
+        except CheckpointError as error:  # what a background write failed with (see _write_guarded)
+            if self.consecutive_failures >= self.max_consecutive_failures:
+                raise CheckpointError(
+                    f"{self.consecutive_failures} checkpoint saves in a row failed; last: {error}"
+                ) from error
 
     def _write_guarded(self, global_step: int, write: Callable[[], int], prune: bool) -> None:
         try:
             self._write(global_step, write, prune)
         except BaseException as exc:  # reported by the next save() or wait() on the training thread
             log.error("checkpoint save of step %d failed: %s", global_step, reason(exc))
-            self._error = (
-                exc
-                if isinstance(exc, CheckpointError)
-                else CheckpointError(f"checkpoint save of step {global_step} failed: {reason(exc)}")
-            )
+            if not isinstance(exc, CheckpointError):
+                exc = CheckpointError(f"checkpoint save of step {global_step} failed: {reason(exc)}")
+            self._error = exc
 
     def _write(self, global_step: int, write: Callable[[], int], prune: bool) -> None:
         """Run ``write`` (it returns the bytes it wrote), count its outcome, and prune after a success."""
@@ -263,10 +241,8 @@ class Checkpointer:
     def _prune(self, *, keep: str) -> None:
         names = self.storage.list_steps()
         retained = set(names[-self.keep_last :]) | {keep}
-        if self.keep_best:
-            best = self._best(names)
-            if best:
-                retained.add(best)
+        if self.keep_best and (best := self._best(names)):
+            retained.add(best)
         for name in names:
             if name not in retained:
                 self.storage.delete(name)

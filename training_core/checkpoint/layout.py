@@ -7,7 +7,7 @@ import json
 import re
 from typing import Any
 
-from training_core.messages import clip, quote
+from training_core.messages import clip
 from training_core.schema import is_count, is_int, is_mapping, is_number  # noqa: F401 - re-exported for checkpoint/
 
 MODEL_FILE = "model.pt"
@@ -24,7 +24,6 @@ SHARD_FILE_PATTERN = re.compile(rf"{SHARDS_DIR}/(__[0-9]{{1,6}}_[0-9]{{1,6}}\.di
 SHARDED_FILES = (TRAINER_STATE_FILE, META_FILE)
 """The files a sharded checkpoint's manifest lists besides its shards (no ``model.pt``: the weights are in them)."""
 FORMATS = ("full", "sharded")
-STEP_PREFIX = "step-"
 STEP_NAME_PATTERN = re.compile(r"step-([0-9]+)")
 STEP_LOG_CAPACITY = 64
 """Step windows a checkpoint's ``meta.json`` keeps (about 25 KB); MLflow has every window."""
@@ -37,13 +36,7 @@ class CheckpointError(RuntimeError):
 
 
 def step_name(global_step: int) -> str:
-    return f"{STEP_PREFIX}{global_step:09d}"
-
-
-def listed(names: list[Any], limit: int = 10) -> str:
-    """Up to ``limit`` names, each quoted bounded in size, and how many more there are."""
-    shown = ", ".join(quote(n) for n in names[:limit])
-    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+    return f"step-{global_step:09d}"
 
 
 def reason(exc: BaseException) -> str:

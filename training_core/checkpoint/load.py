@@ -197,16 +197,9 @@ def load_latest_valid(
     for name in reversed(storage.list_steps()):
         try:
             loaded = verify_and_load(storage, name, expected_shapes=expected_shapes)
-        except CheckpointError as exc:
-            log.warning("skipping checkpoint %s: %s", storage.display_uri(name), storage.scrub(str(exc)))
-            rejected.append(name)
-            continue
         except Exception as exc:  # noqa: BLE001 - the last line of defence: a resume must reach an older checkpoint
-            log.warning(
-                "skipping checkpoint %s: it could not be loaded: %s",
-                storage.display_uri(name),
-                storage.scrub(reason(exc)),
-            )
+            why = str(exc) if isinstance(exc, CheckpointError) else f"it could not be loaded: {reason(exc)}"
+            log.warning("skipping checkpoint %s: %s", storage.display_uri(name), storage.scrub(why))
             rejected.append(name)
             continue
         if rejected:

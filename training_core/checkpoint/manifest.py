@@ -21,11 +21,10 @@ from training_core.checkpoint.layout import (
     is_count,
     is_mapping,
     is_number,
-    listed,
     parse_json,
 )
 from training_core.files import open_regular_local
-from training_core.messages import is_plain_file_name, quote
+from training_core.messages import is_plain_file_name, listed, quote
 from training_core.schema import UNKNOWN_KEY_KINDS, Count, Problem, Rule, SchemaError, check, describe
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")

@@ -17,10 +17,9 @@ from training_core.checkpoint.layout import (
     is_int,
     is_mapping,
     is_number,
-    listed,
     parse_json,
 )
-from training_core.messages import clip, quote
+from training_core.messages import clip, listed, quote
 from training_core.records import EpochRecord, StepLog, StepRecord
 from training_core.schema import UNKNOWN_KEY_KINDS, Count, Problem, Rule, SchemaError, check, describe
 

@@ -70,10 +70,9 @@ def require_base(model: nn.Module, base: str, *, where: str) -> None:
 
 
 def load_trainable(model: nn.Module, state: dict[str, Any], *, base: str, where: str) -> None:
-    """Load ``state`` (a :func:`trainable_state` whose checkpoint needs the frozen base ``base``) into ``model`` (one
-    process or a DDP replica), whose frozen parameters must be that base (:func:`require_base`) and whose other
-    tensors ``state`` must hold exactly. Raises ``ValueError`` naming ``where`` (the checkpoint) and the fix
-    otherwise."""
+    """Load ``state`` (a :func:`trainable_state`) into ``model`` (one process or a DDP replica), whose frozen
+    parameters must be the base ``base`` (:func:`require_base`) and whose other tensors ``state`` must hold exactly.
+    Raises ``ValueError`` naming ``where`` (the checkpoint) and the fix otherwise."""
     from training_core.messages import clip
 
     bare = getattr(model, "module", model)

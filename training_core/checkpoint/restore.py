@@ -70,12 +70,11 @@ def restore(loaded: LoadedCheckpoint, *, model, optimizer=None, scheduler=None, 
             _load_shards(loaded.shards_dir, loaded.shard_metadata, model=model, optimizer=optimizer)
         elif is_sharded(model):
             _load_full_into_sharded(loaded, model=model, optimizer=optimizer)
-        elif loaded.meta.frozen_base_sha256:
-            load_trainable(model, loaded.model, base=loaded.meta.frozen_base_sha256, where=loaded.display_uri)
-            if optimizer is not None and "optimizer" in loaded.trainer:
-                optimizer.load_state_dict(loaded.trainer["optimizer"])
         else:
-            getattr(model, "module", model).load_state_dict(loaded.model)
+            if loaded.meta.frozen_base_sha256:
+                load_trainable(model, loaded.model, base=loaded.meta.frozen_base_sha256, where=loaded.display_uri)
+            else:
+                getattr(model, "module", model).load_state_dict(loaded.model)
             if optimizer is not None and "optimizer" in loaded.trainer:
                 optimizer.load_state_dict(loaded.trainer["optimizer"])
     finally:

@@ -12,11 +12,10 @@ from training_core.checkpoint.layout import (
     SHARDS_DIR,
     CheckpointError,
     is_count,
-    listed,
     reason,
 )
 from training_core.checkpoint.manifest import CheckpointManifest
-from training_core.messages import clip, is_plain_file_name, quote
+from training_core.messages import clip, is_plain_file_name, listed, quote
 
 # What a ``torch.distributed.checkpoint`` ``.metadata`` pickle may name: its own records, torch's sizes, dtypes and
 # layouts, and a path. Anything else (a callable that runs code when unpickled) is refused.
@@ -75,10 +74,9 @@ def check_pickle_bounds(data: bytes) -> None:
 def parse_shard_metadata(data: bytes, *, where: str) -> Any:
     """The ``torch.distributed.checkpoint`` ``Metadata`` in ``data`` (a ``shards/.metadata``), parsed safely: its
     size bounds what it may build (:func:`check_pickle_bounds`), it may name only the globals of
-    :data:`_METADATA_GLOBALS` (nothing that runs code), and it must hold the records torch's reader uses, each of
-    its own type: every entry stored (the tensor's chunks inside its size), and stored in a plain file name of the
-    same folder, untransformed (:func:`_check_storage_info`). Which files those are is checked against the
-    manifest by :func:`check_shard_metadata`. Raises :class:`CheckpointError` naming ``where``."""
+    :data:`_METADATA_GLOBALS` (nothing that runs code), and it must hold torch's records, every entry stored
+    (:func:`_check_storage_info`, :func:`_check_tensor_entry`); :func:`check_shard_metadata` checks it against the
+    manifest. Raises :class:`CheckpointError` naming ``where``."""
     import pickle
 
     import torch

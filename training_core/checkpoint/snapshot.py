@@ -12,7 +12,7 @@ from training_core.checkpoint.meta import CheckpointMeta
 from training_core.checkpoint.partial import trainable_state
 
 
-def to_cpu(obj: Any, staging: dict[str, Any] | None = None, path: str = "") -> Any:
+def detached(obj: Any, staging: dict[str, Any] | None = None, path: str = "") -> Any:
     """Deep copy of a state tree with every tensor copied to CPU, so later steps cannot change it.
 
     With ``staging`` (a dict kept between saves) each tensor is copied into the buffer of the same path,
@@ -23,7 +23,7 @@ def to_cpu(obj: Any, staging: dict[str, Any] | None = None, path: str = "") -> A
     if isinstance(obj, torch.Tensor) and hasattr(obj, "device_mesh"):  # a DTensor: copy its shard, keep its layout
         from torch.distributed.tensor import DTensor
 
-        local = to_cpu(obj.to_local(), staging, path)
+        local = detached(obj.to_local(), staging, path)
         return DTensor.from_local(
             local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
         )
@@ -36,15 +36,10 @@ def to_cpu(obj: Any, staging: dict[str, Any] | None = None, path: str = "") -> A
         buffer.copy_(obj.detach(), non_blocking=obj.is_cuda)
         return buffer
     if isinstance(obj, dict):
-        return {k: to_cpu(v, staging, f"{path}/{k}") for k, v in obj.items()}
+        return {k: detached(v, staging, f"{path}/{k}") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v, staging, f"{path}/{i}") for i, v in enumerate(obj))
+        return type(obj)(detached(v, staging, f"{path}/{i}") for i, v in enumerate(obj))
     return obj
-
-
-def detached(state: Any) -> Any:
-    """A copy of a state tree with every tensor on CPU, which later steps cannot change."""
-    return to_cpu(state)
 
 
 def torch_bytes(obj: Any) -> bytes:
@@ -72,10 +67,8 @@ def snapshot(
     import torch
 
     bare = getattr(model, "module", model)
-    trainer: dict[str, Any] = {}
-    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
-        if obj is not None:
-            trainer[name] = obj.state_dict()
+    stateful = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+    trainer = {name: obj.state_dict() for name, obj in stateful.items() if obj is not None}
     if torch_rng:
         trainer["rng"] = torch_rng
     if replicas:
@@ -84,8 +77,8 @@ def snapshot(
     if meta.frozen_base_sha256:  # the frozen base comes back from its source: only what trains is saved
         model_state = trainable_state(model_state, bare)
     state = {
-        "model": to_cpu(model_state, staging, "model"),
-        "trainer": to_cpu(trainer, staging, "trainer"),
+        "model": detached(model_state, staging, "model"),
+        "trainer": detached(trainer, staging, "trainer"),
         "meta": asdict(meta),
     }
     if torch.cuda.is_available():

@@ -16,9 +16,10 @@ from training_core.checkpoint.layout import (
     STEP_NAME_PATTERN,
     CheckpointError,
     is_int,
-    listed,
     reason,
 )
+from training_core.files import is_local, read_regular
+from training_core.messages import listed
 from training_core.redact import redact
 
 if TYPE_CHECKING:
@@ -117,9 +118,7 @@ def open_storage(
 
 class CheckpointStorage:
     """Where checkpoint directories live: a local path or an fsspec URI, with bounded retries of transient errors.
-
-    :meth:`uri` is the real location, for I/O; :meth:`display_uri` and :meth:`scrub` are what messages and logs
-    show, with any credentials in the root redacted."""
+    Messages and logs show :meth:`display_uri` and :meth:`scrub`, never the real :meth:`uri`."""
 
     def __init__(
         self, root: str, *, storage_options: dict[str, Any] | None = None, retries: int = 5, retry_wait_s: float = 1.0
@@ -128,7 +127,7 @@ class CheckpointStorage:
 
         self.root = root.rstrip("/")
         self._fs, self.path = fsspec.core.url_to_fs(self.root, **(storage_options or {}))
-        self.is_local = "file" in (self._fs.protocol if isinstance(self._fs.protocol, tuple) else (self._fs.protocol,))
+        self.is_local = is_local(self._fs)
         self.retries = retries
         self.retry_wait_s = retry_wait_s
         # The filesystem's own errors quote its path, where a root's userinfo stays without the "scheme://" that
@@ -161,20 +160,11 @@ class CheckpointStorage:
             except FileNotFoundError:
                 raise
             except Exception as exc:  # noqa: BLE001 - botocore's connection errors are not OSErrors
-                retryable = is_retryable(exc)
+                retryable, why = is_retryable(exc), self.scrub(reason(exc))
                 if not retryable or attempt == self.retries:
                     kind = "" if retryable else ", not retryable"
-                    raise CheckpointError(
-                        f"{what} failed after {attempt + 1} attempt(s){kind}: {self.scrub(reason(exc))}"
-                    ) from exc
-                log.warning(
-                    "%s failed (%s); retrying in %.1fs (%d/%d)",
-                    what,
-                    self.scrub(reason(exc)),
-                    delay,
-                    attempt + 1,
-                    self.retries,
-                )
+                    raise CheckpointError(f"{what} failed after {attempt + 1} attempt(s){kind}: {why}") from exc
+                log.warning("%s failed (%s); retrying in %.1fs (%d/%d)", what, why, delay, attempt + 1, self.retries)
                 time.sleep(delay)
                 delay = min(delay * 2, 30.0)
 
@@ -195,9 +185,7 @@ class CheckpointStorage:
             os.rename(staging, final)
         except OSError as exc:
             remove_local(staging)
-            raise CheckpointError(
-                f"writing checkpoint {self.display_uri(name)} failed: {self.scrub(reason(exc))}"
-            ) from exc
+            raise self._write_error(f"checkpoint {self.display_uri(name)}", exc) from exc
 
     def add_files(self, name: str, files: dict[str, bytes], manifest: bytes) -> None:
         """Write ``files`` and then ``manifest`` into checkpoint ``name``, whose directory already holds its shards:
@@ -213,9 +201,10 @@ class CheckpointStorage:
                 write_synced(temporary, data)
                 os.replace(temporary, target)
         except OSError as exc:
-            raise CheckpointError(
-                f"writing checkpoint {self.display_uri(name)} failed: {self.scrub(reason(exc))}"
-            ) from exc
+            raise self._write_error(f"checkpoint {self.display_uri(name)}", exc) from exc
+
+    def _write_error(self, what: str, exc: OSError) -> CheckpointError:
+        return CheckpointError(f"writing {what} failed: {self.scrub(reason(exc))}")
 
     def _upload(self, name: str, files: dict[str, bytes], manifest: bytes) -> None:
         for file, data in {**files, MANIFEST_FILE: manifest}.items():
@@ -239,9 +228,7 @@ class CheckpointStorage:
                 os.makedirs(os.path.dirname(target), exist_ok=True)
                 os.replace(local_path, target)
             except OSError as exc:
-                raise CheckpointError(
-                    f"writing {self.display_uri(name)}/{relative} failed: {self.scrub(reason(exc))}"
-                ) from exc
+                raise self._write_error(f"{self.display_uri(name)}/{relative}", exc) from exc
             return
         self._retry(f"uploading {self.uri(name)}/{relative}", lambda: self._fs.put_file(local_path, target))
 
@@ -337,8 +324,6 @@ class CheckpointStorage:
     def read_note(self, file: str, *, max_bytes: int) -> bytes | None:
         """The bytes of :meth:`write_note`'s ``file`` (None when there is none); a file that is not a regular one or
         holds over ``max_bytes`` raises :class:`~training_core.files.UnreadableFile`."""
-        from training_core.files import read_regular
-
         target = f"{self.path}/{file}"
         if not self._retry(f"checking {self.root}/{file}", lambda: self._fs.lexists(target)):
             return None

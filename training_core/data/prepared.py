@@ -32,7 +32,7 @@ import numpy as np
 from training_core.config import DataConfig, no_training_samples_error
 from training_core.data.shard_files import RERUN_PREP, plain_shard_name, shard_error
 from training_core.files import join_path
-from training_core.messages import clip, quote
+from training_core.messages import clip, listed, quote
 from training_core.redact import redact
 from training_core.schema import UNKNOWN_KEY_KINDS, Count, Problem, Rule, SchemaError, check, is_int, is_mapping
 
@@ -224,8 +224,7 @@ class _Schema:
         raise ValueError(f"{self.where}: {clip(path)}={quote(value)} is invalid: {why}; {RERUN_PREP}")
 
     def keys(self, path: str, missing: list[str], unknown: list[Any], keys: Iterable[str]) -> NoReturn:
-        listed = ", ".join(quote(k) for k in unknown[:10]) + (f" and {len(unknown) - 10} more" if unknown[10:] else "")
-        found = f"lacks {', '.join(missing)}" if missing else f"has unknown key(s) {listed}"
+        found = f"lacks {', '.join(missing)}" if missing else f"has unknown key(s) {listed(unknown)}"
         raise ValueError(f"{self.where}: {clip(path)} {found}; its keys are {', '.join(keys)}; {RERUN_PREP}")
 
     def problem(self, problems: list[Problem]) -> NoReturn:

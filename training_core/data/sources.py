@@ -29,7 +29,7 @@ import numpy as np
 
 from training_core.config import DataConfig
 from training_core.files import UnreadableFile, open_regular
-from training_core.messages import clip, invalid, quote
+from training_core.messages import clip, invalid, listed, quote
 from training_core.redact import redact
 from training_core.registry import DATASET_SOURCES, load
 
@@ -229,14 +229,11 @@ def _cifar10_checked_members(archive: tarfile.TarFile, path: str) -> dict[str, t
         )
     for name, members in found.items():
         # Matching by base name alone would let a second data_batch_1 anywhere in the archive replace the real one.
-        if [m.name for m in members] != [name]:
-            listed = ", ".join(quote(m.name) for m in members[:5]) + (
-                f" and {len(members) - 5} more" if len(members) > 5 else ""
-            )
+        if (names := [m.name for m in members]) != [name]:
             raise ValueError(
                 f"data.path={quote(path)} is invalid: the tarball has {len(members)} member(s) named "
-                f"{posixpath.basename(name)}: {listed}; the format has exactly one, {name!r}. Remove the others, or "
-                f"{_REDOWNLOAD}"
+                f"{posixpath.basename(name)}: {listed(names, 5)}; the format has exactly one, {name!r}. Remove the "
+                f"others, or {_REDOWNLOAD}"
             )
     return {name: members[0] for name, members in found.items()}
 

@@ -165,14 +165,14 @@ def byte_tokenizer() -> TextTokenizer:
     return TextTokenizer(kind=BYTE, vocab_size=BYTE_VOCAB_SIZE, eot_id=BYTE_EOT_ID)
 
 
-def load_tokenizer(value: str, *, field_name: str = "data.tokenizer") -> TextTokenizer:
+def load_tokenizer(value: str) -> TextTokenizer:
     """The tokenizer ``data.tokenizer`` names: ``byte``, or a ``tokenizer.json`` read through fsspec (a local path
     or ``s3://`` URI; a local one only when it is a regular file, and at most :data:`MAX_TOKENIZER_BYTES` of it).
     A file that cannot be read, is not a Hugging Face tokenizer or has ids beyond :data:`MAX_TOKEN_ID` raises
     ``ValueError`` naming the field, the value and the fix."""
     if value == BYTE:
         return byte_tokenizer()
-    where = f"{field_name}={quote(value)}"
+    where = f"data.tokenizer={quote(value)}"
     try:
         payload = read_regular_path(value, max_bytes=MAX_TOKENIZER_BYTES)
     except UnreadableFile as exc:
@@ -260,8 +260,6 @@ class SourceStats:
     """Records without a string ``data.text_field``."""
     first_fields: list[str] = field(default_factory=list)
     """The fields of the first JSON line that lacked ``data.text_field`` (to name in the error)."""
-    documents: int = 0
-    """Non-empty documents kept."""
     first_skipped_bytes: int = 0
     """Size of the first document ``data.max_text_bytes`` left out (0 when none was)."""
     text_bytes: int = 0
@@ -281,8 +279,13 @@ def read_documents(data: DataConfig, stats: SourceStats, *, workload: str = "cau
 
 
 def stdlib_source(data: DataConfig, stats: SourceStats) -> Iterator[Document]:
-    """``data.dataset='stdlib'``: the Python standard library's source files."""
-    return stdlib_documents(stats)
+    """``data.dataset='stdlib'``: the Python standard library's source files (:func:`stdlib_files`)."""
+    root = stdlib_root()
+    for name in stdlib_files():
+        with open(os.path.join(root, name), "rb") as f:
+            payload = f.read()
+        stats.files += 1
+        yield Document(name, payload.decode("utf-8", errors="replace"))
 
 
 def path_source(data: DataConfig, stats: SourceStats) -> Iterator[Document]:
@@ -372,7 +375,6 @@ def capped(documents: Iterable[Document], max_bytes: int, stats: SourceStats) ->
             stats.first_skipped_bytes = size
             return
         stats.text_bytes += size
-        stats.documents += 1
         yield document
 
 
@@ -393,15 +395,6 @@ def stdlib_files() -> list[str]:
     return sorted(found)
 
 
-def stdlib_documents(stats: SourceStats) -> Iterator[Document]:
-    root = stdlib_root()
-    for name in stdlib_files():
-        with open(os.path.join(root, name), "rb") as f:
-            payload = f.read()
-        stats.files += 1
-        yield Document(name, payload.decode("utf-8", errors="replace"))
-
-
 def text_files(path: str, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> tuple[Any, str, list[str]]:
     """The filesystem, root and sorted files ending in ``suffixes`` (full paths; ``.txt`` / ``.jsonl`` /
     ``.parquet`` by default) of ``path``: the file itself, or those under it (hidden files and directories
@@ -419,12 +412,9 @@ def text_files(path: str, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> tuple[An
             f"data.path={quote(path)} is invalid: it cannot be listed ({type(exc).__name__}: "
             f"{clip(redact(str(exc)))}); point it at a readable local directory, file or s3:// prefix"
         ) from None
-    keep = []
-    for file in files:
-        relative = file[len(root) :].lstrip("/")
-        if file.endswith(suffixes) and not any(part.startswith(".") for part in relative.split("/")):
-            keep.append(file)
-    return fs, root, sorted(keep)
+    # Hidden files and directories (a part of the path below the root that starts with a dot) are skipped.
+    visible = (file for file in files if "/." not in "/" + file[len(root) :].lstrip("/"))
+    return fs, root, sorted(file for file in visible if file.endswith(suffixes))
 
 
 MAX_TEXT_DOCUMENT_BYTES = 256 * 2**20
@@ -512,14 +502,14 @@ def _open_source(fs: Any, file: str, name: str, path: str) -> Any:
 
 
 @contextlib.contextmanager
-def _reading(name: str, path: str) -> Iterator[None]:
-    """An ``OSError`` raised while reading ``name`` (a disk's, a network's) as ``ValueError`` naming ``data.path``
-    and the file."""
+def _reading(where: str, path: str, errors: tuple[type[BaseException], ...] = (OSError,)) -> Iterator[None]:
+    """``errors`` (by default an ``OSError``: a disk's, a network's) raised while reading the file ``where`` (quoted)
+    as ``ValueError`` naming ``data.path`` and the file."""
     try:
         yield
-    except OSError as exc:
+    except errors as exc:
         raise ValueError(
-            f"data.path={quote(path)} is invalid: {quote(name)} cannot be read ({type(exc).__name__}: "
+            f"data.path={quote(path)} is invalid: {where} cannot be read ({type(exc).__name__}: "
             f"{clip(redact(str(exc)))}); the file is damaged or was cut short: write it again, or remove it"
         ) from None
 
@@ -536,7 +526,7 @@ def _reported_size(f: Any) -> int:
 
 def _txt_document(fs: Any, file: str, name: str, path: str) -> Document:
     cap = MAX_TEXT_DOCUMENT_BYTES
-    with _open_source(fs, file, name, path) as f, _reading(name, path):
+    with _open_source(fs, file, name, path) as f, _reading(quote(name), path):
         size = _reported_size(f)
         payload = f.read(cap + 1) if size <= cap else b""
     if size > cap or len(payload) > cap:
@@ -553,7 +543,7 @@ def _jsonl_documents(
     fs: Any, file: str, name: str, fields: _Fields, stats: SourceStats, path: str
 ) -> Iterator[Document]:
     cap = MAX_TEXT_DOCUMENT_BYTES
-    with _open_source(fs, file, name, path) as f, _reading(name, path):
+    with _open_source(fs, file, name, path) as f, _reading(quote(name), path):
         for number, line in enumerate(_lines(f, cap), start=1):
             if len(line) > cap:
                 raise ValueError(
@@ -640,8 +630,6 @@ def _json_loads(line: bytes) -> Any:
     ``Decimal`` (a parser callback for every integer would slow every line down by a third)."""
     try:
         return json.loads(line)
-    except RecursionError:
-        raise
     except ValueError as exc:
         first = exc
     try:
@@ -651,8 +639,7 @@ def _json_loads(line: bytes) -> Any:
 
 
 def _json_int(digits: str) -> Any:
-    """A JSON integer: an ``int``, or a ``Decimal`` past Python's limit on the digits of an int read from a string
-    (``sys.get_int_max_str_digits()``, 4,300): valid JSON all the same."""
+    """A JSON integer: an ``int``, or a ``Decimal`` past Python's limit on its digits (:func:`_json_loads`)."""
     try:
         return int(digits)
     except ValueError:
@@ -773,7 +760,7 @@ def _csv_documents(fs: Any, file: str, name: str, fields: _Fields, stats: Source
     and label. Read a line at a time (:func:`_lines`), so a file without line ends never sits in memory whole."""
     import csv
 
-    with _open_source(fs, file, name, path) as f, _reading(name, path):
+    with _open_source(fs, file, name, path) as f, _reading(quote(name), path):
         lines = (line.decode("utf-8", errors="replace") for line in _lines(f, MAX_TEXT_DOCUMENT_BYTES))
         rows = csv.reader(lines)
         try:
@@ -817,13 +804,8 @@ def _next_batch(batches: Iterator[Any], where: str, path: str) -> Any:
     ``where`` for a page that cannot be read (a corrupt compressed block, a file cut short)."""
     import pyarrow as pa
 
-    try:
+    with _reading(where, path, (pa.ArrowException, OSError)):
         return next(batches, None)
-    except (pa.ArrowException, OSError) as exc:
-        raise ValueError(
-            f"data.path={quote(path)} is invalid: {where} cannot be read ({type(exc).__name__}: "
-            f"{clip(redact(str(exc)))}); the file is damaged or was cut short: write it again, or remove it"
-        ) from None
 
 
 def no_text_error(data: DataConfig, stats: SourceStats, *, source: str, from_user: bool = False) -> ValueError:
@@ -963,8 +945,7 @@ def encode_batches(
     Without ``ray_workers``, in this process (the tokenizer's threads). With it, each batch is one Ray task of one
     CPU on the connected cluster, ``ray_workers`` of them at a time, and at most as many finished batches wait
     behind a slower one (:func:`training_core.runners.ray_tasks.map_tasks`): the driver holds a bounded number of
-    batches
-    however long the source."""
+    batches however long the source."""
     # Each batch's texts and ids are let go before the next batch is read (``del``): one batch in memory at a time.
     if not ray_workers:
         for texts in batches:

@@ -28,7 +28,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, Mapping, NoReturn, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, Mapping, NoReturn
 
 import numpy as np
 
@@ -56,7 +56,7 @@ from training_core.data.text import (
     tokenizer_from_description,
     tokenizer_threads,
 )
-from training_core.files import UnreadableFile, read_regular_path
+from training_core.files import UnreadableFile, join_path, read_regular_path
 from training_core.messages import clip, quote
 from training_core.redact import redact
 from training_core.registry import LM_SIZES as GPT2_SIZES
@@ -179,7 +179,7 @@ class CausalLM:
             )
         streams = _split_streams(spill, data, tokenizer, source)
         if tokenizer.kind == TOKENIZER_FILE:
-            _write_text(out_dir, TOKENIZER_FILE, tokenizer.json_text)
+            write_text(out_dir, TOKENIZER_FILE, tokenizer.json_text)
         template = self._manifest_template(data, tokenizer, stats, streams)
         log.info(
             "tokenised %s: %d documents, %d bytes, tokens per split %s (tokenizer %s, vocabulary %d)",
@@ -337,16 +337,8 @@ class CausalLM:
         # In fp32 whatever autocast made the logits: a bf16 log-softmax over 50 k entries loses the loss's digits.
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         correct = (logits.detach().argmax(dim=-1) == targets).sum()
-        return LossOutput(
-            loss=loss,
-            sums={
-                "correct": correct,
-                "tokens": _count(targets.numel(), targets),
-                "samples": _count(len(targets), targets),
-            },
-            num_samples=len(targets),
-            num_tokens=targets.numel(),
-        )
+        sums = {"correct": correct, **_counts(targets)}
+        return LossOutput(loss=loss, sums=sums, num_samples=len(targets), num_tokens=targets.numel())
 
     def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``loss_sum`` (summed per-token negative log-likelihood, float64), ``correct``, ``tokens``, ``samples``."""
@@ -357,50 +349,33 @@ class CausalLM:
         return {
             "loss_sum": F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").double(),
             "correct": (logits.argmax(dim=-1) == targets).sum(),
-            "tokens": _count(targets.numel(), targets),
-            "samples": _count(len(targets), targets),
+            **_counts(targets),
         }
 
     def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
-        """``accuracy`` (of the next token); with ``loss_sum`` also ``loss`` (per token, nats) and ``perplexity``
-        (``exp(loss)``)."""
+        """``accuracy`` of the predicted tokens; with ``loss_sum`` also ``loss`` (per predicted token, nats) and
+        ``perplexity`` (``exp(loss)``)."""
         found = {"accuracy": mean_of(sums, "correct", "tokens")}
         if "loss_sum" in sums:
-            loss = mean_of(sums, "loss_sum", "tokens")
-            found["loss"] = loss
-            found["perplexity"] = perplexity(loss)
+            found["loss"] = mean_of(sums, "loss_sum", "tokens")
+            found["perplexity"] = perplexity(found["loss"])
         return found
 
     def example_input(self, manifest: Manifest) -> np.ndarray:
         return np.zeros((2, manifest.input_shape[0]), dtype=np.int64)
 
-    def showcase(
-        self,
-        model: nn.Module,
-        manifest: Manifest,
-        *,
-        max_new_tokens: int = 48,
-        prompts: Sequence[str] = SHOWCASE_PROMPTS,
-    ) -> list[tuple[str, str]]:
-        """``(prompt, continuation)`` for each prompt: the model's greedy continuation, decoded with the data's
-        tokenizer (up to an end-of-text token), for the evaluation report. Works for a user's model too (greedy
-        decoding through its ``forward``)."""
-        import torch
-
+    def showcase(self, model: nn.Module, manifest: Manifest, *, max_new_tokens: int = 48) -> list[tuple[str, str]]:
+        """``(prompt, continuation)`` for each of :data:`SHOWCASE_PROMPTS`: the model's greedy continuation, decoded
+        with the data's tokenizer (up to an end-of-text token), for the evaluation report. Works for a user's model
+        too (greedy decoding through its ``forward``)."""
         tokenizer = read_tokenizer(manifest)
-        spec = TextSpec.from_manifest(manifest)
         model = getattr(model, "module", model)  # a DDP wrapper's model
-        device = next(model.parameters()).device
-        found = []
-        for prompt in prompts:
-            prompt_ids = _prompt_ids(tokenizer, prompt)
-            input_ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)[None]
-            if isinstance(model, model_class()):
-                output = model.generate(input_ids, max_new_tokens)
-            else:
-                output = greedy_decode(model, input_ids, max_new_tokens, context_length=spec.seq_len)
-            found.append((prompt, tokenizer.decode(output[0, input_ids.shape[1] :].tolist())))
-        return found
+        if isinstance(model, model_class()):
+            generate = functools.partial(model.generate, max_new_tokens=max_new_tokens)
+        else:
+            seq_len = TextSpec.from_manifest(manifest).seq_len
+            generate = functools.partial(greedy_decode, model, max_new_tokens=max_new_tokens, context_length=seq_len)
+        return [(prompt, _continuation(model, tokenizer, prompt, generate)) for prompt in SHOWCASE_PROMPTS]
 
 
 # ------------------------------------------------------------------------------------------------- the spec
@@ -446,23 +421,14 @@ class TextSpec:
         return text
 
 
-def embedding_bytes(lm_config: Any) -> int | None:
-    """Bytes of the token embedding of a model of ``lm_config`` in fp32 (vocabulary x hidden size x 4); ``None`` when
-    the config names no hidden size."""
+def _check_embedding_size(config: TrainingConfig, lm_config: Any, spec: TextSpec) -> None:
+    """``ValueError`` naming ``data.tokenizer`` when the prepared data's vocabulary would give the model an fp32 token
+    embedding (vocabulary x hidden size x 4 bytes) larger than :data:`MAX_EMBEDDING_BYTES`."""
     text_config = lm_config.get_text_config()
     vocab_size, hidden_size = getattr(text_config, "vocab_size", None), getattr(text_config, "hidden_size", None)
-    if not (is_int(vocab_size) and is_int(hidden_size)):
-        return None
-    return vocab_size * hidden_size * 4
-
-
-def _check_embedding_size(config: TrainingConfig, lm_config: Any, spec: TextSpec) -> None:
-    """``ValueError`` naming ``data.tokenizer`` when the prepared data's vocabulary would give the model an embedding
-    larger than :data:`MAX_EMBEDDING_BYTES`."""
-    size = embedding_bytes(lm_config)
-    if size is None or size <= MAX_EMBEDDING_BYTES:
+    size = vocab_size * hidden_size * 4 if is_int(vocab_size) and is_int(hidden_size) else 0
+    if size <= MAX_EMBEDDING_BYTES:
         return
-    hidden_size = lm_config.get_text_config().hidden_size
     raise ValueError(
         f"data.tokenizer={quote(config.data.tokenizer)} is invalid: its vocabulary of {spec.vocab_size:,} ids (one "
         f"more than its largest id) gives model.name={quote(config.model.name)} a token embedding of "
@@ -478,10 +444,9 @@ def read_tokenizer(manifest: Manifest) -> TextTokenizer:
     spec = TextSpec.from_manifest(manifest)
     if spec.tokenizer == BYTE:
         return tokenizer_from_description(BYTE, where="data")
-    location = f"{manifest.directory.rstrip('/')}/{TOKENIZER_FILE}"
     where = f"{TOKENIZER_FILE} in {clip(redact(manifest.directory), 500)}"
     try:
-        payload = read_regular_path(location, max_bytes=MAX_TOKENIZER_BYTES)
+        payload = read_regular_path(join_path(manifest.directory, TOKENIZER_FILE), max_bytes=MAX_TOKENIZER_BYTES)
     except UnreadableFile as exc:
         raise ValueError(f"{where} cannot be read: {exc}; {RERUN_PREP}") from None
     digest = hashlib.sha256(payload).hexdigest()
@@ -512,12 +477,13 @@ def _split_streams(
     return streams
 
 
-def _write_text(out_dir: str, name: str, text: str) -> None:
+def write_text(out_dir: str, name: str, text: str) -> None:
+    """Write ``text`` as the UTF-8 file ``name`` in ``out_dir`` (a local path or a URL), created if missing."""
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(out_dir)
     fs.makedirs(root, exist_ok=True)
-    with fs.open(f"{root.rstrip('/')}/{name}", "wb") as f:
+    with fs.open(join_path(root, name), "wb") as f:
         f.write(text.encode("utf-8"))
 
 
@@ -681,11 +647,8 @@ def _define_model_class() -> type:
                 )
             if self._text_tokenizer is None:
                 self._text_tokenizer = tokenizer_from_description(self.tokenizer, where="the model's tokenizer")
-            device = next(self.parameters()).device
-            prompt_ids = _prompt_ids(self._text_tokenizer, prompt)
-            input_ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)[None]
-            output = self.generate(input_ids, max_new_tokens)
-            return prompt + self._text_tokenizer.decode(output[0, input_ids.shape[1] :].tolist())
+            generate = functools.partial(self.generate, max_new_tokens=max_new_tokens)
+            return prompt + _continuation(self, self._text_tokenizer, prompt, generate)
 
         def __getstate__(self) -> dict[str, Any]:
             state = super().__getstate__().copy()
@@ -731,19 +694,21 @@ def model_class() -> type:
 
 
 def __getattr__(name: str) -> Any:
-    # PEP 562: ``CausalLMModel`` is created on first access and then kept as a module global, so pickle (and
-    # cloudpickle) find it by module and name like any module-level class.
     if name == "CausalLMModel":
         return model_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _prompt_ids(tokenizer: TextTokenizer, prompt: str) -> list[int]:
-    """``prompt``'s ids; an empty prompt starts a new document (the end-of-text token)."""
-    ids = tokenizer.encode(prompt).tolist()
-    if not ids:
-        ids = [tokenizer.eot_id if tokenizer.eot_id is not None else 0]
-    return ids
+def _continuation(
+    model: nn.Module, tokenizer: TextTokenizer, prompt: str, generate: Callable[[torch.Tensor], torch.Tensor]
+) -> str:
+    """The text ``generate`` (prompt ids [1, T] on ``model``'s device -> [1, T + new]) continues ``prompt`` with,
+    decoded up to an end-of-text token. An empty prompt starts a new document (the end-of-text token)."""
+    import torch
+
+    ids = tokenizer.encode(prompt).tolist() or [tokenizer.eot_id if tokenizer.eot_id is not None else 0]
+    input_ids = torch.tensor(ids, dtype=torch.long, device=next(model.parameters()).device)[None]
+    return tokenizer.decode(generate(input_ids)[0, input_ids.shape[1] :].tolist())
 
 
 def greedy_decode(
@@ -793,11 +758,13 @@ class TokenBatcher:
         return tokens[:, :-1], tokens[:, 1:]
 
 
-def _count(value: int, like: torch.Tensor) -> torch.Tensor:
-    """``value`` as a 0-dim int64 tensor on ``like``'s device, filled there (no host-to-device copy to wait on)."""
+def _counts(targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The ``tokens`` and ``samples`` of ``targets`` [N, T], 0-dim int64 tensors filled on their device (no
+    host-to-device copy to wait on)."""
     import torch
 
-    return torch.full((), value, dtype=torch.long, device=like.device)
+    counts = {"tokens": targets.numel(), "samples": len(targets)}
+    return {key: torch.full((), value, dtype=torch.long, device=targets.device) for key, value in counts.items()}
 
 
 def perplexity(loss: float) -> float:

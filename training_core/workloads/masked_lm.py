@@ -43,8 +43,8 @@ from training_core.data.shard_files import RERUN_PREP
 from training_core.data.text import BYTE, TextTokenizer, check_text_source, load_tokenizer
 from training_core.messages import clip, invalid, quote
 from training_core.redact import redact
-from training_core.workloads.causal_lm import CausalLM, TextSpec, perplexity
-from training_core.workloads.protocol import LossOutput, defined_once, mean_of, sample_count, to_device_async
+from training_core.workloads.causal_lm import CausalLM, TextSpec
+from training_core.workloads.protocol import LossOutput, defined_once, sample_count, to_device_async
 from training_core.workloads.sequence_classification import (
     PAD_TOKENS,
     check_pretrained_tokenizer,
@@ -143,9 +143,6 @@ class MaskedLM(CausalLM):
     (a mapping of document name to text) replaces the built-in text, as for ``causal_lm``."""
 
     name = NAME
-    primary_metric = "perplexity"
-    primary_mode = "min"
-    dynamic_axes = (0, 1)
     showcase = None
     """No generated text in the evaluation report: an encoder does not continue a prompt."""
     loads_pretrained_sharded = True
@@ -153,8 +150,7 @@ class MaskedLM(CausalLM):
     (the decoder tied to the word embeddings reads their stored rows, once)."""
 
     def __init__(self, selected: WorkloadConfig | None = None) -> None:
-        selected = selected or WorkloadConfig(name=NAME)
-        if selected.model_factory:
+        if selected and selected.model_factory:
             invalid("workload.model_factory", selected.model_factory,
                     f"workload.name={NAME!r} trains its own encoders; leave it empty")  # fmt: skip
         super().__init__(selected)
@@ -217,9 +213,7 @@ class MaskedLM(CausalLM):
 
     def build_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
         """:class:`MaskedLMModel` around a ``transformers`` masked LM, randomly initialised (from the loop's seeded
-        RNG), with ``model.pretrained``'s weights loaded when there are some (:func:`~training_core.workloads.
-        sequence_classification.load_pretrained`: the masked-LM head's tensors when the weights have them, else a
-        seeded fresh head; a pooler's and next-sentence tensors left out and logged), but not into parameters on
+        RNG), with ``model.pretrained``'s weights loaded as the module docstring says, but not into parameters on
         the meta device: under FSDP each rank reads its shards' rows after sharding (``loads_pretrained_sharded``)."""
         encoder = new_masked_lm(config, manifest)
         if config.model.pretrained and not any(p.is_meta for p in encoder.parameters()):
@@ -240,7 +234,6 @@ class MaskedLM(CausalLM):
         inputs, labels = batch
         sums = _masked_sums(model(inputs), labels)
         loss = sums.pop("loss_sum") / sums["tokens"].clamp(min=1)
-        sums["correct"] = sums["correct"].detach()
         return LossOutput(loss=loss, sums=sums, num_samples=len(inputs), num_tokens=inputs.numel())
 
     def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -249,18 +242,6 @@ class MaskedLM(CausalLM):
         sums = _masked_sums(model(inputs), labels)
         sums["loss_sum"] = sums["loss_sum"].double()
         return sums
-
-    def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
-        """``accuracy`` of the chosen tokens; with ``loss_sum`` also ``loss`` (per chosen token, nats) and
-        ``perplexity`` (``exp(loss)``)."""
-        found = {"accuracy": mean_of(sums, "correct", "tokens")}
-        if "loss_sum" in sums:
-            found["loss"] = mean_of(sums, "loss_sum", "tokens")
-            found["perplexity"] = perplexity(found["loss"])
-        return found
-
-    def example_input(self, manifest: Manifest) -> np.ndarray:
-        return np.zeros((2, manifest.input_shape[0]), dtype=np.int64)
 
 
 def new_masked_lm(config: TrainingConfig, manifest: Manifest) -> nn.Module:

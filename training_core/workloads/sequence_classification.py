@@ -61,6 +61,7 @@ from training_core.files import UnreadableFile, join_path, read_regular, read_re
 from training_core.messages import clip, invalid, quote
 from training_core.redact import redact
 from training_core.registry import ENCODER_SIZES, PRIMARY_METRICS
+from training_core.workloads.causal_lm import write_text
 from training_core.workloads.protocol import (
     LossOutput,
     classification_loss,
@@ -157,7 +158,7 @@ class SequenceClassification:
                 for split, index in split_documents(spill.sizes, data, source=source).items()
             }
             if tokenizer.kind != BYTE:
-                _write_text(out_dir, TOKENIZER_FILE, tokenizer.json_text)
+                write_text(out_dir, TOKENIZER_FILE, tokenizer.json_text)
             template = _manifest_template(data, tokenizer, layout, classes, stats, splits, spill)
             log.info("tokenised %s: %d records, %d classes, %s", source, len(spill.sizes), len(classes), template.spec)
             shards = {
@@ -424,15 +425,6 @@ def _manifest_template(
         },
         spec=spec,
     )
-
-
-def _write_text(out_dir: str, name: str, text: str) -> None:
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(out_dir)
-    fs.makedirs(root, exist_ok=True)
-    with fs.open(join_path(root, name), "wb") as f:
-        f.write(text.encode("utf-8"))
 
 
 def tokenizer_file(value: str) -> str:
