@@ -35,7 +35,8 @@ def is_local(fs: Any) -> bool:
     return bool({"file", "local"} & set(protocols))
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` that is not a regular file is, in a message's words (``a FIFO``)."""
     for test, kind in (
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISCHR, "a character device"),
@@ -118,7 +119,7 @@ def open_regular_local(path: str, name: str = "") -> Any:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise UnreadableFile(f"{quote(name)} is {_kind(mode)}, not a regular file; only regular files are read")
+        raise UnreadableFile(f"{quote(name)} is {file_kind(mode)}, not a regular file; only regular files are read")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb", closefd=True)
 

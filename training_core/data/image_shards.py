@@ -39,7 +39,7 @@ import numpy as np
 
 from training_core.config import DataConfig, no_training_samples_error
 from training_core.data.shard_files import plain_shard_name, shard_error
-from training_core.files import UnreadableFile, join_path, read_regular
+from training_core.files import UnreadableFile, file_kind, join_path, read_regular
 from training_core.messages import clip, invalid, quote
 from training_core.redact import redact
 from training_core.registry import DATASET_SOURCES, DatasetSource, load
@@ -352,12 +352,7 @@ def _local_entry(entry: os.DirEntry) -> _Entry:
         return _Entry(entry.name, f"not readable ({exc.strerror})")
     if stat.S_ISDIR(mode):
         return _Entry(entry.name, "directory")
-    if stat.S_ISREG(mode):
-        return _Entry(entry.name, "file")
-    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return _Entry(entry.name, kind)
-    return _Entry(entry.name, "not a regular file")
+    return _Entry(entry.name, "file" if stat.S_ISREG(mode) else file_kind(mode))
 
 
 def _printable(path: str) -> str:
