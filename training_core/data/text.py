@@ -38,7 +38,8 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from training_core.config import DataConfig
-from training_core.files import UnreadableFile, open_regular, read_regular_path
+from training_core.data.shard_files import RERUN_PREP
+from training_core.files import UnreadableFile, join_path, open_regular, read_regular_path
 from training_core.messages import clip, quote
 from training_core.redact import redact
 from training_core.registry import DATASET_SOURCES, dataset_names, load
@@ -186,6 +187,23 @@ def load_tokenizer(value: str) -> TextTokenizer:
     except UnicodeDecodeError:
         raise ValueError(f"{where} is invalid: it is not a tokenizer.json (not UTF-8 text); {TOKENIZER_FIX}") from None
     return tokenizer_from_description(text, where=where)
+
+
+def prepared_tokenizer(directory: str, tokenizer: str, sha256: str) -> TextTokenizer:
+    """The tokenizer data in ``directory`` was prepared with, as its manifest records it (``tokenizer``, ``sha256``):
+    ``byte``, or the copy :data:`TOKENIZER_FILE` beside the shards, checked against ``sha256``. A copy that cannot
+    be read or does not match raises ``ValueError`` naming it and saying to re-run data prep."""
+    if tokenizer == BYTE:
+        return byte_tokenizer()
+    where = f"{TOKENIZER_FILE} in {clip(redact(directory), 500)}"
+    try:
+        payload = read_regular_path(join_path(directory, TOKENIZER_FILE), max_bytes=MAX_TOKENIZER_BYTES)
+    except UnreadableFile as exc:
+        raise ValueError(f"{where} cannot be read: {exc}; {RERUN_PREP}") from None
+    digest = hashlib.sha256(payload).hexdigest()
+    if digest != sha256:
+        raise ValueError(f"{where} is corrupt: sha256 {digest} != manifest {sha256}; {RERUN_PREP}")
+    return tokenizer_from_description(payload.decode("utf-8"), where=where)
 
 
 def tokenizer_from_description(description: str, *, where: str) -> TextTokenizer:

@@ -23,7 +23,6 @@ Importing this module imports neither torch nor transformers: :class:`CausalLMMo
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import math
 import os
@@ -37,7 +36,6 @@ from training_core.data.prepared import ArraySpec, Manifest, write_shards
 from training_core.data.shard_files import RERUN_PREP
 from training_core.data.text import (
     BYTE,
-    MAX_TOKENIZER_BYTES,
     TOKENIZER_FILE,
     SourceStats,
     SplitStream,
@@ -49,6 +47,7 @@ from training_core.data.text import (
     no_text_error,
     num_sequences,
     packed_shards,
+    prepared_tokenizer,
     ray_connected,
     read_documents,
     spill_tokens,
@@ -56,7 +55,7 @@ from training_core.data.text import (
     tokenizer_from_description,
     tokenizer_threads,
 )
-from training_core.files import UnreadableFile, join_path, read_regular_path
+from training_core.files import join_path
 from training_core.messages import clip, quote
 from training_core.redact import redact
 from training_core.registry import LM_SIZES as GPT2_SIZES
@@ -439,20 +438,10 @@ def _check_embedding_size(config: TrainingConfig, lm_config: Any, spec: TextSpec
 
 
 def read_tokenizer(manifest: Manifest) -> TextTokenizer:
-    """The tokenizer the data in ``manifest.directory`` was prepared with: ``byte``, or its ``tokenizer.json``
-    copy, checked against the recorded sha256."""
+    """The tokenizer the data in ``manifest.directory`` was prepared with (:func:`~training_core.data.text.
+    prepared_tokenizer`)."""
     spec = TextSpec.from_manifest(manifest)
-    if spec.tokenizer == BYTE:
-        return tokenizer_from_description(BYTE, where="data")
-    where = f"{TOKENIZER_FILE} in {clip(redact(manifest.directory), 500)}"
-    try:
-        payload = read_regular_path(join_path(manifest.directory, TOKENIZER_FILE), max_bytes=MAX_TOKENIZER_BYTES)
-    except UnreadableFile as exc:
-        raise ValueError(f"{where} cannot be read: {exc}; {RERUN_PREP}") from None
-    digest = hashlib.sha256(payload).hexdigest()
-    if digest != spec.tokenizer_sha256:
-        raise ValueError(f"{where} is corrupt: sha256 {digest} != manifest {spec.tokenizer_sha256}; {RERUN_PREP}")
-    return tokenizer_from_description(payload.decode("utf-8"), where=where)
+    return prepared_tokenizer(manifest.directory, spec.tokenizer, spec.tokenizer_sha256)
 
 
 def _split_streams(

@@ -43,6 +43,7 @@ from training_core.data.shard_files import RERUN_PREP
 from training_core.data.text import BYTE, TextTokenizer, check_text_source, load_tokenizer
 from training_core.messages import clip, invalid, quote
 from training_core.redact import redact
+from training_core.schema import is_count
 from training_core.workloads.causal_lm import CausalLM, TextSpec
 from training_core.workloads.protocol import LossOutput, defined_once, sample_count, to_device_async
 from training_core.workloads.sequence_classification import (
@@ -117,7 +118,7 @@ class MaskSpec:
         raw = {key: manifest.spec.get(key) for key in ("mask_id", "special_ids", "pad_id")}
 
         def is_id(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+            return is_count(value) and value < vocab_size
 
         checks = {
             "mask_id": is_id(raw["mask_id"]),

@@ -49,6 +49,7 @@ from training_core.data.text import (
     TokenSpill,
     load_tokenizer,
     no_text_error,
+    prepared_tokenizer,
     ray_connected,
     read_documents,
     spill_tokens,
@@ -57,10 +58,11 @@ from training_core.data.text import (
     tokenizer_from_description,
     tokenizer_threads,
 )
-from training_core.files import UnreadableFile, join_path, read_regular, read_regular_path
+from training_core.files import UnreadableFile, join_path, read_regular
 from training_core.messages import clip, invalid, quote
 from training_core.redact import redact
 from training_core.registry import ENCODER_SIZES, PRIMARY_METRICS
+from training_core.schema import is_count
 from training_core.workloads.causal_lm import write_text
 from training_core.workloads.protocol import (
     LossOutput,
@@ -474,11 +476,11 @@ class LabeledTextSpec:
         checks = {
             "tokenizer": raw["tokenizer"] in (BYTE, TOKENIZER_FILE),
             "tokenizer_sha256": isinstance(raw["tokenizer_sha256"], str),
-            "vocab_size": _is_count(raw["vocab_size"]) and ids is not None and ids.max_value == raw["vocab_size"] - 1,
-            "pad_id": _is_count(raw["pad_id"]) and _is_count(raw["vocab_size"]) and raw["pad_id"] < raw["vocab_size"],
-            "cls_id": raw["cls_id"] is None or _is_count(raw["cls_id"]),
-            "sep_id": raw["sep_id"] is None or _is_count(raw["sep_id"]),
-            "seq_len": _is_count(raw["seq_len"]) and manifest.input_shape == [raw["seq_len"]],
+            "vocab_size": is_count(raw["vocab_size"]) and ids is not None and ids.max_value == raw["vocab_size"] - 1,
+            "pad_id": is_count(raw["pad_id"]) and is_count(raw["vocab_size"]) and raw["pad_id"] < raw["vocab_size"],
+            "cls_id": raw["cls_id"] is None or is_count(raw["cls_id"]),
+            "sep_id": raw["sep_id"] is None or is_count(raw["sep_id"]),
+            "seq_len": is_count(raw["seq_len"]) and manifest.input_shape == [raw["seq_len"]],
         }
         for key, ok in checks.items():
             if not ok:
@@ -486,25 +488,11 @@ class LabeledTextSpec:
         return cls(**raw)
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def data_tokenizer(manifest: Manifest) -> TextTokenizer:
-    """The tokenizer the data in ``manifest.directory`` was prepared with: ``byte``, or its ``tokenizer.json``
-    copy, checked against the recorded sha256."""
+    """The tokenizer the data in ``manifest.directory`` was prepared with (:func:`~training_core.data.text.
+    prepared_tokenizer`)."""
     spec = LabeledTextSpec.from_manifest(manifest)
-    if spec.tokenizer == BYTE:
-        return tokenizer_from_description(BYTE, where="data")
-    where = f"{TOKENIZER_FILE} in {clip(redact(manifest.directory), 500)}"
-    try:
-        payload = read_regular_path(join_path(manifest.directory, TOKENIZER_FILE), max_bytes=MAX_TOKENIZER_BYTES)
-    except UnreadableFile as exc:
-        raise ValueError(f"{where} cannot be read: {exc}; {RERUN_PREP}") from None
-    digest = hashlib.sha256(payload).hexdigest()
-    if digest != spec.tokenizer_sha256:
-        raise ValueError(f"{where} is corrupt: sha256 {digest} != manifest {spec.tokenizer_sha256}; {RERUN_PREP}")
-    return tokenizer_from_description(payload.decode("utf-8"), where=where)
+    return prepared_tokenizer(manifest.directory, spec.tokenizer, spec.tokenizer_sha256)
 
 
 # ------------------------------------------------------------------------------------------------ the encoder
