@@ -46,6 +46,11 @@ def _user(exc: BaseException) -> UserExceptionWithTraceback:
         ),
         OSError(errno.ENOSPC, "No space left on device"),
         ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+        # torch's NCCL watchdog, as a plain RuntimeError out of a wrapped collective: the words torch 2.14 writes.
+        RuntimeError(
+            "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=57, OpType=ALLREDUCE, "
+            "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600042 milliseconds before timing out."
+        ),
     ],
     ids=[
         "peer-crash",
@@ -55,6 +60,7 @@ def _user(exc: BaseException) -> UserExceptionWithTraceback:
         "storage-after-retries",
         "disk-full",
         "network-reset",
+        "nccl-watchdog-timeout",
     ],
 )
 def test_infrastructure_failures_are_retried(exc):

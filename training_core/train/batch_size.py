@@ -26,6 +26,7 @@ from torch import nn
 
 from training_core.config import AUTO
 from training_core.data import ShardStream
+from training_core.parallel.sharding import local_tensor
 from training_core.train.step import Saved, no_gradient_sync
 
 if TYPE_CHECKING:
@@ -104,38 +105,30 @@ def measure(
     fused: bool = False,
 ) -> tuple[int, int]:
     """``(fixed_bytes, bytes_per_sample)`` of a training step of ``model``, from ``batches``: micro-batches of 1 and 2
-    samples. ``no_sync(model)`` is the context that keeps a backward pass from syncing gradients. The fixed part
-    counts the optimizer's state and its step's temporaries (none with ``fused``, the fused kernel on a GPU), and
-    with ``checkpoint_staging`` (asynchronous saves on
-    CPU) the host copy of the weights and optimizer state a save keeps."""
+    samples, as the module docstring says. ``no_sync(model)`` is the context that keeps a backward pass from syncing
+    gradients; ``fused``: the optimizer step (a GPU's fused kernel) allocates no temporaries; ``checkpoint_staging``:
+    asynchronous saves on CPU keep a host copy of the weights and optimizer state."""
     buffers = Saved(list(model.buffers()))
-    rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if device.type == "cuda" else None
     state_copies = OPTIMIZER_STATE_COPIES.get(optimizer_name, 2) if optimizer_name != "sgd" or momentum else 0
-    weights = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
+    weights = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in model.parameters())
     try:
-        if device.type == "cuda":
-            # The peak holds the weights, the gradients and the activations; the optimizer's state comes at its
-            # first step.
-            peaks = [_cuda_peak_bytes(model, loss_fn, batch, device=device, no_sync=no_sync) for batch in batches]
-            per_sample = max(0, peaks[1] - peaks[0])
-            step_copies = 0 if fused else OPTIMIZER_STEP_COPIES
-            return peaks[0] - per_sample + (state_copies + step_copies) * weights, per_sample
-        saved = [_saved_tensor_bytes(model, loss_fn, batch) for batch in batches]
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if device.type == "cuda" else []):
+            if device.type == "cuda":
+                # The peak holds the weights, the gradients and the activations; the optimizer's state comes at its
+                # first step.
+                peaks = [_cuda_peak_bytes(model, loss_fn, batch, device=device, no_sync=no_sync) for batch in batches]
+                per_sample = max(0, peaks[1] - peaks[0])
+                step_copies = 0 if fused else OPTIMIZER_STEP_COPIES
+                return peaks[0] - per_sample + (state_copies + step_copies) * weights, per_sample
+            saved = [_saved_tensor_bytes(model, loss_fn, batch) for batch in batches]
     finally:
         buffers.keep_if(torch.zeros((), dtype=torch.bool, device=device))
-        torch.set_rng_state(rng[0])
-        if rng[1] is not None:
-            torch.cuda.set_rng_state_all(rng[1])
     # The difference of the two probes is one sample's activations; what both saved alike is mostly the weights
     # themselves (autograd keeps a reference to them), no new memory.
     per_sample = CPU_TRANSIENT_FACTOR * max(0, saved[1] - saved[0])
     # Weights, gradients, optimizer state and its step's temporaries, and a save's copy of weights and state.
     copies = 2 + state_copies + OPTIMIZER_STEP_COPIES + (1 + state_copies if checkpoint_staging else 0)
     return int(CPU_ALLOCATOR_HEADROOM * copies * weights), int(CPU_ALLOCATOR_HEADROOM * per_sample)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _saved_tensor_bytes(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], batch: Any) -> int:

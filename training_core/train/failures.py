@@ -46,7 +46,11 @@ _INFRASTRUCTURE_CLASSES = {
     "ConnectionError",
     "TimeoutError",
 }
-# What a peer sees when another rank dies mid-collective (gloo/NCCL report it as a plain RuntimeError).
+# What a rank sees when a peer stopped answering inside a collective (gloo, NCCL's watchdog), and Ray Train's own.
+_COLLECTIVE_TIMEOUT_CLASSES = {"CollectiveTimeoutError", "NCCLHangError"}
+_COLLECTIVE_TIMEOUT_MARKERS = ("Timed out waiting", "Socket Timeout", "Watchdog caught collective operation timeout")
+# What a peer sees when another rank dies mid-collective (gloo/NCCL report it as a plain RuntimeError), or a
+# collective that timed out (NCCL's watchdog's own words among them).
 _COLLECTIVE_FAILURE_MARKERS = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -54,13 +58,9 @@ _COLLECTIVE_FAILURE_MARKERS = (
     "NCCL communicator was aborted",
     "ncclSystemError",
     "ncclRemoteError",
-    "Timed out waiting",
-    "Socket Timeout",
     "NCCL watchdog",
+    *_COLLECTIVE_TIMEOUT_MARKERS,
 )
-# What a rank sees when a peer stopped answering inside a collective (gloo, NCCL's watchdog), and Ray Train's own.
-_COLLECTIVE_TIMEOUT_CLASSES = {"CollectiveTimeoutError", "NCCLHangError"}
-_COLLECTIVE_TIMEOUT_MARKERS = ("Timed out waiting", "Socket Timeout", "Watchdog caught collective operation timeout")
 # Errors a restart would meet again at the same point: raised once, on any rank, they end the run.
 _DETERMINISTIC_CLASSES = {"UserCodeError", "TrainingDiverged"}
 # Raised out of user code but not its own error: out of memory (``loop.oom_policy`` handles CUDA's) and the
@@ -121,13 +121,10 @@ def classify(exc: BaseException) -> FailureClass:
     """Decide whether ``exc`` (as raised by ``fit``, or anything it wraps) is worth a retry."""
     names = _names(exc)
     if "WorkerGroupError" in names and getattr(exc, "worker_failures", None):
-        verdicts = {rank: classify(failure) for rank, failure in sorted(exc.worker_failures.items())}
+        verdicts = [(rank, classify(failure)) for rank, failure in sorted(exc.worker_failures.items())]
         # A user error on any rank is the root cause; its peers' broken collectives are consequences.
-        for rank, verdict in verdicts.items():
-            if not verdict.retryable:
-                return FailureClass(USER, f"rank {rank}: {verdict.reason}")
-        rank, verdict = next(iter(verdicts.items()))
-        return FailureClass(INFRASTRUCTURE, f"rank {rank}: {verdict.reason}")
+        rank, verdict = next(((r, v) for r, v in verdicts if not v.retryable), verdicts[0])
+        return FailureClass(verdict.kind, f"rank {rank}: {verdict.reason}")
     if "UserExceptionWithTraceback" in names and getattr(exc, "_base_exc", None) is not None:
         return classify(exc._base_exc)
     if "ControllerError" in names and getattr(exc, "controller_failure", None) is not None:
@@ -168,9 +165,7 @@ def blames_user_code(exc: BaseException) -> bool:
     to be raised as a :class:`UserCodeError` naming it: not an infrastructure failure met inside it (a collective
     whose peer is gone, storage out of reach: see :func:`classify`), not running out of memory, and not one of the
     platform's own signals (a :class:`UserCodeError` already named, a divergence, a preemption)."""
-    if _names(exc) & _NOT_USER_CODE_CLASSES:
-        return False
-    return not classify(exc).retryable
+    return not (_names(exc) & _NOT_USER_CODE_CLASSES) and not classify(exc).retryable
 
 
 @dataclass(frozen=True)

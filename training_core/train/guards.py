@@ -43,34 +43,30 @@ class OomRetry:
         optimizer: torch.optim.Optimizer,
         global_step: int,
     ) -> StepResult:
-        """``step`` over ``batches``, each split into :attr:`split` micro-batches, retried after each out-of-memory
-        error the policy allows."""
+        """``step`` over ``batches``, each split into :attr:`split` micro-batches. After an out-of-memory error: halve
+        the micro-batch and retry, or re-raise when the policy is ``fail`` or the micro-batch cannot be halved into
+        equal parts."""
         while True:
             try:
                 return step([piece for batch in batches for piece in split_batch(batch, self.split)])
             except torch.cuda.OutOfMemoryError:
                 self.telemetry.gpu_oom()
-                self.reduce(len(batches), optimizer=optimizer, global_step=global_step)
-
-    def reduce(self, num_batches: int, *, optimizer: torch.optim.Optimizer, global_step: int) -> None:
-        """After a step ran out of memory (called while its error is handled): halve the micro-batch, or re-raise
-        when the policy is ``fail`` or the micro-batch cannot be halved into equal parts."""
-        micro = self.loop.batch_size // self.split
-        if self.loop.oom_policy != "reduce" or micro % 2:
-            raise  # the out-of-memory error the caller is handling
-        optimizer.zero_grad(set_to_none=True)  # what the failed step accumulated
-        torch.cuda.empty_cache()
-        self.split *= 2
-        self.telemetry.oom_retried()
-        log.warning(
-            "rank %d: CUDA out of memory at step %d with micro-batch %d; retrying it with micro-batch %d and %d "
-            "accumulation steps (loop.oom_policy=reduce), the global batch unchanged",
-            self.rank,
-            global_step + 1,
-            micro,
-            micro // 2,
-            num_batches * self.split,
-        )
+                micro = self.loop.batch_size // self.split
+                if self.loop.oom_policy != "reduce" or micro % 2:
+                    raise
+                optimizer.zero_grad(set_to_none=True)  # what the failed step accumulated
+                torch.cuda.empty_cache()
+                self.split *= 2
+                self.telemetry.oom_retried()
+                log.warning(
+                    "rank %d: CUDA out of memory at step %d with micro-batch %d; retrying it with micro-batch %d and "
+                    "%d accumulation steps (loop.oom_policy=reduce), the global batch unchanged",
+                    self.rank,
+                    global_step + 1,
+                    micro,
+                    micro // 2,
+                    len(batches) * self.split,
+                )
 
 
 class DivergenceGuard:
@@ -186,8 +182,7 @@ class PreemptionWatch:
         told = preemption.requested_unix()
         checkpointer.wait()  # each rank its own writes: rank 0's, and every rank's shards under FSDP
         all_reduce_sum([0.0], self.device)
-        took_s = time.time() - told if told is not None else 0.0
-        if told is not None and took_s > self.grace_s:
+        if told is not None and (took_s := time.time() - told) > self.grace_s:
             log.warning(
                 "the preemption checkpoint of step %d was on storage %.1f s after SIGTERM, past "
                 "checkpoint.preemption_grace_s=%d: lower loop.log_interval_steps so it comes sooner",

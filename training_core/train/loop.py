@@ -2,11 +2,7 @@
 
 :func:`run_worker` reads top to bottom: set up (:meth:`Trainer.setup`), resume (:meth:`Trainer.resume`),
 train epoch by epoch (:meth:`Trainer.train`), finish. The :class:`Trainer` keeps the loop and hands every other job
-to a part of :mod:`training_core.train`: the step itself (``train_step``), the sums behind each record
-(:class:`~training_core.train.meter.StepMeter`), the run's position and history
-(:class:`~training_core.train.run_state.RunState`, what a checkpoint's meta holds), local SGD, out-of-memory
-retries, non-finite steps, preemption and the network checks. Batch planning is
-:class:`~training_core.train.batch_size.BatchPlanner`; the save policy is
+to a part of :mod:`training_core.train`; the save policy is
 :meth:`Checkpointer.should_save <training_core.checkpoint.Checkpointer.should_save>`.
 """
 
@@ -14,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
 import time
 from typing import Any, Sequence
@@ -275,9 +272,8 @@ class Trainer:
         return done
 
     def optimizer_step(self, batches: Sequence[Any]) -> tuple[StepResult, float]:
-        """:func:`train_step` over ``batches`` (each split as :class:`~training_core.train.guards.OomRetry` says,
-        which retries a CUDA out-of-memory step under ``loop.oom_policy='reduce'``), the schedule's step, local SGD's
-        averaging, and the LR the step used."""
+        """:func:`train_step` over ``batches`` (as :class:`~training_core.train.guards.OomRetry` splits and retries
+        it), the schedule's step and local SGD's averaging; returns the step's result and the LR it used."""
         result = self.oom.run(self.train_step, batches, optimizer=self.optimizer, global_step=self.state.global_step)
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
@@ -327,46 +323,41 @@ class Trainer:
 
     def save_checkpoint(self, *, metric: float | None = None, model_uri: str = "", preempted: bool = False) -> None:
         """Every rank calls this at the same steps (the weight check and the RNG gather are collectives); rank 0
-        writes."""
+        writes, with the checkpoint's ``meta.json`` (what it records of this run now)."""
         step = self.state.global_step
         self.guard.require_finite_weights(self.model, f"the checkpoint of step {step}", global_step=step)
         json_rng, torch_rng = gather_rng_states(self.world_size)
         self.report.sync_goodput(self.state)
         replicas = self.local_sgd.gather_replicas(self.model, self.optimizer, step)
         started = time.perf_counter()
+        meta = None
+        if self.rank == 0:
+            meta = self.state.checkpoint_meta(
+                self.cfg,
+                self.manifest,
+                data_left=self.epoch_data.left(self.state.step_in_epoch),
+                preempted=preempted,
+                epoch_partial=self.meter.epoch_sums(),
+                telemetry=self.report.telemetry_snapshot(),
+                mlflow_run_id=self.args.mlflow.run_id if self.args.mlflow else "",
+                mlflow_model_uri=model_uri,
+                metric=metric,
+                rng=json_rng,
+                num_parameters=self.num_parameters,
+                frozen_base_sha256=self.frozen_base_sha256,
+            )
         self.writes.write(
             step,
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             scaler=self.scaler,
-            meta=self.checkpoint_meta(metric=metric, model_uri=model_uri, preempted=preempted, json_rng=json_rng),
+            meta=meta,
             metric=metric,
             torch_rng=torch_rng,
             replicas=replicas,
         )
         self.report.checkpoint_stall(time.perf_counter() - started, global_step=step)
-
-    def checkpoint_meta(
-        self, *, metric: float | None, model_uri: str, preempted: bool, json_rng: dict[str, Any]
-    ) -> ckpt.CheckpointMeta | None:
-        """What a checkpoint's ``meta.json`` records of this run now: rank 0's (None on the other ranks)."""
-        if self.rank != 0:
-            return None
-        return self.state.checkpoint_meta(
-            self.cfg,
-            self.manifest,
-            data_left=self.epoch_data.left(self.state.step_in_epoch),
-            epoch_partial=self.meter.epoch_sums(),
-            telemetry=self.report.telemetry_snapshot(),
-            mlflow_run_id=self.args.mlflow.run_id if self.args.mlflow else "",
-            model_uri=model_uri,
-            metric=metric,
-            preempted=preempted,
-            json_rng=json_rng,
-            num_parameters=self.num_parameters,
-            frozen_base_sha256=self.frozen_base_sha256,
-        )
 
 
 def run_worker(args: WorkerArgs, runtime: WorkerRuntime) -> None:
@@ -387,15 +378,6 @@ def run_worker(args: WorkerArgs, runtime: WorkerRuntime) -> None:
             trainer.accounting.end(failed=not finished)
         trainer.telemetry.close(finished=finished)
         preemption.disarm()
-
-
-def add_code_paths(paths: Sequence[str]) -> None:
-    """Make the user code the driver imported importable here (see ``WorkerArgs.code_paths``)."""
-    import sys
-
-    for path in paths:
-        if path not in sys.path:
-            sys.path.append(path)
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -428,7 +410,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         nccl_debug_dir = tempfile.mkdtemp(prefix="nccl-")
         os.environ.update(nccl_network.debug_env(nccl_debug_dir))
     runtime = RayTrainRuntime(nccl_debug_dir=nccl_debug_dir)
-    add_code_paths(args.code_paths)
+    for path in args.code_paths:  # the user code the driver imported (``WorkerArgs.code_paths``)
+        if path not in sys.path:
+            sys.path.append(path)
     try:
         run_worker(args, runtime)
     except TrainingDiverged as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import KW_ONLY, asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from training_core.parallel import nccl_network
@@ -19,29 +20,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("training_core")
 
 
+@dataclass
 class NetworkChecks:
     """What the job-start all-reduce measured (None on one rank) and the network NCCL chose on this rank (None off
     GPUs, or with NCCL's log off)."""
 
-    def __init__(
-        self,
-        probe: AllReduceProbe | None,
-        nccl: nccl_network.NcclNetwork | None,
-        *,
-        rank: int,
-        world_size: int,
-        min_allreduce_gbps: float,
-    ) -> None:
-        self.probe, self.nccl = probe, nccl
-        self.rank, self.world_size, self.min_allreduce_gbps = rank, world_size, min_allreduce_gbps
+    probe: AllReduceProbe | None
+    nccl: nccl_network.NcclNetwork | None
+    _: KW_ONLY
+    rank: int
+    world_size: int
+    min_allreduce_gbps: float
 
     @classmethod
     def run(cls, runtime: WorkerRuntime, *, min_allreduce_gbps: float) -> NetworkChecks:
         """Measure the all-reduce (a collective), then read NCCL's choice (its communicator is up after it)."""
-        rank, world_size = runtime.rank, runtime.world_size
-        probe = probe_allreduce(runtime.device, world_size)
-        nccl = read_nccl_network(runtime, device=runtime.device, rank=rank)
-        return cls(probe, nccl, rank=rank, world_size=world_size, min_allreduce_gbps=min_allreduce_gbps)
+        probe = probe_allreduce(runtime.device, runtime.world_size)
+        nccl = read_nccl_network(runtime, device=runtime.device, rank=runtime.rank)
+        return cls(probe, nccl, rank=runtime.rank, world_size=runtime.world_size, min_allreduce_gbps=min_allreduce_gbps)
 
     def tell(self, telemetry: Any) -> None:
         """The all-reduce check's figures to this rank's telemetry (nothing on one rank)."""
@@ -53,21 +49,13 @@ class NetworkChecks:
     def report(self, sink: MetricSink, *, global_step: int) -> None:
         """Rank 0: the all-reduce check to MLflow (at the step training starts from), and a warning when its bus
         bandwidth is below ``scaling.min_allreduce_gbps``."""
-        probe, floor_gbps = self.probe, self.min_allreduce_gbps
+        probe = self.probe
         if probe is None or self.rank != 0:
             return
         gbps = probe.bus_bandwidth_bytes_per_s * 8 / 1e9
         if self.nccl is not None:
-            found = self.nccl
-            sink.log_dict(
-                {
-                    "network": found.network,
-                    "devices": found.devices,
-                    "inter_node": found.inter_node,
-                    "mismatch": nccl_network.mismatch(found, os.environ) or "",
-                },
-                f"nccl_network/step-{global_step}.json",
-            )
+            mismatch = nccl_network.mismatch(self.nccl, os.environ) or ""
+            sink.log_dict(asdict(self.nccl) | {"mismatch": mismatch}, f"nccl_network/step-{global_step}.json")
         sink.log_metrics(
             {"allreduce_bus_bandwidth_gbps": gbps, "allreduce_latency_s": probe.latency_s}, step=global_step
         )
@@ -78,13 +66,13 @@ class NetworkChecks:
             probe.size_bytes // 2**20,
             probe.latency_s * 1e3,
         )
-        if gbps < floor_gbps:
+        if gbps < self.min_allreduce_gbps:
             log.warning(
                 "all-reduce bus bandwidth %.2f Gbit/s is below scaling.min_allreduce_gbps=%g: check the network "
                 "interface the collectives use (NCCL_SOCKET_IFNAME, NCCL_DEBUG=INFO shows whether NCCL fell back to "
                 "TCP sockets)",
                 gbps,
-                floor_gbps,
+                self.min_allreduce_gbps,
             )
 
 

@@ -20,11 +20,8 @@ def build_optimizer(cfg: OptimizerConfig, params) -> torch.optim.Optimizer:
         return torch.optim.SGD(
             params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay, **fused
         )
-    if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
-    raise ValueError(f"optimizer.name={cfg.name!r} is invalid: choose one of sgd, adam, adamw")
+    adam = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[cfg.name]  # the config checked the name
+    return adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
 
 
 def param_groups(cfg: OptimizerConfig, model: torch.nn.Module) -> list[dict[str, Any]]:
@@ -86,11 +83,8 @@ def apply_hyperparameters(cfg: TrainingConfig, optimizer: torch.optim.Optimizer,
     lrs = group_lrs(cfg.optimizer)
     if len(lrs) != len(optimizer.param_groups):  # an optimizer built over bare parameters: one group at lr
         lrs = [cfg.optimizer.lr] * len(optimizer.param_groups)
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["initial_lr"] = lr
-        group["weight_decay"] = cfg.optimizer.weight_decay
-        if "momentum" in group:
-            group["momentum"] = cfg.optimizer.momentum
     scheduler.base_lrs = list(lrs)
     for group, lr, factor in zip(optimizer.param_groups, lrs, scheduler.lr_lambdas):
-        group["lr"] = lr * factor(scheduler.last_epoch)
+        group.update(initial_lr=lr, lr=lr * factor(scheduler.last_epoch), weight_decay=cfg.optimizer.weight_decay)
+        if "momentum" in group:
+            group["momentum"] = cfg.optimizer.momentum

@@ -1,7 +1,6 @@
 """A worker told to stop (SIGTERM: a Kubernetes eviction, a spot reclaim, a drained node; or Ray Train's notice that
 a node of its group is being preempted, :meth:`~training_core.parallel.distributed.RayTrainRuntime.preemption_notice`)
-writes
-a just-in-time checkpoint at its current step instead of losing the steps since the last interval checkpoint.
+writes a just-in-time checkpoint at its current step instead of losing the steps since the last interval checkpoint.
 
 Python runs signal handlers on a process's main thread only, and a Ray Train worker runs the training loop in
 another thread: the handler is installed on the worker actor's main thread (:func:`arm`), where it only records
@@ -26,7 +25,6 @@ _requested_unix: float | None = None
 _previous_handler: Any = None
 """The SIGTERM handler :func:`arm` replaced on the calling (main) thread, for :func:`disarm`."""
 
-
 _reason = ""
 """What told this process to stop: SIGTERM, or Ray Train's preemption notice."""
 
@@ -38,13 +36,9 @@ def record(reason: str) -> None:
         _requested_unix, _reason = time.time(), reason
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    record("SIGTERM")
-
-
 def install_handler() -> None:
     """Record SIGTERM instead of exiting at once. Main thread of the process only (Python's rule)."""
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, lambda signum, frame: record("SIGTERM"))
 
 
 def arm(run_on_main_thread: Callable[..., Any] | None) -> bool:

@@ -41,12 +41,12 @@ def gather_rng_states(world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def restore_rng(rank: int, json_states: dict[str, Any], torch_states: dict[str, Any]) -> None:
     """Restore this rank's RNG streams; a rank the checkpoint does not know (the job grew) keeps its seed."""
-    if str(rank) in json_states:
-        python_state, numpy_state = json_states[str(rank)]["python"], json_states[str(rank)]["numpy"]
-        random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
-        name, keys, pos, has_gauss, cached = numpy_state
+    if (json_state := json_states.get(str(rank))) is not None:
+        version, internal, gauss = json_state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        name, keys, pos, has_gauss, cached = json_state["numpy"]
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if str(rank) in torch_states:
-        torch.set_rng_state(torch_states[str(rank)]["cpu"])
-        if "cuda" in torch_states[str(rank)] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(torch_states[str(rank)]["cuda"])
+    if (torch_state := torch_states.get(str(rank))) is not None:
+        torch.set_rng_state(torch_state["cpu"])
+        if "cuda" in torch_state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(torch_state["cuda"])

@@ -92,13 +92,10 @@ class RunState:
             self.global_step,
         )
 
-    def resume_telemetry(
-        self, telemetry: Any, loaded: ckpt.LoadedCheckpoint, *, runtime: Any, accounting: Any = None
-    ) -> None:
+    def resume_telemetry(self, telemetry: Any, loaded: ckpt.LoadedCheckpoint, *, runtime: Any, accounting: Any) -> None:
         """``telemetry`` continues the clock, cost and restart count of the run ``loaded`` was saved by, and
         ``accounting`` (a :class:`~training_core.train.accounting.RunAccounting`) its goodput."""
-        if accounting is not None:
-            accounting.resumed(loaded.meta)
+        accounting.resumed(loaded.meta)
         telemetry.resumed(
             loaded.meta.telemetry,
             global_step=self.global_step,
@@ -114,18 +111,11 @@ class RunState:
         manifest: Manifest,
         *,
         data_left: list[tuple[int, int]],
-        epoch_partial: dict[str, float],
-        telemetry: dict[str, Any],
-        mlflow_run_id: str,
-        model_uri: str,
-        metric: float | None,
         preempted: bool,
-        json_rng: dict[str, Any],
-        num_parameters: int,
-        frozen_base_sha256: str = "",
+        **recorded: Any,
     ) -> ckpt.CheckpointMeta:
-        """What a checkpoint's ``meta.json`` records of this run now, ``data_left`` of its epoch's order untrained
-        (``frozen_base_sha256``: the frozen base a checkpoint of the trainable parameters needs, "" for none)."""
+        """What a checkpoint's ``meta.json`` records of this run now, ``data_left`` of its epoch's order untrained;
+        ``recorded``: the fields of :class:`~training_core.checkpoint.CheckpointMeta` the run's other parts hold."""
         return ckpt.CheckpointMeta(
             model_name=cfg.model.name,
             classes=manifest.classes,
@@ -137,24 +127,17 @@ class RunState:
             global_step=self.global_step,
             config=redact(cfg.to_dict()),  # a record only: the run's real config stays in memory
             best_metric=self.best_metric,
-            metric=metric,
             history=list(self.history),
             step_log=list(self.step_log.records),
-            rng=json_rng,
             resumed_from_steps=list(self.resumed_from_steps),
             resume_timings=[dict(t) for t in self.resume_timings],
-            epoch_partial=epoch_partial,
-            mlflow_run_id=mlflow_run_id,
-            mlflow_model_uri=model_uri,
             elapsed_s=self.elapsed_s,
-            telemetry=telemetry,
             data=manifest.description(),
             data_remaining=[list(pair) for pair in data_left],
             data_exhausted=self.step_in_epoch > 0 and not data_left,
             preempted=preempted,
-            num_parameters=num_parameters,
-            frozen_base_sha256=frozen_base_sha256,
             saved_unix=time.time(),
+            **recorded,
         )
 
 
@@ -162,20 +145,14 @@ def choose_checkpoint(
     storage: Any, *, resume_from: str, model: nn.Module, rank: int, world_size: int, device: torch.device
 ) -> tuple[ckpt.LoadedCheckpoint | None, bool]:
     """The newest valid checkpoint of this run under ``storage`` (a worker restart or a task retry), else the
-    ``resume_from`` checkpoint (a fine-tune, the next slice of a trial), else None; and whether it is this run's."""
+    ``resume_from`` checkpoint (a fine-tune, the next slice of a trial), else None; and whether it is this run's.
+
+    Every rank chooses on its own, then all check they chose the same step (a collective): else a shard read while
+    another rank wrote it, or a flaky read, would resume ranks from different states."""
     loaded = ckpt.load_latest_valid(storage, expected_shapes=ckpt.model_state_shapes(model))
     same_run = loaded is not None
     if loaded is None and resume_from:
         loaded = ckpt.load_directory(resume_from)
-    require_same_checkpoint(loaded, storage=storage, rank=rank, world_size=world_size, device=device)
-    return loaded, same_run
-
-
-def require_same_checkpoint(
-    loaded: ckpt.LoadedCheckpoint | None, *, storage: Any, rank: int, world_size: int, device: torch.device
-) -> None:
-    """Every rank chose its checkpoint on its own: all must have chosen the same step (a collective), or a
-    shard read while another rank wrote it, or a flaky read, would resume ranks from different states."""
     step = float(loaded.meta.global_step) if loaded is not None else -1.0
     total, squares = all_reduce_sum([step, step * step], device)
     if squares * world_size != total * total:  # the steps' variance over the ranks is not 0
@@ -185,6 +162,7 @@ def require_same_checkpoint(
             f"rank {rank} chose the checkpoint of step {int(step)} (-1: none) but another rank chose another "
             f"one under {storage.display_uri()}: storage changed while the ranks read it; a restart reads it again"
         )
+    return loaded, same_run
 
 
 def attempt_start_unix(runtime: Any, meta: ckpt.CheckpointMeta) -> float | None:

@@ -117,11 +117,7 @@ def _accumulate(
     for index, batch in enumerate(micro_batches):
         is_last = index == num_micro - 1
         with contextlib.nullcontext() if is_last and sync_gradients else no_gradient_sync(model):
-            with torch.autocast(
-                device_type=device.type,
-                dtype=autocast_dtype or torch.float32,
-                enabled=autocast_dtype is not None,
-            ):
+            with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
                 output = loss_fn(model, batch)
             scaler.scale(output.loss / num_micro).backward()
         loss_sum += output.loss.detach().float()
