@@ -62,17 +62,13 @@ def evaluate(
             totals[name] = totals[name] + value if name in totals else value
     bare.train(was_training)
     names = sorted(totals)
+    reduced: dict[str, np.ndarray] = {}
     if names:
         flat = torch.cat([totals[n].reshape(-1) for n in names])
         if all_reduce and torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(flat)
-        flat_values, offset, reduced = flat.cpu().numpy(), 0, {}
-        for name in names:
-            size = totals[name].numel()
-            reduced[name] = flat_values[offset : offset + size].reshape(totals[name].shape)
-            offset += size
-    else:
-        reduced = {}
+        parts = flat.cpu().split([totals[n].numel() for n in names])
+        reduced = {n: part.numpy().reshape(totals[n].shape) for n, part in zip(names, parts)}
     # A rank with no batches has no sums to add; every rank must still join the all-reduce with the same shapes.
     # The loop's shard assignment gives every rank a shard of each split, so no rank is ever empty.
     return EvalResult(sums=reduced, metrics=workload.metrics(reduced))

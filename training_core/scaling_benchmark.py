@@ -29,19 +29,12 @@ if TYPE_CHECKING:
 LAUNCHERS = ("ray", "torch")
 DEFAULT_WORKER_COUNTS = (1, 2)
 
+LAUNCHER_FIGURES = ("samples_per_s", "efficiency", "step_time_p50_s", "step_time_p95_s", "allreduce_fraction")
+"""The table's columns of each launcher, named ``<launcher>_<figure>`` (``ray_efficiency``)."""
 TABLE_COLUMNS = (
     "model",
     "num_workers",
-    "ray_samples_per_s",
-    "ray_efficiency",
-    "ray_step_time_p50_s",
-    "ray_step_time_p95_s",
-    "ray_allreduce_fraction",
-    "torch_samples_per_s",
-    "torch_efficiency",
-    "torch_step_time_p50_s",
-    "torch_step_time_p95_s",
-    "torch_allreduce_fraction",
+    *(f"{launcher}_{figure}" for launcher in LAUNCHERS for figure in LAUNCHER_FIGURES),
     "parity",
 )
 
@@ -174,11 +167,8 @@ def efficiency_table(points: Sequence[ScalingPoint]) -> "pd.DataFrame":
         base = min(count for m, count in cells if m == model)
         for launcher in LAUNCHERS:
             p, b = by_key[(model, n, launcher)], by_key[(model, base, launcher)]
-            row[f"{launcher}_samples_per_s"] = p.samples_per_s
-            row[f"{launcher}_efficiency"] = (p.samples_per_s / n) / (b.samples_per_s / base)
-            row[f"{launcher}_step_time_p50_s"] = p.step_time_p50_s
-            row[f"{launcher}_step_time_p95_s"] = p.step_time_p95_s
-            row[f"{launcher}_allreduce_fraction"] = p.allreduce_fraction
+            figures = dataclasses.asdict(p) | {"efficiency": (p.samples_per_s / n) / (b.samples_per_s / base)}
+            row.update({f"{launcher}_{figure}": figures[figure] for figure in LAUNCHER_FIGURES})
         row["parity"] = by_key[(model, n, "ray")].samples_per_s / by_key[(model, n, "torch")].samples_per_s
         rows.append(row)
     return pd.DataFrame(rows, columns=list(TABLE_COLUMNS))

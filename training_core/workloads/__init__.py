@@ -16,59 +16,23 @@ workload once on a batch there. Inside the workers, what user code raises is a
 
 This package's names live in :mod:`~training_core.workloads.protocol` (the protocol and what it returns),
 :mod:`~training_core.workloads.user_code` (calling user code) and :mod:`~training_core.workloads.resolve` (choosing
-and checking the workload); they are re-exported here, the path users import them from.
+and checking the workload); those that users and the platform import are re-exported here, the path to import them
+from.
 """
 
-from training_core.workloads.protocol import LossOutput, Workload, check_workload, mean_of, to_device_async
-from training_core.workloads.resolve import (
-    PREFLIGHT_BATCH_SAMPLES,
-    check_params,
-    code_paths,
-    preflight,
-    prep_uses_ray,
-    resolve_workload,
-    run_on_a_batch,
-)
-from training_core.workloads.user_code import (
-    EXIT_FIX,
-    UserWorkload,
-    call_user,
-    call_with_params,
-    factory_params,
-    load_attribute,
-    load_optional,
-    param_value,
-    raised,
-    signature_accepts,
-    takes_params,
-    typed_params,
-    user_type_hints,
-)
+from training_core.workloads.protocol import LossOutput, Workload, mean_of, to_device_async
+from training_core.workloads.resolve import check_params, code_paths, preflight, prep_uses_ray, resolve_workload
+from training_core.workloads.user_code import UserWorkload
 
 __all__ = [
-    "EXIT_FIX",
-    "PREFLIGHT_BATCH_SAMPLES",
     "LossOutput",
     "UserWorkload",
     "Workload",
-    "call_user",
-    "call_with_params",
     "check_params",
-    "check_workload",
     "code_paths",
-    "factory_params",
-    "load_attribute",
-    "load_optional",
     "mean_of",
-    "param_value",
     "preflight",
     "prep_uses_ray",
-    "raised",
     "resolve_workload",
-    "run_on_a_batch",
-    "signature_accepts",
-    "takes_params",
     "to_device_async",
-    "typed_params",
-    "user_type_hints",
 ]

@@ -39,16 +39,15 @@ class ImageClassification:
     def prepare_data(self, data: DataConfig, out_dir: str) -> Manifest:
         from training_core.data.sources import RawDataset, load_raw, resize_images
 
-        cfg = data
-        if self.dataset_source is None and DATASET_SOURCES[cfg.dataset].list_images:
-            return self.prepare_encoded(cfg, out_dir)
+        if self.dataset_source is None and DATASET_SOURCES[data.dataset].list_images:
+            return self.prepare_encoded(data, out_dir)
         if self.dataset_source is None:
-            raw, source = load_raw(cfg), f"data.dataset={cfg.dataset!r}"
+            raw, source = load_raw(data), f"data.dataset={data.dataset!r}"
         else:
             source = f"workload.dataset_source={quote(self.dataset_source_path)}"
             params = factory_params(self.selected, self.dataset_source)
             raw = call_with_params(
-                "workload.dataset_source", self.dataset_source_path, self.dataset_source, params, cfg
+                "workload.dataset_source", self.dataset_source_path, self.dataset_source, params, data
             )
             if not isinstance(raw, RawDataset):
                 raise ValueError(
@@ -57,29 +56,26 @@ class ImageClassification:
                     "PyTorch Dataset or a Hugging Face datasets.Dataset, set workload.name to array_classification "
                     "(or array_regression)"
                 )
-            if cfg.image_size:
-                raw.splits = {name: (resize_images(x, cfg.image_size), y) for name, (x, y) in raw.splits.items()}
+            if data.image_size:
+                raw.splits = {name: (resize_images(x, data.image_size), y) for name, (x, y) in raw.splits.items()}
             raw.check(source)
         splits = split_samples(
-            {name: {"images": x, "labels": y} for name, (x, y) in raw.splits.items()}, cfg, source=source
+            {name: {"images": x, "labels": y} for name, (x, y) in raw.splits.items()}, data, source=source
         )
         train = splits["train"]["images"]
         scaled = train.astype(np.float64) / 255.0
         input_shape = list(train.shape[1:])
         template = Manifest(
-            dataset=cfg.dataset if self.dataset_source is None else self.dataset_source_path,
+            dataset=data.dataset if self.dataset_source is None else self.dataset_source_path,
             classes=raw.classes,
             input_shape=input_shape,
             mean=scaled.mean(axis=(0, 2, 3)).tolist(),
             std=np.maximum(scaled.std(axis=(0, 2, 3)), 1e-6).tolist(),
             splits={},
             workload=self.name,
-            arrays={
-                "images": ArraySpec("uint8", input_shape),
-                "labels": ArraySpec("int64", [], max_value=len(raw.classes) - 1),
-            },
+            arrays=image_arrays(input_shape, raw.classes),
         )
-        return write_prepared(out_dir, splits, template=template, num_shards=cfg.num_shards)
+        return write_prepared(out_dir, splits, template=template, num_shards=data.num_shards)
 
     def prepare_encoded(self, cfg: DataConfig, out_dir: str) -> Manifest:
         """An image folder or the CIFAR-10 tarball as Parquet shards of encoded images (Ray tasks)."""
@@ -110,10 +106,7 @@ class ImageClassification:
             std=prep.std,
             splits=splits,
             workload=self.name,
-            arrays={
-                "images": ArraySpec("uint8", [3, size, size]),
-                "labels": ArraySpec("int64", [], max_value=len(prep.classes) - 1),
-            },
+            arrays=image_arrays([3, size, size], prep.classes),
             spec={
                 "statistics": f"exact, over every training image at {size}x{size}",
                 "left_out": asdict(prep.left_out),
@@ -212,6 +205,11 @@ class ImageClassification:
 
     def example_input(self, manifest: Manifest) -> np.ndarray:
         return np.zeros((2, *manifest.input_shape), dtype=np.float32)
+
+
+def image_arrays(input_shape: list[int], classes: list[str]) -> dict[str, ArraySpec]:
+    """The arrays an image sample is stored as: ``images`` (uint8, ``input_shape``) and its class index ``labels``."""
+    return {"images": ArraySpec("uint8", input_shape), "labels": ArraySpec("int64", [], max_value=len(classes) - 1)}
 
 
 def user_model(config: TrainingConfig, manifest: Manifest, factory: Callable[..., Any]) -> nn.Module:

@@ -85,23 +85,21 @@ class Workload(Protocol):
         ...
 
 
-_PROTOCOL_METHODS = ("prepare_data", "check", "build_model", "to_device", "loss", "eval_sums", "metrics")
-
-
-_PROTOCOL_ATTRIBUTES = ("name", "primary_metric", "primary_mode")
+_ATTRIBUTES = ("name", "primary_metric", "primary_mode")
+_METHODS = ("prepare_data", "check", "build_model", "to_device", "loss", "eval_sums", "metrics", "example_input")
 
 
 def check_workload(field: str, path: str, workload: Any) -> Workload:
     """``workload`` when it has every attribute and method of :class:`Workload`, else ``ValueError`` naming what
     is missing."""
-    missing = [a for a in _PROTOCOL_ATTRIBUTES if not hasattr(workload, a)]
-    missing += [f"{m}()" for m in (*_PROTOCOL_METHODS, "example_input") if not callable(getattr(workload, m, None))]
+    missing = [a for a in _ATTRIBUTES if not hasattr(workload, a)]
+    missing += [f"{m}()" for m in _METHODS if not callable(getattr(workload, m, None))]
     if missing:
         raise ValueError(
             f"{field}={quote(path)} is invalid: it returned a {type(workload).__name__}, which is not a workload: it "
             f"lacks {', '.join(missing)}; implement the training_core.workloads.Workload protocol"
         )
-    if getattr(workload, "primary_mode", None) not in ("max", "min"):
+    if workload.primary_mode not in ("max", "min"):
         invalid(f"{field} (its primary_mode)", workload.primary_mode, "it must be 'max' or 'min'")
     if not isinstance(workload.primary_metric, str) or not workload.primary_metric:
         invalid(f"{field} (its primary_metric)", workload.primary_metric, "it must name a metric, e.g. 'accuracy'")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import sys
 from typing import TYPE_CHECKING
 
@@ -35,8 +36,7 @@ for batch statistics, small enough for the driver pod's CPU and memory."""
 def prep_uses_ray(data: DataConfig, workload: WorkloadConfig) -> bool:
     """Whether prep of ``data`` runs on a Ray cluster: the built-in image workload on an encoded source (a Ray
     task per shard) and the built-in ``causal_lm`` and ``sequence_classification`` on their text sources (tokenised
-    in Ray tasks). A user's
-    ``workload.dataset_source``, ``digits`` and ``synthetic`` prepare in their own process."""
+    in Ray tasks). A user's ``workload.dataset_source``, ``digits`` and ``synthetic`` prepare in their own process."""
     if workload.dataset_source:
         return False
     if workload.name == "image_classification":
@@ -151,18 +151,11 @@ def run_on_a_batch(config: TrainingConfig, manifest: Manifest, workload: UserWor
 def code_paths(selected: WorkloadConfig) -> list[str]:
     """The ``sys.path`` entries the user modules ``selected`` names were imported from (after
     :func:`resolve_workload` imported them); empty for built-ins."""
-    found = []
+    roots = []
     for path in (selected.name, selected.model_factory, selected.dataset_source):
-        if not path or path in WORKLOADS:
-            continue
         module_name = path.partition(":")[0]
-        module = sys.modules.get(module_name)
-        file = getattr(module, "__file__", None)
-        if not file:
-            continue
-        root = os.path.dirname(os.path.abspath(file))
-        for _ in range(module_name.count(".") + (1 if os.path.basename(file) == "__init__.py" else 0)):
-            root = os.path.dirname(root)
-        if root not in found:
-            found.append(root)
-    return found
+        file = getattr(sys.modules.get(module_name), "__file__", None)
+        if path and path not in WORKLOADS and file:
+            depth = module_name.count(".") + (os.path.basename(file) == "__init__.py")
+            roots.append(str(pathlib.Path(os.path.abspath(file)).parents[depth]))
+    return list(dict.fromkeys(roots))

@@ -133,10 +133,9 @@ class ArrayWorkload:
         source = self.source_name(data)
         raw = as_splits(self.load_arrays(data), source)
         targets, target_spec, classes = self.target_spec(np.concatenate([s[TARGETS] for s in raw.values()]), source)
-        offset = 0
-        for arrays in raw.values():
-            count = len(arrays[TARGETS])
-            arrays[TARGETS], offset = targets[offset : offset + count], offset + count
+        ends = np.cumsum([len(arrays[TARGETS]) for arrays in raw.values()])
+        for arrays, split_targets in zip(raw.values(), np.split(targets, ends[:-1])):
+            arrays[TARGETS] = split_targets
         splits = split_samples(raw, data, source=source)
         inputs = splits["train"][INPUTS]
         template = Manifest(
@@ -379,9 +378,10 @@ def item_blocks(dataset: Any, source: str) -> Iterator[dict[str, Any]]:
         elif isinstance(item, (tuple, list)) and len(item) == 2:
             pair = item[0], item[1]
         else:
+            kind = f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
             refuse(
                 source,
-                f"a {type(dataset).__name__} whose item {index} is {clip(describe(item))}",
+                f"a {type(dataset).__name__} whose item {index} is {clip(kind)}",
                 f"its items must be (input, target) pairs or mappings with {INPUTS!r} and {TARGETS!r}",
             )
         yield {name: as_array(value, source, name, samples=False)[None] for name, value in zip((INPUTS, TARGETS), pair)}
@@ -410,20 +410,14 @@ def stacked(blocks: Iterator[Mapping[str, Any]], count: int, source: str) -> dic
                     SHAPE_FIX,
                 )
             elif array.dtype != column.dtype:
-                column = columns[name] = column.astype(common_dtype(column, array, source, name))
+                if (column.dtype.kind in "US") != (array.dtype.kind in "US"):  # numpy would make the numbers strings
+                    refuse(source, f"column {name!r} mixing {column.dtype} and {array.dtype} values", SHAPE_FIX)
+                column = columns[name] = column.astype(np.result_type(column.dtype, array.dtype))
             column[start : start + len(array)], size = array, len(array)
         start += size
     if start != count:
         refuse(source, f"{start} samples from a Dataset of length {count}", "make __len__ the number of samples")
     return columns
-
-
-def common_dtype(column: np.ndarray, block: np.ndarray, source: str, name: str) -> np.dtype:
-    """The dtype that holds both ``column``'s and ``block``'s values (strings of another length, ints then floats);
-    strings and numbers in one column are refused (numpy would turn the numbers into strings)."""
-    if (column.dtype.kind in "US") != (block.dtype.kind in "US"):
-        refuse(source, f"column {name!r} mixing {column.dtype} and {block.dtype} values", SHAPE_FIX)
-    return np.result_type(column.dtype, block.dtype)
 
 
 def as_array(values: Any, source: str, name: str, *, samples: bool = True) -> np.ndarray:
@@ -460,13 +454,6 @@ def numeric(values: Any, source: str, name: str) -> np.ndarray:
             "give numeric arrays (floats, integers or booleans): encode text or categories as numbers first",
         )
     return array if array.dtype.name in ARRAY_DTYPES else array.astype(np.int64)
-
-
-def describe(value: Any) -> str:
-    """A short description of ``value`` for a message."""
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)}"
-    return f"a {type(value).__name__}"
 
 
 def refuse(source: str, found: str, fix: str) -> NoReturn:

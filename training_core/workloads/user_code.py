@@ -189,14 +189,11 @@ def raised(exc: BaseException) -> str:
 
 
 class UserWorkload:
-    """A user's workload (``workload.name`` an import path), each call of its protocol's methods named: what its code
-    raises, and a result that breaks the protocol, become a :class:`~training_core.train.failures.UserCodeError`
-    naming the
-    field, the method and the fix (in a worker, neither Ray Train nor Flyte retries one). Infrastructure failures met
-    inside it and out-of-memory errors pass through (:func:`~training_core.train.failures.blames_user_code`), and so
-    do the
-    ``ValueError`` its ``prepare_data`` and ``check`` raise (they name the field). Anything else, ``name``,
-    ``blocks(model)``..., is the workload's own."""
+    """A user's workload (``workload.name`` an import path), each call of its protocol's methods named: the error
+    (see the module docstring) names the method and the fix. Infrastructure failures and out-of-memory errors pass
+    through (:func:`~training_core.train.failures.blames_user_code`), and so do the ``ValueError`` its
+    ``prepare_data`` and ``check`` raise (they name the field). Anything else (``name``, ``blocks(model)``...) is the
+    workload's own."""
 
     def __init__(self, workload: Workload, path: str) -> None:
         self.workload = workload
