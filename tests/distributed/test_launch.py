@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -38,7 +39,7 @@ def _config() -> TrainingConfig:
 
 def _figures(record) -> dict[str, float | str]:
     """The record's figures, NaN as a string so that it equals itself (an image model has no perplexity)."""
-    return {k: "nan" if math.isnan(v) else v for k, v in record.to_dict().items()}
+    return {k: "nan" if math.isnan(v) else v for k, v in dataclasses.asdict(record).items()}
 
 
 def _without_timings(record) -> dict[str, float | str]:

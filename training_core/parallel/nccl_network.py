@@ -19,6 +19,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DEBUG_FILE_NAME = "nccl-debug.%h.%p.log"
 """NCCL expands ``%h`` to the host name and ``%p`` to the process id: one file per worker process."""
@@ -72,11 +73,8 @@ def parse(text: str) -> NcclNetwork | None:
 def read(directory: str, pid: int | None = None) -> NcclNetwork | None:
     """Parse this process's (``pid``'s) NCCL debug file under ``directory``; None when there is none yet."""
     pid = os.getpid() if pid is None else pid
-    texts = []
-    for path in sorted(glob.glob(os.path.join(directory, f"nccl-debug.*.{pid}.log"))):
-        with open(path, errors="replace") as f:
-            texts.append(f.read())
-    return parse("".join(texts)) if texts else None
+    paths = sorted(glob.glob(os.path.join(directory, f"nccl-debug.*.{pid}.log")))
+    return parse("".join(Path(path).read_text(errors="replace") for path in paths)) if paths else None
 
 
 def _interface_matches(device: str, spec: str) -> bool:

@@ -44,10 +44,11 @@ raylet, its agents or a worker) run under Linux's ``SCHED_IDLE`` (:func:`idle_ra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -80,6 +81,18 @@ def apply_process_env(environ: MutableMapping[str, str] | None = None) -> dict[s
     for name, value in PROCESS_ENV.items():
         environ.setdefault(name, value)
     return {name: environ[name] for name in PROCESS_ENV}
+
+
+@contextlib.contextmanager
+def environment_defaults(values: Mapping[str, str]) -> Iterator[None]:
+    """Set each of ``values`` that ``os.environ`` does not set already while the block runs; remove them after."""
+    added = [name for name in values if name not in os.environ]
+    os.environ.update({name: values[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 LOCAL_DASHBOARD_ENV = "TRAINING_LOCAL_RAY_DASHBOARD"

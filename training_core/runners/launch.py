@@ -9,7 +9,6 @@ and sets up the process group; the result has the same shape (:class:`~training_
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -17,11 +16,12 @@ import random
 import socket
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Iterator, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from training_core.config import TrainingConfig
+from training_core.parallel.ray_settings import PROCESS_ENV, environment_defaults
 from training_core.records import EpochRecord, WorkerArgs
 from training_core.redact import install_log_redaction
 from training_core.runners.ray_train import FitResult, checkpoint_root, collect_final
@@ -84,9 +84,7 @@ class TorchDistributedRuntime:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self.device] if self.device.type == "cuda" else None
-        return DistributedDataParallel(
-            model, device_ids=device_ids, output_device=device_ids[0] if device_ids else None, **(ddp_kwargs or {})
-        )
+        return DistributedDataParallel(model, device_ids=device_ids, **(ddp_kwargs or {}))  # output on device_ids[0]
 
     @property
     def started_unix(self) -> float:
@@ -109,9 +107,8 @@ class TorchDistributedRuntime:
 
 @dataclass
 class _Spec:
-    """What every spawned process needs besides its index (picklable)."""
+    """:meth:`TorchDistributedRuntime.connect`'s arguments that every spawned process shares (picklable)."""
 
-    args: WorkerArgs
     world_size: int
     backend: str
     init_method: str
@@ -120,27 +117,18 @@ class _Spec:
     records_path: str
 
 
-def _worker_main(local_rank: int, spec: _Spec) -> None:
+def _worker_main(local_rank: int, args: WorkerArgs, spec: _Spec) -> None:
     """Entry point of each spawned process: one machine, so the global rank is the local rank."""
     from training_core.train.loop import run_worker
 
     # The same variables torchrun and Ray Train set, for code that reads them.
     os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec.world_size)})
-    os.environ.update(spec.args.config.scaling.nccl_env)  # before the process group starts
+    os.environ.update(args.config.scaling.nccl_env)  # before the process group starts
     logging.basicConfig(level=logging.INFO, format=f"[rank {local_rank}] %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
-    runtime = TorchDistributedRuntime.connect(
-        rank=local_rank,
-        world_size=spec.world_size,
-        local_rank=local_rank,
-        backend=spec.backend,
-        init_method=spec.init_method,
-        timeout_s=spec.timeout_s,
-        use_gpu=spec.use_gpu,
-        records_path=spec.records_path,
-    )
+    runtime = TorchDistributedRuntime.connect(rank=local_rank, local_rank=local_rank, **asdict(spec))
     try:
-        run_worker(spec.args, runtime)
+        run_worker(args, runtime)
     finally:
         runtime.close()
     _exit_finished_rank()
@@ -204,29 +192,18 @@ def _loopback_interface() -> str:
     return names[0] if names else "lo"
 
 
-@contextlib.contextmanager
-def _child_environment(cfg: TrainingConfig) -> Iterator[None]:
-    """Environment the spawned processes inherit, restored afterwards.
+def _child_environment(cfg: TrainingConfig) -> dict[str, str]:
+    """Environment the spawned processes inherit where the environment does not set it already.
 
-    Every rank is on this machine, so gloo is pinned to the loopback interface unless ``GLOO_SOCKET_IFNAME``
-    is already set (then it is respected). OpenMP gets the loop's thread count before the children import
-    torch, as Ray does for its workers, unless ``OMP_NUM_THREADS`` is set. The ranks get the platform's process
-    settings, as Ray workers do (:data:`~training_core.parallel.ray_settings.PROCESS_ENV`), unless set.
+    Every rank is on this machine, so gloo is pinned to the loopback interface. OpenMP gets the loop's thread count
+    before the children import torch, as Ray does for its workers. The ranks get the platform's process settings, as
+    Ray workers do (:data:`~training_core.parallel.ray_settings.PROCESS_ENV`).
     """
-    from training_core.parallel.ray_settings import PROCESS_ENV
-
-    wanted = {
+    return {
         **PROCESS_ENV,
         "GLOO_SOCKET_IFNAME": _loopback_interface(),
         "OMP_NUM_THREADS": str(cfg.scaling.torch_threads_per_worker),
     }
-    added = [name for name in wanted if name not in os.environ]
-    os.environ.update({name: wanted[name] for name in added})
-    try:
-        yield
-    finally:
-        for name in added:
-            os.environ.pop(name, None)
 
 
 def launch(
@@ -267,7 +244,6 @@ def launch(
     )
     with tempfile.TemporaryDirectory(prefix="launch-") as scratch:
         spec = _Spec(
-            args=args,
             world_size=cfg.scaling.num_workers,
             backend=cfg.scaling.resolved_backend(),
             init_method=f"tcp://127.0.0.1:{free_port()}",
@@ -275,8 +251,8 @@ def launch(
             use_gpu=cfg.scaling.use_gpu,
             records_path=os.path.join(scratch, RECORDS_FILE),
         )
-        with _child_environment(cfg):
-            mp.spawn(_worker_main, args=(spec,), nprocs=cfg.scaling.num_workers, join=True)
+        with environment_defaults(_child_environment(cfg)):
+            mp.spawn(_worker_main, args=(args, spec), nprocs=cfg.scaling.num_workers, join=True)
         with open(spec.records_path, encoding="utf-8") as f:
             records = [EpochRecord.from_dict(json.loads(line)) for line in f if line.strip()]
     return collect_final(

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -15,7 +14,7 @@ from typing import Mapping
 
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
-from training_core.parallel.ray_settings import ray_scaling_config, start_local_cluster
+from training_core.parallel.ray_settings import environment_defaults, ray_scaling_config, start_local_cluster
 from training_core.records import EpochRecord, MlflowRun, WorkerArgs
 from training_core.redact import install_log_redaction, redact
 from training_core.runners.ray_processes import reaped_run
@@ -128,7 +127,11 @@ def _run_workers(cfg: TrainingConfig, args: WorkerArgs, *, run_name: str, storag
             failure_config=FailureConfig(max_failures=cfg.checkpoint.max_worker_restarts),
         ),
     )
-    with _worker_start_timeout(cfg), reaped_run():  # no process of the run outlives it
+    # For an elastic run, scaling.elastic_start_timeout_s is Ray Train's worker group start timeout while ``fit`` runs
+    # (Ray Train hands the driver's value to its controller), unless the environment sets one.
+    start_timeout = f"{cfg.scaling.elastic_start_timeout_s:g}"
+    elastic_env = {WORKER_GROUP_START_TIMEOUT_ENV: start_timeout} if cfg.scaling.elastic else {}
+    with environment_defaults(elastic_env), reaped_run():  # no process of the run outlives it
         try:
             result = trainer.fit()
         except Exception as exc:
@@ -166,20 +169,6 @@ def fail_fast_trainer(*args, **kwargs):
 
 
 WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
-
-
-@contextlib.contextmanager
-def _worker_start_timeout(cfg: TrainingConfig):
-    """For an elastic run, ``scaling.elastic_start_timeout_s`` as Ray Train's worker group start timeout while
-    ``fit`` runs (Ray Train hands the driver's value to its controller), unless the environment sets one."""
-    if not cfg.scaling.elastic or WORKER_GROUP_START_TIMEOUT_ENV in os.environ:
-        yield
-        return
-    os.environ[WORKER_GROUP_START_TIMEOUT_ENV] = f"{cfg.scaling.elastic_start_timeout_s:g}"
-    try:
-        yield
-    finally:
-        os.environ.pop(WORKER_GROUP_START_TIMEOUT_ENV, None)
 
 
 def collect_final(

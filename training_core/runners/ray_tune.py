@@ -14,13 +14,12 @@ import json
 import os
 import tempfile
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from training_core.config import TrainingConfig
 from training_core.parallel.ray_settings import start_local_cluster
 from training_core.redact import install_log_redaction, redact
-from training_core.tuning import ParamSpec, TuningConfig, apply_params
+from training_core.tuning import ParamSpec, TuningConfig, apply_params, format_param
 
 POINTER_FILE = "pointer.json"
 
@@ -41,7 +40,6 @@ class TrialOutcome:
     status: str
     """``done`` (trained to the full budget) or ``stopped`` (stopped early by the scheduler)."""
     error: str = ""
-    lineage: list[int] = field(default_factory=list)
 
 
 def _key(path: str) -> str:
@@ -49,39 +47,26 @@ def _key(path: str) -> str:
     return path.replace(".", "__")
 
 
-def tune_space(space: list[ParamSpec]) -> dict[str, Any]:
+def _sampler(spec: ParamSpec) -> Any:
+    """Ray Tune's sampler of ``spec``'s values."""
     from ray import tune
 
-    out: dict[str, Any] = {}
-    for spec in space:
-        if spec.kind == "choice":
-            out[_key(spec.path)] = tune.choice(list(spec.choices))
-        elif spec.kind == "log_uniform":
-            out[_key(spec.path)] = tune.loguniform(spec.low, spec.high)
-        elif spec.kind == "uniform":
-            out[_key(spec.path)] = tune.uniform(spec.low, spec.high)
-        else:
-            out[_key(spec.path)] = tune.randint(int(spec.low), int(spec.high) + 1)
-    return out
+    if spec.kind == "choice":
+        return tune.choice(list(spec.choices))
+    if spec.kind == "log_uniform":
+        return tune.loguniform(spec.low, spec.high)
+    if spec.kind == "uniform":
+        return tune.uniform(spec.low, spec.high)
+    return tune.randint(int(spec.low), int(spec.high) + 1)
 
 
 def _params(space: list[ParamSpec], tune_config: dict[str, Any]) -> dict[str, str]:
-    from training_core.tuning import format_param
-
     return {
         spec.path: str(tune_config[_key(spec.path)])
         if spec.kind == "choice"
         else format_param(float(tune_config[_key(spec.path)]), spec)
         for spec in space
     }
-
-
-def slice_epochs(cfg: TuningConfig) -> int:
-    if cfg.algorithm == "asha":
-        return 1
-    if cfg.algorithm == "pbt":
-        return cfg.pbt.interval_epochs
-    return cfg.base.loop.epochs
 
 
 def _trial_driver(tune_config: dict[str, Any]) -> None:
@@ -95,7 +80,7 @@ def _trial_driver(tune_config: dict[str, Any]) -> None:
     from training_core.runners.ray_train import fit
 
     cfg = TuningConfig.from_dict(tune_config["tuning"])
-    trial_cfg: TrainingConfig = apply_params(cfg.base, _params(cfg.search_space, tune_config))
+    trial_cfg = apply_params(cfg.base, _params(cfg.search_space, tune_config))
     trial_id = tune.get_context().get_trial_id()
     resume_from, epoch, run_id = _restored_pointer(tune.get_checkpoint(), trial_id)
     log_params = not run_id
@@ -105,14 +90,12 @@ def _trial_driver(tune_config: dict[str, Any]) -> None:
         run_name=f"tune-{trial_id}",
         tags={"mlflow.parentRunId": tune_config["parent_run_id"], "tune.trial_id": trial_id},
     )
-    step = slice_epochs(cfg)
+    step = {"asha": 1, "pbt": cfg.pbt.interval_epochs}.get(cfg.algorithm, cfg.base.loop.epochs)
     # Unique per driver start: a PBT copy may retrain epochs this trial already trained before the copy.
     attempt = uuid.uuid4().hex[:8]
     while epoch < trial_cfg.loop.epochs:
         stop = min(trial_cfg.loop.epochs, epoch + step)
-        slice_cfg = TrainingConfig.from_dict(
-            {**trial_cfg.to_dict(), "loop": {**trial_cfg.to_dict()["loop"], "stop_at_epoch": stop}}
-        )
+        slice_cfg = apply_params(trial_cfg, {"loop.stop_at_epoch": str(stop)})
         with tempfile.TemporaryDirectory() as local:
             result = fit(
                 slice_cfg,
@@ -172,7 +155,7 @@ def run_search(
     if not ray.is_initialized():
         start_local_cluster()  # as the product's Ray task starts a local one
     param_space = {
-        **tune_space(cfg.search_space),
+        **{_key(spec.path): _sampler(spec) for spec in cfg.search_space},
         "tuning": cfg.to_dict(),
         "data_dir": data_dir,
         "storage_path": storage_path,
@@ -212,12 +195,11 @@ def _scheduler(cfg: TuningConfig) -> Any:
     if cfg.algorithm == "pbt":
         from ray.tune.schedulers import PopulationBasedTraining
 
-        numeric = [s for s in cfg.search_space if s.numeric]
         factors = sorted(cfg.pbt.perturbation_factors)
         return PopulationBasedTraining(
             time_attr="epoch",
             perturbation_interval=cfg.pbt.interval_epochs,
-            hyperparam_mutations={_key(s.path): tune_space([s])[_key(s.path)] for s in numeric},
+            hyperparam_mutations={_key(s.path): _sampler(s) for s in cfg.search_space if s.numeric},
             quantile_fraction=cfg.pbt.quantile,
             resample_probability=cfg.pbt.resample_probability,
             perturbation_factors=(factors[-1], factors[0]),
