@@ -248,9 +248,8 @@ def _evaluate_worker(config: dict[str, Any]) -> None:
     else:
         model = model.to(device)
     restore(loaded, model=model)  # a collective under FSDP
-    largest = [float(sharding.local_tensor(t).abs().max()) for t in model.state_dict().values()
-               if t.is_floating_point() and sharding.local_tensor(t).numel()]  # fmt: skip
-    (num_nonfinite,) = all_reduce_sum([float(sum(not math.isfinite(v) for v in largest))], device)
+    local = [sharding.local_tensor(t) for t in model.state_dict().values() if t.is_floating_point()]
+    (num_nonfinite,) = all_reduce_sum([float(sum(not bool(torch.isfinite(t).all()) for t in local))], device)
     if num_nonfinite:
         raise ValueError(f"checkpoint {config['checkpoint_uri']} has non-finite weights: {DIVERGED_FIX}")
     manifest = Manifest.load(config["data_dir"])

@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, NoReturn
 
-from training_core.files import UnreadableFile, join_path, open_regular, read_regular
+from training_core.files import UnreadableFile, is_local, join_path, open_regular, read_regular
 from training_core.messages import clip, invalid, is_plain_file_name, quote
 
 if TYPE_CHECKING:
@@ -462,18 +462,14 @@ def load_into(
     """Copy ``weights`` (named as ``mapping`` says, by default as the model names them) into ``model`` as
     :func:`plan_loading` says, the re-initialised tensors taking their :func:`fresh_values` from ``seed`` (a tied
     tensor its first name's: :func:`tied_aliases`), and log what was loaded and re-initialised."""
-    import torch
-
     state = mapping.renamed(weights.state_dict) if mapping else weights.state_dict
     fresh = mapping.fresh if mapping else ()
     plan = plan_loading(weights.source, model, state, new_head=new_head, model_name=model_name, fresh=fresh)
-    skip = set(plan.reinitialised)
+    skip, aliases = set(plan.reinitialised), tied_aliases(model)
     model.load_state_dict({key: value for key, value in state.items() if key not in skip}, strict=False)
-    own, aliases = model.state_dict(), tied_aliases(model)
-    with torch.no_grad():
-        for key, value in fresh_values(model, plan.reinitialised, seed=seed).items():
-            if key not in aliases:  # a tied tensor takes its first name's value, as load_shards gives it
-                own[key].copy_(value)
+    reset = fresh_values(model, plan.reinitialised, seed=seed)
+    # A tied tensor takes its first name's value, as load_shards gives it.
+    model.load_state_dict({key: value for key, value in reset.items() if key not in aliases}, strict=False)
     log_plan(plan, weights.sha256)
 
 
@@ -537,29 +533,25 @@ class SafetensorsRows:
         self.files, self.bytes_read = files, 0
         self.tensors: dict[str, StoredTensor] = _merged(files.source, [self._header(p) for p in files.weight_files])
 
-    def _range(self, path: str, begin: int, end: int, into: Any = None) -> bytes:
-        """Bytes ``[begin, end)`` of ``path``; with ``into`` (a writable buffer of that size) read into it (a local
-        file: no copy) and b"" returned."""
-        from fsspec.implementations.local import LocalFileSystem
-
+    def _range(self, path: str, begin: int, end: int, into: Any = None) -> Any:
+        """Bytes ``[begin, end)`` of ``path``, read into ``into`` (a writable buffer of that size; a local file's
+        straight, with no copy) or a new ``bytearray``; returns the buffer."""
+        buffer = bytearray(end - begin) if into is None else into
         try:
-            if isinstance(self.files.fs, LocalFileSystem):
+            if is_local(self.files.fs):
                 with open_regular(self.files.fs, path) as f:
                     f.seek(begin)
-                    data = f.read(end - begin) if into is None else b""
-                    done = f.readinto(into) if into is not None else len(data)
+                    done = f.readinto(buffer)
             else:
                 data = self.files.fs.cat_file(path, start=begin, end=end)
                 done = len(data)
-                if into is not None:
-                    into[: len(data)] = data
-                    data = b""
+                buffer[:done] = data
         except (UnreadableFile, OSError) as exc:
             fail(self.files.source, f"{clip(str(exc))}; name {SUPPORTED}")
         if done != end - begin:
             fail(self.files.source, f"{quote(path)} ends before byte {end}: a truncated copy? Copy it again")
         self.bytes_read += done
-        return data
+        return buffer
 
     def _header(self, path: str) -> dict[str, StoredTensor]:
         import math
@@ -658,10 +650,9 @@ def plan_sharded_load(
     if files.kind == "torch":
         weights = read_pretrained(model_cfg.pretrained, expected_sha256=model_cfg.pretrained_sha256)
         reader: Any = WholeRows(weights.state_dict)
-        shapes: Mapping[str, Any] = weights.state_dict
     else:
         reader = SafetensorsRows(files)
-        shapes = reader.tensors
+    shapes = reader.tensors
     mapping = mapping_of(model, list(shapes)) if mapping_of else NameMapping({name: name for name in shapes})
     if mapping.note:
         log.warning("model.pretrained: %s", mapping.note)

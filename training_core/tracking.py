@@ -7,7 +7,7 @@ import math
 import os
 import shlex
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from training_core.config import TrackingConfig
 from training_core.redact import redact
@@ -37,14 +37,19 @@ def ui_command(tracking_uri: str) -> str:
 def create_run(cfg: TrackingConfig, *, run_name: str, tags: dict[str, str] | None = None) -> tuple[str, str]:
     """Create a run in ``cfg.experiment_name`` (created if missing); returns ``(tracking_uri, run_id)``. The tags
     are recorded redacted."""
+    uri, client, experiment_id = _experiment(cfg)
+    run = client.create_run(experiment_id, run_name=run_name, tags=redact(tags or {}))
+    return uri, run.info.run_id
+
+
+def _experiment(cfg: TrackingConfig) -> tuple[str, Any, str]:
+    """The resolved tracking URI, a client of it, and the id of ``cfg.experiment_name`` (created if missing)."""
     from mlflow.tracking import MlflowClient
 
     uri = resolve_tracking_uri(cfg.tracking_uri)
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name(cfg.experiment_name)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(cfg.experiment_name)
-    run = client.create_run(experiment_id, run_name=run_name, tags=redact(tags or {}))
-    return uri, run.info.run_id
+    return uri, client, experiment.experiment_id if experiment else client.create_experiment(cfg.experiment_name)
 
 
 def find_or_create_run(
@@ -53,12 +58,7 @@ def find_or_create_run(
     """The run tagged ``search.key=key`` in ``cfg.experiment_name`` (set RUNNING again), or a new one with
     ``params`` and ``payload`` (as ``config.json``), both recorded redacted. A re-run of the same search lands
     in the same parent run, so its cached trials (children of that run) keep their place."""
-    from mlflow.tracking import MlflowClient
-
-    uri = resolve_tracking_uri(cfg.tracking_uri)
-    client = MlflowClient(tracking_uri=uri)
-    experiment = client.get_experiment_by_name(cfg.experiment_name)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(cfg.experiment_name)
+    uri, client, experiment_id = _experiment(cfg)
     found = client.search_runs([experiment_id], filter_string=f"tags.`search.key` = '{key}'", max_results=1)
     if found:
         client.update_run(found[0].info.run_id, status="RUNNING")
@@ -148,22 +148,20 @@ def register_and_promote(
         champion = None
     previous_version = int(champion.version) if champion else 0
     previous_value = float(champion.tags.get(metric, "nan")) if champion else math.nan
-    better = (lambda a, b: a > b) if mode == "max" else (lambda a, b: a < b)
     bound = "at least" if mode == "max" else "at most"
-    if not (value >= threshold if mode == "max" else value <= threshold):
-        promoted = False
+    clears = value >= threshold if mode == "max" else value <= threshold
+    beats = math.isnan(previous_value) or (value > previous_value if mode == "max" else value < previous_value)
+    if not clears:
         reason = (
             f"{metric} {value:.4f} is not {bound} tracking.promotion_threshold={threshold}; {alias!r} stays on "
             + (f"version {previous_version}" if champion else "no version")
         )
-    elif champion is not None and not math.isnan(previous_value) and not better(value, previous_value):
-        promoted = False
+    elif not beats:
         reason = (
             f"{metric} {value:.4f} does not beat {alias!r} version {previous_version} ({previous_value:.4f}); the "
             "alias stays there"
         )
     else:
-        promoted = True
         client.set_registered_model_alias(name, alias, version.version)
         if champion is None:
             against = "there was no champion yet"
@@ -176,7 +174,7 @@ def register_and_promote(
         model_name=name,
         version=int(version.version),
         alias=alias,
-        promoted=promoted,
+        promoted=clears and beats,
         reason=reason,
         metric=metric,
         mode=mode,

@@ -436,9 +436,11 @@ def _is_typed_mapping(kind: Any) -> bool:
     return get_origin(kind) is dict and get_args(kind)[1] is not Any
 
 
-def format_param(value: float, spec: ParamSpec) -> str:
-    """A value as param text: ints as ints, floats to 4 significant digits unless that would leave the range
-    (a narrow range keeps full precision), so every text lies in ``[low, high]``."""
+def format_param(value: Any, spec: ParamSpec) -> str:
+    """A value as param text: a choice as its text, ints as ints, floats to 4 significant digits unless that would
+    leave the range (a narrow range keeps full precision), so every text lies in ``[low, high]``."""
+    if spec.kind == "choice":
+        return str(value)
     if spec.kind == "int":
         return str(min(int(spec.high), max(int(spec.low), int(round(value)))))
     short = f"{float(value):.4g}"
@@ -532,25 +534,12 @@ def suggest(
         constant_liar=True,
     )
     study = optuna.create_study(direction="maximize" if cfg.mode == "max" else "minimize", sampler=sampler)
+    as_value = {"choice": str, "int": int}  # the param texts as Optuna's distributions hold them; else float
     for params, value in finished:
-        typed = {path: _optuna_value(spec, params[path]) for path, spec in zip(distributions, cfg.search_space)}
+        typed = {spec.path: as_value.get(spec.kind, float)(params[spec.path]) for spec in cfg.search_space}
         study.add_trial(optuna.trial.create_trial(params=typed, distributions=distributions, value=value))
     trials = [study.ask(distributions) for _ in range(count)]
-    return [
-        {
-            spec.path: str(trial.params[spec.path])
-            if spec.kind == "choice"
-            else format_param(trial.params[spec.path], spec)
-            for spec in cfg.search_space
-        }
-        for trial in trials
-    ]
-
-
-def _optuna_value(spec: ParamSpec, text: str) -> Any:
-    if spec.kind == "choice":
-        return text
-    return int(text) if spec.kind == "int" else float(text)
+    return [{spec.path: format_param(trial.params[spec.path], spec) for spec in cfg.search_space} for trial in trials]
 
 
 def ray_tune_scaling(cfg: TuningConfig) -> ScalingConfig:

@@ -5,13 +5,14 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import types
 import typing
 
 import hypothesis
 import pytest
 
-from training_core.config import TrainingConfig, load_config, read_yaml_mapping
+from training_core.config import TrainingConfig, load_config, read_yaml_mapping, sections
 from training_core.config.loading import MAX_CONFIG_BYTES
 from training_core.tuning import load_tuning_config
 
@@ -393,3 +394,22 @@ def test_a_mutated_config_loads_or_raises_a_short_value_error_from_a_dict_and_fr
 
     check()
     print(f"hypothesis: {len(cases)} mutated configs, each from a dict and from YAML")
+
+
+@pytest.mark.parametrize(
+    ("build", "field_path"),
+    [
+        (lambda: sections.OptimizerConfig(param_groups="head.*"), "optimizer.param_groups"),
+        (lambda: sections.OptimizerConfig(param_groups={"head.*": True}), "optimizer.param_groups['head.*']"),
+        (lambda: sections.OptimizerConfig(param_groups={"head.*": "fast"}), "optimizer.param_groups['head.*']"),
+        (lambda: sections.ModelConfig(freeze="bert.*"), "model.freeze"),
+        (lambda: sections.ModelConfig(freeze=[3]), "model.freeze"),
+        (lambda: sections.WorkloadConfig(params=["width", 64]), "workload.params"),
+    ],
+    ids=["groups-not-a-mapping", "rate-a-bool", "rate-a-string", "freeze-a-string", "pattern-a-number", "params-list"],
+)
+def test_a_section_built_in_python_with_a_value_of_the_wrong_type_names_the_field(build, field_path):
+    # Built in Python (a notebook, a FlyteRemote launch script), a section never went through the schema layer:
+    # its own check names the field instead of an AttributeError or TypeError from deep inside.
+    with pytest.raises(ValueError, match=re.escape(f"{field_path}=")):
+        build()

@@ -4,7 +4,6 @@ building a config dataclass from a partial mapping through the schema layer (:mo
 from __future__ import annotations
 
 import functools
-import math
 import os
 import re
 import typing
@@ -24,10 +23,7 @@ def build_dataclass(cls: type, raw: Mapping[str, Any]) -> Any:
     """``cls`` (a config dataclass) built from ``raw``, a partial nested mapping of config input, by the schema
     layer in lax mode (:mod:`training_core.schema`): ``"3"`` and ``"yes"`` read as they always did, unknown fields
     are refused, and each ``__post_init__`` runs."""
-    try:
-        return check(cls, _with_auto(raw), lax=True)
-    except SchemaError as exc:
-        _raise_config_error(exc, "")
+    return coerce("", _with_auto(raw), cls)
 
 
 def coerce(path: str, value: Any, hint: type) -> Any:
@@ -122,9 +118,8 @@ def _construct_float(loader, node) -> float:
     text = loader.construct_scalar(node)
     if not re.fullmatch(_YAML_FLOAT, text):
         raise loader.refused(f"{quote(text)} is not a number: write one such as 0.5 or 1e-3", node.start_mark)
-    if text.lower().endswith(".inf"):
-        return -math.inf if text.startswith("-") else math.inf
-    return math.nan if text.lower() == ".nan" else float(text)
+    special = text.lower().lstrip("+-") in (".inf", ".nan")  # Python spells them inf and nan
+    return float(text.replace(".", "") if special else text)
 
 
 def _construct_undefined(loader, node):
@@ -135,31 +130,6 @@ def _construct_undefined(loader, node):
         "lists and mappings",
         node.start_mark,
     )
-
-
-def _register_core_schema(loader_class: type) -> None:
-    """Give ``loader_class`` exactly the YAML 1.2 core schema's tags and implicit resolvers."""
-    import yaml
-
-    safe = yaml.SafeLoader
-    for tag, construct in (
-        ("null", safe.construct_yaml_null),
-        ("bool", _construct_bool),
-        ("int", _construct_int),
-        ("float", _construct_float),
-        ("str", safe.construct_yaml_str),
-        ("seq", safe.construct_yaml_seq),
-        ("map", safe.construct_yaml_map),
-    ):
-        loader_class.add_constructor(f"tag:yaml.org,2002:{tag}", construct)
-    loader_class.add_constructor(None, _construct_undefined)
-    for tag, pattern, first in (
-        ("bool", "|".join(_YAML_BOOL), "tTfF"),
-        ("int", _YAML_INT, "-+0123456789"),
-        ("float", _YAML_FLOAT, "-+0123456789."),
-        ("null", "~|null|Null|NULL|", ["~", "n", "N", ""]),
-    ):
-        loader_class.add_implicit_resolver(f"tag:yaml.org,2002:{tag}", re.compile(f"^(?:{pattern})$"), list(first))
 
 
 def _compose_node(loader: Any, parent: Any, index: Any) -> Any:
@@ -242,7 +212,25 @@ def _yaml_loader() -> type:
         compose_node = _compose_node
         construct_mapping = _construct_mapping
 
-    _register_core_schema(ConfigLoader)
+    safe = yaml.SafeLoader  # exactly the YAML 1.2 core schema's tags and implicit resolvers
+    for tag, construct in (
+        ("null", safe.construct_yaml_null),
+        ("bool", _construct_bool),
+        ("int", _construct_int),
+        ("float", _construct_float),
+        ("str", safe.construct_yaml_str),
+        ("seq", safe.construct_yaml_seq),
+        ("map", safe.construct_yaml_map),
+    ):
+        ConfigLoader.add_constructor(f"tag:yaml.org,2002:{tag}", construct)
+    ConfigLoader.add_constructor(None, _construct_undefined)
+    for tag, pattern, first in (
+        ("bool", "|".join(_YAML_BOOL), "tTfF"),
+        ("int", _YAML_INT, "-+0123456789"),
+        ("float", _YAML_FLOAT, "-+0123456789."),
+        ("null", "~|null|Null|NULL|", ["~", "n", "N", ""]),
+    ):
+        ConfigLoader.add_implicit_resolver(f"tag:yaml.org,2002:{tag}", re.compile(f"^(?:{pattern})$"), list(first))
     return ConfigLoader
 
 
@@ -308,9 +296,7 @@ def env_overrides(environ: Mapping[str, str], *, prefix: str = ENV_PREFIX) -> di
     (``<prefix>LOOP__EPOCHS``), two variables for the same field (their names differ only in case), and a value that
     is not valid YAML each raise a ``ValueError`` naming the variable."""
     named: dict[tuple[str, ...], str] = {}
-    for key in sorted(environ):
-        if not key.startswith(prefix):
-            continue
+    for key in sorted(key for key in environ if key.startswith(prefix)):
         parts = tuple(p.lower() for p in key[len(prefix) :].split("__") if p)
         if not parts:
             continue

@@ -37,19 +37,7 @@ from training_core.schema import INT64_MAX, INT64_MIN
 log = logging.getLogger(__name__)
 
 IMPORT_PATH_FIX = "name user code as 'package.module:attribute' (e.g. 'examples.tabular_mlp.workload:build')"
-OPTIMIZERS = ("sgd", "adam", "adamw")
-SCHEDULES = ("cosine", "constant")
-NONFINITE_POLICIES = ("stop", "skip_step")
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-BACKENDS = ("auto", "gloo", "nccl")
-STRATEGIES = ("ddp", "fsdp")
-SYNC_MODES = ("allreduce", "local_sgd")
 _NCCL_VARIABLE = re.compile(r"NCCL_[A-Z0-9_]{1,100}")
-OOM_POLICIES = ("fail", "reduce")
-EVALUATION_PLACEMENTS = ("auto", "process", "cluster")
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
-TOLERATION_OPERATORS = ("Exists", "Equal")
-TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
 _LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 """A Kubernetes label or taint key: an optional DNS-subdomain prefix and ``/``, then a name of at most 63 chars."""
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
@@ -65,11 +53,8 @@ MAX_NONFINITE_STEPS = 1_000_000
 """Most ``loop.max_nonfinite_steps``: a run that skips more steps than this has stopped learning."""
 
 MAX_SEED = 2**32 - 1
-"""Largest seed: numpy's legacy seeding (``np.random.seed``) and many libraries take seeds in [0, 2**32 - 1]."""
 
 MIN_CPUS, MAX_CPUS = 0.001, 1024.0
-"""Range of a pod's CPU request: Kubernetes counts CPU in millicores, so 0.001 is the least it can express, and no
-node has more than 1024 CPUs."""
 
 MIN_MEMORY_GIB, MAX_MEMORY_GIB = 0.25, 32_768.0
 """Range of a pod's memory, GiB. It is written as whole MiB (``1e-9`` GiB would be ``0Mi``, no memory at all), and
@@ -88,9 +73,7 @@ DDP_DEFAULT_BUCKET_CAP_MB = 25
 
 def is_better(metric: str, value: float, than: float | None) -> bool:
     """Whether ``value`` of ``metric`` beats ``than`` (anything beats ``None``)."""
-    if than is None:
-        return True
-    return value > than if METRIC_DIRECTIONS[metric] == "max" else value < than
+    return than is None or (value > than if METRIC_DIRECTIONS[metric] == "max" else value < than)
 
 
 def _choice(path: str, value: str, choices: tuple[str, ...]) -> None:
@@ -124,10 +107,9 @@ def _pod_memory_gib(path: str, value: float) -> None:
     _between(path, value, MIN_MEMORY_GIB, MAX_MEMORY_GIB, why)
 
 
-def _fraction(path: str, value: float, *, upper_inclusive: bool = False) -> None:
-    ok = 0 <= value <= 1 if upper_inclusive else 0 <= value < 1
-    if not ok:
-        invalid(path, value, f"it must be in [0, 1{']' if upper_inclusive else ')'}")
+def _fraction(path: str, value: float) -> None:
+    if not 0 <= value < 1:
+        invalid(path, value, "it must be in [0, 1)")
 
 
 @dataclass
@@ -306,8 +288,9 @@ MAX_NAME_PATTERNS = 256
 """Most name patterns in one list (``model.freeze``, ``model.lora.target_modules``, ``optimizer.param_groups``)."""
 
 
-def _name_patterns(path: str, patterns: Any) -> list[str]:
-    """``patterns`` checked as a list of non-empty ``fnmatch`` name patterns, each once."""
+def _name_patterns(path: str, patterns: Any) -> None:
+    """``patterns`` checked as a list of non-empty ``fnmatch`` name patterns, each once. Types too: a section built
+    in Python reaches ``__post_init__`` without the schema layer."""
     if not isinstance(patterns, list) or len(patterns) > MAX_NAME_PATTERNS:
         invalid(path, patterns, f"give a list of at most {MAX_NAME_PATTERNS} name patterns")
     for pattern in patterns:
@@ -315,7 +298,6 @@ def _name_patterns(path: str, patterns: Any) -> list[str]:
             invalid(path, pattern, "give a parameter or module name pattern such as 'bert.encoder.*'")
     if len(set(patterns)) != len(patterns):
         invalid(path, patterns, "name each pattern once")
-    return patterns
 
 
 @dataclass
@@ -448,7 +430,7 @@ class ModelConfig:
     parameter (checked before any worker starts). Empty: everything trains."""
 
     def __post_init__(self) -> None:
-        _choice("model.activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+        _choice("model.activation_checkpointing", self.activation_checkpointing, ("none", "full", "selective"))
         self._check_pretrained()
         _positive("model.activation_checkpointing_every_k", self.activation_checkpointing_every_k)
         if self.encoder_config:
@@ -522,11 +504,10 @@ class WorkloadConfig:
 
     def __post_init__(self) -> None:
         self.params = checked_params(self.params)
-        if self.primary_metric:
-            choices = PRIMARY_METRICS.get(self.name, ())
+        choices = PRIMARY_METRICS.get(self.name, ())
+        if self.primary_metric and self.primary_metric not in choices:
             fix = f"choose one of {', '.join(choices)}" if choices else "leave it empty: this workload ranks on its own"
-            if self.primary_metric not in choices:
-                invalid("workload.primary_metric", self.primary_metric, fix)
+            invalid("workload.primary_metric", self.primary_metric, fix)
         from_user = self.name not in WORKLOADS
         if from_user and not is_import_path(self.name):
             invalid("workload.name", self.name, f"choose {', '.join(WORKLOADS)} or {IMPORT_PATH_FIX}")
@@ -581,15 +562,11 @@ def json_value(path: str, value: Any, depth: int = 0) -> Any:
     """``value`` when it is a JSON value (mappings' keys sorted), else ``ValueError`` naming ``path``."""
     if depth > MAX_YAML_DEPTH:
         invalid(path, value, f"it nests deeper than {MAX_YAML_DEPTH} levels")
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        if not INT64_MIN <= value <= INT64_MAX:
-            invalid(path, value, "expected a whole number in [-2**63, 2**63 - 1] (int64)")
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            invalid(path, value, "expected a finite number, not inf or nan (JSON has neither)")
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+        invalid(path, value, "expected a whole number in [-2**63, 2**63 - 1] (int64)")
+    if isinstance(value, float) and not math.isfinite(value):
+        invalid(path, value, "expected a finite number, not inf or nan (JSON has neither)")
+    if value is None or isinstance(value, (str, int, float)):  # bool is an int
         return value
     if isinstance(value, (list, tuple)):
         return [json_value(f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value)]
@@ -639,7 +616,7 @@ class OptimizerConfig:
     rate as ``optimizer.param_groups.<pattern>`` (the rest of the path is the pattern, dots and all)."""
 
     def __post_init__(self) -> None:
-        _choice("optimizer.name", self.name, OPTIMIZERS)
+        _choice("optimizer.name", self.name, ("sgd", "adam", "adamw"))
         _positive("optimizer.lr", self.lr)
         if not isinstance(self.param_groups, dict):
             invalid("optimizer.param_groups", self.param_groups, "give a mapping of name pattern to learning rate")
@@ -664,9 +641,9 @@ class ScheduleConfig:
     """Final LR of the cosine decay as a fraction of ``optimizer.lr``."""
 
     def __post_init__(self) -> None:
-        _choice("schedule.name", self.name, SCHEDULES)
+        _choice("schedule.name", self.name, ("cosine", "constant"))
         _non_negative("schedule.warmup_steps", self.warmup_steps)
-        _fraction("schedule.min_lr_ratio", self.min_lr_ratio, upper_inclusive=True)
+        _between("schedule.min_lr_ratio", self.min_lr_ratio, 0, 1)
 
 
 @dataclass
@@ -737,7 +714,7 @@ class LoopConfig:
         _positive("loop.grad_accum_steps", self.grad_accum_steps)
         _non_negative("loop.global_batch_size", self.global_batch_size)
         _between("loop.memory_budget_gib", self.memory_budget_gib, 0, MAX_MEMORY_GIB)
-        _choice("loop.oom_policy", self.oom_policy, OOM_POLICIES)
+        _choice("loop.oom_policy", self.oom_policy, ("fail", "reduce"))
         if self.batch_size == AUTO and not self.global_batch_size:
             invalid(
                 "loop.batch_size",
@@ -755,7 +732,7 @@ class LoopConfig:
         _non_negative("loop.max_steps", self.max_steps)
         _positive("loop.log_interval_steps", self.log_interval_steps)
         _seed("loop.seed", self.seed)
-        _choice("loop.nonfinite_policy", self.nonfinite_policy, NONFINITE_POLICIES)
+        _choice("loop.nonfinite_policy", self.nonfinite_policy, ("stop", "skip_step"))
         _between(
             "loop.max_nonfinite_steps",
             self.max_nonfinite_steps,
@@ -789,8 +766,8 @@ class Toleration:
     """``NoSchedule``, ``PreferNoSchedule``, ``NoExecute``, or empty for every effect."""
 
     def __post_init__(self) -> None:
-        _choice("scaling.gpu_tolerations[].operator", self.operator, TOLERATION_OPERATORS)
-        if self.effect not in TOLERATION_EFFECTS:
+        _choice("scaling.gpu_tolerations[].operator", self.operator, ("Exists", "Equal"))
+        if self.effect not in ("", "NoSchedule", "PreferNoSchedule", "NoExecute"):
             invalid(
                 "scaling.gpu_tolerations[].effect",
                 self.effect,
@@ -916,8 +893,8 @@ class ScalingConfig:
         _between("scaling.head_cpus", self.head_cpus, MIN_CPUS, MAX_CPUS, cpus_why)
         _pod_memory_gib("scaling.head_memory_gib", self.head_memory_gib)
         _positive("scaling.torch_threads_per_worker", self.torch_threads_per_worker)
-        _choice("scaling.backend", self.backend, BACKENDS)
-        _choice("scaling.strategy", self.strategy, STRATEGIES)
+        _choice("scaling.backend", self.backend, ("auto", "gloo", "nccl"))
+        _choice("scaling.strategy", self.strategy, ("ddp", "fsdp"))
         if self.fsdp_cpu_offload and self.strategy != "fsdp":
             invalid(
                 "scaling.fsdp_cpu_offload",
@@ -987,7 +964,7 @@ class SyncConfig:
     """``local_sgd``: first optimizer steps with gradients all-reduced, while the loss falls fastest."""
 
     def __post_init__(self) -> None:
-        _choice("sync.mode", self.mode, SYNC_MODES)
+        _choice("sync.mode", self.mode, ("allreduce", "local_sgd"))
         _between("sync.local_sgd_period_steps", self.local_sgd_period_steps, 2, 1_000_000)
         _non_negative("sync.local_sgd_warmup_steps", self.local_sgd_warmup_steps)
 
@@ -1000,7 +977,7 @@ class PrecisionConfig:
     warning."""
 
     def __post_init__(self) -> None:
-        _choice("precision.mode", self.mode, PRECISIONS)
+        _choice("precision.mode", self.mode, ("auto", "fp32", "bf16", "fp16"))
 
 
 @dataclass
@@ -1113,11 +1090,6 @@ class TrackingConfig:
             invalid("tracking.promotion_threshold", self.promotion_threshold, "it must be a finite number")
 
 
-PUSHGATEWAY_URL_ENV = "TRAINING_PUSHGATEWAY_URL"
-"""Environment variable the driver reads when ``observability.pushgateway_url`` is empty (see
-:meth:`ObservabilityConfig.resolved`); workers then get the URL through the config."""
-
-
 @dataclass
 class ObservabilityConfig:
     enabled: bool = True
@@ -1208,7 +1180,7 @@ class ObservabilityConfig:
     def resolved(self, environ: Mapping[str, str] | None = None) -> "ObservabilityConfig":
         """This config with ``pushgateway_url`` taken from ``TRAINING_PUSHGATEWAY_URL`` when it is empty. The
         driver calls it, so Ray workers (which may not share the driver's environment) get the URL in the config."""
-        url = (os.environ if environ is None else environ).get(PUSHGATEWAY_URL_ENV, "")
+        url = (os.environ if environ is None else environ).get("TRAINING_PUSHGATEWAY_URL", "")
         if self.pushgateway_url or not url:
             return self
         return dataclasses.replace(self, pushgateway_url=url)
@@ -1227,7 +1199,7 @@ class EvaluationConfig:
     """Memory limit of the evaluate task's container when it evaluates in its own process."""
 
     def __post_init__(self) -> None:
-        _choice("evaluation.placement", self.placement, EVALUATION_PLACEMENTS)
+        _choice("evaluation.placement", self.placement, ("auto", "process", "cluster"))
         _positive("evaluation.process_memory_gib", self.process_memory_gib)
 
 
@@ -1361,7 +1333,7 @@ class TrainingConfig:
     def _check_workload_fields(self) -> None:
         """The dataset and model a built-in workload reads must be its own (a user workload reads them as it
         likes); a user model or dataset replaces the check of the name."""
-        name = self.workload.name
+        name, model = self.workload.name, self.model.name
         if name not in WORKLOADS:
             return
         if name in ARRAY_WORKLOADS:
@@ -1375,33 +1347,26 @@ class TrainingConfig:
                 f"workload.name={name!r} reads {', '.join(datasets)}; choose one of them, or set "
                 "workload.dataset_source to your own",
             )
-        if name == "image_classification" and not self.workload.model_factory:
-            _choice("model.name", self.model.name, tuple(IMAGE_MODELS))
-        if name == "causal_lm" and not self.workload.model_factory and self.model.name not in LM_SIZES:
-            if not self.model.name.endswith("Config") or not self.model.name.isidentifier():
+        if self.workload.model_factory:
+            return
+        config_class = model.endswith("Config") and model.isidentifier()
+        if name == "image_classification":
+            _choice("model.name", model, tuple(IMAGE_MODELS))
+        elif name == "causal_lm" and model not in LM_SIZES and not config_class:
+            invalid(
+                "model.name",
+                model,
+                f"workload.name='causal_lm' builds {', '.join(LM_SIZES)} or a transformers causal-LM config "
+                "class by name (e.g. LlamaConfig)",
+            )
+        elif name in ("sequence_classification", "masked_lm") and model not in ENCODER_SIZES and not config_class:
+            if model:  # empty: model.pretrained's or model.encoder_config's architecture (ModelConfig needs one)
                 invalid(
                     "model.name",
-                    self.model.name,
-                    f"workload.name='causal_lm' builds {', '.join(LM_SIZES)} or a transformers causal-LM config "
-                    "class by name (e.g. LlamaConfig)",
+                    model,
+                    f"workload.name={name!r} builds {', '.join(ENCODER_SIZES)} or a transformers config class by "
+                    "name (e.g. RobertaConfig); or set model.name to '' to take model.pretrained's architecture",
                 )
-        if name in ("sequence_classification", "masked_lm") and not self.workload.model_factory:
-            self._check_encoder_name(name)
-
-    def _check_encoder_name(self, workload: str) -> None:
-        """``sequence_classification`` and ``masked_lm`` build a BERT size, a config class by name, or (name empty)
-        the architecture of ``model.pretrained`` or ``model.encoder_config``."""
-        name, model = self.model.name, self.model
-        if name in ENCODER_SIZES or (name.endswith("Config") and name.isidentifier()):
-            return
-        if not name and (model.pretrained or model.encoder_config):
-            return
-        invalid(
-            "model.name",
-            name,
-            f"workload.name={workload!r} builds {', '.join(ENCODER_SIZES)} or a transformers config "
-            "class by name (e.g. RobertaConfig); or set model.name to '' to take model.pretrained's architecture",
-        )
 
     def _check_array_workload(self, name: str) -> None:
         """A built-in of the user's own arrays trains the user's model on the user's data: both must be named."""

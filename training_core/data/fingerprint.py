@@ -132,7 +132,7 @@ def _data_source(name: str, location: str, content_max_bytes: int) -> SourceFing
     if is_local(fs):
         entries = _local_entries(root, source, content_max_bytes, skip_hidden=False)
     else:
-        entries = _listed_entries(fs, root, source, name)
+        entries = _listed_entries(fs, root, source)
     for entry in entries:
         digest.update(f"{json.dumps(entry)}\n".encode())
     source.digest = digest.hexdigest()
@@ -240,7 +240,7 @@ def _file_entry(path: str, relative: str, status: os.stat_result, source: Source
     return [relative, "file", status.st_size, f"sha256 {digest.hexdigest()}"]
 
 
-def _listed_entries(fs: Any, root: str, source: SourceFingerprint, name: str) -> list[list[Any]]:
+def _listed_entries(fs: Any, root: str, source: SourceFingerprint) -> list[list[Any]]:
     """``[relative key, size, version]`` of every object at or under ``root``, from the store's listing."""
     root = root.rstrip("/")
     try:
@@ -249,7 +249,7 @@ def _listed_entries(fs: Any, root: str, source: SourceFingerprint, name: str) ->
         listing = {}
     except Exception as exc:  # noqa: BLE001 - whatever the store's client raises: the data cannot be known
         raise ValueError(
-            f"{name}={quote(source.location)} cannot be listed to fingerprint the data prep reads "
+            f"{source.field}={quote(source.location)} cannot be listed to fingerprint the data prep reads "
             f"({type(exc).__name__}: {clip(redact(str(exc)))}); check the URI and the credentials where the "
             "pipeline's tasks run"
         ) from None

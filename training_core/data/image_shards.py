@@ -22,6 +22,7 @@ Training workers decode and augment these shards in loader processes (:mod:`trai
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import itertools
@@ -38,7 +39,7 @@ from typing import Any, Iterator, NoReturn
 import numpy as np
 
 from training_core.config import DataConfig, no_training_samples_error
-from training_core.data.shard_files import plain_shard_name, shard_error
+from training_core.data.shard_files import read_verified, shard_error, shard_where
 from training_core.files import UnreadableFile, file_kind, join_path, read_regular
 from training_core.messages import clip, invalid, quote
 from training_core.redact import redact
@@ -175,12 +176,11 @@ class LeftOut:
 
 @dataclass
 class ImageListing:
-    """A source's samples by split (``train`` and the splits it has itself), before the train split is cut."""
+    """A source's samples by split (``train`` and the splits it has itself, which are not carved out of train), before
+    the train split is cut."""
 
     splits: dict[str, list[ImageItem]]
     classes: list[str]
-    own: tuple[str, ...]
-    """The splits other than train the source has itself (not carved out of train)."""
     left_out: LeftOut = field(default_factory=LeftOut)
 
 
@@ -239,7 +239,7 @@ def list_image_folder(cfg: DataConfig) -> ImageListing:
             "; ".join(f"{count} {reason}" for reason, count in sorted(left_out.reasons.items())),
             left_out.examples,
         )
-    return ImageListing(splits, classes, tuple(name for name in trees if name != "train"), left_out)
+    return ImageListing(splits, classes, left_out)
 
 
 def _check_classes(cfg: DataConfig, trees: dict[str, dict[str, list[str]]], *, under: str) -> None:
@@ -360,7 +360,7 @@ def _printable(path: str) -> str:
     return path.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _folder_root(cfg: DataConfig):
+def _folder_root(cfg: DataConfig) -> tuple[Any, str]:
     from training_core.data.sources import existing_location
 
     fs, root = existing_location(cfg.path)
@@ -408,7 +408,7 @@ def list_cifar10(cfg: DataConfig) -> ImageListing:
     for name, (_, labels) in cifar10_members(cfg.path):
         split = "test" if name == CIFAR10_BATCHES[5] else "train"
         splits[split] += [ImageItem(f"{name}#{row}", label, next(ids)) for row, label in enumerate(labels.tolist())]
-    return ImageListing(splits, list(CIFAR10_CLASSES), ("test",))
+    return ImageListing(splits, list(CIFAR10_CLASSES))
 
 
 def run_tasks(tasks: list[ShardTask], *, num_workers: int) -> list[ShardResult]:
@@ -775,7 +775,8 @@ def _stored(payload: bytes) -> tuple[bytes, str]:
 
 def _read_items(task: ShardTask) -> Iterator[tuple[ImageItem, bytes | UnreadableFile]]:
     """Each item with its encoded bytes, or what made its file unreadable (a file that became a FIFO or a dangling
-    symlink after the listing, one larger than :data:`MAX_IMAGE_BYTES`): that item is a bad sample."""
+    symlink after the listing, refused by :func:`~training_core.files.read_regular` without a blocking read; one
+    larger than :data:`MAX_IMAGE_BYTES`; an error while reading): that item is a bad sample."""
     layout = encoded_source(task.kind).layout
     if layout == "files":
         import fsspec
@@ -783,9 +784,12 @@ def _read_items(task: ShardTask) -> Iterator[tuple[ImageItem, bytes | Unreadable
         fs, root = fsspec.core.url_to_fs(task.root)
         for item in task.items:
             try:
-                yield item, _read_image(fs, join_path(root, item.source), item.source)
+                yield item, read_regular(fs, join_path(root, item.source), max_bytes=MAX_IMAGE_BYTES, name=item.source)
             except UnreadableFile as exc:
                 yield item, exc
+            except Exception as exc:  # noqa: BLE001 - whatever a filesystem raises for a file it cannot read
+                why = f"{type(exc).__name__}: {clip(redact(str(exc)))}"
+                yield item, UnreadableFile(f"{quote(item.source)} cannot be read ({why})")
         return
     assert layout == "cifar_batches", f"data.dataset={task.kind!r} has an unknown layout {layout!r}"
     by_member: dict[str, list[tuple[int, ImageItem]]] = {}
@@ -803,18 +807,6 @@ def _read_items(task: ShardTask) -> Iterator[tuple[ImageItem, bytes | Unreadable
             encoded[item.sample_id] = _png(Image.fromarray(np.ascontiguousarray(images[row].transpose(1, 2, 0))))
     for item in task.items:
         yield item, encoded[item.sample_id]
-
-
-def _read_image(fs: Any, path: str, name: str) -> bytes:
-    """The bytes of the image file ``path`` by :func:`~training_core.files.read_regular` (a FIFO, a device or a
-    dangling symlink is refused, never opened for a blocking read), at most :data:`MAX_IMAGE_BYTES` of them.
-    Raises :class:`~training_core.files.UnreadableFile` naming ``name``, also for an error while reading."""
-    try:
-        return read_regular(fs, path, max_bytes=MAX_IMAGE_BYTES, name=name)
-    except UnreadableFile:
-        raise
-    except Exception as exc:  # noqa: BLE001 - whatever a filesystem raises for a file it cannot read
-        raise UnreadableFile(f"{quote(name)} cannot be read ({type(exc).__name__}: {clip(redact(str(exc)))})") from None
 
 
 def _png(image: Any) -> bytes:
@@ -894,7 +886,8 @@ def _checked_splits(listing: ImageListing, cfg: DataConfig) -> dict[str, list[Im
     """The listing's splits, ``train`` split into train/val/test where the source has no val or test of its own;
     raises ``ValueError`` naming the fraction when one of them holds no image."""
     splits = dict(listing.splits)
-    splits = {**assign_splits(splits.pop("train"), cfg, own=listing.own), **splits}
+    train = splits.pop("train")
+    splits = {**assign_splits(train, cfg, own=tuple(splits)), **splits}
     for name in ("val", "test"):
         if name not in splits:
             raise ValueError(
@@ -938,22 +931,14 @@ def _pixel_moments(train: list[ShardResult]) -> tuple[np.ndarray, np.ndarray]:
 def shard_bytes(manifest: Any, shard: Any, data: DataConfig) -> bytes:
     """A shard file's bytes, verified against its sha256; a remote shard goes through the bounded local cache
     (``data.cache_dir``, ``data.cache_max_bytes``), so an epoch after the first reads it from local disk."""
-    import fsspec
-
-    where = f"shard {quote(shard.file)} in {clip(redact(manifest.directory), 500)}"
-    plain_shard_name(shard.file, lambda why: shard_error(where, why))
-    url = join_path(manifest.directory, shard.file)
+    where = shard_where(manifest, shard)
     remote = "://" in manifest.directory and not manifest.directory.startswith("file://")
     cache = data.cache_dir or os.path.join(tempfile.gettempdir(), "training-shard-cache")
     cached = os.path.join(cache, shard.sha256 + SHARD_SUFFIX) if remote else ""
     payload = _from_cache(cached, shard.sha256) if cached else None
     if payload is not None:
         return payload
-    with fsspec.open(url, "rb") as f:
-        payload = f.read()
-    digest = hashlib.sha256(payload).hexdigest()
-    if digest != shard.sha256:
-        shard_error(where, f"is corrupt: sha256 {digest} != manifest {shard.sha256}")
+    payload = read_verified(join_path(manifest.directory, shard.file), where, shard.sha256)
     if cached:
         _to_cache(cached, payload, max_bytes=data.cache_max_bytes)
     return payload
@@ -1002,7 +987,9 @@ def evict(cache: str, max_bytes: int) -> None:
     entries = []
     for name in os.listdir(cache):
         if name.endswith(".tmp"):
-            _remove_stale(os.path.join(cache, name))
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - os.stat(os.path.join(cache, name)).st_mtime > STALE_STAGING_S:
+                    os.remove(os.path.join(cache, name))
         elif name.endswith(SHARD_SUFFIX):
             try:
                 found = os.stat(os.path.join(cache, name))
@@ -1021,12 +1008,6 @@ def evict(cache: str, max_bytes: int) -> None:
 
 STALE_STAGING_S = 600
 """A staging file (``<shard>.<pid>.tmp``) untouched this long belongs to a writer that died: eviction deletes it."""
-
-
-def _remove_stale(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        if time.time() - os.stat(path).st_mtime > STALE_STAGING_S:
-            os.remove(path)
 
 
 def import_decoders() -> None:
@@ -1057,7 +1038,6 @@ class EncodedImages:
         self.size, self.data, self.where = size, data, where
         self.sources = sources
         """Each sample's source (its file under ``data.path``), named when it fails to decode."""
-        self._transforms: tuple[Any, Any] | None = None
 
     @classmethod
     def read(cls, manifest: Any, shard: Any, data: DataConfig) -> "EncodedImages":
@@ -1065,7 +1045,7 @@ class EncodedImages:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        where = f"shard {quote(shard.file)} in {clip(redact(manifest.directory), 500)}"
+        where = shard_where(manifest, shard)
         payload = shard_bytes(manifest, shard, data)
         try:
             # ParquetFile.read, one thread: 0.6 ms a 2 MB shard where pq.read_table, which goes through
@@ -1111,20 +1091,19 @@ class EncodedImages:
             "re-encoded where the loader's decoder would not read it)"
         )
 
+    @functools.cached_property
     def transforms(self) -> tuple[Any, Any]:
         """(training, evaluation) transforms of a uint8 image tensor."""
-        if self._transforms is None:
-            from torchvision.transforms import v2
+        from torchvision.transforms import v2
 
-            train = v2.Compose(
-                [
-                    v2.RandomResizedCrop(self.size, scale=(self.data.augment_min_crop_scale, 1.0), antialias=True),
-                    v2.RandomHorizontalFlip(),
-                ]
-            )
-            evaluation = v2.Compose([v2.Resize(self.size, antialias=True), v2.CenterCrop(self.size)])
-            self._transforms = (train if self.data.augment else evaluation, evaluation)
-        return self._transforms
+        train = v2.Compose(
+            [
+                v2.RandomResizedCrop(self.size, scale=(self.data.augment_min_crop_scale, 1.0), antialias=True),
+                v2.RandomHorizontalFlip(),
+            ]
+        )
+        evaluation = v2.Compose([v2.Resize(self.size, antialias=True), v2.CenterCrop(self.size)])
+        return (train if self.data.augment else evaluation, evaluation)
 
     def sample(self, row: int, *, epoch: int, train: bool, seed: int = 0) -> dict[str, np.ndarray]:
         import torch
@@ -1143,7 +1122,7 @@ class EncodedImages:
             from torchvision.transforms.v2.functional import to_dtype
 
             image = to_dtype(image, torch.uint8, scale=True)
-        train_transform, eval_transform = self.transforms()
+        train_transform, eval_transform = self.transforms
         if train:
             with torch.random.fork_rng(devices=[]):
                 # The CPU generator only: torch.manual_seed also seeds every CUDA generator, and before CUDA is

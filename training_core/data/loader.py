@@ -194,17 +194,6 @@ class TrainBatches:
             yield samples
 
 
-def _iterable(source: Callable[[int, int], Iterator[Any]]):
-    import torch.utils.data
-
-    class _Batches(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            info = torch.utils.data.get_worker_info()
-            return (shared_collate(samples) for samples in source(info.id, info.num_workers))
-
-    return _Batches()
-
-
 def _as_built(batch: Any) -> Any:
     return batch
 
@@ -219,8 +208,13 @@ def loader_iter(
         return (collate(samples) for samples in source(0, 1))
     import torch.utils.data
 
+    class Batches(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            info = torch.utils.data.get_worker_info()
+            return (shared_collate(samples) for samples in source(info.id, info.num_workers))
+
     loader = torch.utils.data.DataLoader(
-        _iterable(source),
+        Batches(),
         batch_size=None,
         num_workers=num_processes,
         prefetch_factor=max(1, prefetch_batches // num_processes),

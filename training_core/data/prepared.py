@@ -30,7 +30,14 @@ from typing import Annotated, Any, Iterable, Iterator, Mapping, NoReturn
 import numpy as np
 
 from training_core.config import DataConfig, no_training_samples_error
-from training_core.data.shard_files import RERUN_PREP, plain_shard_name, shard_error
+from training_core.data.shard_files import (
+    RERUN_PREP,
+    check_sha256,
+    plain_shard_name,
+    read_verified,
+    shard_error,
+    shard_where,
+)
 from training_core.files import join_path
 from training_core.messages import clip, listed, quote
 from training_core.redact import redact
@@ -125,15 +132,9 @@ class Manifest:
         return {name: split.num_samples for name, split in self.splits.items()}
 
     def to_json(self) -> str:
-        """The manifest as written (an older one loaded keeps its own form)."""
-        payload = asdict(self)
-        payload.pop("directory")
-        if self.version < 4:
-            for key in ("format", "bad_samples"):
-                payload.pop(key)
+        """The manifest as written (an older one loaded keeps its own form: the keys :data:`_TOP` gives its version)."""
+        payload = {key: value for key, value in asdict(self).items() if key in _TOP and self.version in _TOP[key][0]}
         if self.version < 3:
-            for key in ("workload", "arrays", "spec"):
-                payload.pop(key)
             for split in payload["splits"].values():
                 for shard in split["shards"]:
                     bounds = shard.pop("bounds")
@@ -564,13 +565,12 @@ def _check_split(template: Manifest, split: str, arrays: Mapping[str, np.ndarray
                 f"data prep made array {key!r} of split {split!r} {value.dtype} {value.shape[1:]} per sample; the "
                 f"manifest declares {spec.dtype} {tuple(spec.shape)}"
             )
-        if (
-            spec.max_value is not None
-            and value.size
-            and not 0 <= int(value.min()) <= int(value.max()) <= spec.max_value
-        ):
+        if spec.max_value is None or not value.size:
+            continue
+        low, high = int(value.min()), int(value.max())
+        if not 0 <= low <= high <= spec.max_value:
             raise ValueError(
-                f"data prep made array {key!r} of split {split!r} with values {int(value.min())}..{int(value.max())}; "
+                f"data prep made array {key!r} of split {split!r} with values {low}..{high}; "
                 f"expected 0..{spec.max_value}"
             )
 
@@ -615,38 +615,26 @@ def read_shard(manifest: Manifest, shard: ShardInfo) -> dict[str, np.ndarray]:
     A local shard is memory-mapped where it can be (:mod:`training_core.data.mapped_npz`), and checked whole once
     per process: read again unchanged (same inode, size and modification time), it is mapped without a second hash
     and scan, which each epoch would otherwise pay in the step's time."""
-    where = f"shard {quote(shard.file)} in {clip(redact(manifest.directory), 500)}"
-    plain_shard_name(shard.file, lambda why: shard_error(where, why))
+    where = shard_where(manifest, shard)
     path = join_path(manifest.directory, shard.file)
     identity = _local_identity(path, manifest, shard)
     if identity is None:
-        return _checked_arrays(manifest, shard, where, _read_remote(path, manifest, shard, where))
+        payload = read_verified(path, where, shard.sha256)
+        with _readable(where):
+            arrays = _np_load(io.BytesIO(payload), manifest.arrays)
+        return _checked_arrays(manifest, shard, where, arrays)
     local_path = identity[0]
     if identity in _VERIFIED:
         arrays = _load_local(local_path, manifest, where)
         if identity == _local_identity(path, manifest, shard):
             return arrays
     with open(local_path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    if digest != shard.sha256:
-        shard_error(where, f"is corrupt: sha256 {digest} != manifest {shard.sha256}")
+        check_sha256(where, hashlib.file_digest(f, "sha256").hexdigest(), shard.sha256)
     arrays = _checked_arrays(manifest, shard, where, _load_local(local_path, manifest, where))
     if identity != _local_identity(path, manifest, shard):
         shard_error(where, "changed while it was read (another data prep writing the directory?)")
     _VERIFIED.add(identity)
     return arrays
-
-
-def _read_remote(path: str, manifest: Manifest, shard: ShardInfo, where: str) -> dict[str, np.ndarray]:
-    import fsspec
-
-    with fsspec.open(path, "rb") as f:
-        payload = f.read()
-    digest = hashlib.sha256(payload).hexdigest()
-    if digest != shard.sha256:
-        shard_error(where, f"is corrupt: sha256 {digest} != manifest {shard.sha256}")
-    with _readable(where):
-        return _np_load(io.BytesIO(payload), manifest.arrays)
 
 
 def _load_local(local_path: str, manifest: Manifest, where: str) -> dict[str, np.ndarray]:
@@ -677,8 +665,7 @@ def _checked_arrays(
     for name, spec in manifest.arrays.items():
         value, expected = arrays[name], (shard.num_samples, *spec.shape)
         if value.dtype != np.dtype(spec.dtype) or value.shape != expected:
-            what = "images" if name == "images" else name  # the words of a version-1/2 manifest
-            shard_error(where, f"holds {what} {value.dtype} {value.shape}; the manifest says {spec.dtype} {expected}")
+            shard_error(where, f"holds {name} {value.dtype} {value.shape}; the manifest says {spec.dtype} {expected}")
         if spec.max_value is None:
             continue
         low, high = int(value.min()), int(value.max())

@@ -1,13 +1,14 @@
 """What every reader of prepared shards (``.npz`` in :mod:`training_core.data.prepared`, Parquet in
 :mod:`training_core.data.image_shards`) checks and says: a shard is a plain file name inside the data directory, and a
-bad
-shard is a ``ValueError`` that names it and tells the user to re-run data prep."""
+bad shard is a ``ValueError`` that names it and tells the user to re-run data prep."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, NoReturn
 
-from training_core.messages import is_plain_file_name
+from training_core.messages import clip, is_plain_file_name, quote
+from training_core.redact import redact
 
 RERUN_PREP = "re-run data prep (prepare_data) to rewrite the directory"
 
@@ -25,3 +26,26 @@ def plain_shard_name(value: Any, fail: Callable[[str], NoReturn]) -> str:
 def shard_error(where: str, found: str) -> NoReturn:
     """Raise the error for a shard (``where`` names it) that is not what its manifest says."""
     raise ValueError(f"{where} {found}; {RERUN_PREP}")
+
+
+def shard_where(manifest: Any, shard: Any) -> str:
+    """How errors name ``shard`` of ``manifest``; raises the shard error when its file is not a plain name."""
+    where = f"shard {quote(shard.file)} in {clip(redact(manifest.directory), 500)}"
+    plain_shard_name(shard.file, lambda why: shard_error(where, why))
+    return where
+
+
+def check_sha256(where: str, digest: str, expected: str) -> None:
+    """Raise the shard error when a shard's ``digest`` is not the ``expected`` one its manifest records."""
+    if digest != expected:
+        shard_error(where, f"is corrupt: sha256 {digest} != manifest {expected}")
+
+
+def read_verified(url: str, where: str, sha256: str) -> bytes:
+    """The bytes of the shard file at ``url`` (local or fsspec URL), checked against its ``sha256``."""
+    import fsspec
+
+    with fsspec.open(url, "rb") as f:
+        payload = f.read()
+    check_sha256(where, hashlib.sha256(payload).hexdigest(), sha256)
+    return payload

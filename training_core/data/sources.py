@@ -23,7 +23,7 @@ import struct
 import tarfile
 import zlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -112,8 +112,8 @@ def read_synthetic(cfg: DataConfig) -> RawDataset:
     return RawDataset(splits={"train": (images, labels.astype(np.int64))}, classes=[f"class_{i}" for i in range(k)])
 
 
-def existing_location(path: str, field: str = "data.path"):
-    """``(filesystem, path)`` of ``path``, which must exist; else a ``ValueError`` naming ``field``."""
+def existing_location(path: str) -> tuple[Any, str]:
+    """``(filesystem, path)`` of ``path``, which must exist; else a ``ValueError`` naming ``data.path``."""
     import fsspec
 
     try:
@@ -122,15 +122,13 @@ def existing_location(path: str, field: str = "data.path"):
     except Exception as exc:  # noqa: BLE001 - whatever a filesystem raises for a location it cannot use
         # Not chained: a library's own message may quote the URL's credentials without its scheme.
         found = redact(clip(f"{type(exc).__name__}: {exc}"))
-        raise ValueError(f"{field}={quote(path)} is invalid: {found}; point it at the dataset's location") from None
+        raise ValueError(f"data.path={quote(path)} is invalid: {found}; point it at the dataset's location") from None
     if not exists:
-        raise ValueError(f"{field}={quote(path)} is invalid: nothing exists there; point it at the dataset's location")
+        invalid("data.path", path, "nothing exists there; point it at the dataset's location")
     return fs, fs_path
 
 
-CIFAR10_BATCHES = tuple(f"cifar-10-batches-py/data_batch_{i}" for i in range(1, 6)) + (
-    "cifar-10-batches-py/test_batch",
-)
+CIFAR10_BATCHES = (*(f"cifar-10-batches-py/data_batch_{i}" for i in range(1, 6)), "cifar-10-batches-py/test_batch")
 """The archive members the CIFAR-10 python format reads, by their exact names."""
 
 CIFAR10_MAX_MEMBER_BYTES = 64 * 2**20
@@ -172,8 +170,8 @@ def read_cifar10(cfg: DataConfig) -> RawDataset:
 
 def cifar10_members(path: str, wanted: set[str] | None = None) -> Iterator[tuple[str, tuple[np.ndarray, np.ndarray]]]:
     """``(member name, (uint8 images N x 3 x 32 x 32, int64 labels N))`` of each batch of the CIFAR-10 tarball at
-    ``path`` (of ``wanted`` only, when given), streamed one member at a time. Without ``wanted``, the archive's
-    members are checked first (each batch exactly once). Raises ``ValueError`` naming ``data.path`` and the fix."""
+    ``path`` (of ``wanted`` only, when given), streamed one member at a time, once the archive's members are checked
+    (each batch exactly once). Raises ``ValueError`` naming ``data.path`` and the fix."""
     with cifar10_archive(path) as archive:
         try:
             members = _cifar10_checked_members(archive, path)

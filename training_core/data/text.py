@@ -954,6 +954,22 @@ def spill_tokens(
     return TokenSpill(path, offsets, lengths_array, np.frombuffer(sizes, dtype=np.int64).copy())
 
 
+def check_spilled_text(
+    spill: TokenSpill, data: DataConfig, stats: SourceStats, *, source: str, from_user: bool = False
+) -> None:
+    """Raise :func:`no_text_error` when ``spill`` holds no document; warn of records skipped without a text value."""
+    if not len(spill.sizes):
+        raise no_text_error(data, stats, source=source, from_user=from_user)
+    if stats.missing_field:
+        log.warning(
+            "%s: skipped %d of %d records without a text value in data.text_field=%s",
+            source,
+            stats.missing_field,
+            stats.records,
+            quote(data.text_field),
+        )
+
+
 def encode_batches(
     batches: Iterable[list[str]], tokenizer: TextTokenizer, *, ray_workers: int = 0
 ) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:

@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from training_core.messages import invalid
+
 log = logging.getLogger("training_core")
 
 
@@ -44,8 +46,6 @@ def require_blocks(config: Any, manifest: Any, workload: Any) -> int:
     """``scaling.strategy=fsdp`` checked before any worker starts: the model (built on the meta device, so without
     its memory) must have blocks to shard one at a time. Returns how many; raises ``ValueError`` naming the fields
     and the fixes."""
-    from training_core.messages import invalid
-
     model = build_on_meta(config, manifest, workload)
     blocks = model_blocks(model, workload)
     if not blocks:

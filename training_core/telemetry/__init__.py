@@ -9,22 +9,7 @@ MLflow's own ``SystemMetricsMonitor`` is not reused: it samples on a thread of i
 differ from what Prometheus gets), logs through the fluent API's active run, which Ray Train workers do not
 have, and knows no throttling, XID or disk I/O. Here one sample feeds both, under MLflow's metric names.
 
-The modules, one per part (each docstring states its contract):
-
-- ``catalog``: the table of every metric (name, kind, help, labels, buckets), read by the exporter, the
-  dashboards, the alert rules' tests and the integration test.
-- ``exporter``: :class:`JobLabels`, the :class:`Telemetry` protocol, :class:`NullTelemetry`,
-  :class:`PrometheusTelemetry` (registry, sampler thread, Pushgateway pushes, HTTP) and :func:`build_telemetry`.
-- ``gpu``: NVML readings (:class:`NvmlGpus`, :class:`GpuReading`).
-- ``host``: psutil readings (:class:`HostSampler`, :class:`HostReading`).
-- ``cost``: the job's cost (:func:`job_cost`).
-- ``timeline``: the bounded timeline of rank 0's samples for the Deck (:class:`Timeline`).
-- ``mlflow_system``: rank 0's samples under MLflow's system-metric names (:func:`mlflow_system_metrics`).
-- ``goodput``: every worker-second in one category, per attempt and across retries (:class:`goodput.GoodputClock`,
-  :class:`goodput.ExecutionGoodput`).
-- ``stragglers``: the rank that slows the others, and why (:class:`stragglers.StragglerDetector`).
-- ``eta``: steps done and left, the recent rate, the time to the end and to the next checkpoint
-  (:class:`eta.EtaEstimator`).
+Each module's docstring states its part of the contract (README.md's module map lists them).
 
 Importing this package is light: prometheus_client, pynvml and psutil are imported where they are used.
 """

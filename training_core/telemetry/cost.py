@@ -34,14 +34,14 @@ class JobCost:
 
     @property
     def cost_usd(self) -> float:
-        return self.gpu_seconds / 3600 * self.gpu_hour_usd + self.cpu_seconds / 3600 * self.cpu_hour_usd
+        return self._usd(self.gpu_seconds, self.cpu_seconds)
 
     @property
     def preemption_cost_usd(self) -> float:
-        return (
-            self.preemption_gpu_seconds / 3600 * self.gpu_hour_usd
-            + self.preemption_cpu_seconds / 3600 * self.cpu_hour_usd
-        )
+        return self._usd(self.preemption_gpu_seconds, self.preemption_cpu_seconds)
+
+    def _usd(self, gpu_seconds: float, cpu_seconds: float) -> float:
+        return gpu_seconds / 3600 * self.gpu_hour_usd + cpu_seconds / 3600 * self.cpu_hour_usd
 
     def summary(self) -> dict[str, float]:
         """The ``cost`` entry of the checkpoint's ``meta.telemetry`` (what the Deck shows)."""

@@ -9,7 +9,7 @@ into it. That thread reads the GPUs (:mod:`~training_core.telemetry.gpu`) and th
 (:mod:`~training_core.telemetry.host`) every ``sample_interval_s`` and pushes the registry to the Pushgateway every
 ``push_interval_s``, one group per execution, node, attempt and rank (:meth:`JobLabels.grouping_key`);
 ``http_port`` + rank, when set, also serves it. On rank 0 each sample also goes to the
-:class:`~training_core.telemetry.timeline.Timeline`, to MLflow when a :class:`SystemMetricsSink` is given
+:class:`~training_core.telemetry.timeline.Timeline`, to MLflow when a system-metrics sink is given
 (:mod:`~training_core.telemetry.mlflow_system`) and into the job's cost (:mod:`~training_core.telemetry.cost`).
 Delivery never fails training:
 :meth:`~PrometheusTelemetry.push` never raises, and a failed push is a warning at most every
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 from training_core.config import ObservabilityConfig, ScalingConfig
+from training_core.metrics import MetricSink
 from training_core.telemetry.catalog import JOB_LABELS, METRICS, PUSHGATEWAY_JOB
 from training_core.telemetry.cost import JobCost, job_cost
 from training_core.telemetry.eta import Progress
@@ -34,7 +35,7 @@ from training_core.telemetry.goodput import CATEGORIES as GOODPUT_CATEGORIES
 from training_core.telemetry.goodput import ExecutionGoodput
 from training_core.telemetry.gpu import GpuReading, NvmlGpus
 from training_core.telemetry.host import HostReading, HostSampler
-from training_core.telemetry.mlflow_system import SystemMetricsSink, mlflow_system_metrics
+from training_core.telemetry.mlflow_system import mlflow_system_metrics
 from training_core.telemetry.timeline import Timeline
 
 log = logging.getLogger("training_core")
@@ -133,8 +134,7 @@ class _WithoutCreated:
 
 
 class PrometheusTelemetry:
-    """The exporter of one rank (see the module docstring). Thread-safe: the loop, the checkpoint writer and
-    the sampler thread all record into it."""
+    """The exporter of one rank (see the module docstring)."""
 
     def __init__(
         self,
@@ -143,7 +143,7 @@ class PrometheusTelemetry:
         scaling: ScalingConfig,
         labels: JobLabels,
         world_size: int,
-        system_sink: SystemMetricsSink | None = None,
+        system_sink: MetricSink | None = None,
         start_threads: bool = True,
     ) -> None:
         self.cfg, self.scaling, self.labels, self.world_size = cfg, scaling, labels, world_size
@@ -151,7 +151,6 @@ class PrometheusTelemetry:
         self.system_sink = system_sink if self.is_rank0 else None
         self._register_metrics(labels)
         self._m["training_world_size"].set(world_size)
-        self._m["training_run_finished"].set(0)
         # Until the first logged step the clock reads the start: a rank stuck before any step (a hung collective,
         # unreadable data) then trips TrainingStalled like one stuck later.
         self._m["training_last_step_timestamp_seconds"].set(time.time())
@@ -170,7 +169,7 @@ class PrometheusTelemetry:
         self._last_push_warning = -float("inf")
         self._http_server = None
         self._totals: dict[str, float] = {}
-        """The totals the host and goodput counters last counted up to (:meth:`_count_up`)."""
+        """The totals the host, cost and goodput counters last counted up to (:meth:`_count_up`)."""
         self._global_step = 0
 
         self.gpus = NvmlGpus.open() if cfg.nvml else None
@@ -276,8 +275,7 @@ class PrometheusTelemetry:
             if self.is_rank0:
                 self._prior_cost = dict(saved.get("cost") or {})
                 self.timeline = Timeline(self.cfg.timeline_max_samples, saved.get("samples") or [])
-                cost = job_cost(self.scaling, self.cfg, wall_s=0.0, prior=self._prior_cost, num_workers=self.world_size)
-                self._report_cost(cost)
+                self._report_cost(self._cost(wall_s=0.0))
 
     def preemption_recovered(self, *, first_step_unix: float) -> float:
         """The first step after a resume from a preemption checkpoint is done: this attempt's seconds until then
@@ -323,9 +321,9 @@ class PrometheusTelemetry:
         """The execution's goodput so far, all ranks and attempts (rank 0): counters by their increase."""
         if not self.is_rank0:
             return
+        family = self._families["training_job_goodput_seconds_total"]
         with self._lock:
             for name, total in zip(GOODPUT_CATEGORIES, execution.seconds.as_list()):
-                family = self._families["training_job_goodput_seconds_total"]
                 self._count_up(family.labels(**self._job, category=name), f"goodput.{name}", total)
             self._m["training_goodput_ratio"].set(execution.goodput)
 
@@ -357,26 +355,25 @@ class PrometheusTelemetry:
 
     # --- sampling and delivery ---
 
-    def _cost(self) -> JobCost:
-        wall_s = time.monotonic() - self._started
+    def _cost(self, *, wall_s: float | None = None) -> JobCost:
+        """The job's cost: the earlier attempts' and this attempt's ``wall_s`` (default: its time so far)."""
         return job_cost(
             self.scaling,
             self.cfg,
-            wall_s=wall_s,
+            wall_s=time.monotonic() - self._started if wall_s is None else wall_s,
             prior=self._prior_cost,
             num_workers=self.world_size,
             lost_wall_s=self._lost_wall_s,
         )
 
     def _report_cost(self, cost: JobCost) -> None:
-        """Counters only go up: add what accrued since the last report."""
-        for name, seconds in (
-            ("training_job_gpu_seconds_total", "gpu_seconds"),
-            ("training_job_cpu_seconds_total", "cpu_seconds"),
-            ("training_job_preemption_gpu_seconds_total", "preemption_gpu_seconds"),
-            ("training_job_preemption_cpu_seconds_total", "preemption_cpu_seconds"),
+        for name, total in (
+            ("training_job_gpu_seconds_total", cost.gpu_seconds),
+            ("training_job_cpu_seconds_total", cost.cpu_seconds),
+            ("training_job_preemption_gpu_seconds_total", cost.preemption_gpu_seconds),
+            ("training_job_preemption_cpu_seconds_total", cost.preemption_cpu_seconds),
         ):
-            self._m[name].inc(max(0.0, getattr(cost, seconds) - getattr(self._cost_reported, seconds)))
+            self._count_up(self._m[name], name, total)
         self._m["training_job_cost_usd"].set(cost.cost_usd)
         self._cost_reported = cost
 
@@ -541,7 +538,7 @@ def build_telemetry(
     scaling: ScalingConfig,
     labels: JobLabels,
     world_size: int,
-    system_sink: SystemMetricsSink | None = None,
+    system_sink: MetricSink | None = None,
 ) -> Telemetry:
     """The exporter of this rank, or a :class:`NullTelemetry` when ``cfg.enabled`` is false."""
     if not cfg.enabled:

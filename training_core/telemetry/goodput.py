@@ -57,7 +57,7 @@ CATEGORIES: tuple[Category, ...] = typing.get_args(Category)
 CATEGORY_INDEX: dict[str, int] = {name: index for index, name in enumerate(CATEGORIES)}
 
 Outcome = Literal["running", "finished", "failed", "preempted"]
-OUTCOMES: tuple[Outcome, ...] = ("running", "finished", "failed", "preempted")
+OUTCOMES: tuple[Outcome, ...] = typing.get_args(Outcome)
 TAIL_CATEGORY: dict[Outcome, Category] = {"finished": "idle", "failed": "hung", "preempted": "preempted"}
 """What the time after an attempt's last step went to, by how the attempt ended."""
 
@@ -226,11 +226,8 @@ class AttemptGoodput:
 def settle_interrupted(
     attempt: AttemptGoodput, *, resumed_unix: float, preempted: bool, progress: LastProgress | None = None
 ) -> AttemptGoodput:
-    """``attempt`` as its checkpoint recorded it, completed up to ``resumed_unix`` (the next attempt's start): the
-    unrecorded time is ``preempted`` after a preemption; else, from ``progress``, steps kept ``productive``, the
-    wait ``hung`` and the retry's scheduling ``startup``; without ``progress``, ``recomputed`` (see the module
-    docstring; an unknown end is the last step's time). Each span is clipped to what lies between the record and
-    ``resumed_unix``."""
+    """``attempt`` as its checkpoint recorded it, its unrecorded time up to ``resumed_unix`` (the next attempt's start)
+    attributed as the module docstring says, each span clipped to what lies between the record and ``resumed_unix``."""
     workers, seconds = attempt.num_workers, attempt.seconds
     cursor = attempt.end_unix
     end = max(cursor, resumed_unix)

@@ -2,22 +2,14 @@
 
 Contract: :func:`mlflow_system_metrics` maps one host reading and the GPU readings to ``system/...`` metrics named as
 ``mlflow.system_metrics`` names them (so they show in the run's System Metrics tab), leaving out what a reading
-lacks; it computes only. :class:`SystemMetricsSink` is where the exporter logs them (a
-:class:`training_core.metrics.MlflowSink`). Why MLflow's own monitor is not used: see :mod:`training_core.telemetry`.
+lacks; it computes only. The exporter logs them to a :class:`training_core.metrics.MlflowSink`. Why MLflow's own
+monitor is not used: see :mod:`training_core.telemetry`.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol
-
 from training_core.telemetry.gpu import GpuReading
 from training_core.telemetry.host import HostReading
-
-
-class SystemMetricsSink(Protocol):
-    """Where rank 0's samples go as MLflow system metrics (a :class:`training_core.metrics.MlflowSink`)."""
-
-    def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None: ...
 
 
 def mlflow_system_metrics(host: HostReading | None, gpus: list[GpuReading]) -> dict[str, float]:

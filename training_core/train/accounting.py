@@ -12,8 +12,7 @@ An attempt that fails cannot write a checkpoint at its end, so its progress goes
 (:class:`ProgressLog`, :data:`PROGRESS_FILE` in their root, which every attempt of the run shares): rank 0 replaces it
 at each log window with the attempt's last finished step and its time, and a rank that sees the attempt fail (an
 error, a collective's timeout) adds the end. The next attempt reads it on resume and settles the interrupted one
-with it (:func:`~training_core.telemetry.goodput.settle_interrupted`): its steps after the checkpoint kept productive,
-the wait to its end hung, the rest start-up; without an end (a SIGKILL), none of it hung.
+with it (:func:`~training_core.telemetry.goodput.settle_interrupted`).
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from training_core.telemetry.goodput import (
     recompute_through_step,
     settle_interrupted,
 )
-from training_core.telemetry.stragglers import Straggler, StragglerDetector, rank_slots, rank_windows
+from training_core.telemetry.stragglers import CAUSES, Straggler, StragglerDetector, rank_slots, rank_windows
 
 if TYPE_CHECKING:
     import torch
@@ -103,10 +102,10 @@ class ProgressLog:
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
         self._pending: ProgressRecord | None = None
-        self._busy = False
         self._warned = False
-        self._changed = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._writer: threading.Thread | None = None
+        """The thread writing the pending records; it ends when none is left."""
 
     def read(self) -> ProgressRecord | None:
         try:
@@ -117,32 +116,26 @@ class ProgressLog:
             return None
 
     def note(self, record: ProgressRecord) -> None:
-        with self._changed:
+        with self._lock:
             self._pending = record
-            self._changed.notify()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._write_pending, name="progress-record", daemon=True)
-                self._thread.start()
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_pending, name="progress-record", daemon=True)
+                self._writer.start()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Wait (up to ``timeout_s``) until the last noted record is written; the writer thread ends."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._pending is None and not self._busy, timeout=timeout_s)
-            self._thread, thread = None, self._thread
-            self._changed.notify()
-        if thread is not None:
-            thread.join(timeout=1.0)
+        """Wait (up to ``timeout_s``) until the last noted record is written."""
+        with self._lock:
+            writer = self._writer
+        if writer is not None:
+            writer.join(timeout=timeout_s)
 
     def _write_pending(self) -> None:
-        me = threading.current_thread()
         while True:
-            with self._changed:
-                self._busy = False
-                self._changed.notify_all()
-                self._changed.wait_for(lambda: self._pending is not None or self._thread is not me)
-                if self._pending is None:
+            with self._lock:
+                record, self._pending = self._pending, None
+                if record is None:
+                    self._writer = None
                     return
-                record, self._pending, self._busy = self._pending, None, True
             try:
                 self.storage.write_note(PROGRESS_FILE, record.to_json())
             except Exception as exc:  # noqa: BLE001 - see the class docstring
@@ -182,7 +175,6 @@ class RunAccounting:
     rank: int
     world_size: int
     device: torch.device
-    nodes: Sequence[str]
     total_steps: int
     interval_steps: int
     clock: GoodputClock
@@ -254,7 +246,6 @@ class RunAccounting:
             rank=rank,
             world_size=world_size,
             device=device,
-            nodes=list(nodes),
             total_steps=total_steps,
             interval_steps=interval_steps,
             clock=GoodputClock(start_s=now_s - (now_unix - start_unix)),
@@ -388,7 +379,7 @@ class RunAccounting:
     def own_causes(self) -> dict[str, float]:
         """This rank's ``training_straggler`` gauge values by cause: 1 for the cause it is flagged for now."""
         mine = [s.cause for s in self.flagged if s.rank == self.rank]
-        return {cause: 1.0 if cause in mine else 0.0 for cause in ("compute", "data")}
+        return {cause: 1.0 if cause in mine else 0.0 for cause in CAUSES}
 
     def progress_metrics(self) -> dict[str, float]:
         """The window's progress for the step log line and MLflow: the ETA (when known) and the fraction done."""

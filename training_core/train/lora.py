@@ -37,7 +37,7 @@ def prepare_trainable(model: nn.Module, cfg: ModelConfig, *, seed: int | None = 
     if cfg.lora.enabled:
         model = add_adapters(model, cfg.lora)
         if seed is not None:
-            start_adapters(model, seed)
+            model.load_state_dict(adapter_values(model, seed), strict=False)  # the adapters alone
     freeze(model, cfg.freeze)
     if (cfg.lora.enabled or cfg.freeze) and not any(p.requires_grad for p in model.parameters()):
         invalid("model.freeze", cfg.freeze, "nothing is left to train: freeze fewer parameters")
@@ -146,16 +146,19 @@ def adapter_values(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return values
 
 
-def _adapter_tensors(model: nn.Module) -> dict[str, tuple[str, Any]]:
-    """Each adapter tensor of ``model`` by state-dict name: its :data:`ADAPTER_INIT` kind and the tensor."""
-    if "peft" not in sys.modules:  # a model with adapters has imported it
+def _adapted_layers(model: nn.Module) -> dict[str, Any]:
+    """``model``'s layers that carry adapters, by name; {} while peft is not imported (a model with adapters has)."""
+    if "peft" not in sys.modules:
         return {}
     from peft.tuners.tuners_utils import BaseTunerLayer
 
+    return {name: module for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)}
+
+
+def _adapter_tensors(model: nn.Module) -> dict[str, tuple[str, Any]]:
+    """Each adapter tensor of ``model`` by state-dict name: its :data:`ADAPTER_INIT` kind and the tensor."""
     found: dict[str, tuple[str, Any]] = {}
-    for layer_name, layer in model.named_modules():
-        if not isinstance(layer, BaseTunerLayer):
-            continue
+    for layer_name, layer in _adapted_layers(model).items():
         for kind_name in layer.adapter_layer_names:
             prefix = f"{layer_name}.{kind_name}" if layer_name else kind_name
             for name, param in getattr(layer, kind_name).named_parameters(prefix=prefix):
@@ -165,26 +168,13 @@ def _adapter_tensors(model: nn.Module) -> dict[str, tuple[str, Any]]:
     return found
 
 
-def start_adapters(model: nn.Module, seed: int) -> None:
-    """Set ``model``'s adapters (a model whole in this process) to :func:`adapter_values` of ``seed``."""
-    import torch
-
-    with torch.no_grad():
-        for name, value in adapter_values(model, seed).items():
-            model.get_parameter(name).copy_(value)
-
-
 def unadapted_names(model: nn.Module) -> dict[str, str]:
     """Each state-dict name of ``model`` but its adapters' -> the name it had before :func:`add_adapters`: an adapted
     layer's ``<layer>.base_layer.<tensor>`` was ``<layer>.<tensor>``, the rest kept theirs. What pretrained weights,
     saved for the model without adapters, are read by."""
     adapters = _adapter_tensors(model)
     names = [name for name in model.state_dict() if name not in adapters]
-    if "peft" not in sys.modules:
-        return {name: name for name in names}
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    adapted = {name for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)}
+    adapted = _adapted_layers(model)
     plain: dict[str, str] = {}
     for name in names:
         head, marker, tail = name.rpartition("base_layer.")
@@ -197,14 +187,9 @@ def unadapted_names(model: nn.Module) -> dict[str, str]:
 def merge_adapters(model: nn.Module) -> nn.Module:
     """``model`` with every LoRA adapter merged into its layer (``W + (alpha / rank) * B A``) and the layer put back
     as the plain one it wrapped (in place; returns ``model``): it loads and predicts without ``peft``. A model without
-    adapters is unchanged (and peft is not imported: a model with adapters has imported it)."""
-    if "peft" not in sys.modules:
-        return model
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    adapted = [(name, m) for name, m in model.named_modules() if isinstance(m, BaseTunerLayer) and name]
-    for name, module in adapted:
+    adapters is unchanged."""
+    for name, module in _adapted_layers(model).items():
         module.merge()
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, module.get_base_layer())
+        setattr(model.get_submodule(parent_name), child, module.get_base_layer())
     return model

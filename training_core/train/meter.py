@@ -254,11 +254,11 @@ class Reporter:
         sink: MetricSink,
         comm_timer: CommTimer,
         guard: DivergenceGuard,
-        accounting: RunAccounting | None = None,
+        accounting: RunAccounting,
     ) -> None:
         self.meter, self.telemetry, self.sink, self.comm_timer, self.guard = meter, telemetry, sink, comm_timer, guard
         self.accounting = accounting
-        """Goodput, stragglers and ETA (:mod:`training_core.train.accounting`); None: not accounted."""
+        """Goodput, stragglers and ETA (:mod:`training_core.train.accounting`)."""
 
     def step(self, result: StepResult, state: RunState, *, step_time_s: float, data_wait_s: float) -> None:
         """A finished step's times (and its all-reduce time) into the meter's sums and the telemetry."""
@@ -266,10 +266,9 @@ class Reporter:
         self.meter.step(
             result, global_step=state.global_step, step_time_s=step_time_s, data_wait_s=data_wait_s, comm_s=comm_s
         )
-        if self.accounting is not None:
-            self.accounting.step(
-                global_step=state.global_step, step_time_s=step_time_s, data_wait_s=data_wait_s, comm_wait_s=comm_s
-            )
+        self.accounting.step(
+            global_step=state.global_step, step_time_s=step_time_s, data_wait_s=data_wait_s, comm_wait_s=comm_s
+        )
         self.telemetry.step(
             duration_s=step_time_s,
             num_samples=result.num_samples,
@@ -296,8 +295,7 @@ class Reporter:
     def emit(self, record: StepRecord, state: RunState) -> None:
         """The one place a window's record goes: the step log, the metric sink and the telemetry."""
         state.step_log.append(record)
-        progress = self.accounting.progress_metrics() if self.accounting is not None else {}
-        self.sink.log_metrics(record.metrics() | progress, step=record.step)
+        self.sink.log_metrics(record.metrics() | self.accounting.progress_metrics(), step=record.step)
         self.telemetry.window(record.metrics(), global_step=record.step)
 
     def close_epoch(
@@ -305,8 +303,7 @@ class Reporter:
     ) -> EpochRecord:
         """The epoch's record from its sums and its validation figures ``val`` (finite: checked first), into the
         history, the telemetry and the sink; the run's best ``best_metric`` so far updated."""
-        if self.accounting is not None:  # validation ran since the epoch's last step (or the stall after it)
-            self.accounting.stall("evaluation")
+        self.accounting.stall("evaluation")  # validation ran since the epoch's last step (or the stall after it)
         self.guard.require_finite_validation(val["loss"], global_step=state.global_step)
         record = self.meter.close_epoch(
             epoch=epoch, global_step=state.global_step, steps_in_epoch=steps_in_epoch, val=val, lr=lr
@@ -320,8 +317,6 @@ class Reporter:
 
     def account_window(self, times: WindowTimes, *, global_step: int) -> None:
         """The closed window into the accounting (a collective), and its verdicts into the telemetry."""
-        if self.accounting is None:
-            return
         self.accounting.window(times, global_step=global_step)
         self.telemetry.stragglers(self.accounting.own_causes())
         progress = self.accounting.progress
@@ -332,13 +327,10 @@ class Reporter:
     def checkpoint_stall(self, seconds: float, *, global_step: int) -> None:
         """A checkpoint write held the loop for ``seconds``: into the sink and the accounting."""
         self.sink.log_metrics({"checkpoint_stall_s": seconds}, step=global_step)
-        if self.accounting is not None:
-            self.accounting.stall("checkpoint")
+        self.accounting.stall("checkpoint")
 
     def sync_goodput(self, state: RunState) -> None:
         """Before a checkpoint: the ranks' goodput summed (a collective) for its meta, the telemetry and the sink."""
-        if self.accounting is None:
-            return
         done = state.global_step >= self.accounting.total_steps or state.epoch >= self.accounting.end_epoch
         execution = self.accounting.sync(outcome="finished" if done else "running")
         self.telemetry.goodput(execution)
@@ -346,5 +338,4 @@ class Reporter:
 
     def telemetry_snapshot(self) -> dict[str, Any]:
         """A checkpoint's ``meta.telemetry``: the telemetry's, and the accounting's goodput and rank table."""
-        accounted = self.accounting.snapshot() if self.accounting is not None else {}
-        return self.telemetry.snapshot() | accounted
+        return self.telemetry.snapshot() | self.accounting.snapshot()

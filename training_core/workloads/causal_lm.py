@@ -42,9 +42,9 @@ from training_core.data.text import (
     TextTokenizer,
     TokenSpill,
     capped,
+    check_spilled_text,
     load_tokenizer,
     mapping_documents,
-    no_text_error,
     num_sequences,
     packed_shards,
     prepared_tokenizer,
@@ -166,16 +166,7 @@ class CausalLM:
     ) -> Manifest:
         """The spilled documents split, packed into sequences and written shard by shard, then the manifest. Every
         split is checked to hold a sequence before any shard is written."""
-        if not len(spill.sizes):
-            raise no_text_error(data, stats, source=source, from_user=self.dataset_source is not None)
-        if stats.missing_field:
-            log.warning(
-                "%s: skipped %d of %d records without a text value in data.text_field=%s",
-                source,
-                stats.missing_field,
-                stats.records,
-                quote(data.text_field),
-            )
+        check_spilled_text(spill, data, stats, source=source, from_user=self.dataset_source is not None)
         streams = _split_streams(spill, data, tokenizer, source)
         if tokenizer.kind == TOKENIZER_FILE:
             write_text(out_dir, TOKENIZER_FILE, tokenizer.json_text)

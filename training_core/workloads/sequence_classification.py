@@ -30,6 +30,7 @@ import os
 import re
 from array import array
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -47,6 +48,7 @@ from training_core.data.text import (
     SourceStats,
     TextTokenizer,
     TokenSpill,
+    check_spilled_text,
     load_tokenizer,
     no_text_error,
     prepared_tokenizer,
@@ -148,11 +150,7 @@ class SequenceClassification:
         log.info("tokenising %s %s", source, f"in Ray tasks, {ray_workers} at a time" if ray_workers else "here")
         with tempfile.TemporaryDirectory(prefix="token-spill-") as spill_dir:
             spill = spill_tokens(documents, tokenizer, os.path.join(spill_dir, "ids.bin"), ray_workers=ray_workers)
-            if not len(spill.sizes):
-                raise no_text_error(data, stats, source=source)
-            if stats.missing_field:
-                log.warning("%s: skipped %d of %d records without a text value in data.text_field=%s", source,
-                            stats.missing_field, stats.records, quote(data.text_field))  # fmt: skip
+            check_spilled_text(spill, data, stats, source=source)
             classes, label_ids = labels.classes()
             layout = SampleLayout.of(tokenizer, data.seq_len)
             splits = {  # shuffled within the split: a source sorted by label mixes
@@ -241,7 +239,6 @@ class SequenceClassification:
 
     def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``loss_sum`` (float64), ``correct``, ``samples`` and ``confusion`` (``[true, predicted]`` counts)."""
-
         input_ids, labels = batch
         return classification_sums(model(input_ids), labels)
 
@@ -402,11 +399,7 @@ def _manifest_template(
     spec = {
         "tokenizer": tokenizer.kind,
         "tokenizer_sha256": tokenizer.sha256,
-        "vocab_size": layout.vocab_size,
-        "cls_id": layout.cls_id,
-        "sep_id": layout.sep_id,
-        "pad_id": layout.pad_id,
-        "seq_len": data.seq_len,
+        **dataclasses.asdict(layout),  # cls_id, sep_id, pad_id, vocab_size, seq_len
         "label_field": data.label_field,
         "text_bytes": stats.text_bytes,
         "records": {split: len(index) for split, index in splits.items()},
@@ -456,16 +449,12 @@ def check_source(data: DataConfig) -> None:
 
 
 @dataclass(frozen=True)
-class LabeledTextSpec:
-    """What ``manifest.spec`` of prepared labelled text records (:meth:`SequenceClassification.prepare_data`)."""
+class LabeledTextSpec(SampleLayout):
+    """What ``manifest.spec`` of prepared labelled text records (:meth:`SequenceClassification.prepare_data`): the
+    sample layout and the tokenizer."""
 
     tokenizer: str
     tokenizer_sha256: str
-    vocab_size: int
-    pad_id: int
-    cls_id: int | None
-    sep_id: int | None
-    seq_len: int
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> LabeledTextSpec:
@@ -548,7 +537,6 @@ def build_encoder_config(model: ModelConfig, spec: LabeledTextSpec, classes: Seq
     class), with the data's classes and no dropout. A name that builds no sequence classifier, overrides it cannot
     take, or a name that disagrees with ``model.encoder_config`` raise ``ValueError`` naming the field."""
     config = encoder_architecture(model, vocab_size=spec.vocab_size, pad_id=spec.pad_id)
-    config.num_labels = len(classes)
     config.id2label = dict(enumerate(classes))
     config.label2id = {name: index for index, name in enumerate(classes)}
     config.problem_type = "single_label_classification"
@@ -765,20 +753,16 @@ def load_classifier(model_uri: str) -> RegisteredClassifier:
     import mlflow
 
     local = mlflow.artifacts.download_artifacts(artifact_uri=model_uri)
-    files = os.path.join(local, "extra_files")
-    if not os.path.isfile(os.path.join(files, CLASSIFIER_FILE)):
+    files = Path(local, "extra_files")
+    if not (files / CLASSIFIER_FILE).is_file():
         raise ValueError(
             f"model {quote(model_uri)} has no {CLASSIFIER_FILE} beside it: it was not logged by the "
             f"{NAME} workload (or by an older version); register a model trained by it"
         )
-    with open(os.path.join(files, CLASSIFIER_FILE), encoding="utf-8") as f:
-        described = json.load(f)
+    described = json.loads((files / CLASSIFIER_FILE).read_text(encoding="utf-8"))
     layout = SampleLayout(**{key: described[key] for key in SampleLayout.__dataclass_fields__})
-    if described["tokenizer"] == BYTE:
-        tokenizer = tokenizer_from_description(BYTE, where=model_uri)
-    else:
-        with open(os.path.join(files, TOKENIZER_FILE), encoding="utf-8") as f:
-            tokenizer = tokenizer_from_description(f.read(), where=f"{TOKENIZER_FILE} of {quote(model_uri)}")
+    description = BYTE if described["tokenizer"] == BYTE else (files / TOKENIZER_FILE).read_text(encoding="utf-8")
+    tokenizer = tokenizer_from_description(description, where=f"{TOKENIZER_FILE} of {quote(model_uri)}")
     return RegisteredClassifier(mlflow.pytorch.load_model(local), tokenizer, layout, described["classes"])
 
 
