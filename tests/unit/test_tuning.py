@@ -226,6 +226,20 @@ def test_yaml_file_overlays_the_tuning_defaults_and_environment_overrides_win(tm
     assert TuningConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def test_a_search_base_sizes_its_micro_batch_with_auto_from_its_file_or_the_environment(tmp_path):
+    from training_core.config import AUTO
+
+    path = tmp_path / "tuning.yaml"
+    lr_only = "search_space:\n  - {path: optimizer.lr, kind: log_uniform, low: 0.001, high: 0.1}\n"
+    path.write_text(lr_only + "base:\n  loop: {batch_size: auto, global_batch_size: 64}\n")
+    assert load_tuning_config(str(path), environ={}).base.loop.batch_size == AUTO
+    path.write_text(lr_only)
+    env = {"TUNING__BASE__LOOP__BATCH_SIZE": "Auto", "TUNING__BASE__LOOP__GLOBAL_BATCH_SIZE": "32"}
+    cfg = load_tuning_config(str(path), environ=env)
+    assert (cfg.base.loop.batch_size, cfg.base.loop.global_batch_size) == (AUTO, 32)
+    assert TuningConfig.from_dict(cfg.to_dict()) == cfg
+
+
 def test_no_file_and_no_environment_gives_the_default_search():
     cfg = load_tuning_config(environ={})
     assert cfg == TuningConfig()

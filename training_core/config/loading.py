@@ -41,12 +41,16 @@ def _is_auto(value: Any) -> bool:
 
 
 def _with_auto(raw: Any) -> Any:
-    """``raw`` with ``auto`` in an :data:`AUTO_FIELDS` field stored as :data:`AUTO`."""
+    """``raw`` with ``auto`` in an :data:`AUTO_FIELDS` field stored as :data:`AUTO`, at any depth: a tuning config
+    holds the training config as ``base``."""
+    if not isinstance(raw, Mapping):
+        return raw
+    raw = {key: _with_auto(value) for key, value in raw.items()}
     for path in AUTO_FIELDS:
         section, name = path.split(".")
-        fields = raw.get(section) if isinstance(raw, Mapping) else None
+        fields = raw.get(section)
         if isinstance(fields, Mapping) and _is_auto(fields.get(name)):
-            raw = {**raw, section: {**fields, name: AUTO}}
+            raw[section] = {**fields, name: AUTO}
     return raw
 
 
