@@ -366,6 +366,17 @@ def test_invalid_observability_settings_name_the_field_the_value_and_the_fix(fie
     assert message.startswith(f"observability.{field}={value!r} is invalid") and fix in message
 
 
+def test_an_http_port_whose_last_rank_would_pass_65535_is_refused_before_any_worker_binds():
+    # Rank r serves on http_port + r: bind() of 65536 raised OverflowError in the last worker, not an OSError.
+    raw = {"observability": {"http_port": 65535}, "scaling": {"num_workers": 2}, "data": {"num_shards": 2}}
+    with pytest.raises(ValueError) as error:
+        TrainingConfig.from_dict(raw)
+    message = str(error.value)
+    assert message.startswith("observability.http_port=65535 is invalid") and "use at most 65534" in message
+    raw["observability"]["http_port"] = 65534
+    assert TrainingConfig.from_dict(raw).observability.http_port == 65534
+
+
 def test_a_checkpointers_real_outcomes_reach_the_save_counters(tmp_path):
     import torch
 

@@ -78,7 +78,7 @@ def is_better(metric: str, value: float, than: float | None) -> bool:
 
 def _choice(path: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        invalid(path, value, f"choose one of {', '.join(choices)}")
+        invalid(path, value, f"choose one of {', '.join(choice or repr(choice) for choice in choices)}")
 
 
 def _positive(path: str, value: float) -> None:
@@ -1267,6 +1267,14 @@ class TrainingConfig:
             log.warning("model.sync_batchnorm=True is ignored on CPU: PyTorch's SyncBatchNorm needs a GPU")
         self._check_global_batch()
         self._check_elastic()
+        last_port = self.observability.http_port + self.scaling.num_workers - 1
+        if self.observability.http_port and last_port > 65535:
+            invalid(
+                "observability.http_port",
+                self.observability.http_port,
+                f"rank r serves on http_port + r, so the last of scaling.num_workers={self.scaling.num_workers} would "
+                f"need port {last_port}; use at most {65536 - self.scaling.num_workers}",
+            )
         accumulates = self.loop.grad_accum_steps > 1 or self.loop.batch_size == AUTO or self.loop.oom_policy == "reduce"
         if self.scaling.ddp_static_graph and (accumulates or self.sync.mode == "local_sgd"):
             invalid(

@@ -479,7 +479,7 @@ class PrometheusTelemetry:
 
         try:
             self._http_server, _ = start_http_server(port, registry=self.registry)
-        except OSError as exc:
+        except (OSError, OverflowError) as exc:  # OverflowError: a port past 65535
             log.warning(
                 "observability.http_port: cannot serve metrics on port %d (%s); they are only pushed", port, exc
             )
