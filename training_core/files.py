@@ -23,6 +23,10 @@ class UnreadableFile(ValueError):
     the file and what it is; callers add the field it came from and the fix."""
 
 
+class MissingFile(UnreadableFile):
+    """The file does not exist (or is a dangling symlink): callers that read an optional file tell it apart."""
+
+
 def join_path(directory: str, name: str) -> str:
     """``name`` inside ``directory``, a local path or a URL, joined by one ``/``."""
     return f"{directory.rstrip('/')}/{name}"
@@ -84,7 +88,7 @@ def read_regular(fs: Any, path: str, *, max_bytes: int, name: str = "") -> bytes
     except UnreadableFile:
         raise
     except FileNotFoundError:
-        raise UnreadableFile(f"{quote(name)} does not exist (it was removed?)") from None
+        raise MissingFile(f"{quote(name)} does not exist (it was removed?)") from None
     except Exception as exc:  # noqa: BLE001 - whatever a remote filesystem raises for an object it cannot read
         raise UnreadableFile(f"{quote(name)} cannot be read ({type(exc).__name__}: {clip(redact(str(exc)))})") from None
 
@@ -113,7 +117,7 @@ def open_regular_local(path: str, name: str = "") -> Any:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise UnreadableFile(f"{quote(name)} does not exist (a dangling symlink, or it was removed)") from None
+        raise MissingFile(f"{quote(name)} does not exist (a dangling symlink, or it was removed)") from None
     except OSError as exc:
         raise UnreadableFile(f"{quote(name)} cannot be opened ({type(exc).__name__}: {clip(str(exc))})") from None
     mode = os.fstat(fd).st_mode

@@ -327,3 +327,17 @@ def test_a_datasets_samples_are_read_into_one_array_per_column_not_a_list_of_eve
         # the data two to ten times over.
         assert peak < 1.6 * result, (type(dataset).__name__, peak, result)
         assert found["inputs"].shape == (20_000, 64) and found["inputs"].dtype == np.float32
+
+
+def test_split_samples_refuses_arrays_of_one_split_that_differ_in_length_naming_the_source():
+    # A user's own prep calls split_samples directly (examples/tabular_mlp): 100 features for 90 labels used to end
+    # in numpy's IndexError from inside the shuffle.
+    from training_core.data import split_samples
+
+    raw = {"train": {"features": np.zeros((100, 3), np.float32), "labels": np.zeros(90, np.int64)}}
+    with pytest.raises(ValueError) as error:
+        split_samples(raw, DataConfig(), source="workload.dataset_source='mine:load'")
+    assert str(error.value) == (
+        "workload.dataset_source='mine:load' gave split 'train' arrays of different lengths ('features': 100, "
+        "'labels': 90); give each array one entry per sample"
+    )

@@ -4,6 +4,7 @@ defect fails as a ``ValueError`` naming the file (or archive member) and the fie
 
 import copy
 import json
+import os
 import pickle
 import shutil
 import struct
@@ -583,6 +584,21 @@ def test_a_missing_or_binary_manifest_says_to_run_data_prep(tmp_path):
     )
     (tmp_path / "manifest.json").write_bytes(b"\xff\xfe{}")
     assert "manifest.json is not UTF-8 text" in _error(Manifest.load, str(tmp_path))
+
+
+def test_a_manifest_that_is_a_fifo_or_a_device_is_refused_without_blocking(tmp_path):
+    # Read with a plain open(), a FIFO named manifest.json waited for a writer forever and /dev/zero never ended.
+    fifo_dir, device_dir = tmp_path / "fifo", tmp_path / "device"
+    fifo_dir.mkdir()
+    device_dir.mkdir()
+    os.mkfifo(fifo_dir / "manifest.json")
+    (device_dir / "manifest.json").symlink_to("/dev/zero")
+    assert "manifest.json cannot be read: " in _error(Manifest.load, str(fifo_dir))
+    assert "is a FIFO, not a regular file" in _error(Manifest.load, str(fifo_dir))
+    assert "is a character device, not a regular file" in _error(Manifest.load, str(device_dir))
+    (tmp_path / "dangling").mkdir()
+    (tmp_path / "dangling" / "manifest.json").symlink_to(tmp_path / "nowhere")
+    assert "manifest.json is missing" in _error(Manifest.load, str(tmp_path / "dangling"))
 
 
 def _rewrite_shard(directory, raw, index, **arrays):

@@ -38,7 +38,7 @@ from training_core.data.shard_files import (
     shard_error,
     shard_where,
 )
-from training_core.files import join_path
+from training_core.files import MissingFile, UnreadableFile, join_path, read_regular_path
 from training_core.messages import clip, listed, quote
 from training_core.redact import redact
 from training_core.schema import UNKNOWN_KEY_KINDS, Count, Problem, Rule, SchemaError, check, is_int, is_mapping
@@ -46,6 +46,8 @@ from training_core.schema import UNKNOWN_KEY_KINDS, Count, Problem, Rule, Schema
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 256 * 2**20
+"""The most bytes read of a ``manifest.json``: about 150 bytes a shard, so over a million shards."""
 MANIFEST_VERSION = 4
 """4 records the shard format (``npz`` arrays or ``parquet`` encoded images) and the bad samples prep skipped.
 3 names the workload and the arrays every sample has, with each shard's value bounds. 2 recorded each shard's
@@ -169,16 +171,16 @@ class Manifest:
 
     @classmethod
     def load(cls, directory: str) -> "Manifest":
-        """The manifest of a prepared data directory (see :meth:`from_json`)."""
-        import fsspec
-
+        """The manifest of a prepared data directory (see :meth:`from_json`), read as a regular file of at most
+        :data:`MAX_MANIFEST_BYTES` (a FIFO or a device named ``manifest.json`` is refused, never read)."""
         try:
-            with fsspec.open(join_path(directory, MANIFEST_NAME), "rb") as f:
-                payload = f.read()
-        except (FileNotFoundError, IsADirectoryError):
+            payload = read_regular_path(join_path(directory, MANIFEST_NAME), max_bytes=MAX_MANIFEST_BYTES)
+        except MissingFile:
             raise ValueError(
                 f"{_where(directory)} is missing: the directory holds no prepared data; {RERUN_PREP}"
             ) from None
+        except UnreadableFile as exc:
+            raise ValueError(f"{_where(directory)} cannot be read: {exc}; {RERUN_PREP}") from None
         try:
             text = payload.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -580,7 +582,14 @@ def split_samples(
 ) -> dict[str, dict[str, np.ndarray]]:
     """Shuffle ``raw["train"]`` (name -> array, first axis the samples) with ``data.split_seed`` and carve val (and
     test, when the source has none) out of it by ``data.val_fraction`` / ``data.test_fraction``; a source's own
-    val or test split is kept as it is."""
+    val or test split is kept as it is. Arrays of one split that differ in length raise ``ValueError`` naming
+    ``source``."""
+    for split, arrays in raw.items():
+        lengths = {name: len(value) for name, value in arrays.items()}
+        if len(set(lengths.values())) > 1:
+            found = ", ".join(f"{name!r}: {length}" for name, length in lengths.items())
+            raise ValueError(f"{source} gave split {split!r} arrays of different lengths ({clip(found)}); give each "
+                             "array one entry per sample")  # fmt: skip
     rng = np.random.default_rng(cfg.split_seed)
     train = raw["train"]
     n = len(next(iter(train.values())))
