@@ -512,7 +512,9 @@ def test_a_dataset_source_that_returns_the_wrong_type_fails_data_prep(user_packa
     assert not (tmp_path / "prepared").exists()
 
 
-def test_a_dataset_source_whose_images_are_wrong_names_the_source_and_the_split(user_package, tmp_path):
+@pytest.mark.parametrize("image_size", [0, 16], ids=["as-given", "resized"])
+def test_a_dataset_source_whose_images_are_wrong_names_the_source_and_the_split(user_package, tmp_path, image_size):
+    # Resized (data.image_size), the images used to reach torch's interpolate first and fail with its own words.
     module = user_package(
         """
         import numpy as np
@@ -525,7 +527,7 @@ def test_a_dataset_source_whose_images_are_wrong_names_the_source_and_the_split(
     )
     workload = resolve_workload(WorkloadConfig(dataset_source=f"{module}:source"))
     with pytest.raises(ValueError) as caught:
-        workload.prepare_data(DataConfig(), str(tmp_path / "prepared"))
+        workload.prepare_data(DataConfig(image_size=image_size), str(tmp_path / "prepared"))
     assert str(caught.value).startswith(f"workload.dataset_source='{module}:source' gave split 'train' images ")
     assert "expected uint8 N x C x H x W" in str(caught.value)
 

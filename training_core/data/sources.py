@@ -44,9 +44,10 @@ class RawDataset:
     classes: list[str]
     """Class names, indexed by label."""
 
-    def check(self, source: str) -> None:
+    def check(self, source: str, *, one_shape: bool = True) -> None:
         """Raise ``ValueError`` naming ``source`` unless the classes are unique strings and every split holds uint8
-        images N x C x H x W of one shape across splits, with N int64 labels in ``[0, len(classes))``.
+        images N x C x H x W (of one shape across splits, unless not ``one_shape``: before a resize), with N int64
+        labels in ``[0, len(classes))``.
 
         Each reader checks its own format; this is the contract data prep relies on, whichever reader ran."""
         if not self.classes or not all(isinstance(c, str) for c in self.classes):
@@ -68,7 +69,7 @@ class RawDataset:
                     f"class of {len(self.classes)}"
                 )
             shapes.add(images.shape[1:])
-        if len(shapes) > 1:
+        if one_shape and len(shapes) > 1:
             raise ValueError(f"{source} gave splits of different image shapes {sorted(shapes)}; expected one shape")
 
 

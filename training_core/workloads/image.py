@@ -56,7 +56,8 @@ class ImageClassification:
                     "PyTorch Dataset or a Hugging Face datasets.Dataset, set workload.name to array_classification "
                     "(or array_regression)"
                 )
-            if data.image_size:
+            if data.image_size:  # what a resize reads checked first; the shapes agree after it
+                raw.check(source, one_shape=False)
                 raw.splits = {name: (resize_images(x, data.image_size), y) for name, (x, y) in raw.splits.items()}
             raw.check(source)
         splits = split_samples(
