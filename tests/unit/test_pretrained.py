@@ -503,3 +503,29 @@ def test_an_fsdp_runs_preflight_matches_the_weights_by_their_headers_and_records
         tracemalloc.stop()
     assert peak_bytes < path.stat().st_size / 8, (peak_bytes, path.stat().st_size)
     assert cfg.model.pretrained_sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_fsdp_export_rebuilds_the_model_without_reading_the_pretrained_weights_again(
+    data_dir, tmp_path, process_group
+):
+    # At the end of an FSDP run rank 0 rebuilds the model whole for MLflow and loads the gathered state into it. It
+    # used to rebuild with model.pretrained too: weights moved or changed during the run failed the export after all
+    # the training, and unchanged ones were read and hashed again only to be overwritten.
+    from torch.distributed.fsdp import fully_shard
+
+    from training_core.train.model import ModelExport
+
+    path = tmp_path / "weights.safetensors"
+    save_file(_weights(data_dir), path)
+    cfg = _config(str(path), new_head="head.*")
+    workload = preflight(cfg, data_dir)
+    manifest = Manifest.load(data_dir)
+    model = workload.build_model(cfg, manifest)
+    with torch.no_grad():
+        for parameter in model.parameters():  # "trained": set apart from the pretrained and the seeded weights
+            parameter.mul_(-2.0)
+    trained = {key: value.clone() for key, value in model.state_dict().items()}
+    fully_shard(model)
+    path.unlink()  # the weights the run started from are gone by its end
+    export = ModelExport(None, cfg, manifest=manifest, workload=workload, rank=0, sharded=True)
+    _assert_equal(export.gathered(model).state_dict(), trained)

@@ -151,11 +151,16 @@ class ModelExport:
         """The FSDP model whole, in one process on rank 0's CPU (None on the other ranks): a collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        from training_core.pretrained import without_pretrained
         from training_core.train.lora import prepare_trainable
 
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
-        rebuilt = prepare_trainable(self.workload.build_model(self.cfg, self.manifest), self.cfg.model)
+        # Built without model.pretrained, as a checkpoint's rebuild is: the gathered state replaces every tensor, and
+        # the weights the run started from may be gone or changed by its end.
+        raw = self.cfg.to_dict()
+        cfg = type(self.cfg).from_dict({**raw, "model": without_pretrained(raw["model"])})
+        rebuilt = prepare_trainable(self.workload.build_model(cfg, self.manifest), cfg.model)
         rebuilt.load_state_dict(full)
         return rebuilt
