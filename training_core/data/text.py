@@ -38,7 +38,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from training_core.config import DataConfig
-from training_core.data.shard_files import RERUN_PREP
+from training_core.data.shard_files import RERUN_PREP, check_sha256
 from training_core.files import UnreadableFile, join_path, open_regular, read_regular_path
 from training_core.messages import clip, quote
 from training_core.redact import redact
@@ -200,9 +200,7 @@ def prepared_tokenizer(directory: str, tokenizer: str, sha256: str) -> TextToken
         payload = read_regular_path(join_path(directory, TOKENIZER_FILE), max_bytes=MAX_TOKENIZER_BYTES)
     except UnreadableFile as exc:
         raise ValueError(f"{where} cannot be read: {exc}; {RERUN_PREP}") from None
-    digest = hashlib.sha256(payload).hexdigest()
-    if digest != sha256:
-        raise ValueError(f"{where} is corrupt: sha256 {digest} != manifest {sha256}; {RERUN_PREP}")
+    check_sha256(where, hashlib.sha256(payload).hexdigest(), sha256)
     return tokenizer_from_description(payload.decode("utf-8"), where=where)
 
 

@@ -61,12 +61,7 @@ def _sampler(spec: ParamSpec) -> Any:
 
 
 def _params(space: list[ParamSpec], tune_config: dict[str, Any]) -> dict[str, str]:
-    return {
-        spec.path: str(tune_config[_key(spec.path)])
-        if spec.kind == "choice"
-        else format_param(float(tune_config[_key(spec.path)]), spec)
-        for spec in space
-    }
+    return {spec.path: format_param(tune_config[_key(spec.path)], spec) for spec in space}
 
 
 def _trial_driver(tune_config: dict[str, Any]) -> None:
