@@ -606,8 +606,8 @@ def perturb(
     rng: random.Random,
 ) -> Params:
     """PBT's explore step: numeric params are resampled (with ``resample_probability``) or multiplied by
-    a random factor and clipped to their range; ``choice`` params are kept, since the copied optimizer
-    state and data position belong to them."""
+    a random factor and clipped to their range (an ``int`` that the factor would round back to itself moves by one
+    its way); ``choice`` params are kept, since the copied optimizer state and data position belong to them."""
     out = dict(params)
     for spec in space:
         if not spec.numeric:
@@ -615,8 +615,11 @@ def perturb(
         if rng.random() < resample_probability:
             out[spec.path] = sample([spec], rng)[spec.path]
             continue
-        value = min(spec.high, max(spec.low, float(params[spec.path]) * rng.choice(list(factors))))
-        out[spec.path] = format_param(value, spec)
+        old, factor = float(params[spec.path]), rng.choice(list(factors))
+        new = format_param(min(spec.high, max(spec.low, old * factor)), spec)
+        if spec.kind == "int" and float(new) == old:  # 2 x 1.25 rounds to 2: small ints would never move
+            new = format_param(old + (1 if factor > 1 else -1), spec)
+        out[spec.path] = new
     return out
 
 

@@ -395,6 +395,19 @@ def test_perturb_scales_and_clips_numeric_params_and_keeps_choices():
         assert fresh["optimizer.name"] == "sgd"
 
 
+def test_perturb_moves_a_small_int_param_that_its_factor_would_round_back_to_itself():
+    # 2 x 1.25 = 2.5 and 2 x 0.8 = 1.6 both round to 2: warmup_steps=2 never changed unless resampled.
+    space = [ParamSpec("schedule.warmup_steps", "int", low=0, high=40)]
+    seen = {
+        perturb({"schedule.warmup_steps": "2"}, space, factors=[0.8, 1.25], resample_probability=0.0,
+                rng=random.Random(seed))["schedule.warmup_steps"]
+        for seed in range(20)
+    }  # fmt: skip
+    assert seen == {"1", "3"}
+    at_low = perturb({"schedule.warmup_steps": "0"}, space, factors=[0.8], resample_probability=0, rng=random.Random())
+    assert at_low == {"schedule.warmup_steps": "0"}  # clipped to the range, as before
+
+
 def _lr_search(**overrides) -> TuningConfig:
     return TuningConfig.from_dict(
         {
