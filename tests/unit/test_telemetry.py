@@ -260,7 +260,7 @@ def test_cost_and_timeline_carry_over_a_restart_through_the_checkpoint_meta():
     first.sample()
     saved = first.snapshot()
     first.close(finished=False)
-    assert set(saved) == {"samples", "cost"} and len(saved["samples"]) == 1
+    assert set(saved) == {"samples", "sample_stride", "cost"} and len(saved["samples"]) == 1
     sample = saved["samples"][0]
     assert set(sample) == {
         "elapsed_s",
@@ -295,6 +295,30 @@ def test_the_timeline_stays_bounded_and_spans_the_whole_run():
         timeline.add({"elapsed_s": float(i)})
     times = [s["elapsed_s"] for s in timeline.samples]
     assert 4 <= len(times) < 10 and times[0] == 0.0 and times[-1] >= 800 and times == sorted(times)
+
+
+def test_a_resumed_run_continues_its_timeline_at_the_interval_it_had_reached():
+    # Without the stride in the checkpoint a resumed run sampled at every reading again: its part of the Deck's
+    # timeline came 8x denser than the part before it.
+    first = _telemetry(timeline_max_samples=8)
+    for i in range(40):
+        first.timeline.add({"elapsed_s": float(i)})
+    saved = first.snapshot()
+    first.close(finished=True)
+    assert saved["sample_stride"] == first.timeline.stride == 8
+    second = _telemetry(timeline_max_samples=8)
+    second.resumed(saved, global_step=40, elapsed_s=40.0, num_restarts=1)
+    for i in range(40, 56):
+        second.timeline.add({"elapsed_s": float(i)})
+    times = [s["elapsed_s"] for s in second.timeline.samples]
+    assert times[: len(saved["samples"])] == [s["elapsed_s"] for s in saved["samples"]]
+    assert times[len(saved["samples"]) :] == [47.0, 55.0]  # one reading in 8, as before the resume
+    for stride in ("8", -1, 0, 2**41, None):  # a checkpoint is data: anything else restarts the thinning at 1
+        third = _telemetry(timeline_max_samples=8)
+        third.resumed({**saved, "sample_stride": stride}, global_step=40, elapsed_s=40.0, num_restarts=1)
+        assert third.timeline.stride == 1, stride
+        third.close(finished=True)
+    second.close(finished=True)
 
 
 def test_pushing_to_an_unreachable_gateway_warns_once_and_never_raises(caplog):

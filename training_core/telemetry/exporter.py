@@ -28,6 +28,7 @@ from typing import Any, Mapping, Protocol
 
 from training_core.config import ObservabilityConfig, ScalingConfig
 from training_core.metrics import MetricSink
+from training_core.schema import is_count
 from training_core.telemetry.catalog import JOB_LABELS, METRICS, PUSHGATEWAY_JOB
 from training_core.telemetry.cost import JobCost, job_cost
 from training_core.telemetry.eta import Progress
@@ -274,7 +275,10 @@ class PrometheusTelemetry:
             self._elapsed_offset_s = elapsed_s - (time.monotonic() - self._started)
             if self.is_rank0:
                 self._prior_cost = dict(saved.get("cost") or {})
-                self.timeline = Timeline(self.cfg.timeline_max_samples, saved.get("samples") or [])
+                # A checkpoint is data: a stride that is not a count from 1 to 2**40 restarts the thinning.
+                stride = saved.get("sample_stride")
+                stride = stride if is_count(stride) and 1 <= stride <= 2**40 else 1
+                self.timeline = Timeline(self.cfg.timeline_max_samples, saved.get("samples") or [], stride)
                 self._report_cost(self._cost(wall_s=0.0))
 
     def preemption_recovered(self, *, first_step_unix: float) -> float:
@@ -351,7 +355,8 @@ class PrometheusTelemetry:
         if not self.is_rank0:
             return {}
         with self._lock:
-            return {"samples": [dict(s) for s in self.timeline.samples], "cost": self._cost().summary()}
+            samples = [dict(s) for s in self.timeline.samples]
+            return {"samples": samples, "sample_stride": self.timeline.stride, "cost": self._cost().summary()}
 
     # --- sampling and delivery ---
 
