@@ -124,9 +124,8 @@ class StepLog:
 
     def _merge_narrowest(self) -> None:
         spans = [self._span(i) for i in range(len(self.records))]
-        # Pairs (i, i + 1), never the newest record's pair: the run's last figures stay as logged.
-        pairs = range(len(self.records) - 2)
-        i = min(pairs, key=lambda j: (spans[j] + spans[j + 1], j)) if len(self.records) > 2 else 0
+        # The narrowest pair (i, i + 1), never the newest record's pair: the run's last figures stay as logged.
+        i = min(range(len(self.records) - 2), key=lambda j: spans[j] + spans[j + 1])
         a, b = self.records[i], self.records[i + 1]
         na, nb = max(1, spans[i]), max(1, spans[i + 1])
         self.records[i : i + 2] = [_merged(a, b, na, nb)]
@@ -138,7 +137,7 @@ class StepLog:
 
 
 def _merged(a: StepRecord, b: StepRecord, na: int, nb: int) -> StepRecord:
-    """One record for two adjacent windows of ``na`` and ``nb`` steps: step-weighted means, ``b``'s position."""
+    """One record for two adjacent windows of ``na`` and ``nb`` steps: step-weighted means, the rest as ``b`` has it."""
     total_time_s = a.step_time_s * na + b.step_time_s * nb
 
     def mean(x: float, y: float) -> float:
@@ -147,19 +146,15 @@ def _merged(a: StepRecord, b: StepRecord, na: int, nb: int) -> StepRecord:
     def time_mean(x: float, y: float) -> float:
         return (x * a.step_time_s * na + y * b.step_time_s * nb) / total_time_s if total_time_s else 0.0
 
-    return StepRecord(
-        step=b.step,
-        epoch=b.epoch,
+    return dataclasses.replace(
+        b,
         train_loss=mean(a.train_loss, b.train_loss),
         train_accuracy=mean(a.train_accuracy, b.train_accuracy),
-        lr=b.lr,
-        grad_norm=b.grad_norm,
         samples_per_s=time_mean(a.samples_per_s, b.samples_per_s),
         tokens_per_s=time_mean(a.tokens_per_s, b.tokens_per_s),
         step_time_s=total_time_s / (na + nb),
         data_wait_s=mean(a.data_wait_s, b.data_wait_s),
         allreduce_fraction=time_mean(a.allreduce_fraction, b.allreduce_fraction),
-        elapsed_s=b.elapsed_s,
         num_steps=na + nb,
     )
 

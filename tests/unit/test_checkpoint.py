@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 
@@ -147,6 +148,26 @@ def test_retention_keeps_the_last_k_and_the_best_and_never_a_half_written_one(tm
     (tmp_path / ".tmp-step-000000006-abcd").mkdir()  # what a crash mid-write leaves behind
     assert storage.list_steps()[-1] == "step-000000005"
     assert ckpt.load_latest_valid(storage).name == "step-000000005"
+
+
+def test_a_nan_metric_is_never_kept_as_the_best_checkpoint(tmp_path):
+    storage = ckpt.CheckpointStorage(str(tmp_path))
+    checkpointer = ckpt.Checkpointer(storage, keep_last=1, keep_best=True, best_mode="max", async_save=False)
+    for step, metric in ((1, math.nan), (2, 0.9), (3, 0.5)):
+        checkpointer.save(step, checkpoint_state(step, metric=metric), metric=metric)
+    assert storage.list_steps() == ["step-000000002", "step-000000003"]
+
+
+def test_a_synchronous_save_tolerates_failures_up_to_the_limit_like_an_asynchronous_one(tmp_path, caplog):
+    (tmp_path / "file").write_text("not a directory")
+    storage = ckpt.CheckpointStorage(str(tmp_path / "file" / "root"))
+    checkpointer = ckpt.Checkpointer(storage, keep_last=1, async_save=False, max_consecutive_failures=2)
+    with caplog.at_level(logging.ERROR, logger="training_core"):
+        checkpointer.save(1, checkpoint_state(1))
+    assert checkpointer.num_failed == 1 and "checkpoint save of step 1 failed" in caplog.text
+    with pytest.raises(ckpt.CheckpointError, match="writing checkpoint .*step-000000002 failed"):
+        checkpointer.save(2, checkpoint_state(2))
+    assert checkpointer.num_failed == 2
 
 
 def test_storage_retries_a_transient_error_then_succeeds(tmp_path, caplog):

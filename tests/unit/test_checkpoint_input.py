@@ -272,9 +272,9 @@ class RecordingStorage(ckpt.CheckpointStorage):
         super().__init__(root)
         self.files_read: list[str] = []
 
-    def read(self, name: str, file: str) -> bytes:
+    def read(self, name: str, file: str, *, max_bytes: int) -> bytes:
         self.files_read.append(file)
-        return super().read(name, file)
+        return super().read(name, file, max_bytes=max_bytes)
 
 
 @pytest.mark.parametrize(
@@ -327,17 +327,34 @@ def test_a_stray_invalid_step_directory_with_a_large_step_is_skipped(root, caplo
     assert f"skipping checkpoint {root / 'step-999999999999'}: " in warnings and "no readable manifest.json" in warnings
 
 
-def test_a_manifest_that_is_a_directory_fails_at_once_without_retries_and_the_older_one_loads(root, caplog):
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [
+        (lambda path: path.mkdir(), "a directory"),
+        (lambda path: os.mkfifo(path), "a FIFO"),  # a plain read waited for a writer forever
+        (lambda path: path.symlink_to("/dev/zero"), "a character device"),  # a plain read never ended
+    ],
+    ids=["directory", "fifo", "dev-zero"],
+)
+def test_a_manifest_that_is_no_regular_file_fails_at_once_without_retries_and_the_older_one_loads(
+    root, caplog, make, kind
+):
     (root / NEWER / ckpt.MANIFEST_FILE).unlink()
-    (root / NEWER / ckpt.MANIFEST_FILE).mkdir()
+    make(root / NEWER / ckpt.MANIFEST_FILE)
     # Were it retried, the first retry alone would wait an hour.
     storage = ckpt.CheckpointStorage(str(root), retries=5, retry_wait_s=3600.0)
     loaded, warnings = _load_with_warnings(storage, caplog)
     assert loaded.name == OLDER
     assert "retrying" not in warnings
-    assert (
-        f"reading {root / NEWER}/manifest.json failed after 1 attempt(s), not retryable: IsADirectoryError" in warnings
-    )
+    assert f"reading {root / NEWER}/manifest.json failed after 1 attempt(s), not retryable: " in warnings
+    assert f"is {kind}, not a regular file" in warnings
+
+
+def test_a_checkpoint_file_longer_than_its_manifest_says_is_not_read_past_it(root, caplog):
+    model = root / NEWER / ckpt.MODEL_FILE
+    model.write_bytes(model.read_bytes() + b"\0" * 4096)
+    loaded, warnings = _load_with_warnings(ckpt.CheckpointStorage(str(root)), caplog)
+    assert loaded.name == OLDER and "holds more than" in warnings
 
 
 def _client_error(code: str, status: int):
@@ -371,6 +388,15 @@ def _transient_errors():
         _client_error("Throttling", 400),
         _client_error("InternalError", 500),
     ]
+
+
+def test_the_metadata_of_a_directory_without_one_is_a_checkpoint_error_without_credentials():
+    root = f"memory://AKIAMARKER:SECRETMARKER@bucket-{uuid.uuid4().hex[:8]}/run"
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"memory://\*\*\*@bucket-.*/run/step-000000001/meta.json is missing"
+    ) as excinfo:
+        ckpt.load_meta(f"{root}/step-000000001")
+    assert "SECRETMARKER" not in str(excinfo.value)
 
 
 def test_storage_errors_that_waiting_cannot_fix_are_not_retried(tmp_path, caplog):

@@ -176,7 +176,9 @@ def test_a_language_model_resumes_mid_epoch_from_an_interval_checkpoint_bit_iden
     assert resumed.meta.resumed_from_steps == [5] and resumed.meta.global_step == whole.meta.global_step
     final = ckpt.step_name(whole.meta.global_step)
     assert (
-        ckpt.CheckpointManifest.parse(storage.read(final, ckpt.MANIFEST_FILE), where="manifest").format
+        ckpt.CheckpointManifest.parse(
+            storage.read(final, ckpt.MANIFEST_FILE, max_bytes=ckpt.MAX_MANIFEST_BYTES), where="manifest"
+        ).format
         == {"ddp": "full", "fsdp": "sharded"}[strategy]
     )
     whole_weights = ckpt.load_model(str(tmp_path / "whole" / final))[0].state_dict()

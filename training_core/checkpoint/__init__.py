@@ -29,6 +29,7 @@ from training_core.checkpoint.checkpointer import Checkpointer  # noqa: F401 - t
 from training_core.checkpoint.layout import (  # noqa: F401
     CHECKPOINT_FILES,
     MANIFEST_FILE,
+    MAX_MANIFEST_BYTES,
     META_FILE,
     MODEL_FILE,
     SHARD_METADATA_FILE,

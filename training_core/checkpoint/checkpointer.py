@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -12,6 +13,7 @@ from typing import Any, Callable, Protocol
 
 from training_core.checkpoint.layout import (
     MANIFEST_FILE,
+    MAX_MANIFEST_BYTES,
     META_FILE,
     SHARDS_DIR,
     TRAINER_STATE_FILE,
@@ -90,12 +92,11 @@ class Checkpointer:
         good checkpoint in place. Once ``max_consecutive_failures`` saves in a row have failed, this raises
         :class:`CheckpointError`.
         """
-        name = step_name(global_step)
 
         def write() -> int:
             files = encode(state)
             manifest = manifest_for(files, global_step=global_step, metric=metric)
-            self.storage.write(name, files, manifest)
+            self.storage.write(step_name(global_step), files, manifest)
             return sum(len(d) for d in files.values()) + len(manifest)
 
         return self._submit(global_step, write, prune=True)
@@ -184,8 +185,10 @@ class Checkpointer:
                 target=self._write_guarded, args=(global_step, write, prune), name="checkpoint-writer", daemon=True
             )
             self._thread.start()
-        else:
-            self._write(global_step, write, prune)
+        else:  # failures are tolerated as in the background, and raised once too many came in a row
+            self._write_guarded(global_step, write, prune)
+            if self.consecutive_failures >= self.max_consecutive_failures:
+                self._settle()  # raises as a background save's failure would
         return time.perf_counter() - start
 
     def wait(self) -> None:
@@ -212,9 +215,10 @@ class Checkpointer:
             self._write(global_step, write, prune)
         except BaseException as exc:  # reported by the next save() or wait() on the training thread
             log.error("checkpoint save of step %d failed: %s", global_step, reason(exc))
-            if not isinstance(exc, CheckpointError):
-                exc = CheckpointError(f"checkpoint save of step {global_step} failed: {reason(exc)}")
-            self._error = exc
+            failed = f"checkpoint save of step {global_step} failed: {reason(exc)}"
+            self._error = exc if isinstance(exc, CheckpointError) else CheckpointError(failed)
+            if not isinstance(exc, Exception):
+                raise  # an interrupt (Ctrl-C during a synchronous save) stops the run: it is no failure to tolerate
 
     def _write(self, global_step: int, write: Callable[[], int], prune: bool) -> None:
         """Run ``write`` (it returns the bytes it wrote), count its outcome, and prune after a success."""
@@ -252,9 +256,11 @@ class Checkpointer:
         for name in names:
             try:
                 where = f"{self.storage.display_uri(name)}/{MANIFEST_FILE}"
-                metric = CheckpointManifest.parse(self.storage.read(name, MANIFEST_FILE), where=where).metric
+                metric = CheckpointManifest.parse(
+                    self.storage.read(name, MANIFEST_FILE, max_bytes=MAX_MANIFEST_BYTES), where=where
+                ).metric
             except (CheckpointError, FileNotFoundError):
                 continue  # not a candidate; load_latest_valid reports it when it matters
-            if metric is not None:
+            if metric is not None and not math.isnan(metric):  # NaN (a diverged validation) ranks nowhere
                 scored.append((metric if self.best_mode == "max" else -metric, name))
         return max(scored)[1] if scored else None

@@ -14,6 +14,11 @@ MODEL_FILE = "model.pt"
 TRAINER_STATE_FILE = "trainer_state.pt"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
+MAX_MANIFEST_BYTES = 16 * 2**20
+"""The most bytes read of a checkpoint's ``manifest.json`` (a few hundred a file, a sharded one a file a rank)."""
+MAX_META_BYTES = 64 * 2**20
+"""The most bytes read of a ``meta.json`` without its manifest (:func:`~training_core.checkpoint.load.load_meta`):
+its step log and timeline are bounded, its RNG states grow with the world size (about 10 KB a rank)."""
 CHECKPOINT_FILES = (MODEL_FILE, TRAINER_STATE_FILE, META_FILE)
 """The files a manifest lists: exactly these, each a plain name inside the checkpoint's directory."""
 SHARDS_DIR = "shards"
@@ -25,6 +30,7 @@ SHARDED_FILES = (TRAINER_STATE_FILE, META_FILE)
 """The files a sharded checkpoint's manifest lists besides its shards (no ``model.pt``: the weights are in them)."""
 FORMATS = ("full", "sharded")
 STEP_NAME_PATTERN = re.compile(r"step-([0-9]+)")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 STEP_LOG_CAPACITY = 64
 """Step windows a checkpoint's ``meta.json`` keeps (about 25 KB); MLflow has every window."""
 MAX_REASON_CHARS = 1000

@@ -10,6 +10,8 @@ from typing import Any
 
 from training_core.checkpoint.layout import (
     MANIFEST_FILE,
+    MAX_MANIFEST_BYTES,
+    MAX_META_BYTES,
     META_FILE,
     MODEL_FILE,
     SHARD_METADATA_FILE,
@@ -76,7 +78,7 @@ def verify_and_load(
     against ``expected_shapes``."""
     where = storage.display_uri(name)
     try:
-        manifest_bytes = storage.read(name, MANIFEST_FILE)
+        manifest_bytes = storage.read(name, MANIFEST_FILE, max_bytes=MAX_MANIFEST_BYTES)
     except (CheckpointError, FileNotFoundError) as exc:
         raise CheckpointError(
             f"{where} has no readable {MANIFEST_FILE} (incomplete write?): {storage.scrub(reason(exc))}"
@@ -87,7 +89,7 @@ def verify_and_load(
         if file in manifest.shards:
             continue
         try:
-            data = storage.read(name, file)
+            data = storage.read(name, file, max_bytes=entry.num_bytes)
         except (CheckpointError, FileNotFoundError) as exc:
             raise CheckpointError(f"{where}/{file} is missing: {storage.scrub(reason(exc))}") from None
         _check_entry(ManifestEntry(num_bytes=len(data), sha256=sha256(data)), entry, where=f"{where}/{file}")
@@ -214,7 +216,12 @@ def load_latest_valid(
 
 def load_meta(directory: str) -> CheckpointMeta:
     """The metadata of the checkpoint at ``directory`` (local or ``s3://``), without loading its tensors (nor
-    verifying it against the manifest). Raises :class:`CheckpointError` when it is not valid metadata."""
+    verifying it against the manifest). Raises :class:`CheckpointError` when it is missing or not valid metadata."""
     parent, name = directory.rstrip("/").rsplit("/", 1)
     storage = open_storage(parent)
-    return decode_meta(storage.read(name, META_FILE), where=f"{storage.display_uri(name)}/{META_FILE}")
+    where = f"{storage.display_uri(name)}/{META_FILE}"
+    try:
+        data = storage.read(name, META_FILE, max_bytes=MAX_META_BYTES)
+    except FileNotFoundError as exc:  # its text quotes the real path, credentials and all
+        raise CheckpointError(f"{where} is missing: {storage.scrub(reason(exc))}") from None
+    return decode_meta(data, where=where)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 import typing
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from typing import Annotated, Any
 from training_core.checkpoint.layout import (
     CHECKPOINT_FILES,
     FORMATS,
+    SHA256_HEX,
     SHARD_FILE_PATTERN,
     SHARD_METADATA_FILE,
     SHARDED_FILES,
@@ -27,7 +27,6 @@ from training_core.files import open_regular_local
 from training_core.messages import is_plain_file_name, listed, quote
 from training_core.schema import UNKNOWN_KEY_KINDS, Count, Problem, Rule, SchemaError, check, describe
 
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _MANIFEST_KEYS = ("global_step", "metric", "files", "written_at")
 
 
@@ -130,7 +129,7 @@ def _entry(name: str, entry: Any, *, where: str) -> ManifestEntry:
         and set(entry) == {"bytes", "sha256"}
         and is_count(entry["bytes"])
         and isinstance(entry["sha256"], str)
-        and _SHA256_HEX.fullmatch(entry["sha256"])
+        and SHA256_HEX.fullmatch(entry["sha256"])
     ):
         raise CheckpointError(
             f"{where} entry of {name}={quote(entry)} is invalid: expected "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable
@@ -11,6 +10,7 @@ from typing import Annotated, Any, Callable
 from training_core.checkpoint.layout import (
     MAX_REASON_CHARS,
     META_FILE,
+    SHA256_HEX,
     STEP_LOG_CAPACITY,
     CheckpointError,
     is_count,
@@ -176,7 +176,7 @@ def _is_rng_states(value: Any) -> bool:
 
 
 def _is_sha256_or_empty(value: Any) -> bool:
-    return isinstance(value, str) and (value == "" or re.fullmatch(r"[0-9a-f]{64}", value) is not None)
+    return isinstance(value, str) and (value == "" or SHA256_HEX.fullmatch(value) is not None)
 
 
 def _is_interval(value: Any) -> bool:

@@ -18,7 +18,7 @@ from training_core.checkpoint.layout import (
     is_int,
     reason,
 )
-from training_core.files import is_local, read_regular
+from training_core.files import MissingFile, is_local, read_regular, read_regular_local
 from training_core.messages import listed
 from training_core.redact import redact
 
@@ -92,7 +92,7 @@ class Storage(Protocol):
     def display_uri(self, name: str = "") -> str: ...
     def scrub(self, text: str) -> str: ...
     def list_steps(self) -> list[str]: ...
-    def read(self, name: str, file: str) -> bytes: ...
+    def read(self, name: str, file: str, *, max_bytes: int) -> bytes: ...
     def get_file(self, name: str, relative: str, local_path: str) -> None: ...
     def local_path(self, name: str) -> str | None: ...
     def download(self, name: str, local_dir: str) -> None: ...
@@ -180,8 +180,7 @@ class CheckpointStorage:
             os.makedirs(staging, exist_ok=True)
             for file, data in {**files, MANIFEST_FILE: manifest}.items():
                 write_synced(os.path.join(staging, file), data)
-            if os.path.exists(final):
-                remove_local(final)
+            remove_local(final)  # a rewrite of this step (nothing when there is none)
             os.rename(staging, final)
         except OSError as exc:
             remove_local(staging)
@@ -288,8 +287,20 @@ class CheckpointStorage:
         except FileNotFoundError:
             pass
 
-    def read(self, name: str, file: str) -> bytes:
-        return self._retry(f"reading {self.uri(name)}/{file}", lambda: self._fs.cat_file(f"{self.path}/{name}/{file}"))
+    def read(self, name: str, file: str, *, max_bytes: int) -> bytes:
+        """The bytes of ``file`` in checkpoint ``name``; :class:`CheckpointError` when it holds more than
+        ``max_bytes`` (counted as read). A local file is read only when it is a regular one: a FIFO would block the
+        read forever, a link to ``/dev/zero`` never end it (:func:`~training_core.files.read_regular_local`)."""
+        target = f"{self.path}/{name}/{file}"
+        if self.is_local:
+            data = self._retry(f"reading {self.uri(name)}/{file}", lambda: _read_local(target, max_bytes))
+        else:  # an object store holds regular objects only: a ranged read bounds it
+            data = self._retry(
+                f"reading {self.uri(name)}/{file}", lambda: self._fs.cat_file(target, start=0, end=max_bytes + 1)
+            )
+        if len(data) > max_bytes:
+            raise CheckpointError(f"{self.display_uri(name)}/{file} holds more than {max_bytes:,} bytes")
+        return data
 
     def list_steps(self) -> list[str]:
         """Checkpoint directory names (``step-<digits>``), oldest first by their parsed step; any other name
@@ -341,6 +352,13 @@ def write_synced(path: str, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _read_local(path: str, max_bytes: int) -> bytes:
+    try:
+        return read_regular_local(path, max_bytes=max_bytes + 1)
+    except MissingFile:
+        raise FileNotFoundError(errno.ENOENT, "no such file", path) from None
 
 
 def remove_local(path: str) -> None:
