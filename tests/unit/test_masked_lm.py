@@ -4,6 +4,7 @@ a resume is bit-identical), its encoder fine-tuned by ``sequence_classification`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -219,6 +220,16 @@ def test_a_tokenizer_without_a_mask_token_fails_before_any_worker_naming_the_fie
     load(SOURCE_CHECKS["masked_lm"])(_config(tmp_path, str(tmp_path / "bpe.json")).data)
     masks = MaskSpec.of(load_tokenizer(str(tmp_path / "bpe.json")), str(tmp_path / "bpe.json"))
     assert (masks.mask_id, masks.pad_id, masks.special_ids) == (4, 1, (0, 1, 2, 3, 4))
+
+
+def test_a_dataset_that_is_not_text_fails_the_prep_and_its_check_naming_masked_lm_not_causal_lm(tmp_path):
+    data = dataclasses.replace(_config(tmp_path, str(_text(tmp_path))).data, dataset="digits")
+    workload = WorkloadConfig(name="masked_lm")
+    checks = (functools.partial(load(SOURCE_CHECKS["masked_lm"]), data),
+              functools.partial(prepare, data, str(tmp_path / "data"), workload=workload))  # fmt: skip
+    for check in checks:
+        with pytest.raises(ValueError, match=r"data.dataset='digits' is invalid: workload.name='masked_lm' reads"):
+            check()
 
 
 def test_the_registry_lists_masked_lm_reading_the_causal_lm_text_sources_through_ray_prep(tmp_path):

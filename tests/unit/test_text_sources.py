@@ -256,6 +256,20 @@ def test_a_tokenizer_whose_pre_tokenizer_regex_panics_is_a_value_error_naming_it
     assert "PanicException" in found and "pre_tokenizer 'Split' regex" in found
 
 
+def test_a_tokenizer_whose_unk_token_is_not_in_its_vocabulary_fails_the_prep_naming_data_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"document": 0, "<|endoftext|>": 1}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    data = DataConfig(
+        dataset="text", path=str(three_txt_files(tmp_path / "data")), tokenizer=str(tmp_path / "tokenizer.json")
+    )
+    found = error(CausalLM().prepare_data, data, str(tmp_path / "out"))
+    assert f"data.tokenizer='{tmp_path / 'tokenizer.json'}' is invalid: the tokenizer failed" in found
+    assert "Missing [UNK] token from the vocabulary" in found and "its unk_token must be in its vocabulary" in found
+
+
 # ---------------------------------------------------------------------------------- the CIFAR-10 tarball (datasets)
 
 
@@ -272,6 +286,13 @@ def test_a_cifar10_path_that_is_a_fifo_or_a_device_is_refused_without_reading_it
     found = error(load_raw, DataConfig(dataset="cifar10", path=str(path)))
     kind = "a FIFO" if special == "fifo" else "a character device"
     assert f"data.path='{path}' is invalid: '{path}' is {kind}, not a regular file" in found
+
+
+def test_a_csv_file_that_starts_with_a_byte_order_mark_is_read_by_its_column_names(tmp_path):
+    for quoted in ("text,label", '"text","label"'):
+        (tmp_path / "excel.csv").write_bytes(f"\ufeff{quoted}\r\nred apple,fruit\r\n".encode())
+        found = list(text.path_documents(str(tmp_path), "text", text.SourceStats(), label_field="label"))
+        assert [(d.name, d.text, d.label) for d in found] == [("excel.csv:2", "red apple", "fruit")]
 
 
 def test_jsonl_lines_are_read_whole_whatever_reads_they_span(tmp_path, monkeypatch):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -124,13 +125,18 @@ class TextTokenizer:
             encodings = self.backend().encode_batch(list(texts), add_special_tokens=False)
         except BaseException as exc:
             # A Rust panic (a pre-tokenizer regex that backtracks past Oniguruma's retry limit) reaches Python as
-            # pyo3's PanicException, a BaseException subclass no module exports: recognised by name, all else re-raised.
-            if not is_rust_panic(exc):
+            # pyo3's PanicException, a BaseException subclass no module exports: recognised by name. A model that
+            # cannot encode the text raises a bare Exception. All else is re-raised.
+            if not (is_rust_panic(exc) or type(exc) is Exception):
                 raise
+            hint = (
+                "a pre_tokenizer 'Split' regex that backtracks without bound does this: simplify that regex"
+                if is_rust_panic(exc)
+                else "fix its model: its unk_token must be in its vocabulary"
+            )
             raise ValueError(
                 f"{self.where} is invalid: the tokenizer failed inside its Rust code while encoding the text "
-                f"({type(exc).__name__}: {clip(str(exc))}); a pre_tokenizer 'Split' regex that backtracks without "
-                f"bound does this: simplify that regex, or {TOKENIZER_FIX}"
+                f"({type(exc).__name__}: {clip(str(exc))}); {hint}, or {TOKENIZER_FIX}"
             ) from None
         return [np.asarray(encoding.ids, dtype=np.int32) for encoding in encodings]
 
@@ -315,13 +321,13 @@ def labeled_source(data: DataConfig, stats: SourceStats) -> Iterator[Document]:
     return path_documents(data.path, data.text_field, stats, label_field=data.label_field)
 
 
-def check_text_source(data: DataConfig) -> None:
-    """Raise the ``ValueError`` a prep of ``data`` would raise on reading for a dataset that is not text, a
-    ``data.path`` that cannot be listed, holds no text file or fewer than 3 ``.txt`` files and nothing else (a split
-    is by document), or a ``data.tokenizer`` that cannot be read: what can fail before a cluster starts for the
+def check_text_source(data: DataConfig, workload: str = "causal_lm") -> None:
+    """Raise the ``ValueError`` a prep of ``data`` by ``workload`` would raise on reading for a dataset that is not
+    text, a ``data.path`` that cannot be listed, holds no text file or fewer than 3 ``.txt`` files and nothing else (a
+    split is by document), or a ``data.tokenizer`` that cannot be read: what can fail before a cluster starts for the
     prep."""
-    if data.dataset not in dataset_names("causal_lm"):
-        raise _text_dataset_error(data)
+    if data.dataset not in dataset_names(workload):
+        raise _text_dataset_error(data, workload)
     if data.dataset == "text":
         fs, root, files = text_files(data.path)
         if not files:
@@ -341,7 +347,7 @@ PARQUET_FILES_CHECKED = 16
 checked as the prep reads them)."""
 
 
-def _text_dataset_error(data: DataConfig, workload: str = "causal_lm") -> ValueError:
+def _text_dataset_error(data: DataConfig, workload: str) -> ValueError:
     return ValueError(
         f"data.dataset={quote(data.dataset)} is invalid: workload.name={workload!r} reads "
         f"{' or '.join(map(repr, dataset_names(workload)))}; choose one of them, or set workload.dataset_source "
@@ -778,7 +784,8 @@ def _csv_documents(fs: Any, file: str, name: str, fields: _Fields, stats: Source
 
     with _open_source(fs, file, name, path) as f, _reading(quote(name), path):
         lines = (line.decode("utf-8", errors="replace") for line in _lines(f, MAX_TEXT_DOCUMENT_BYTES))
-        rows = csv.reader(lines)
+        # A byte order mark (Excel's "CSV UTF-8" starts with one) is no part of the first column's name.
+        rows = csv.reader(itertools.chain([next(lines, "").removeprefix("\ufeff")], lines))
         try:
             header = next(rows, [])
             text_at, label_at = (_csv_column(header, role, column, name, path) for role, column in

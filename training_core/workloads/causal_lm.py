@@ -22,6 +22,7 @@ Importing this module imports neither torch nor transformers: :class:`CausalLMMo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -62,7 +63,7 @@ from training_core.registry import LM_SIZES as GPT2_SIZES
 from training_core.schema import Rule, SchemaError, check, is_int
 from training_core.workloads.image import user_model
 from training_core.workloads.protocol import LossOutput, defined_once, mean_of, to_device_async
-from training_core.workloads.user_code import call_with_params, factory_params, load_attribute, takes_params
+from training_core.workloads.user_code import call_with_params, factory_params, load_optional, takes_params
 
 if TYPE_CHECKING:
     import torch
@@ -108,14 +109,9 @@ class CausalLM:
     """The logged model takes any batch and any sequence length (up to its context)."""
 
     def __init__(self, selected: WorkloadConfig | None = None) -> None:
-        selected = selected or WorkloadConfig(name=self.name)
-        self.selected = selected
-        self.model_factory = (
-            load_attribute("workload.model_factory", selected.model_factory) if selected.model_factory else None
-        )
-        self.dataset_source = (
-            load_attribute("workload.dataset_source", selected.dataset_source) if selected.dataset_source else None
-        )
+        selected = self.selected = selected or WorkloadConfig(name=self.name)
+        self.model_factory = load_optional("workload.model_factory", selected.model_factory)
+        self.dataset_source = load_optional("workload.dataset_source", selected.dataset_source)
         self.dataset_source_path = selected.dataset_source
 
     # ------------------------------------------------------------------------------------------------ data prep
@@ -138,7 +134,7 @@ class CausalLM:
         stats = SourceStats()
         if self.dataset_source is None:
             source = f"data.path={quote(data.path)}" if data.dataset == "text" else f"data.dataset={data.dataset!r}"
-            documents = read_documents(data, stats)
+            documents = read_documents(data, stats, workload=self.name)
         else:
             source = f"workload.dataset_source={quote(self.dataset_source_path)}"
             params = factory_params(self.selected, self.dataset_source)
@@ -589,7 +585,6 @@ def build_lm(model: ModelConfig, *, vocab_size: int, eot_id: int | None) -> nn.M
 
 
 def _define_model_class() -> type:
-    """:class:`CausalLMModel`, defined here so importing this module does not import torch."""
     import torch
     from torch import nn
 
@@ -648,9 +643,7 @@ def _generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int) ->
     kept = input_ids if context is None else input_ids[:, -max(1, context - max_new_tokens) :]
     new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - kept.shape[1])
     pad_id = model.eot_id if model.eot_id is not None else 0
-    was_training = model.training
-    model.eval()
-    try:
+    with _eval_mode(model):
         output = model.lm.generate(
             input_ids=kept,
             attention_mask=torch.ones_like(kept),
@@ -660,8 +653,6 @@ def _generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int) ->
             pad_token_id=pad_id,
             eos_token_id=model.eot_id,
         )
-    finally:
-        model.train(was_training)
     generated = output[:, kept.shape[1] :]
     # generate stops once every sequence has ended: the rest is end-of-text, so the shape is always the same.
     padding = generated.new_full((len(generated), new_tokens - generated.shape[1]), pad_id)
@@ -699,28 +690,28 @@ def greedy_decode(
     ``torch.export`` program MLflow loads from the registry)."""
     import torch
 
-    was_training = model.training
-    switches_mode = _switch_mode(model, training=False)
-    try:
-        with torch.no_grad():
-            output = input_ids
-            for _ in range(max_new_tokens):
-                logits = model(output[:, -context_length:])
-                output = torch.cat([output, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
-    finally:
-        if switches_mode:
-            model.train(was_training)
+    output = input_ids
+    with _eval_mode(model), torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(output[:, -context_length:])
+            output = torch.cat([output, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
     return output
 
 
-def _switch_mode(model: nn.Module, *, training: bool) -> bool:
-    """``model.train(training)``; False for a module that cannot switch (an exported program: always in
-    inference mode)."""
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode, its mode restored after; a module that cannot switch (an exported program: always in
+    inference mode) is left as it is."""
+    was_training = model.training
     try:
-        model.train(training)
+        model.train(False)
     except NotImplementedError:
-        return False
-    return True
+        was_training = None
+    try:
+        yield
+    finally:
+        if was_training is not None:
+            model.train(was_training)
 
 
 # ----------------------------------------------------------------------------------------------- batches
@@ -748,7 +739,5 @@ def _counts(targets: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def perplexity(loss: float) -> float:
-    """``exp(loss)``; infinite past float range, NaN for NaN."""
-    if math.isnan(loss):
-        return math.nan
-    return math.exp(loss) if loss < 700 else math.inf
+    """``exp(loss)``; infinite past float range, NaN for NaN (which compares false)."""
+    return math.inf if loss >= 700 else math.exp(loss)

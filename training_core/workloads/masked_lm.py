@@ -135,7 +135,7 @@ class MaskSpec:
 def check_source(data: DataConfig) -> None:
     """What can fail before a cluster starts for the prep of ``data``: ``causal_lm``'s checks of the text source and
     the tokenizer, and a tokenizer without a mask token."""
-    check_text_source(data)
+    check_text_source(data, NAME)
     MaskSpec.of(load_tokenizer(data.tokenizer), data.tokenizer)
 
 
@@ -324,7 +324,6 @@ class MaskingBatcher:
 
 
 def _define_model_class() -> type:
-    """:class:`MaskedLMModel`, defined here so importing this module does not import torch."""
     from torch import nn
 
     class MaskedLMModel(nn.Module):
@@ -348,7 +347,6 @@ def model_class() -> type:
 
 
 def __getattr__(name: str) -> Any:
-    # PEP 562: created on first access and kept as a module global, so pickle finds it by module and name.
     if name == "MaskedLMModel":
         return model_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
