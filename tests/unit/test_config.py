@@ -170,3 +170,13 @@ def test_workload_params_are_logged_as_mlflow_params_by_their_dotted_name():
     cfg = TrainingConfig.from_dict({"workload": {"params": {"kernel_size": 5, "head": {"width": 64}}}})
     flat = flatten(cfg.to_dict())
     assert flat["workload.params.kernel_size"] == 5 and flat["workload.params.head.width"] == 64
+
+
+def test_a_nan_validation_metric_is_never_the_best_and_never_keeps_a_number_from_being_it():
+    # A NaN best (a diverged first validation) used to stay best for the rest of the run: nothing compares above it.
+    from training_core.config.sections import is_better
+
+    nan = float("nan")
+    assert is_better("val_accuracy", 0.9, nan) and is_better("val_loss", 2.0, nan)
+    assert not is_better("val_accuracy", nan, None) and not is_better("val_loss", nan, 1.0)
+    assert is_better("val_accuracy", 0.9, 0.8) and not is_better("val_loss", 2.0, 1.0)

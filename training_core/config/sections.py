@@ -72,8 +72,11 @@ DDP_DEFAULT_BUCKET_CAP_MB = 25
 
 
 def is_better(metric: str, value: float, than: float | None) -> bool:
-    """Whether ``value`` of ``metric`` beats ``than`` (anything beats ``None``)."""
-    return than is None or (value > than if METRIC_DIRECTIONS[metric] == "max" else value < than)
+    """Whether ``value`` of ``metric`` beats ``than``: any number beats ``None`` and NaN (a diverged validation),
+    NaN beats nothing."""
+    if math.isnan(value):
+        return False
+    return than is None or math.isnan(than) or (value > than if METRIC_DIRECTIONS[metric] == "max" else value < than)
 
 
 def _choice(path: str, value: str, choices: tuple[str, ...]) -> None:
