@@ -149,3 +149,17 @@ def test_a_resume_without_saved_figures_does_not_invent_an_accuracy():
     _train(meter, _image_step, range(1, WINDOW + 1))
     record = _close(meter)
     assert record.train_accuracy == pytest.approx((3 + 4) / 16, rel=1e-12)
+
+
+def test_an_epoch_whose_every_step_was_skipped_reports_no_train_loss():
+    """No finite step means no training loss (NaN, as a window's record says), not a loss of 0."""
+    meter = _meter(ImageClassification().metrics)
+    for index in (1, 2):
+        step = _image_step(index)
+        step.nonfinite = torch.tensor(True)
+        meter.step(step, global_step=index, step_time_s=0.1, data_wait_s=0.0, comm_s=0.0)
+    meter.close_window(global_step=2, epoch=0, lr=0.1, elapsed_s=1.0)
+
+    record = meter.close_epoch(epoch=0, global_step=2, steps_in_epoch=2, val=VAL, lr=0.1)
+
+    assert math.isnan(record.train_loss)

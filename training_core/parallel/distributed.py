@@ -49,6 +49,16 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
+def all_gather_objects(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's ``obj`` (picklable), by rank, on every rank: a collective when a process group is up; else
+    ``obj`` for each rank."""
+    if world_size < 2 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj] * world_size
+    gathered: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered
+
+
 def process_start_unix() -> float:
     """This process's start on the wall clock, to a clock tick (10 ms). psutil's ``create_time`` adds the kernel's
     boot time, which ``/proc/stat`` gives in whole seconds: up to a second off, which a start-up of a few seconds
@@ -151,10 +161,7 @@ class RayTrainRuntime:
         rank whose collective times out can still reach them (:meth:`abandon_group`)."""
         import ray
 
-        if self.world_size == 1:
-            return []
-        handles: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(handles, ray.get_runtime_context().current_actor)
+        handles = all_gather_objects(ray.get_runtime_context().current_actor, self.world_size)
         return [handle for rank, handle in enumerate(handles) if rank != self.rank]
 
     def preemption_notice(self) -> bool:

@@ -32,8 +32,7 @@ Why each one (figures from ``benchmarks/scaling.py`` and ``benchmarks/loop_overh
   down), the raylet asks the process to exit and SIGKILLs it after this long (Ray's default: 5 s). A rank whose
   collective timed out kills its peers' workers so the group restarts at once
   (:meth:`~training_core.parallel.distributed.RayTrainRuntime.abandon_group`); a hung peer never exits by itself, so
-  it held
-  the restart up for the whole 5 s. A worker that is killed is being discarded: its checkpoints are written or
+  it held the restart up for the whole 5 s. A worker that is killed is being discarded: its checkpoints are written or
   abandoned by then (a checkpoint's manifest comes last).
 
 Not an environment variable: the cluster's daemons (GCS, dashboard, log monitor, autoscaler monitor; never the
@@ -296,18 +295,16 @@ def ray_scaling_config(cfg: TrainingConfig):
     """Ray Train's scaling of a run (``scaling.*``): its workers, their resources, and the elastic range."""
     from ray.train import ScalingConfig
 
-    resources = {"CPU": cfg.scaling.cpus_per_worker}
-    if cfg.scaling.use_gpu:
-        resources["GPU"] = cfg.scaling.gpus_per_worker
     scaling = cfg.scaling
-    if scaling.elastic:  # Ray Train's elastic policy: (min, max) workers, resized at its monitor interval
-        return ScalingConfig(
-            num_workers=(scaling.min_workers, scaling.num_workers),
-            use_gpu=scaling.use_gpu,
-            resources_per_worker=resources,
-            elastic_resize_monitor_interval_s=scaling.elastic_resize_interval_s,
-        )
-    return ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu, resources_per_worker=resources)
+    resources = {"CPU": scaling.cpus_per_worker} | ({"GPU": scaling.gpus_per_worker} if scaling.use_gpu else {})
+    if not scaling.elastic:
+        return ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu, resources_per_worker=resources)
+    return ScalingConfig(  # Ray Train's elastic policy: (min, max) workers, resized at its monitor interval
+        num_workers=(scaling.min_workers, scaling.num_workers),
+        use_gpu=scaling.use_gpu,
+        resources_per_worker=resources,
+        elastic_resize_monitor_interval_s=scaling.elastic_resize_interval_s,
+    )
 
 
 if __name__ == "__main__":

@@ -64,11 +64,9 @@ class TorchDistributedRuntime:
         import torch
         import torch.distributed as dist
 
+        device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
         if use_gpu:
-            device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
         # Also for one worker, as Ray Train does: the loop's metric all-reduces then run the same code path.
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)

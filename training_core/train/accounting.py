@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from training_core.parallel.distributed import all_reduce_sum
+from training_core.parallel.distributed import all_gather_objects, all_reduce_sum
 from training_core.telemetry.eta import EtaEstimator, EtaReading, Progress
 from training_core.telemetry.goodput import (
     CATEGORIES,
@@ -240,7 +240,7 @@ class RunAccounting:
         workers x wall. A collective: the ranks exchange their host names and starts once."""
         now_unix, now_s = time.time(), time.monotonic()
         own_start_unix = min(now_unix, started_unix) if started_unix is not None else now_unix
-        nodes, starts = zip(*gather_hosts(world_size, own_start_unix))
+        nodes, starts = zip(*all_gather_objects((socket.gethostname(), own_start_unix), world_size))
         start_unix = min(starts)
         return cls(
             rank=rank,
@@ -410,18 +410,6 @@ class RunAccounting:
             if window.rank in flagged:
                 totals.flagged_windows += 1
                 totals.cause = flagged[window.rank].cause
-
-
-def gather_hosts(world_size: int, start_unix: float) -> list[tuple[str, float]]:
-    """Every rank's host name and ``start_unix``, by rank (a collective when a process group is up)."""
-    import torch.distributed as dist
-
-    own = (socket.gethostname(), start_unix)
-    if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
-        return [own] * world_size
-    found: list[Any] = [None] * world_size
-    dist.all_gather_object(found, own)
-    return [(str(name), float(start)) for name, start in found]
 
 
 def goodput_metrics(execution: ExecutionGoodput) -> dict[str, float]:

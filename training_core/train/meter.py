@@ -188,10 +188,11 @@ class StepMeter:
         """The finished epoch's record (epoch sums already reduced), and a fresh epoch."""
         e, s = self.epoch, self.steady
         self.epoch = Sums()
+        num_finite = steps_in_epoch - e.nonfinite
         return EpochRecord(
             epoch=epoch + 1,
             global_step=global_step,
-            train_loss=e.loss / max(1, steps_in_epoch - e.nonfinite),
+            train_loss=e.loss / num_finite if num_finite > 0 else math.nan,
             train_accuracy=self.metrics(e.figures).get("accuracy", math.nan),
             val_loss=val["loss"],
             val_accuracy=val.get("accuracy", math.nan),
@@ -278,25 +279,25 @@ class Reporter:
         )
 
     def close_window(self, state: RunState, *, epoch: int, lr: float) -> None:
-        """Close the log window: its non-finite steps meet ``loop.nonfinite_policy`` first (all ranks read the same
-        reduced count, so all stop together, before anything non-finite is logged or saved), then its record is
-        emitted unless no step of it was finite."""
+        """Close the log window: the accounting's verdicts go to the telemetry, its non-finite steps meet
+        ``loop.nonfinite_policy`` (all ranks read the same reduced count, so all stop together, before anything
+        non-finite is logged or saved), then its record is emitted unless no step of it was finite."""
         w = self.meter.window
         times = WindowTimes(steps=w.steps, step_s=w.time_s, data_wait_s=w.data_s, comm_wait_s=w.comm_s)
         record, nonfinite = self.meter.close_window(
             global_step=state.global_step, epoch=epoch, lr=lr, elapsed_s=state.elapsed_s
         )
-        self.account_window(times, global_step=state.global_step)
+        self.accounting.window(times, global_step=state.global_step)  # a collective
+        self.telemetry.stragglers(self.accounting.own_causes())
+        if self.accounting.progress is not None and self.accounting.progress.eta_s is not None:
+            self.telemetry.progress(self.accounting.progress)
+        self.telemetry.goodput(self.accounting.execution)
         if nonfinite.num_steps:
             self.guard.window(nonfinite, lr=lr, global_step=state.global_step)
-        if math.isfinite(record.train_loss):
-            self.emit(record, state)
-
-    def emit(self, record: StepRecord, state: RunState) -> None:
-        """The one place a window's record goes: the step log, the metric sink and the telemetry."""
-        state.step_log.append(record)
-        self.sink.log_metrics(record.metrics() | self.accounting.progress_metrics(), step=record.step)
-        self.telemetry.window(record.metrics(), global_step=record.step)
+        if math.isfinite(record.train_loss):  # to the step log, the metric sink and the telemetry
+            state.step_log.append(record)
+            self.sink.log_metrics(record.metrics() | self.accounting.progress_metrics(), step=record.step)
+            self.telemetry.window(record.metrics(), global_step=record.step)
 
     def close_epoch(
         self, val: dict[str, float], state: RunState, *, epoch: int, steps_in_epoch: int, lr: float, best_metric: str
@@ -314,15 +315,6 @@ class Reporter:
         if is_better(best_metric, record.metric(best_metric), state.best_metric):
             state.best_metric = record.metric(best_metric)
         return record
-
-    def account_window(self, times: WindowTimes, *, global_step: int) -> None:
-        """The closed window into the accounting (a collective), and its verdicts into the telemetry."""
-        self.accounting.window(times, global_step=global_step)
-        self.telemetry.stragglers(self.accounting.own_causes())
-        progress = self.accounting.progress
-        if progress is not None and progress.eta_s is not None:
-            self.telemetry.progress(progress)
-        self.telemetry.goodput(self.accounting.execution)
 
     def checkpoint_stall(self, seconds: float, *, global_step: int) -> None:
         """A checkpoint write held the loop for ``seconds``: into the sink and the accounting."""

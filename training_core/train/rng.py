@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from training_core.parallel.distributed import all_gather_objects
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -30,12 +32,7 @@ def _torch_rng_state() -> dict[str, Any]:
 
 def gather_rng_states(world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every rank's RNG states, gathered on all ranks (a collective: every rank must call it)."""
-    local = (_json_rng_state(), _torch_rng_state())
-    if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-        gathered: list[Any] = [None] * world_size
-        torch.distributed.all_gather_object(gathered, local)
-    else:
-        gathered = [local]
+    gathered = all_gather_objects((_json_rng_state(), _torch_rng_state()), world_size)
     return {str(r): g[0] for r, g in enumerate(gathered)}, {str(r): g[1] for r, g in enumerate(gathered)}
 
 
