@@ -182,7 +182,8 @@ def test_a_file_that_became_no_regular_file_after_the_listing_is_a_bad_sample_no
                 os.close(fd)
     assert result.num_samples == 2 and result.num_bad == 1
     (bad,) = result.bad_examples
-    assert bad.startswith("class_0/x.png: UnreadableFile: 'class_0/x.png' ") and found in bad
+    kind_of_error = "MissingFile" if kind == "dangling" else "UnreadableFile"  # files.MissingFile: an UnreadableFile
+    assert bad.startswith(f"class_0/x.png: {kind_of_error}: 'class_0/x.png' ") and found in bad
 
 
 def _has_reader(path: Path) -> bool:

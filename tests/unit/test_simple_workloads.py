@@ -197,6 +197,16 @@ def test_named_splits_of_the_users_own_are_kept_and_integer_inputs_are_stored_as
         ("{'inputs': np.zeros((3, 2)), 'targets': np.array([0.0, np.nan, 1.0])}", "give them their label"),
         ("{'inputs': [[1.0, 2.0], [3.0]], 'targets': [0, 1]}", "give every sample of a column the same shape"),
         ("42", "return a mapping of array names to arrays, or a Dataset"),
+        (
+            "{'train': {'inputs': np.zeros((4, 2)), 'targets': np.arange(4)}, "
+            "'test': {'inputs': np.zeros((2, 2)), 'targets': np.array(['0', '1'])}}",
+            "column 'targets' whose samples differ by split ({'train': 'int64 []', 'test': '<U1 []'})",
+        ),
+        (
+            "{'train': {'inputs': np.zeros((4, 2)), 'targets': np.arange(4)}, "
+            "'test': {'inputs': np.zeros((2, 2)), 'targets': np.zeros((2, 2))}}",
+            "'test': 'float64 [2]'",
+        ),
     ],
 )
 def test_arrays_a_classifier_cannot_train_on_are_refused_naming_the_source_and_the_fix(

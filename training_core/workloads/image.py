@@ -8,11 +8,17 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import numpy as np
 
 from training_core.config import DataConfig, TrainingConfig, WorkloadConfig
-from training_core.data.prepared import ArraySpec, Manifest, split_samples, write_prepared
-from training_core.messages import clip, invalid, quote
+from training_core.data.prepared import Manifest, split_samples, write_prepared
+from training_core.messages import invalid, quote
 from training_core.registry import DATASET_SOURCES
-from training_core.workloads.protocol import LossOutput, classification_loss, mean_of, sample_count, to_device_async
-from training_core.workloads.user_code import call_with_params, factory_params, load_optional
+from training_core.workloads.protocol import (
+    LossOutput,
+    classification_loss,
+    classification_sums,
+    mean_of,
+    to_device_async,
+)
+from training_core.workloads.user_code import call_configured, load_optional, raised
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +40,6 @@ class ImageClassification:
         selected = self.selected = selected or WorkloadConfig()
         self.model_factory = load_optional("workload.model_factory", selected.model_factory)
         self.dataset_source = load_optional("workload.dataset_source", selected.dataset_source)
-        self.dataset_source_path = selected.dataset_source
 
     def prepare_data(self, data: DataConfig, out_dir: str) -> Manifest:
         from training_core.data.sources import RawDataset, load_raw, resize_images
@@ -44,11 +49,8 @@ class ImageClassification:
         if self.dataset_source is None:
             raw, source = load_raw(data), f"data.dataset={data.dataset!r}"
         else:
-            source = f"workload.dataset_source={quote(self.dataset_source_path)}"
-            params = factory_params(self.selected, self.dataset_source)
-            raw = call_with_params(
-                "workload.dataset_source", self.dataset_source_path, self.dataset_source, params, data
-            )
+            source = f"workload.dataset_source={quote(self.selected.dataset_source)}"
+            raw = call_configured(self.selected, "dataset_source", self.dataset_source, data)
             if not isinstance(raw, RawDataset):
                 raise ValueError(
                     f"{source} returned a {type(raw).__name__}; it must return a training_core.data.sources.RawDataset "
@@ -65,16 +67,14 @@ class ImageClassification:
         )
         train = splits["train"]["images"]
         scaled = train.astype(np.float64) / 255.0
-        input_shape = list(train.shape[1:])
-        template = Manifest(
-            dataset=data.dataset if self.dataset_source is None else self.dataset_source_path,
+        template = Manifest(  # arrays: left empty, the Manifest's image arrays
+            dataset=self.selected.dataset_source or data.dataset,
             classes=raw.classes,
-            input_shape=input_shape,
+            input_shape=list(train.shape[1:]),
             mean=scaled.mean(axis=(0, 2, 3)).tolist(),
             std=np.maximum(scaled.std(axis=(0, 2, 3)), 1e-6).tolist(),
             splits={},
             workload=self.name,
-            arrays=image_arrays(input_shape, raw.classes),
         )
         return write_prepared(out_dir, splits, template=template, num_shards=data.num_shards)
 
@@ -107,7 +107,6 @@ class ImageClassification:
             std=prep.std,
             splits=splits,
             workload=self.name,
-            arrays=image_arrays([3, size, size], prep.classes),
             spec={
                 "statistics": f"exact, over every training image at {size}x{size}",
                 "left_out": asdict(prep.left_out),
@@ -180,22 +179,11 @@ class ImageClassification:
         return classification_loss(model, batch)
 
     def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
-        import torch
-        import torch.nn.functional as F
-
         inputs, targets = batch
         logits = model(inputs).float()
-        num_classes = logits.shape[1]
-        top = logits.topk(min(5, num_classes), dim=1).indices
-        return {
-            "loss_sum": F.cross_entropy(logits, targets, reduction="sum").double(),
-            "correct": (top[:, 0] == targets).sum(),
-            "correct_top5": (top == targets[:, None]).any(dim=1).sum(),
-            "samples": sample_count(targets),
-            "confusion": torch.bincount(targets * num_classes + top[:, 0], minlength=num_classes * num_classes).view(
-                num_classes, num_classes
-            ),
-        }
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        correct_top5 = (top == targets[:, None]).any(dim=1).sum()
+        return classification_sums(logits, targets, predicted=top[:, 0]) | {"correct_top5": correct_top5}
 
     def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
         found = {"accuracy": mean_of(sums, "correct", "samples")}
@@ -208,21 +196,15 @@ class ImageClassification:
         return np.zeros((2, *manifest.input_shape), dtype=np.float32)
 
 
-def image_arrays(input_shape: list[int], classes: list[str]) -> dict[str, ArraySpec]:
-    """The arrays an image sample is stored as: ``images`` (uint8, ``input_shape``) and its class index ``labels``."""
-    return {"images": ArraySpec("uint8", input_shape), "labels": ArraySpec("int64", [], max_value=len(classes) - 1)}
-
-
 def user_model(config: TrainingConfig, manifest: Manifest, factory: Callable[..., Any]) -> nn.Module:
     """The model ``workload.model_factory`` builds, checked to be a ``torch.nn.Module``."""
     from torch import nn
 
-    path = config.workload.model_factory
-    params = factory_params(config.workload, factory)
-    model = call_with_params("workload.model_factory", path, factory, params, config, manifest)
+    model = call_configured(config.workload, "model_factory", factory, config, manifest)
     if not isinstance(model, nn.Module):
         raise ValueError(
-            f"workload.model_factory={quote(path)} returned a {type(model).__name__}; it must return a torch.nn.Module"
+            f"workload.model_factory={quote(config.workload.model_factory)} returned a {type(model).__name__}; it "
+            "must return a torch.nn.Module"
         )
     return model
 
@@ -233,28 +215,35 @@ def check_user_model(
     """Build the ``workload.model_factory`` model once and run ``example`` through it, so a factory that fails,
     returns no ``torch.nn.Module`` or builds a model that does not fit the data fails in the driver (preflight),
     before any worker starts, rather than in every worker."""
-    import torch
-
     model = user_model(config, manifest, factory)
     built, batch, expected = type(model).__name__, tuple(example.shape), (len(example), manifest.num_classes)
+    found = example_output(model, example)
+    if found == expected:
+        return
+    if isinstance(found, Exception):
+        problem = (
+            f"it built a {built} that fails on a batch of inputs {batch} ({raised(found)}); build a model for "
+            f"inputs of shape {manifest.input_shape}"
+        )
+    else:
+        problem = (
+            f"it built a {built} whose output on a batch of inputs {batch} is {found}; it must be logits of shape "
+            f"{expected} (batch, the data's {manifest.num_classes} classes)"
+        )
+    invalid("workload.model_factory", config.workload.model_factory, problem)
+
+
+def example_output(model: nn.Module, example: np.ndarray) -> tuple[int, ...] | str | Exception:
+    """What ``model``, in eval mode and without grad, makes of ``example``: the output's shape, the type name of an
+    output that is no tensor, or what the model raised (user code: the caller names it)."""
+    import torch
+
     try:
         with torch.no_grad():
             output = model.eval()(torch.from_numpy(example))
-    except Exception as exc:  # noqa: BLE001 - user code: name it and what it raised
-        problem = (
-            f"it built a {built} that fails on a batch of inputs {batch} ({type(exc).__name__}: {clip(str(exc))}); "
-            f"build a model for inputs of shape {manifest.input_shape}"
-        )
-    else:
-        found = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
-        problem = (
-            ""
-            if found == expected
-            else f"it built a {built} whose output on a batch of inputs {batch} is {found}; it must be logits of "
-            f"shape {expected} (batch, the data's {manifest.num_classes} classes)"
-        )
-    if problem:
-        invalid("workload.model_factory", config.workload.model_factory, problem)
+    except Exception as exc:  # noqa: BLE001 - user code: returned for the caller's message
+        return exc
+    return tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
 
 
 class Normalizer:

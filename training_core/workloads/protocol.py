@@ -142,14 +142,16 @@ def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
     return LossOutput(loss=loss, sums={"correct": correct, "samples": sample_count(targets)}, num_samples=len(targets))
 
 
-def classification_sums(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+def classification_sums(
+    logits: torch.Tensor, labels: torch.Tensor, predicted: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """The evaluation sums of a classifier's ``logits`` for ``labels``: ``loss_sum`` (cross-entropy), ``correct``,
-    ``samples`` and ``confusion`` (``[true][predicted]`` counts)."""
+    ``samples`` and ``confusion`` (``[true][predicted]`` counts), ``predicted`` the argmax unless given."""
     import torch
     import torch.nn.functional as F
 
     logits = logits.float()
-    predicted, num_classes = logits.argmax(dim=1), logits.shape[1]
+    predicted, num_classes = logits.argmax(dim=1) if predicted is None else predicted, logits.shape[1]
     pairs = torch.bincount(labels * num_classes + predicted, minlength=num_classes**2)
     return {
         "loss_sum": F.cross_entropy(logits, labels, reduction="sum").double(),

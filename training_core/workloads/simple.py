@@ -27,6 +27,7 @@ from training_core.config import DataConfig, TrainingConfig, WorkloadConfig, inv
 from training_core.data import ARRAY_DTYPES, SPLIT_NAMES, ArraySpec, Manifest, split_samples, write_prepared
 from training_core.messages import clip
 from training_core.redact import redact
+from training_core.workloads.image import example_output, user_model
 from training_core.workloads.protocol import (
     LossOutput,
     classification_loss,
@@ -36,7 +37,7 @@ from training_core.workloads.protocol import (
     sample_count,
     to_device_async,
 )
-from training_core.workloads.user_code import call_with_params, factory_params, load_optional
+from training_core.workloads.user_code import call_configured, load_optional, raised
 
 if TYPE_CHECKING:
     import torch
@@ -82,9 +83,7 @@ class ArrayWorkload:
 
         if self.dataset_source is not None:
             assert self.selected is not None, "a dataset source comes with the workload section that names it"
-            params = factory_params(self.selected, self.dataset_source)
-            path = self.selected.dataset_source
-            return call_with_params("workload.dataset_source", path, self.dataset_source, params, data)
+            return call_configured(self.selected, "dataset_source", self.dataset_source, data)
         if not data.path:
             invalid(
                 "data.path",
@@ -103,8 +102,6 @@ class ArrayWorkload:
         """The model ``workload.model_factory`` builds (the built-ins); a subclass writes its own."""
         if self.model_factory is None:
             raise NotImplementedError(f"{type(self).__name__} must implement build_model(config, manifest)")
-        from training_core.workloads.image import user_model
-
         return user_model(config, manifest, self.model_factory)
 
     output_reshaped = False
@@ -132,7 +129,11 @@ class ArrayWorkload:
     def prepare_data(self, data: DataConfig, out_dir: str) -> Manifest:
         source = self.source_name(data)
         raw = as_splits(self.load_arrays(data), source)
-        targets, target_spec, classes = self.target_spec(np.concatenate([s[TARGETS] for s in raw.values()]), source)
+        by_split = {name: arrays[TARGETS] for name, arrays in raw.items()}
+        if len({(t.shape[1:], t.dtype.kind in "US") for t in by_split.values()}) > 1:  # numpy would make numbers text
+            found = {name: f"{t.dtype} {list(t.shape[1:])}" for name, t in by_split.items()}
+            refuse(source, f"column {TARGETS!r} whose samples differ by split ({found})", SHAPE_FIX)
+        targets, target_spec, classes = self.target_spec(np.concatenate(list(by_split.values())), source)
         ends = np.cumsum([len(arrays[TARGETS]) for arrays in raw.values()])
         for arrays, split_targets in zip(raw.values(), np.split(targets, ends[:-1])):
             arrays[TARGETS] = split_targets
@@ -169,30 +170,23 @@ class ArrayWorkload:
     def check_factory_model(self, config: TrainingConfig, manifest: Manifest) -> None:
         """Build the ``workload.model_factory`` model once and run :meth:`example_input` through it, so a factory
         that fails or a model that does not fit the data fails in the driver, before any worker starts."""
-        import torch
-
-        from training_core.workloads.image import user_model
-
         model = user_model(config, manifest, self.model_factory)
-        example = torch.from_numpy(self.example_input(manifest))
+        example = self.example_input(manifest)
         expected = self.expected_output(manifest, len(example))
-        try:
-            with torch.no_grad():
-                output = model.eval()(example)
-        except Exception as exc:  # noqa: BLE001 - user code: name it and what it raised
-            found = f"fails ({type(exc).__name__}: {clip(str(exc))})"
+        found = example_output(model, example)
+        reshaped = self.output_reshaped and isinstance(found, tuple) and math.prod(found) == math.prod(expected)
+        if found == expected or reshaped:
+            return
+        if isinstance(found, Exception):
+            problem = f"fails ({raised(found)})"
         else:
-            shape = tuple(output.shape) if isinstance(output, torch.Tensor) else None
-            reshaped = self.output_reshaped and shape is not None and math.prod(shape) == math.prod(expected)
-            fits = shape == expected or reshaped
-            found = "" if fits else f"returns {shape or type(output).__name__}"
-        if found:
-            invalid(
-                "workload.model_factory",
-                config.workload.model_factory,
-                f"its {type(model).__name__} {found} on a batch of inputs {tuple(example.shape)}; build a model for "
-                f"inputs of shape {manifest.input_shape} returning {expected} ({self.output_meaning(manifest)})",
-            )
+            problem = f"returns {found or 'Tensor'}"  # a 0-dim output () is named by its type
+        invalid(
+            "workload.model_factory",
+            config.workload.model_factory,
+            f"its {type(model).__name__} {problem} on a batch of inputs {example.shape}; build a model for "
+            f"inputs of shape {manifest.input_shape} returning {expected} ({self.output_meaning(manifest)})",
+        )
 
     def to_device(self, manifest: Manifest, device: torch.device) -> Callable[[Mapping[str, np.ndarray]], Any]:
         def convert(batch: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -427,7 +421,7 @@ def as_array(values: Any, source: str, name: str, *, samples: bool = True) -> np
     try:
         array = np.asarray(values)
     except (ValueError, TypeError, RuntimeError) as exc:  # numpy 2 refuses ragged lists; a tensor that needs grad
-        refuse(source, f"column {name!r} that is no array ({type(exc).__name__}: {clip(str(exc))})", SHAPE_FIX)
+        refuse(source, f"column {name!r} that is no array ({raised(exc)})", SHAPE_FIX)
     if array.dtype.hasobject:
         refuse(
             source, f"column {name!r} of dtype object (samples of different shapes, None or Python objects)", SHAPE_FIX

@@ -25,12 +25,6 @@ if TYPE_CHECKING:
     from training_core.data.prepared import Manifest
 
 
-EXIT_FIX = (
-    "exit the process and parse the command line (argparse) only under `if __name__ == '__main__':`, never at import "
-    "or in code the platform calls"
-)
-
-
 def load_attribute(field: str, path: str) -> Any:
     """The object ``package.module:attribute`` names, or ``ValueError`` naming ``field``, ``path`` and the fix: a
     :class:`~training_core.train.failures.UserCodeError` when the module does not import or lacks the attribute (in a
@@ -42,7 +36,9 @@ def load_attribute(field: str, path: str) -> Any:
         module = importlib.import_module(module_name)
     except (SystemExit, KeyboardInterrupt) as exc:  # raised by the module: the user's, like any other error
         raise UserCodeError(
-            f"{field}={quote(path)} is invalid: module {module_name!r} raised {raised(exc)} at import; {EXIT_FIX}"
+            f"{field}={quote(path)} is invalid: module {module_name!r} raised {raised(exc)} at import; exit the "
+            "process and parse the command line (argparse) only under `if __name__ == '__main__':`, never at import "
+            "or in code the platform calls"
         ) from None
     except Exception as exc:  # noqa: BLE001 - any import failure of user code is the user's to fix
         raise UserCodeError(
@@ -82,6 +78,13 @@ def call_with_params(field: str, path: str, factory: Callable[..., Any], params:
     if takes_params(factory):
         return call_user(field, path, functools.partial(factory, params=params), *args)
     return call_user(field, path, factory, *args)
+
+
+def call_configured(selected: WorkloadConfig, field: str, factory: Callable[..., Any], *args: Any) -> Any:
+    """:func:`call_with_params` of ``factory``, which ``selected``'s ``field`` (``model_factory`` or
+    ``dataset_source``) names, with ``workload.params`` as it takes them (:func:`factory_params`)."""
+    path = getattr(selected, field)
+    return call_with_params(f"workload.{field}", path, factory, factory_params(selected, factory), *args)
 
 
 def factory_params(selected: WorkloadConfig, factory: Any) -> Any:
