@@ -585,6 +585,23 @@ def test_training_in_slices_with_stop_at_epoch_equals_one_uninterrupted_run(digi
     with pytest.raises(ValueError, match="stop_at_epoch"):
         fit(first, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "s3"), run_name="slice-3",
             storage_path=str(tmp_path / "runs"), resume_from=slice_1.uri)  # fmt: skip
+    # Without loop.stop_at_epoch the run ends at loop.epochs: the message names that field, not an unset one.
+    one_epoch = dataclasses.replace(base, loop=dataclasses.replace(base.loop, epochs=1))
+    with pytest.raises(ValueError, match=r"^loop\.epochs=1 is not past epoch 1 of resume_from="):
+        fit(one_epoch, data_dir=digits_dir, checkpoint_dir=str(tmp_path / "s4"), run_name="slice-4",
+            storage_path=str(tmp_path / "runs"), resume_from=slice_1.uri)  # fmt: skip
+
+
+def test_a_retry_of_a_run_that_finished_its_epochs_trains_nothing_and_keeps_its_final_checkpoint(digits_dir, tmp_path):
+    # A task retried after its training finished (its upload or registration failed) used to fail on every attempt:
+    # "loop.stop_at_epoch=0 ... is not past the checkpoint's epoch", a worker error Ray Train restarts on.
+    cfg = _config(stop_at_epoch=1)
+    _run(cfg, data_dir=digits_dir, root=tmp_path / "run")
+    finished = _final(tmp_path / "run")
+    retry = _run(cfg, data_dir=digits_dir, root=tmp_path / "run")
+    assert retry.reports == []
+    again = _final(tmp_path / "run")
+    assert again.name == finished.name and again.meta.global_step == finished.meta.global_step
 
 
 def test_a_resumed_slice_follows_the_configs_new_learning_rate_and_weight_decay(digits_dir, tmp_path):

@@ -47,11 +47,11 @@ def _check_slice(cfg: TrainingConfig, root: str, resume_from: str) -> None:
     if storage.list_steps():
         return  # a retry resumes from its own checkpoints
     epoch = ckpt.load_meta(resume_from).epoch
-    if cfg.loop.stop_at_epoch <= epoch:
+    stop = "loop.stop_at_epoch" if cfg.loop.stop_at_epoch else "loop.epochs"
+    if (cfg.loop.stop_at_epoch or cfg.loop.epochs) <= epoch:
         raise ValueError(
-            f"loop.stop_at_epoch={cfg.loop.stop_at_epoch} is not past epoch {epoch} of "
-            f"resume_from={redact(resume_from)!r}: "
-            "there is nothing to train; raise loop.stop_at_epoch"
+            f"{stop}={cfg.loop.stop_at_epoch or cfg.loop.epochs} is not past epoch {epoch} of "
+            f"resume_from={redact(resume_from)!r}: there is nothing to train; raise {stop}"
         )
 
 
@@ -88,7 +88,7 @@ def fit(
     install_log_redaction()
     preflight(cfg, data_dir)  # user code, the model against the data: fails here, before any worker starts
     root = checkpoint_root(storage_path, run_name)
-    if resume_from and cfg.loop.stop_at_epoch:
+    if resume_from:
         _check_slice(cfg, root, resume_from)
     if not ray.is_initialized():
         start_local_cluster()  # as the product's Ray task starts a local one

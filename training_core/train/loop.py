@@ -179,11 +179,13 @@ class Trainer:
         )
         self.awaiting_first_step = loaded is not None
         self.state = RunState() if loaded is None else self.restore(loaded, same_run=same_run)
-        if self.state.epoch >= self.end_epoch:
-            raise ValueError(
-                f"loop.stop_at_epoch={cfg.loop.stop_at_epoch} (loop.epochs={cfg.loop.epochs}) is not past the "
-                f"checkpoint's epoch {self.state.epoch}: there is nothing to train; raise loop.stop_at_epoch"
-            )
+        if self.state.epoch >= self.end_epoch:  # this run's own: a retry after its last epoch trains nothing
+            stop = "loop.stop_at_epoch" if cfg.loop.stop_at_epoch else "loop.epochs"
+            if not same_run:
+                raise ValueError(f"{stop}={self.end_epoch} is not past the checkpoint's epoch {self.state.epoch}: "
+                                 f"there is nothing to train; raise {stop}")  # fmt: skip
+            log.info("this run's checkpoint is at epoch %d, %s=%d: nothing is left to train", self.state.epoch, stop,
+                     self.end_epoch)  # fmt: skip
         self.network.report(self.sink, global_step=self.state.global_step)
         if self.args.log_params if self.args.log_params is not None else loaded is None:
             extra = {"world_size": self.world_size, "steps_per_epoch": self.steps_per_epoch, "device": self.device.type}
