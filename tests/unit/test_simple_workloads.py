@@ -238,6 +238,21 @@ def test_an_empty_data_path_and_a_file_that_is_not_an_npz_name_data_path(tmp_pat
     assert ArrayRegression().primary_metric == "loss"
 
 
+def test_an_npz_whose_arrays_unpack_past_the_cap_is_refused_before_any_is_unpacked(tmp_path, monkeypatch):
+    # The cap held for the compressed file only: a few KB of zeros unpacked to any size (5 GiB fit in 5 MB).
+    from training_core.workloads import simple
+
+    path = tmp_path / "bomb.npz"
+    np.savez_compressed(path, inputs=np.zeros((4, 2)), targets=np.arange(4), pad=np.zeros(2**20, np.uint8))
+    assert path.stat().st_size < 10_000
+    monkeypatch.setattr(simple, "MAX_NPZ_BYTES", 100_000)
+    with pytest.raises(ValueError) as error:
+        ArrayClassification().load_arrays(DataConfig(path=str(path)))
+    message = str(error.value)
+    assert message.startswith(f"data.path='{path}' is invalid: its arrays unpack to 1,04")
+    assert "over 100,000; keep only 'inputs' and 'targets'" in message
+
+
 def test_data_prepared_by_another_workload_is_refused_before_any_worker_starts(signal_npz, tmp_path):
     from training_core.data import prepare
 

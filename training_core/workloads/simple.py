@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 MAX_NPZ_BYTES = 4 * 2**30
-"""Most bytes the default :meth:`ArrayWorkload.load_arrays` reads from ``data.path``."""
+"""Most bytes the default :meth:`ArrayWorkload.load_arrays` reads from ``data.path``, and most its arrays unpack to."""
 INPUTS, TARGETS = "inputs", "targets"
 """The names of the two arrays a sample of an array workload has."""
 BLOCK_ROWS = 1024
@@ -94,9 +94,15 @@ class ArrayWorkload:
         payload = read_regular_path(data.path, max_bytes=MAX_NPZ_BYTES, name=f"data.path={quote(data.path)}")
         try:
             with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
-                return {key: npz[key] for key in npz.files}
+                # Compressed, a few MB can unpack to any size: the cap holds for what the arrays unpack to as well.
+                unpacked = sum(info.file_size for info in npz.zip.infolist())
+                arrays = {key: npz[key] for key in npz.files} if unpacked <= MAX_NPZ_BYTES else None
         except (ValueError, OSError) as exc:
             invalid("data.path", data.path, f"it is not a readable .npz file ({exc}); write it with numpy.savez")
+        if arrays is None:
+            fix = f"keep only {INPUTS!r} and {TARGETS!r} in it, or override load_arrays"
+            invalid("data.path", data.path, f"its arrays unpack to {unpacked:,} bytes, over {MAX_NPZ_BYTES:,}; {fix}")
+        return arrays
 
     def build_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
         """The model ``workload.model_factory`` builds (the built-ins); a subclass writes its own."""
