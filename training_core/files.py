@@ -41,16 +41,8 @@ def is_local(fs: Any) -> bool:
 
 def file_kind(mode: int) -> str:
     """What a file of ``st_mode`` ``mode`` that is not a regular file is, in a message's words (``a FIFO``)."""
-    for test, kind in (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISDIR, "a directory"),
-    ):
-        if test(mode):
-            return kind
-    return "not a regular file"
+    kinds = {"p": "a FIFO", "c": "a character device", "b": "a block device", "s": "a socket", "d": "a directory"}
+    return kinds.get(stat.filemode(mode)[0], "not a regular file")  # filemode: "prw-r--r--" for a FIFO
 
 
 def _local_path(fs: Any, path: str) -> str:

@@ -69,8 +69,6 @@ def is_plain_file_name(name: Any) -> bool:
 
 
 def invalid(path: str, value: Any, fix: str) -> typing.NoReturn:
-    """Raise the one kind of config error: the dotted field, the bad value and the fix.
-
-    The value is quoted bounded in size (:func:`quote`), and the field and the fix are clipped too, so a message
-    stays under a few kilobytes whatever the input."""
+    """Raise the one kind of config error: the dotted field, the bad value (:func:`quote`) and the fix, each bounded
+    in size, so a message stays under a few kilobytes whatever the input."""
     raise ValueError(f"{clip(path)}={quote(value)} is invalid: {clip(fix, 2000)}")

@@ -7,6 +7,7 @@ A sink receives flat ``{name: float}`` dicts with a step. The loop only ever tal
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -77,24 +78,19 @@ class MlflowSink(MetricSink):
 
 
 class FanOutSink(MetricSink):
+    """Passes each call on to every one of ``sinks``, in order."""
+
     def __init__(self, sinks: Sequence[MetricSink]) -> None:
         self.sinks = list(sinks)
 
-    def log_params(self, params: Mapping[str, Any]) -> None:
+    def _each(self, method: str, *args: Any, **kwargs: Any) -> None:
         for sink in self.sinks:
-            sink.log_params(params)
+            getattr(sink, method)(*args, **kwargs)
 
-    def log_dict(self, payload: Mapping[str, Any], name: str) -> None:
-        for sink in self.sinks:
-            sink.log_dict(payload, name)
-
-    def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
-        for sink in self.sinks:
-            sink.log_metrics(metrics, step=step)
-
-    def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
+    log_params = functools.partialmethod(_each, "log_params")
+    log_dict = functools.partialmethod(_each, "log_dict")
+    log_metrics = functools.partialmethod(_each, "log_metrics")
+    close = functools.partialmethod(_each, "close")
 
 
 def build_sink(*, rank: int, tracking_uri: str | None, run_id: str | None) -> MetricSink:

@@ -119,8 +119,7 @@ class StepLog:
 
     def _span(self, index: int) -> int:
         """Steps covered by record ``index`` (from the previous record's step)."""
-        before = self.records[index - 1].step if index else self.records[index].step - max(1, self.records[0].num_steps)
-        return self.records[index].step - before
+        return self.records[index].step - self.records[index - 1].step if index else max(1, self.records[0].num_steps)
 
     def _merge_narrowest(self) -> None:
         spans = [self._span(i) for i in range(len(self.records))]
@@ -200,8 +199,7 @@ class WorkerArgs:
         job_labels: Mapping[str, str] | None = None,
         **options: Any,
     ) -> WorkerArgs:
-        """The one place worker arguments are made. The Pushgateway URL is resolved here, on the driver, from
-        ``TRAINING_PUSHGATEWAY_URL`` when the config has none: workers may not share the driver's environment."""
+        """The one place worker arguments are made: on the driver, which resolves the Pushgateway URL for them."""
         cfg = dataclasses.replace(cfg, observability=cfg.observability.resolved())
         return cls(
             config=cfg,

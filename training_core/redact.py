@@ -55,8 +55,7 @@ def redact(value: Any) -> Any:
         if "@" in value:
             value = _USERINFO.sub(_remember, value)
         for userinfo in list(_SEEN_USERINFO):  # a copy: another thread may add one meanwhile
-            if userinfo in value:
-                value = value.replace(userinfo, REDACTED)
+            value = value.replace(userinfo, REDACTED)
         return value
     if isinstance(value, dict):
         return {redact(k): redact(v) for k, v in value.items()}

@@ -9,7 +9,7 @@ this module imports neither torch nor ray, and :func:`load` imports the code an 
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,5 +171,4 @@ def dataset_names(workload: str = "") -> tuple[str, ...]:
 
 def load(path: str) -> Any:
     """The object a registry entry's ``package.module:attribute`` names, imported now."""
-    module_name, _, attribute = path.partition(":")
-    return getattr(importlib.import_module(module_name), attribute)
+    return pkgutil.resolve_name(path)

@@ -42,12 +42,16 @@ def create_run(cfg: TrackingConfig, *, run_name: str, tags: dict[str, str] | Non
     return uri, run.info.run_id
 
 
-def _experiment(cfg: TrackingConfig) -> tuple[str, Any, str]:
-    """The resolved tracking URI, a client of it, and the id of ``cfg.experiment_name`` (created if missing)."""
+def _client(tracking_uri: str) -> Any:
     from mlflow.tracking import MlflowClient
 
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def _experiment(cfg: TrackingConfig) -> tuple[str, Any, str]:
+    """The resolved tracking URI, a client of it, and the id of ``cfg.experiment_name`` (created if missing)."""
     uri = resolve_tracking_uri(cfg.tracking_uri)
-    client = MlflowClient(tracking_uri=uri)
+    client = _client(uri)
     experiment = client.get_experiment_by_name(cfg.experiment_name)
     return uri, client, experiment.experiment_id if experiment else client.create_experiment(cfg.experiment_name)
 
@@ -77,17 +81,13 @@ def resume_or_create_run(
     create a run named ``run_name`` with ``tags`` (they apply to a new run only). Returns ``(tracking_uri, run_id)``."""
     if not run_id:
         return create_run(cfg, run_name=run_name, tags=tags)
-    from mlflow.tracking import MlflowClient
-
     uri = resolve_tracking_uri(cfg.tracking_uri)
-    MlflowClient(tracking_uri=uri).update_run(run_id, status="RUNNING")
+    _client(uri).update_run(run_id, status="RUNNING")
     return uri, run_id
 
 
 def finish_run(tracking_uri: str, run_id: str, *, status: str = "FINISHED") -> None:
-    from mlflow.tracking import MlflowClient
-
-    MlflowClient(tracking_uri=tracking_uri).set_terminated(run_id, status=status)
+    _client(tracking_uri).set_terminated(run_id, status=status)
 
 
 def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], *, step: int = 0) -> None:
@@ -99,9 +99,7 @@ def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], *, st
 def last_metric(tracking_uri: str, run_id: str, key: str) -> float | None:
     """The value of metric ``key`` the run logged at its latest step (the last validation, for ``val_<name>``: the
     loop logs every metric the workload reports so), or ``None`` when it logged none."""
-    from mlflow.tracking import MlflowClient
-
-    history = MlflowClient(tracking_uri=tracking_uri).get_metric_history(run_id, key)
+    history = _client(tracking_uri).get_metric_history(run_id, key)
     if not history:
         return None
     return float(max(history, key=lambda m: (m.step, m.timestamp)).value)
@@ -135,11 +133,10 @@ def register_and_promote(
     ``max``, at most it when ``min``) and beats the current champion's value of the same metric."""
     import mlflow
     from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
 
     uri = resolve_tracking_uri(cfg.tracking_uri)
     mlflow.set_tracking_uri(uri)
-    client = MlflowClient(tracking_uri=uri)
+    client = _client(uri)
     name, alias, threshold = cfg.registered_model_name, cfg.champion_alias, cfg.promotion_threshold
     version = mlflow.register_model(model_uri, name, tags={metric: repr(value), "mlflow_run_id": run_id})
     try:
@@ -215,13 +212,10 @@ def log_model(
     with torch.no_grad():
         output = bare(torch.from_numpy(np.ascontiguousarray(example))).numpy()
     mlflow.set_tracking_uri(run.tracking_uri)
-    # Pinned requirements: skips MLflow's slow dependency inference, which imports the model in a subprocess.
-    requirements = [
-        f"torch=={torch.__version__.split('+')[0]}",
-        f"torchvision=={torchvision.__version__.split('+')[0]}",
-    ]
-    if "transformers" in sys.modules:  # a Hugging Face model pickles as its transformers classes
-        requirements.append(f"transformers=={sys.modules['transformers'].__version__}")
+    # Pinned requirements: skips MLflow's slow dependency inference, which imports the model in a subprocess. A
+    # Hugging Face model pickles as its transformers classes.
+    pinned = (torch, torchvision, sys.modules.get("transformers"))
+    requirements = [f"{module.__name__}=={module.__version__.split('+')[0]}" for module in pinned if module]
     # The driver that created the run owns its final status; re-entering it here only attaches the model.
     with mlflow.start_run(run_id=run.run_id), tempfile.TemporaryDirectory(prefix="model-files-") as files_dir:
         for name, payload in (extra_files or {}).items():
@@ -242,12 +236,9 @@ def _free_axes(signature, axes: tuple[int, ...]):
     """``signature`` with ``axes`` of every input and output tensor made variable (-1)."""
     from mlflow.types.schema import Schema, TensorSpec
 
-    def free(schema: Schema) -> Schema:
-        specs = []
-        for spec in schema.inputs:
-            shape = tuple(-1 if axis in axes else size for axis, size in enumerate(spec.shape))
-            specs.append(TensorSpec(spec.type, shape, spec.name))
-        return Schema(specs)
+    def free(spec: TensorSpec) -> TensorSpec:
+        return TensorSpec(spec.type, tuple(-1 if axis in axes else n for axis, n in enumerate(spec.shape)), spec.name)
 
-    signature.inputs, signature.outputs = free(signature.inputs), free(signature.outputs)
+    schemas = (signature.inputs, signature.outputs)
+    signature.inputs, signature.outputs = (Schema([free(spec) for spec in schema.inputs]) for schema in schemas)
     return signature

@@ -269,11 +269,9 @@ MAX_CONFIG_BYTES = 16 * 2**20
 
 
 def read_yaml_mapping(path: str | os.PathLike[str], *, setting: str = "config file") -> dict[str, Any]:
-    """The mapping of fields in the YAML file at ``path`` (partial: only the fields it sets; empty file: none),
-    read by the config loader (YAML 1.2 numbers and booleans; no anchors, aliases or duplicate keys).
-
-    ``setting`` names where the path came from (``--config``, ``config file``) in the error a missing file, bad
-    YAML or a document that is not a mapping raises."""
+    """The mapping of fields in the YAML file at ``path`` (partial: only the fields it sets; empty file: none), read
+    by the config loader (:func:`_yaml_loader`). ``setting`` names where the path came from (``--config``, ``config
+    file``) in the error a missing file, bad YAML or a document that is not a mapping raises."""
     from training_core.files import UnreadableFile, read_regular_local
 
     where = f"{setting} {quote(os.fspath(path))}"

@@ -17,7 +17,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, NoReturn
 
 from training_core.config.loading import AUTO, MAX_YAML_DEPTH, build_dataclass, load_layers
 from training_core.messages import clip, invalid
@@ -115,8 +115,20 @@ def _fraction(path: str, value: float) -> None:
         invalid(path, value, "it must be in [0, 1)")
 
 
+class _Section:
+    """A config section at the dotted ``path`` (its class keyword): :meth:`_refuse` names its fields by their path."""
+
+    def __init_subclass__(cls, path: str, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._path = path
+
+    def _refuse(self, name: str, fix: str) -> NoReturn:
+        """Raise the config error of this section's field ``name``: its path, its value and ``fix``."""
+        invalid(f"{self._path}.{name}", getattr(self, name), fix)
+
+
 @dataclass
-class DataConfig:
+class DataConfig(_Section, path="data"):
     dataset: str = "digits"
     """Dataset source: ``digits`` (sklearn's 8x8 digits, shipped with scikit-learn), ``synthetic``
     (random images with learnable class templates, for benchmarks), ``cifar10`` (the python-version
@@ -221,33 +233,27 @@ class DataConfig:
         _choice("data.dataset", self.dataset, dataset_names())
         source = DATASET_SOURCES[self.dataset]
         if source.needs_path and not self.path:
-            invalid(
-                "data.path", self.path, f"dataset {self.dataset!r} needs data.path set to a local path or s3:// URI"
-            )
+            self._refuse("path", f"dataset {self.dataset!r} needs data.path set to a local path or s3:// URI")
         _non_negative("data.image_size", self.image_size)
         _seed("data.split_seed", self.split_seed)
         if source.needs_image_size and self.image_size == 0:
-            invalid("data.image_size", self.image_size, f"{self.dataset} needs a fixed size such as 64 or 224")
+            self._refuse("image_size", f"{self.dataset} needs a fixed size such as 64 or 224")
         _fraction("data.val_fraction", self.val_fraction)
         _fraction("data.test_fraction", self.test_fraction)
         if self.val_fraction + self.test_fraction >= 1:
-            invalid(
-                "data.val_fraction", self.val_fraction, "val_fraction + test_fraction must leave training samples (< 1)"
-            )
+            self._refuse("val_fraction", "val_fraction + test_fraction must leave training samples (< 1)")
         _positive("data.num_shards", self.num_shards)
         _positive("data.synthetic_num_samples", self.synthetic_num_samples)
         _positive("data.synthetic_image_size", self.synthetic_image_size)
         if self.synthetic_num_classes < 2:
-            invalid("data.synthetic_num_classes", self.synthetic_num_classes, "it must be >= 2")
+            self._refuse("synthetic_num_classes", "it must be >= 2")
         if not self.text_field:
-            invalid("data.text_field", self.text_field, "name the JSON field or Parquet column that holds the text")
+            self._refuse("text_field", "name the JSON field or Parquet column that holds the text")
         if not self.label_field or self.label_field == self.text_field:
-            invalid(
-                "data.label_field", self.label_field, "name the field or column that holds the label (not the text)"
-            )
+            self._refuse("label_field", "name the field or column that holds the label (not the text)")
         _between("data.seq_len", self.seq_len, 2, 1_048_576)
         if not self.tokenizer:
-            invalid("data.tokenizer", self.tokenizer, "use 'byte' or the path or s3:// URI of a tokenizer.json")
+            self._refuse("tokenizer", "use 'byte' or the path or s3:// URI of a tokenizer.json")
         _non_negative("data.max_text_bytes", self.max_text_bytes)
         _non_negative("data.max_bad_samples", self.max_bad_samples)
         _between("data.prep_num_workers", self.prep_num_workers, 1, 1024)
@@ -255,15 +261,14 @@ class DataConfig:
         _between("data.loader_num_workers", self.loader_num_workers, 0, 64)
         _positive("data.loader_prefetch_batches", self.loader_prefetch_batches)
         if not 0 < self.augment_min_crop_scale <= 1:
-            invalid("data.augment_min_crop_scale", self.augment_min_crop_scale, "it must be in (0, 1]")
+            self._refuse("augment_min_crop_scale", "it must be in (0, 1]")
         _positive("data.cache_max_bytes", self.cache_max_bytes)
         for url in (self.path, self.tokenizer):
             redact(url)  # remembers any credentials in it, which libraries may quote without the URL's scheme
 
     def for_prep(self) -> DataConfig:
         """This config with :data:`LOADER_FIELDS` at their defaults: what data prep is given and cached by, so a
-        change to how training reads the shards (the loader's processes, augmentation, the local cache) re-runs no
-        prep."""
+        change to how training reads the shards (loader processes, augmentation, the local cache) re-runs no prep."""
         defaults = DataConfig()
         return dataclasses.replace(self, **{name: getattr(defaults, name) for name in LOADER_FIELDS})
 
@@ -304,7 +309,7 @@ def _name_patterns(path: str, patterns: Any) -> None:
 
 
 @dataclass
-class LoraConfig:
+class LoraConfig(_Section, path="model.lora"):
     """Low-rank adapters (LoRA, through Hugging Face ``peft``): each target linear layer ``W`` becomes
     ``W x + (alpha / rank) * B A x`` with ``A`` (rank x in) and ``B`` (out x rank, zero at the start) the only weights
     that train; ``W`` stays frozen. See :mod:`training_core.train.lora`."""
@@ -338,17 +343,17 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         if self.rank <= 0:
-            invalid("model.lora.rank", self.rank, "give the adapters' rank, a whole number > 0 (e.g. 8)")
+            self._refuse("rank", "give the adapters' rank, a whole number > 0 (e.g. 8)")
         if not (math.isfinite(self.alpha) and self.alpha > 0):
-            invalid("model.lora.alpha", self.alpha, "give a scale > 0 (e.g. 2 * rank)")
+            self._refuse("alpha", "give a scale > 0 (e.g. 2 * rank)")
         _fraction("model.lora.dropout", self.dropout)
         _name_patterns("model.lora.target_modules", self.target_modules)
         if self.enabled and not self.target_modules:
-            invalid("model.lora.target_modules", self.target_modules, "name at least one layer to adapt, e.g. query")
+            self._refuse("target_modules", "name at least one layer to adapt, e.g. query")
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section, path="model"):
     name: str = "resnet18"
     """Architecture. ``image_classification``: ``small_cnn`` or a torchvision model (resnet18/34/50/101/152,
     vit_b_16), each adapted to the dataset's channels, image size and number of classes (small inputs get a 3x3
@@ -439,34 +444,34 @@ class ModelConfig:
         if self.encoder_config:
             self.encoder_config = json_value("model.encoder_config", self.encoder_config)
             if not isinstance(self.encoder_config.get("model_type"), str):
-                invalid("model.encoder_config", self.encoder_config, "give a transformers config.json with model_type")
+                self._refuse("encoder_config", "give a transformers config.json with model_type")
         if not self.name and not (self.pretrained or self.encoder_config):
             examples = ", ".join(list(IMAGE_MODELS)[:2])
-            invalid("model.name", self.name, f"name an architecture, e.g. {examples} or gpt2-tiny")
+            self._refuse("name", f"name an architecture, e.g. {examples} or gpt2-tiny")
         for name in ("num_layers", "hidden_size", "num_heads", "context_length"):
             _non_negative(f"model.{name}", getattr(self, name))
         if self.num_heads and self.hidden_size and self.hidden_size % self.num_heads:
-            invalid("model.num_heads", self.num_heads, f"it must divide model.hidden_size={self.hidden_size}")
+            self._refuse("num_heads", f"it must divide model.hidden_size={self.hidden_size}")
         _name_patterns("model.freeze", self.freeze)
 
     def _check_pretrained(self) -> None:
         scheme = self.pretrained.partition("://")[0] if "://" in self.pretrained else ""
         if scheme not in ("", "s3", "file") or "\0" in self.pretrained:
-            invalid("model.pretrained", self.pretrained, "give a local path or an s3:// URI of the weights")
+            self._refuse("pretrained", "give a local path or an s3:// URI of the weights")
         if self.pretrained_sha256 and not self.pretrained:
-            invalid("model.pretrained_sha256", self.pretrained_sha256, "it pins model.pretrained: set that too")
+            self._refuse("pretrained_sha256", "it pins model.pretrained: set that too")
         if self.pretrained_sha256 and not re.fullmatch(r"[0-9a-f]{64}", self.pretrained_sha256):
-            invalid("model.pretrained_sha256", self.pretrained_sha256, "give 64 lowercase hex digits (sha256sum's)")
+            self._refuse("pretrained_sha256", "give 64 lowercase hex digits (sha256sum's)")
         if isinstance(self.new_head, str) and self.new_head.strip().lower() in ("", "true", "false", "yes", "no"):
             self.new_head = self.new_head.strip().lower() in ("true", "yes")  # YAML, overrides and forms say it so
         if isinstance(self.new_head, str) and (len(self.new_head) > 1000 or "\0" in self.new_head):
-            invalid("model.new_head", self.new_head, "give true, false or a short name pattern such as 'fc.*'")
+            self._refuse("new_head", "give true, false or a short name pattern such as 'fc.*'")
         if self.new_head and not self.pretrained:
-            invalid("model.new_head", self.new_head, "it re-initialises the head of model.pretrained: set that too")
+            self._refuse("new_head", "it re-initialises the head of model.pretrained: set that too")
 
 
 @dataclass
-class WorkloadConfig:
+class WorkloadConfig(_Section, path="workload"):
     name: str = "image_classification"
     """What is trained: ``image_classification`` (the image models and datasets), ``causal_lm`` (GPT-style
     language models on text), ``array_classification`` and ``array_regression`` (a ``model_factory``'s model on the
@@ -510,16 +515,16 @@ class WorkloadConfig:
         choices = PRIMARY_METRICS.get(self.name, ())
         if self.primary_metric and self.primary_metric not in choices:
             fix = f"choose one of {', '.join(choices)}" if choices else "leave it empty: this workload ranks on its own"
-            invalid("workload.primary_metric", self.primary_metric, fix)
+            self._refuse("primary_metric", fix)
         from_user = self.name not in WORKLOADS
         if from_user and not is_import_path(self.name):
-            invalid("workload.name", self.name, f"choose {', '.join(WORKLOADS)} or {IMPORT_PATH_FIX}")
+            self._refuse("name", f"choose {', '.join(WORKLOADS)} or {IMPORT_PATH_FIX}")
         for name in ("model_factory", "dataset_source"):
             value = getattr(self, name)
             if value and from_user:
-                invalid(f"workload.{name}", value, "it applies to a built-in workload; a user workload builds its own")
+                self._refuse(name, "it applies to a built-in workload; a user workload builds its own")
             if value and not is_import_path(value):
-                invalid(f"workload.{name}", value, IMPORT_PATH_FIX)
+                self._refuse(name, IMPORT_PATH_FIX)
 
     def for_prep(self) -> WorkloadConfig:
         """This workload as data prep is given and cached by it: without the model factory, which prep never calls
@@ -591,7 +596,7 @@ def is_import_path(value: str) -> bool:
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(_Section, path="optimizer"):
     name: str = "adamw"
     """Optimizer: ``sgd`` (with momentum, Nesterov), ``adam`` or ``adamw``."""
 
@@ -622,7 +627,7 @@ class OptimizerConfig:
         _choice("optimizer.name", self.name, ("sgd", "adam", "adamw"))
         _positive("optimizer.lr", self.lr)
         if not isinstance(self.param_groups, dict):
-            invalid("optimizer.param_groups", self.param_groups, "give a mapping of name pattern to learning rate")
+            self._refuse("param_groups", "give a mapping of name pattern to learning rate")
         _name_patterns("optimizer.param_groups", list(self.param_groups))
         for pattern, lr in self.param_groups.items():
             if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
@@ -650,7 +655,7 @@ class ScheduleConfig:
 
 
 @dataclass
-class LoopConfig:
+class LoopConfig(_Section, path="loop"):
     epochs: int = 6
     """Passes over the training split, at most ``MAX_EPOCHS`` (1,000,000)."""
 
@@ -708,27 +713,21 @@ class LoopConfig:
         _between("loop.epochs", self.epochs, 1, MAX_EPOCHS)
         _non_negative("loop.stop_at_epoch", self.stop_at_epoch)
         if self.stop_at_epoch > self.epochs:
-            invalid(
-                "loop.stop_at_epoch",
-                self.stop_at_epoch,
-                f"it must be <= loop.epochs={self.epochs} (or 0 to run all epochs)",
-            )
+            self._refuse("stop_at_epoch", f"it must be <= loop.epochs={self.epochs} (or 0 to run all epochs)")
         _non_negative("loop.batch_size", self.batch_size)
         _positive("loop.grad_accum_steps", self.grad_accum_steps)
         _non_negative("loop.global_batch_size", self.global_batch_size)
         _between("loop.memory_budget_gib", self.memory_budget_gib, 0, MAX_MEMORY_GIB)
         _choice("loop.oom_policy", self.oom_policy, ("fail", "reduce"))
         if self.batch_size == AUTO and not self.global_batch_size:
-            invalid(
-                "loop.batch_size",
-                self.batch_size,
+            self._refuse(
+                "batch_size",
                 "auto (or 0) sizes the micro-batch to what fits and keeps loop.global_batch_size fixed, which is "
                 "not set: set loop.global_batch_size (e.g. 256), or a batch size > 0",
             )
         if self.batch_size == AUTO and self.grad_accum_steps != 1:
-            invalid(
-                "loop.grad_accum_steps",
-                self.grad_accum_steps,
+            self._refuse(
+                "grad_accum_steps",
                 "loop.batch_size=auto sets the accumulation itself (loop.global_batch_size over the micro-batch that "
                 "fits); leave it at 1",
             )
@@ -756,7 +755,7 @@ def _label_value(path: str, value: str) -> None:
 
 
 @dataclass
-class Toleration:
+class Toleration(_Section, path="scaling.gpu_tolerations[]"):
     """A Kubernetes toleration of the GPU worker pods (see the Kubernetes docs on taints and tolerations)."""
 
     key: str = "nvidia.com/gpu"
@@ -771,22 +770,18 @@ class Toleration:
     def __post_init__(self) -> None:
         _choice("scaling.gpu_tolerations[].operator", self.operator, ("Exists", "Equal"))
         if self.effect not in ("", "NoSchedule", "PreferNoSchedule", "NoExecute"):
-            invalid(
-                "scaling.gpu_tolerations[].effect",
-                self.effect,
-                "choose NoSchedule, PreferNoSchedule, NoExecute, or '' (every effect)",
-            )
+            self._refuse("effect", "choose NoSchedule, PreferNoSchedule, NoExecute, or '' (every effect)")
         if self.key:
             _label_key("scaling.gpu_tolerations[].key", self.key)
         elif self.operator != "Exists":
-            invalid("scaling.gpu_tolerations[].key", self.key, "an empty key tolerates every taint only with Exists")
+            self._refuse("key", "an empty key tolerates every taint only with Exists")
         _label_value("scaling.gpu_tolerations[].value", self.value)
         if self.operator == "Exists" and self.value:
-            invalid("scaling.gpu_tolerations[].value", self.value, "operator Exists takes no value; use Equal")
+            self._refuse("value", "operator Exists takes no value; use Equal")
 
 
 @dataclass
-class ScalingConfig:
+class ScalingConfig(_Section, path="scaling"):
     num_workers: int = 2
     """Ray Train workers, one DDP rank each."""
 
@@ -899,21 +894,19 @@ class ScalingConfig:
         _choice("scaling.backend", self.backend, ("auto", "gloo", "nccl"))
         _choice("scaling.strategy", self.strategy, ("ddp", "fsdp"))
         if self.fsdp_cpu_offload and self.strategy != "fsdp":
-            invalid(
-                "scaling.fsdp_cpu_offload",
-                self.fsdp_cpu_offload,
+            self._refuse(
+                "fsdp_cpu_offload",
                 f"it offloads FSDP's shards and needs scaling.strategy='fsdp' (now {self.strategy!r})",
             )
         if self.backend == "nccl" and not self.use_gpu:
-            invalid("scaling.backend", self.backend, "nccl needs scaling.use_gpu=true; use gloo or auto on CPU")
+            self._refuse("backend", "nccl needs scaling.use_gpu=true; use gloo or auto on CPU")
         _positive("scaling.collective_timeout_s", self.collective_timeout_s)
         _between("scaling.min_workers", self.min_workers, 0, self.num_workers, " (0: not elastic)")
         _positive("scaling.elastic_resize_interval_s", self.elastic_resize_interval_s)
         _positive("scaling.elastic_start_timeout_s", self.elastic_start_timeout_s)
         if self.shm_per_worker_gib and not MIN_SHM_GIB <= self.shm_per_worker_gib <= self.memory_per_worker_gib:
-            invalid(
-                "scaling.shm_per_worker_gib",
-                self.shm_per_worker_gib,
+            self._refuse(
+                "shm_per_worker_gib",
                 f"it must be 0 (30% of the pod's memory) or in [{MIN_SHM_GIB}, scaling.memory_per_worker_gib="
                 f"{self.memory_per_worker_gib:g}]: /dev/shm is memory of the pod, and less than the 64 MiB default "
                 "starves loaders",
@@ -953,7 +946,7 @@ class ScalingConfig:
 
 
 @dataclass
-class SyncConfig:
+class SyncConfig(_Section, path="sync"):
     mode: str = "allreduce"
     """How workers' updates meet: ``allreduce`` (gradients averaged every step, as one process on the global batch
     would) or ``local_sgd`` (post-local SGD: gradients averaged every step for ``local_sgd_warmup_steps``, then each
@@ -984,7 +977,7 @@ class PrecisionConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(_Section, path="checkpoint"):
     storage_path: str = ""
     """Root of the run's checkpoints and Ray Train state: a local path or an ``s3://`` URI. Empty: the
     Flyte train task uses ``<raw-output prefix>/checkpoints`` (S3 on a cluster or with
@@ -1032,22 +1025,14 @@ class CheckpointConfig:
         _non_negative("checkpoint.interval_steps", self.interval_steps)
         _between("checkpoint.preemption_grace_s", self.preemption_grace_s, 0, 3600, ": at most an hour")
         if self.interval_steps == 0 and not self.at_epoch_end:
-            invalid(
-                "checkpoint.at_epoch_end",
-                self.at_epoch_end,
-                "with checkpoint.interval_steps=0 nothing would be saved; set one of them",
-            )
+            self._refuse("at_epoch_end", "with checkpoint.interval_steps=0 nothing would be saved; set one of them")
         _positive("checkpoint.keep_last", self.keep_last)
         _choice("checkpoint.best_metric", self.best_metric, tuple(METRIC_DIRECTIONS))
         _non_negative("checkpoint.max_worker_restarts", self.max_worker_restarts)
         _positive("checkpoint.max_consecutive_save_failures", self.max_consecutive_save_failures)
         _choice("checkpoint.s3_server_side_encryption", self.s3_server_side_encryption, ("", "AES256", "aws:kms"))
         if self.s3_kms_key_id and self.s3_server_side_encryption != "aws:kms":
-            invalid(
-                "checkpoint.s3_kms_key_id",
-                self.s3_kms_key_id,
-                "a KMS key needs checkpoint.s3_server_side_encryption='aws:kms'",
-            )
+            self._refuse("s3_kms_key_id", "a KMS key needs checkpoint.s3_server_side_encryption='aws:kms'")
 
     def storage_options(self, root: str = "s3://") -> dict:
         """fsspec options for a checkpoint ``root``: server-side encryption when it is on S3."""
@@ -1060,7 +1045,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class TrackingConfig:
+class TrackingConfig(_Section, path="tracking"):
     tracking_uri: str = "sqlite:///mlflow.db"
     """MLflow tracking URI. A relative sqlite path is resolved against the directory the run starts in."""
 
@@ -1088,13 +1073,13 @@ class TrackingConfig:
     def __post_init__(self) -> None:
         for name in ("tracking_uri", "experiment_name", "registered_model_name", "champion_alias"):
             if not getattr(self, name):
-                invalid(f"tracking.{name}", getattr(self, name), "it must be a non-empty string")
+                self._refuse(name, "it must be a non-empty string")
         if not math.isfinite(self.promotion_threshold):
-            invalid("tracking.promotion_threshold", self.promotion_threshold, "it must be a finite number")
+            self._refuse("promotion_threshold", "it must be a finite number")
 
 
 @dataclass
-class ObservabilityConfig:
+class ObservabilityConfig(_Section, path="observability"):
     enabled: bool = True
     """Export Prometheus metrics from every rank (training progress, checkpoints, GPUs, host, cost). False turns
     all of it off, samplers and pushes included."""
@@ -1156,28 +1141,22 @@ class ObservabilityConfig:
 
     def __post_init__(self) -> None:
         if self.pushgateway_url and not self.pushgateway_url.startswith(("http://", "https://")):
-            invalid(
-                "observability.pushgateway_url",
-                self.pushgateway_url,
-                "give a full URL such as http://pushgateway:9091, or leave it empty",
-            )
+            self._refuse("pushgateway_url", "give a full URL such as http://pushgateway:9091, or leave it empty")
         _positive("observability.push_interval_s", self.push_interval_s)
         _positive("observability.push_timeout_s", self.push_timeout_s)
         if not 0 <= self.http_port <= 65535:
-            invalid("observability.http_port", self.http_port, "use a TCP port in 1-65535, or 0 for no HTTP endpoint")
+            self._refuse("http_port", "use a TCP port in 1-65535, or 0 for no HTTP endpoint")
         _positive("observability.sample_interval_s", self.sample_interval_s)
         if self.timeline_max_samples < 2:
-            invalid("observability.timeline_max_samples", self.timeline_max_samples, "it must be >= 2")
+            self._refuse("timeline_max_samples", "it must be >= 2")
         _non_negative("observability.gpu_hour_usd", self.gpu_hour_usd)
         _non_negative("observability.cpu_hour_usd", self.cpu_hour_usd)
         if not 0 < self.straggler_threshold <= 10:
-            invalid(
-                "observability.straggler_threshold",
-                self.straggler_threshold,
-                "give a fraction above the other ranks' median in (0, 10], such as 0.2 for 20 %",
+            self._refuse(
+                "straggler_threshold", "give a fraction above the other ranks' median in (0, 10], such as 0.2 for 20 %"
             )
         if self.straggler_windows < 1:
-            invalid("observability.straggler_windows", self.straggler_windows, "it must be >= 1 log window")
+            self._refuse("straggler_windows", "it must be >= 1 log window")
         _non_negative("observability.straggler_min_excess_s", self.straggler_min_excess_s)
 
     def resolved(self, environ: Mapping[str, str] | None = None) -> "ObservabilityConfig":
@@ -1253,9 +1232,8 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         self._check_workload_fields()
         if self.data.num_shards < self.scaling.num_workers:
-            invalid(
-                "data.num_shards",
-                self.data.num_shards,
+            self.data._refuse(
+                "num_shards",
                 f"each of the scaling.num_workers={self.scaling.num_workers} workers needs a shard of its own; "
                 f"set data.num_shards >= {self.scaling.num_workers}",
             )
@@ -1272,25 +1250,22 @@ class TrainingConfig:
         self._check_elastic()
         last_port = self.observability.http_port + self.scaling.num_workers - 1
         if self.observability.http_port and last_port > 65535:
-            invalid(
-                "observability.http_port",
-                self.observability.http_port,
+            self.observability._refuse(
+                "http_port",
                 f"rank r serves on http_port + r, so the last of scaling.num_workers={self.scaling.num_workers} would "
                 f"need port {last_port}; use at most {65536 - self.scaling.num_workers}",
             )
         accumulates = self.loop.grad_accum_steps > 1 or self.loop.batch_size == AUTO or self.loop.oom_policy == "reduce"
         if self.scaling.ddp_static_graph and (accumulates or self.sync.mode == "local_sgd"):
-            invalid(
-                "scaling.ddp_static_graph",
-                self.scaling.ddp_static_graph,
+            self.scaling._refuse(
+                "ddp_static_graph",
                 "a static graph syncs gradients in every backward pass, and gradient accumulation "
                 "(loop.grad_accum_steps > 1, loop.batch_size=auto, loop.oom_policy=reduce) or sync.mode=local_sgd "
                 "skips syncs (DDP fails on it): turn one of them off",
             )
         if self.sync.mode == "local_sgd" and self.scaling.strategy != "ddp":
-            invalid(
-                "sync.mode",
-                self.sync.mode,
+            self.sync._refuse(
+                "mode",
                 f"local SGD steps each worker's full replica and averages them; scaling.strategy="
                 f"{self.scaling.strategy!r} holds no replica: use scaling.strategy='ddp' or sync.mode='allreduce'",
             )
@@ -1302,16 +1277,14 @@ class TrainingConfig:
         if not loop.global_batch_size:
             return
         if loop.global_batch_size % workers:
-            invalid(
-                "loop.global_batch_size",
-                loop.global_batch_size,
+            loop._refuse(
+                "global_batch_size",
                 f"every one of the scaling.num_workers={workers} workers trains an equal share: use a multiple of "
                 f"{workers}",
             )
         if loop.batch_size and loop.batch_size * loop.grad_accum_steps * workers != loop.global_batch_size:
-            invalid(
-                "loop.global_batch_size",
-                loop.global_batch_size,
+            loop._refuse(
+                "global_batch_size",
                 f"it must be loop.batch_size * loop.grad_accum_steps * scaling.num_workers = {loop.batch_size} * "
                 f"{loop.grad_accum_steps} * {workers} = {loop.batch_size * loop.grad_accum_steps * workers}; set it "
                 "to 0, or loop.batch_size to auto",
@@ -1323,18 +1296,16 @@ class TrainingConfig:
         if not scaling.elastic:
             return
         if self.sync.mode == "local_sgd":
-            invalid(
-                "scaling.min_workers",
-                scaling.min_workers,
+            scaling._refuse(
+                "min_workers",
                 "local SGD averages a fixed set of replicas; use sync.mode='allreduce' or scaling.min_workers=0",
             )
         global_batch = loop.global_batch_size or loop.batch_size * loop.grad_accum_steps * scaling.num_workers
         uneven = [n for n in scaling.worker_counts() if global_batch % n]
         if uneven:
             multiple = math.lcm(*scaling.worker_counts())
-            invalid(
-                "scaling.min_workers",
-                scaling.min_workers,
+            scaling._refuse(
+                "min_workers",
                 f"the global batch of {global_batch} samples must split evenly over every worker count from "
                 f"{scaling.min_workers} to {scaling.num_workers}, and {', '.join(map(str, uneven[:5]))} does not "
                 f"divide it: make loop.global_batch_size (or loop.batch_size * loop.grad_accum_steps * "
@@ -1352,9 +1323,8 @@ class TrainingConfig:
             return
         datasets = dataset_names(name)
         if not self.workload.dataset_source and self.data.dataset not in datasets:
-            invalid(
-                "data.dataset",
-                self.data.dataset,
+            self.data._refuse(
+                "dataset",
                 f"workload.name={name!r} reads {', '.join(datasets)}; choose one of them, or set "
                 "workload.dataset_source to your own",
             )
@@ -1364,17 +1334,15 @@ class TrainingConfig:
         if name == "image_classification":
             _choice("model.name", model, tuple(IMAGE_MODELS))
         elif name == "causal_lm" and model not in LM_SIZES and not config_class:
-            invalid(
-                "model.name",
-                model,
+            self.model._refuse(
+                "name",
                 f"workload.name='causal_lm' builds {', '.join(LM_SIZES)} or a transformers causal-LM config "
                 "class by name (e.g. LlamaConfig)",
             )
         elif name in ("sequence_classification", "masked_lm") and model not in ENCODER_SIZES and not config_class:
             if model:  # empty: model.pretrained's or model.encoder_config's architecture (ModelConfig needs one)
-                invalid(
-                    "model.name",
-                    model,
+                self.model._refuse(
+                    "name",
                     f"workload.name={name!r} builds {', '.join(ENCODER_SIZES)} or a transformers config class by "
                     "name (e.g. RobertaConfig); or set model.name to '' to take model.pretrained's architecture",
                 )
@@ -1382,16 +1350,14 @@ class TrainingConfig:
     def _check_array_workload(self, name: str) -> None:
         """A built-in of the user's own arrays trains the user's model on the user's data: both must be named."""
         if not self.workload.model_factory:
-            invalid(
-                "workload.model_factory",
-                self.workload.model_factory,
+            self.workload._refuse(
+                "model_factory",
                 f"workload.name={name!r} trains your model: name a callable (config, manifest) -> torch.nn.Module as "
                 "package.module:attribute",
             )
         if not self.workload.dataset_source and not self.data.path:
-            invalid(
-                "data.path",
-                self.data.path,
+            self.data._refuse(
+                "path",
                 f"workload.name={name!r} reads a .npz file of 'inputs' and 'targets' there: name one, or set "
                 "workload.dataset_source to a callable (data_config) returning your arrays or Dataset",
             )
