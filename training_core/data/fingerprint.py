@@ -36,7 +36,6 @@ FINGERPRINT_VERSION = 1
 CONTENT_HASH_MAX_BYTES = 64 * 2**20
 """Bytes of one source's local files read for content hashes (about a tenth of a second); files past it are keyed
 by size and modification time."""
-_CHUNK_BYTES = 2**20
 _VERSION_KEYS = ("ETag", "etag", "md5Hash", "generation", "version_id", "LastModified", "last_modified", "mtime")
 """What an object store's listing says changes with an object's bytes, first found first (S3's ETag)."""
 
@@ -228,11 +227,9 @@ def _file_entry(path: str, relative: str, status: os.stat_result, source: Source
     source.num_bytes += status.st_size
     if status.st_size > budget[0]:
         return [relative, "file", status.st_size, f"mtime_ns {status.st_mtime_ns}"]
-    digest = hashlib.sha256()
     try:
         with open_regular_local(path) as f:
-            while chunk := f.read(_CHUNK_BYTES):
-                digest.update(chunk)
+            digest = hashlib.file_digest(f, "sha256")
     except (UnreadableFile, OSError) as exc:
         return [relative, "file", status.st_size, f"unreadable ({clip(str(exc), 200)})"]
     budget[0] -= status.st_size

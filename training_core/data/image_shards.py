@@ -33,13 +33,13 @@ import stat
 import tempfile
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import KW_ONLY, asdict, dataclass, field
 from typing import Any, Iterator, NoReturn
 
 import numpy as np
 
-from training_core.config import DataConfig, no_training_samples_error
-from training_core.data.shard_files import read_verified, shard_error, shard_where
+from training_core.config import DataConfig
+from training_core.data.shard_files import SPLIT_NAMES, held_out, read_verified, shard_error, shard_where
 from training_core.files import UnreadableFile, file_kind, join_path, read_regular
 from training_core.messages import clip, invalid, quote
 from training_core.redact import redact
@@ -111,23 +111,6 @@ def _unit(key: str, seed: int, salt: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def assign_splits(items: list[ImageItem], cfg: DataConfig, *, own: tuple[str, ...]) -> dict[str, list[ImageItem]]:
-    """The source's train split cut into train, val and test: the items ordered by a hash of their source name
-    and ``data.split_seed``, the first ``data.test_fraction`` to test and the next ``data.val_fraction`` to val
-    (rounded); ``own`` names the splits the source has itself, which are not carved out of train."""
-    ordered = sorted(items, key=lambda item: _unit(item.source, cfg.split_seed, "split"))
-    n_test = 0 if "test" in own else int(round(len(ordered) * cfg.test_fraction))
-    n_val = 0 if "val" in own else int(round(len(ordered) * cfg.val_fraction))
-    if n_test + n_val >= len(ordered):
-        raise no_training_samples_error(cfg, len(ordered), source=f"data.path={quote(cfg.path)}")
-    splits = {"train": ordered[n_test + n_val :]}
-    if n_test:
-        splits["test"] = ordered[:n_test]
-    if n_val:
-        splits["val"] = ordered[n_test : n_test + n_val]
-    return splits
-
-
 def shard_tasks(splits: dict[str, list[ImageItem]], cfg: DataConfig, *, out_dir: str) -> list[ShardTask]:
     """Each split in a hashed order (classes mixed), cut into up to ``data.num_shards`` shards."""
     tasks = []
@@ -153,8 +136,6 @@ FOLDER_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif
 """The files of a class folder prep reads (case-insensitive). Each is decoded with PIL; what the loader's decoder
 does not read as one 8-bit image (BMP, TIFF, an animated GIF or WebP...) is stored re-encoded as an 8-bit PNG."""
 
-SPLIT_FOLDERS = ("train", "val", "test")
-
 
 @dataclass
 class LeftOut:
@@ -171,7 +152,7 @@ class LeftOut:
         self.count += 1
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
         if len(self.examples) < MAX_EXAMPLES:
-            self.examples.append(f"{_printable(path)}: {reason}")
+            self.examples.append(f"{path}: {reason}")
 
 
 @dataclass
@@ -204,13 +185,13 @@ def list_image_folder(cfg: DataConfig) -> ImageListing:
     fs, root = _folder_root(cfg)
     root = root.rstrip("/")
     left_out = LeftOut()
-    top = _folders(fs, root, "", cfg, left_out)
-    tree_names = [name for name in top if name in SPLIT_FOLDERS]
+    top = _listed(fs, root, "", cfg, left_out)
+    tree_names = [name for name in top if name in SPLIT_NAMES]
     others = sorted(set(top) - set(tree_names))
     if tree_names and others:
         raise ValueError(
             f"data.path={quote(cfg.path)} is invalid: it mixes split folders ({', '.join(sorted(tree_names))}/) with "
-            f"class folders ({', '.join(_printable(name) for name in others[:5])}/) at its top; use "
+            f"class folders ({', '.join(others[:5])}/) at its top; use "
             "<split>/<class>/<image> or <class>/<image>"
         )
     if tree_names and "train" not in tree_names:
@@ -221,8 +202,8 @@ def list_image_folder(cfg: DataConfig) -> ImageListing:
     split_dirs = {name: f"{name}/" for name in sorted(tree_names)} or {"train": ""}
     trees: dict[str, dict[str, list[str]]] = {}
     for split, prefix in split_dirs.items():
-        class_dirs = _folders(fs, join_path(root, prefix), prefix, cfg, left_out) if prefix else top
-        trees[split] = {cls: _images(fs, root, f"{prefix}{cls}/", cfg, left_out) for cls in class_dirs}
+        class_dirs = _listed(fs, root, prefix, cfg, left_out) if prefix else top
+        trees[split] = {cls: _listed(fs, root, f"{prefix}{cls}/", cfg, left_out, images=True) for cls in class_dirs}
     _check_classes(cfg, trees, under="train/" if tree_names else "./")
     classes = sorted(trees["train"])
     ids = itertools.count()
@@ -275,40 +256,31 @@ def _check_classes(cfg: DataConfig, trees: dict[str, dict[str, list[str]]], *, u
             )
 
 
-def _folders(fs: Any, path: str, prefix: str, cfg: DataConfig, left_out: LeftOut) -> list[str]:
-    """The names of the folders in ``path`` (``prefix`` under ``data.path``); anything else is left out."""
-    folders = []
-    for entry in _entries(fs, path, prefix, cfg):
-        if entry.name.startswith("."):
-            left_out.add(prefix + entry.name, "hidden (its name starts with '.')")
-        elif entry.kind == "directory":
-            folders.append(entry.name)
-        else:
-            where = "the top of data.path" if not prefix else prefix
-            left_out.add(prefix + entry.name, f"not a folder, at {where}: images go in <class>/ folders")
-    return folders
-
-
-def _images(fs: Any, root: str, prefix: str, cfg: DataConfig, left_out: LeftOut) -> list[str]:
-    """The images of class folder ``prefix``, as paths under ``data.path``; anything else is left out."""
-    images = []
+def _listed(fs: Any, root: str, prefix: str, cfg: DataConfig, left_out: LeftOut, *, images: bool = False) -> list[str]:
+    """The names of the folders in folder ``prefix`` of ``data.path`` (``root``), or with ``images`` (a class folder)
+    its images as paths under ``data.path``; anything else is left out."""
+    found = []
     for entry in _entries(fs, join_path(root, prefix), prefix, cfg):
-        path = prefix + entry.name
-        is_image = entry.name.lower().endswith(FOLDER_IMAGE_SUFFIXES)
+        name = prefix + entry.name
         if entry.name.startswith("."):
-            left_out.add(path, "hidden (its name starts with '.')")
+            left_out.add(name, "hidden (its name starts with '.')")
+        elif not images and entry.kind == "directory":
+            found.append(entry.name)
+        elif not images:
+            where = "the top of data.path" if not prefix else prefix
+            left_out.add(name, f"not a folder, at {where}: images go in <class>/ folders")
         elif entry.kind == "directory":
-            left_out.add(path + "/", "a folder inside a class folder: nested images are not read")
-        elif not is_image:
-            left_out.add(path, f"not an image suffix ({', '.join(FOLDER_IMAGE_SUFFIXES)})")
+            left_out.add(name + "/", "a folder inside a class folder: nested images are not read")
+        elif not entry.name.lower().endswith(FOLDER_IMAGE_SUFFIXES):
+            left_out.add(name, f"not an image suffix ({', '.join(FOLDER_IMAGE_SUFFIXES)})")
         elif entry.kind != "file":
             raise ValueError(
-                f"data.path={quote(cfg.path)} is invalid: {quote(path)} is {entry.kind}, not a regular file; only "
+                f"data.path={quote(cfg.path)} is invalid: {quote(name)} is {entry.kind}, not a regular file; only "
                 "regular files are read as images: replace it with the image file or remove it"
             )
         else:
-            images.append(path)
-    return images
+            found.append(name)
+    return found
 
 
 def _entries(fs: Any, path: str, prefix: str, cfg: DataConfig) -> list[_Entry]:
@@ -353,11 +325,6 @@ def _local_entry(entry: os.DirEntry) -> _Entry:
     if stat.S_ISDIR(mode):
         return _Entry(entry.name, "directory")
     return _Entry(entry.name, "file" if stat.S_ISREG(mode) else file_kind(mode))
-
-
-def _printable(path: str) -> str:
-    """``path`` with any byte of a name that is not UTF-8 written as an escape."""
-    return path.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _folder_root(cfg: DataConfig) -> tuple[Any, str]:
@@ -464,10 +431,8 @@ def task_fingerprint(task: ShardTask) -> str:
 def kept_shard(fs, task: ShardTask) -> ShardResult | None:
     """A previous prep's shard of ``task`` when its record exists, was written from the same inputs (another image
     size, split seed or source changes them) and the file still has the recorded sha256."""
-    done = join_path(task.out_dir, task.file + DONE_SUFFIX)
     try:
-        with fs.open(done, "rb") as f:
-            result = ShardResult(**json.loads(f.read()))
+        result = ShardResult(**json.loads(fs.cat_file(join_path(task.out_dir, task.file + DONE_SUFFIX))))
         if result.inputs_sha256 != task_fingerprint(task):
             return None
         with fs.open(join_path(task.out_dir, task.file), "rb") as f:
@@ -529,8 +494,7 @@ def write_shard(task: ShardTask) -> ShardResult:
         peak_rss_bytes=_peak_rss_bytes(),
         inputs_sha256=task_fingerprint(task),
     )
-    with fs.open(join_path(task.out_dir, task.file + DONE_SUFFIX), "w") as f:
-        f.write(json.dumps(asdict(result)))
+    fs.pipe_file(join_path(task.out_dir, task.file + DONE_SUFFIX), json.dumps(asdict(result)).encode())
     return result
 
 
@@ -883,11 +847,12 @@ def prepare_images(cfg: DataConfig, out_dir: str) -> ImagePrep:
 
 
 def _checked_splits(listing: ImageListing, cfg: DataConfig) -> dict[str, list[ImageItem]]:
-    """The listing's splits, ``train`` split into train/val/test where the source has no val or test of its own;
-    raises ``ValueError`` naming the fraction when one of them holds no image."""
+    """The listing's splits, ``train`` cut into train/val/test (:func:`held_out`) in an order hashed from each item's
+    source name and ``data.split_seed`` where the source has no val or test of its own; raises ``ValueError`` naming
+    the fraction when one of them holds no image."""
     splits = dict(listing.splits)
-    train = splits.pop("train")
-    splits = {**assign_splits(train, cfg, own=tuple(splits)), **splits}
+    ordered = sorted(splits.pop("train"), key=lambda item: _unit(item.source, cfg.split_seed, "split"))
+    splits = {**held_out(ordered, cfg, own=tuple(splits), source=f"data.path={quote(cfg.path)}"), **splits}
     for name in ("val", "test"):
         if name not in splits:
             raise ValueError(
@@ -991,11 +956,9 @@ def evict(cache: str, max_bytes: int) -> None:
                 if time.time() - os.stat(os.path.join(cache, name)).st_mtime > STALE_STAGING_S:
                     os.remove(os.path.join(cache, name))
         elif name.endswith(SHARD_SUFFIX):
-            try:
+            with contextlib.suppress(FileNotFoundError):  # another loader process evicted it
                 found = os.stat(os.path.join(cache, name))
-            except FileNotFoundError:  # another loader process evicted it
-                continue
-            entries.append((found.st_mtime, found.st_size, name))
+                entries.append((found.st_mtime, found.st_size, name))
     entries.sort()
     used = sum(size for _, size, _ in entries)
     for _, size, name in entries[:-1]:
@@ -1020,24 +983,19 @@ def import_decoders() -> None:
     from torchvision.transforms import v2  # noqa: F401
 
 
+@dataclass(repr=False)
 class EncodedImages:
     """A Parquet shard's images, decoded (and for training augmented) one sample at a time."""
 
-    def __init__(
-        self,
-        sample_ids: list[int],
-        labels: list[int],
-        images: list[bytes],
-        *,
-        size: int,
-        data: DataConfig,
-        where: str = "a shard",
-        sources: list[str] | None = None,
-    ):
-        self.sample_ids, self.labels, self.images = sample_ids, labels, images
-        self.size, self.data, self.where = size, data, where
-        self.sources = sources
-        """Each sample's source (its file under ``data.path``), named when it fails to decode."""
+    sample_ids: list[int]
+    labels: list[int]
+    images: list[bytes]
+    _: KW_ONLY
+    size: int
+    data: DataConfig
+    where: str = "a shard"
+    sources: list[str] | None = None
+    """Each sample's source (its file under ``data.path``), named when it fails to decode."""
 
     @classmethod
     def read(cls, manifest: Any, shard: Any, data: DataConfig) -> "EncodedImages":

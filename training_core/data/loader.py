@@ -194,10 +194,6 @@ class TrainBatches:
             yield samples
 
 
-def _as_built(batch: Any) -> Any:
-    return batch
-
-
 def loader_iter(
     source: Callable[[int, int], Iterator[Any]], *, num_processes: int, prefetch_batches: int
 ) -> Iterator[Any]:
@@ -211,14 +207,14 @@ def loader_iter(
     class Batches(torch.utils.data.IterableDataset):
         def __iter__(self):
             info = torch.utils.data.get_worker_info()
-            return (shared_collate(samples) for samples in source(info.id, info.num_workers))
+            return source(info.id, info.num_workers)  # each batch collated in its process (collate_fn)
 
     loader = torch.utils.data.DataLoader(
         Batches(),
         batch_size=None,
         num_workers=num_processes,
         prefetch_factor=max(1, prefetch_batches // num_processes),
-        collate_fn=_as_built,
+        collate_fn=shared_collate,
         # Forked, whatever the process's default: the batch sources close over the open stream, and a fork
         # starts in milliseconds where a spawned process imports torch again.
         multiprocessing_context="fork",

@@ -30,29 +30,20 @@ def map_arrays(path: str, names: Iterable[str]) -> dict[str, np.ndarray] | None:
             info = members.get(f"{name}.npy")
             if info is None or info.compress_type != zipfile.ZIP_STORED:
                 return None
-            located = _array_at(f, info.header_offset)
-            if located is None:
+            f.seek(info.header_offset)
+            signature, name_length, extra_length = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
+            if signature != _LOCAL_HEADER_SIGNATURE:
                 return None
-            member_start, offset, shape, fortran_order, dtype = located
+            member_start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+            f.seek(member_start)
+            reader = _NPY_HEADER_READERS.get(np.lib.format.read_magic(f))
+            if reader is None:  # a .npy header version this reader does not know
+                return None
+            shape, fortran_order, dtype = reader(f)
+            offset = f.tell()  # where the array's data starts
             # The array must fill the member exactly: a truncated or padded one is left to numpy.load's own errors.
             if dtype.hasobject or offset + dtype.itemsize * int(np.prod(shape)) != member_start + info.compress_size:
                 return None
             order = "F" if fortran_order else "C"
             arrays[name] = np.memmap(path, dtype=dtype, mode="c", shape=shape, offset=offset, order=order)
     return arrays
-
-
-def _array_at(f, header_offset: int) -> tuple[int, int, tuple[int, ...], bool, np.dtype] | None:
-    """Where the ``.npy`` member whose local header is at ``header_offset`` starts, where its array data starts, and
-    the array's shape, order and dtype; None for a header this reader does not know."""
-    f.seek(header_offset)
-    signature, name_length, extra_length = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
-    if signature != _LOCAL_HEADER_SIGNATURE:
-        return None
-    member_start = header_offset + _LOCAL_HEADER.size + name_length + extra_length
-    f.seek(member_start)
-    reader = _NPY_HEADER_READERS.get(np.lib.format.read_magic(f))
-    if reader is None:
-        return None
-    shape, fortran_order, dtype = reader(f)
-    return member_start, f.tell(), shape, fortran_order, dtype

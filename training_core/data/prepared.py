@@ -29,10 +29,12 @@ from typing import Annotated, Any, Iterable, Iterator, Mapping, NoReturn
 
 import numpy as np
 
-from training_core.config import DataConfig, no_training_samples_error
+from training_core.config import DataConfig
 from training_core.data.shard_files import (
     RERUN_PREP,
+    SPLIT_NAMES,
     check_sha256,
+    held_out,
     plain_shard_name,
     read_verified,
     shard_error,
@@ -52,8 +54,6 @@ MANIFEST_VERSION = 4
 """4 records the shard format (``npz`` arrays or ``parquet`` encoded images) and the bad samples prep skipped.
 3 names the workload and the arrays every sample has, with each shard's value bounds. 2 recorded each shard's
 label range, 1 none; both still load (images and labels)."""
-
-SPLIT_NAMES = ("train", "val", "test")
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -188,16 +188,6 @@ class Manifest:
                 f"{_where(directory)} is not UTF-8 text ({exc.reason} at byte {exc.start}); {RERUN_PREP}"
             ) from None
         return cls.from_json(text, directory=directory)
-
-    def shards_for_rank(self, split: str, rank: int, world_size: int) -> list[ShardInfo]:
-        shards = self.splits[split].shards
-        if len(shards) < world_size:
-            raise ValueError(
-                f"split {split!r} has {len(shards)} shard(s) ({self.splits[split].num_samples} samples) for "
-                f"{world_size} workers; re-run data prep with data.num_shards >= {world_size}, and enough samples in "
-                "the split (data.val_fraction / data.test_fraction) for one shard per worker"
-            )
-        return shards[rank::world_size]
 
     def steps_per_epoch(self, *, world_size: int, batch_size: int, grad_accum_steps: int) -> int:
         """Optimizer steps every rank takes in one epoch: each trains an equal share of the training split."""
@@ -492,7 +482,7 @@ def write_shards(
     for name, (num_shards, shards) in splits.items():
         infos = []
         for index, arrays in enumerate(shards):
-            _check_split(template, name, arrays)
+            bounds = _check_split(template, name, arrays)
             buffer = io.BytesIO()
             np.savez(buffer, **arrays)
             payload = buffer.getvalue()
@@ -503,11 +493,6 @@ def write_shards(
                 with fs.open(join_path(root, file), "wb") as f:
                     f.write(payload)
                 written += 1
-            bounds = {
-                key: [int(arrays[key].min()), int(arrays[key].max())]
-                for key, spec in template.arrays.items()
-                if spec.max_value is not None
-            }
             infos.append(
                 ShardInfo(file=file, num_samples=len(next(iter(arrays.values()))), sha256=digest, bounds=bounds)
             )
@@ -547,7 +532,8 @@ def write_manifest(manifest: Manifest) -> None:
         f.write(manifest.to_json())
 
 
-def _check_split(template: Manifest, split: str, arrays: Mapping[str, np.ndarray]) -> None:
+def _check_split(template: Manifest, split: str, arrays: Mapping[str, np.ndarray]) -> dict[str, list[int]]:
+    """``arrays`` checked against ``template.arrays``; the smallest and largest value of each bounded one."""
     if split not in SPLIT_NAMES:
         raise ValueError(f"data prep made a split named {quote(split)}; splits are named {', '.join(SPLIT_NAMES)}")
     if set(arrays) != set(template.arrays):
@@ -560,6 +546,7 @@ def _check_split(template: Manifest, split: str, arrays: Mapping[str, np.ndarray
         raise ValueError(
             f"data prep made split {split!r} with no samples or arrays of different lengths; fix the source"
         )
+    bounds = {}
     for key, spec in template.arrays.items():
         value = arrays[key]
         if value.dtype != np.dtype(spec.dtype) or list(value.shape[1:]) != spec.shape:
@@ -567,7 +554,7 @@ def _check_split(template: Manifest, split: str, arrays: Mapping[str, np.ndarray
                 f"data prep made array {key!r} of split {split!r} {value.dtype} {value.shape[1:]} per sample; the "
                 f"manifest declares {spec.dtype} {tuple(spec.shape)}"
             )
-        if spec.max_value is None or not value.size:
+        if spec.max_value is None:
             continue
         low, high = int(value.min()), int(value.max())
         if not 0 <= low <= high <= spec.max_value:
@@ -575,6 +562,8 @@ def _check_split(template: Manifest, split: str, arrays: Mapping[str, np.ndarray
                 f"data prep made array {key!r} of split {split!r} with values {low}..{high}; "
                 f"expected 0..{spec.max_value}"
             )
+        bounds[key] = [low, high]
+    return bounds
 
 
 def split_samples(
@@ -590,30 +579,19 @@ def split_samples(
             found = ", ".join(f"{name!r}: {length}" for name, length in lengths.items())
             raise ValueError(f"{source} gave split {split!r} arrays of different lengths ({clip(found)}); give each "
                              "array one entry per sample")  # fmt: skip
-    rng = np.random.default_rng(cfg.split_seed)
     train = raw["train"]
     n = len(next(iter(train.values())))
-    order = rng.permutation(n)
-    train = {name: value[order] for name, value in train.items()}
-    n_test = 0 if "test" in raw else int(round(n * cfg.test_fraction))
-    n_val = 0 if "val" in raw else int(round(n * cfg.val_fraction))
-    for name, count in (("test", n_test), ("val", n_val)):
-        if name not in raw and not count:
+    for name in ("test", "val"):
+        fraction = getattr(cfg, f"{name}_fraction")
+        if name not in raw and not round(n * fraction):
             raise ValueError(
-                f"data.{name}_fraction={getattr(cfg, f'{name}_fraction')!r} is invalid: {source} has no {name} split "
-                f"of its own and this fraction of its {n} samples rounds to 0; raise it to at least {1 / max(n, 1):.2g}"
+                f"data.{name}_fraction={fraction!r} is invalid: {source} has no {name} split of its own and this "
+                f"fraction of its {n} samples rounds to 0; raise it to at least {1 / max(n, 1):.2g}"
             )
-    if n_test + n_val >= n:
-        raise no_training_samples_error(cfg, n, source=source)
-    splits = {"train": {name: value[n_test + n_val :] for name, value in train.items()}}
-    if n_test:
-        splits["test"] = {name: value[:n_test] for name, value in train.items()}
-    if n_val:
-        splits["val"] = {name: value[n_test : n_test + n_val] for name, value in train.items()}
-    for name in ("val", "test"):
-        if name in raw:
-            splits[name] = dict(raw[name])
-    return splits
+    order = np.random.default_rng(cfg.split_seed).permutation(n)
+    carved = held_out(order, cfg, own=raw, source=source)
+    splits = {split: {name: value[rows] for name, value in train.items()} for split, rows in carved.items()}
+    return {**splits, **{name: dict(raw[name]) for name in ("val", "test") if name in raw}}
 
 
 def read_shard(manifest: Manifest, shard: ShardInfo) -> dict[str, np.ndarray]:
@@ -706,13 +684,13 @@ def _local_identity(path: str, manifest: Manifest, shard: ShardInfo) -> tuple | 
     )  # fmt: skip
 
 
+@dataclass
 class ArraySamples:
     """An ``npz`` shard's samples: rows of its arrays, as stored. A shard that stores ``sample_ids`` gives each
     training sample its ``sample_seeds`` too: the seed of its random draws (``masked_lm``'s masking) in this epoch,
     the same whichever rank, batch or resume reads it."""
 
-    def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
-        self.arrays = arrays
+    arrays: Mapping[str, np.ndarray]
 
     def __len__(self) -> int:
         return len(next(iter(self.arrays.values())))
@@ -791,7 +769,12 @@ class ShardStream:
         """Every sample of this rank's shards once, in stored order; the last batch of each shard may be short."""
         from training_core.data.loader import loader_iter
 
-        self.manifest.shards_for_rank(self.split, self.rank, self.world_size)  # raises for too few shards
+        if len(self.all_shards) < self.world_size:
+            raise ValueError(
+                f"split {self.split!r} has {len(self.all_shards)} shard(s) ({self.num_samples} samples) for "
+                f"{self.world_size} workers; re-run data prep with data.num_shards >= {self.world_size}, and enough "
+                "samples in the split (data.val_fraction / data.test_fraction) for one shard per worker"
+            )
         mine = list(range(len(self.all_shards)))[self.rank :: self.world_size]
         if self.manifest.format == "npz":
             return self._eval_arrays(mine, batch_size)

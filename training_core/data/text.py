@@ -9,11 +9,8 @@ document and the packing of token streams into fixed-length sequences.
   ``data.max_text_bytes`` keeps the longest prefix of whole documents that fits. ``labeled_text``
   (``sequence_classification``) reads ``.csv`` rows, ``.jsonl`` lines and ``.parquet`` rows with their
   ``data.label_field`` too: each document carries its label.
-- A user's files (sources and ``tokenizer.json``) are read only when they are regular files
-  (:mod:`training_core.files`), with caps on the bytes read (:data:`MAX_TEXT_DOCUMENT_BYTES` a document,
-  :data:`MAX_TOKENIZER_BYTES`) and on a JSON line's nesting (:data:`MAX_JSON_DEPTH`); token ids must fit the shards'
-  int32 (:data:`MAX_TOKEN_ID`). Whatever is wrong with a file is a ``ValueError`` naming the field, the file and
-  the fix.
+- A user's files are read within bounds (:func:`path_documents`, :func:`load_tokenizer`); whatever is wrong with
+  a file is a ``ValueError`` naming the field, the file and the fix.
 - The split is by document (a file, a JSON line, a Parquet row), never inside one, so no validation or test text is
   seen in training: documents visited in a permutation seeded by ``data.split_seed`` fill val and test up to their
   share of the bytes (see :func:`split_documents`), deterministic for a given source and seed.
@@ -495,9 +492,12 @@ class _Fields:
     label: str = ""
 
 
-def checked_label(value: Any, *, where: str, path: str, label_field: str) -> str | int:
+def checked_label(value: Any, *, where: str, path: str, label_field: str) -> str | int | None:
     """A record's label: a non-empty string of at most :data:`MAX_LABEL_CHARS` or an integer (not a boolean);
-    anything else raises ``ValueError`` naming ``data.label_field``, the record (``where``) and ``data.path``."""
+    anything else raises ``ValueError`` naming ``data.label_field``, the record (``where``) and ``data.path``.
+    ``None`` for plain text (no ``label_field``)."""
+    if not label_field:
+        return None
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63:
         return value
     if isinstance(value, str) and 0 < len(value) <= MAX_LABEL_CHARS:
@@ -583,10 +583,7 @@ def _jsonl_documents(
                     stats.first_fields = [str(key) for key in list(record)[:20]]
                 stats.missing_field += 1
                 continue
-            if not fields.label:
-                yield Document(f"{name}:{number}", text)
-                continue
-            where = f"line {number} of {quote(name)}"
+            where = f"line {number} of {quote(name)}" if fields.label else ""
             label = checked_label(record.get(fields.label), where=where, path=path, label_field=fields.label)
             yield Document(f"{name}:{number}", text, label)
 
@@ -710,10 +707,13 @@ def _parquet_documents(
         columns = [_parquet_column(parquet, "text", fields.text, name, path)]
         if fields.label:
             columns.append(_parquet_column(parquet, "label", fields.label, name, path))
-        row = 0
         # Batch by batch, so a large file never sits in memory whole.
-        batches = parquet.iter_batches(columns=columns, batch_size=4096)
-        while (batch := _next_batch(batches, f"{quote(name)} (after row {row})", path)) is not None:
+        batches, row = parquet.iter_batches(columns=columns, batch_size=4096), 0
+        while True:
+            with _reading(f"{quote(name)} (after row {row})", path, (pa.ArrowException, OSError)):
+                batch = next(batches, None)  # a page that cannot be read: a corrupt block, a file cut short
+            if batch is None:
+                return
             texts = batch.column(fields.text)
             if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
                 texts = texts.cast(pa.large_string())  # dictionary-encoded or views: plain strings, one batch's
@@ -730,12 +730,10 @@ def _parquet_documents(
                 stats.records += 1
                 if text is None:
                     stats.missing_field += 1
-                elif fields.label:
-                    where = f"row {row} of {quote(name)}"
-                    yield Document(f"{name}:{row}", text, checked_label(label, where=where, path=path,
-                                                                        label_field=fields.label))  # fmt: skip
                 else:
-                    yield Document(f"{name}:{row}", text)
+                    where = f"row {row} of {quote(name)}" if fields.label else ""
+                    label = checked_label(label, where=where, path=path, label_field=fields.label)
+                    yield Document(f"{name}:{row}", text, label)
                 row += 1
 
 
@@ -760,13 +758,7 @@ def _parquet_column(parquet: Any, role: str, column: str, name: str, path: str) 
     import pyarrow as pa
 
     field_name = f"data.{role}_field"
-    columns = parquet.schema_arrow.names
-    if column not in columns:
-        raise ValueError(
-            f"{field_name}={quote(column)} is invalid: Parquet file {quote(name)} under "
-            f"data.path={quote(path)} has no such column (it has {clip(', '.join(columns) or 'none')}); set "
-            f"{field_name} to the column that holds the {role}"
-        )
+    _column(parquet.schema_arrow.names, role, column, f"Parquet file {quote(name)}", path)
     column_type = parquet.schema_arrow.field(column).type
     if _is_text_type(pa, column_type) or (role == "label" and pa.types.is_integer(column_type)):
         return column
@@ -788,7 +780,8 @@ def _csv_documents(fs: Any, file: str, name: str, fields: _Fields, stats: Source
         rows = csv.reader(itertools.chain([next(lines, "").removeprefix("\ufeff")], lines))
         try:
             header = next(rows, [])
-            text_at, label_at = (_csv_column(header, role, column, name, path) for role, column in
+            where, fix = f"the header row of CSV file {quote(name)}", ", and start the file with a header row"
+            text_at, label_at = (_column(header, role, column, where, path, fix) for role, column in
                                  (("text", fields.text), ("label", fields.label)))  # fmt: skip
             for row in rows:
                 if not row:
@@ -810,25 +803,16 @@ def _csv_documents(fs: Any, file: str, name: str, fields: _Fields, stats: Source
             ) from None
 
 
-def _csv_column(header: list[str], role: str, column: str, name: str, path: str) -> int:
-    """Where ``column`` is in a CSV file's ``header``, else ``ValueError`` naming ``data.<role>_field``."""
-    if column in header:
-        return header.index(column)
+def _column(columns: list[str], role: str, column: str, where: str, path: str, fix: str = "") -> int:
+    """Where ``column`` is in the ``columns`` of ``where`` (a file under ``data.path``), else ``ValueError`` naming
+    ``data.<role>_field`` and the fix (``fix`` adds to it)."""
+    if column in columns:
+        return columns.index(column)
     field_name = f"data.{role}_field"
     raise ValueError(
-        f"{field_name}={quote(column)} is invalid: the header row of CSV file {quote(name)} under "
-        f"data.path={quote(path)} has no such column (it has {clip(', '.join(header) or 'none')}); set {field_name} "
-        f"to the column that holds the {role}, and start the file with a header row"
+        f"{field_name}={quote(column)} is invalid: {where} under data.path={quote(path)} has no such column (it has "
+        f"{clip(', '.join(columns) or 'none')}); set {field_name} to the column that holds the {role}{fix}"
     )
-
-
-def _next_batch(batches: Iterator[Any], where: str, path: str) -> Any:
-    """The next record batch of a Parquet file (``None`` at its end), or ``ValueError`` naming ``data.path`` and
-    ``where`` for a page that cannot be read (a corrupt compressed block, a file cut short)."""
-    import pyarrow as pa
-
-    with _reading(where, path, (pa.ArrowException, OSError)):
-        return next(batches, None)
 
 
 def no_text_error(data: DataConfig, stats: SourceStats, *, source: str, from_user: bool = False) -> ValueError:
