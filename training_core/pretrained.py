@@ -250,12 +250,15 @@ def read_pretrained(source: str, *, expected_sha256: str = "") -> PretrainedWeig
         for path in files.files
     }
     sha256 = combined_sha256(files, [hashlib.sha256(contents[path]).hexdigest() for path in files.files])
-    if files.kind == "huggingface":
-        _check_config_json(source, contents[files.files[0]])
+    config_json = _parse_json(source, "config.json", contents[files.files[0]]) if files.kind == "huggingface" else {}
+    if not isinstance(config_json, dict):
+        fail(source, "its config.json is not a JSON object; save the model again with save_pretrained")
     _check_pinned(source, sha256, expected_sha256)
     state_dict = _merged(source, [_state_dict_of(source, files.kind, p, contents[p]) for p in files.weight_files])
     if files.kind == "huggingface" and len(files.weight_files) > 1:
-        _check_index(source, json.loads(contents[files.files[1]])["weight_map"], state_dict)
+        differ = sorted(set(json.loads(contents[files.files[1]])["weight_map"]) ^ set(state_dict))
+        if differ:
+            fail(source, f"its {SAFETENSORS_INDEX} and its shards disagree on {quote(differ[:MAX_LISTED])}; save again")
     return PretrainedWeights(source=source, kind=files.kind, sha256=sha256, state_dict=state_dict)
 
 
@@ -268,17 +271,6 @@ def _merged(source: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
             fail(source, f"tensor {quote(repeated[0])} is in more than one shard; save the model again")
         merged.update(part)
     return merged
-
-
-def _check_config_json(source: str, data: bytes) -> None:
-    if not isinstance(_parse_json(source, "config.json", data), dict):
-        fail(source, "its config.json is not a JSON object; save the model again with save_pretrained")
-
-
-def _check_index(source: str, weight_map: Mapping[str, str], state_dict: Mapping[str, Any]) -> None:
-    differ = sorted(set(weight_map) ^ set(state_dict))
-    if differ:
-        fail(source, f"its {SAFETENSORS_INDEX} and its shards disagree on {quote(differ[:MAX_LISTED])}; save again")
 
 
 def _state_dict_of(source: str, kind: str, path: str, data: bytes) -> dict[str, torch.Tensor]:
@@ -450,27 +442,42 @@ def _mismatch(
     fail(source, f"the weights do not fit the model: {'; '.join(parts)}. Fix: {fix}")
 
 
-def load_into(
+def load_pretrained(
     model: nn.Module,
-    weights: PretrainedWeights,
+    model_cfg: Any,
     *,
-    new_head: bool | str,
-    model_name: str,
     seed: int,
-    mapping: NameMapping | None = None,
+    mapping_of: Callable[[nn.Module, Iterable[str]], NameMapping] | None = None,
 ) -> None:
-    """Copy ``weights`` (named as ``mapping`` says, by default as the model names them) into ``model`` as
-    :func:`plan_loading` says, the re-initialised tensors taking their :func:`fresh_values` from ``seed`` (a tied
-    tensor its first name's: :func:`tied_aliases`), and log what was loaded and re-initialised."""
-    state = mapping.renamed(weights.state_dict) if mapping else weights.state_dict
-    fresh = mapping.fresh if mapping else ()
-    plan = plan_loading(weights.source, model, state, new_head=new_head, model_name=model_name, fresh=fresh)
+    """Copy ``model_cfg.pretrained``'s weights (checked against ``model.pretrained_sha256``), named as
+    ``mapping_of(model, stored names)`` says (None: as the model names them), into ``model`` as :func:`plan_loading`
+    says, the re-initialised tensors taking their :func:`fresh_values` from ``seed`` (a tied tensor its first name's:
+    :func:`tied_aliases`), and log what was loaded and re-initialised. Without weights, or into a model on the meta
+    device (which holds no values: under FSDP each rank reads its shards' rows after sharding), nothing is loaded."""
+    if not model_cfg.pretrained or any(p.is_meta for p in model.parameters()):
+        return
+    weights = read_pretrained(model_cfg.pretrained, expected_sha256=model_cfg.pretrained_sha256)
+    mapping = _name_mapping(model, weights.state_dict, mapping_of)
+    state = mapping.renamed(weights.state_dict)
+    plan = plan_loading(weights.source, model, state, new_head=model_cfg.new_head, model_name=model_cfg.name,
+                        fresh=mapping.fresh)  # fmt: skip
     skip, aliases = set(plan.reinitialised), tied_aliases(model)
     model.load_state_dict({key: value for key, value in state.items() if key not in skip}, strict=False)
     reset = fresh_values(model, plan.reinitialised, seed=seed)
     # A tied tensor takes its first name's value, as load_shards gives it.
     model.load_state_dict({key: value for key, value in reset.items() if key not in aliases}, strict=False)
     log_plan(plan, weights.sha256)
+
+
+def _name_mapping(
+    model: nn.Module, stored: Iterable[str], mapping_of: Callable[..., NameMapping] | None
+) -> NameMapping:
+    """``mapping_of(model, stored names)``, its note logged, or the stored names as they are."""
+    names = list(stored)
+    mapping = mapping_of(model, names) if mapping_of else NameMapping({name: name for name in names})
+    if mapping.note:
+        log.warning("model.pretrained: %s", mapping.note)
+    return mapping
 
 
 def tied_names(model: nn.Module) -> list[list[str]]:
@@ -653,23 +660,36 @@ def plan_sharded_load(
     else:
         reader = SafetensorsRows(files)
     shapes = reader.tensors
-    mapping = mapping_of(model, list(shapes)) if mapping_of else NameMapping({name: name for name in shapes})
-    if mapping.note:
-        log.warning("model.pretrained: %s", mapping.note)
+    mapping = _name_mapping(model, shapes, mapping_of)
     plan = plan_loading(model_cfg.pretrained, model, mapping.renamed(shapes), new_head=model_cfg.new_head,
                         model_name=model_cfg.name, fresh=mapping.fresh)  # fmt: skip
     fresh = fresh_values(model, plan.reinitialised, seed=seed)
     return ShardedLoad(plan, model_cfg.pretrained_sha256, reader, fresh, sources=mapping.sources)
 
 
-def tensors_to_match(model: Any, strategy: str) -> tuple[Mapping[str, Any], str]:
-    """``model.pretrained``'s tensors (anything with a ``shape``) and their sha256, for the check before any worker
-    starts: read whole, or under FSDP (a model that may not fit this process) by their safetensors headers alone, the
-    hash streamed (a ``.pt`` state dict, which cannot be read by parts, is read whole)."""
-    if strategy == "fsdp" and (files := locate(model.pretrained)).kind != "torch":
-        return SafetensorsRows(files).tensors, pinned_sha256(model.pretrained, model.pretrained_sha256)
-    weights = read_pretrained(model.pretrained, expected_sha256=model.pretrained_sha256)
-    return weights.state_dict, weights.sha256
+def check_weights(
+    config: Any,
+    model: nn.Module,
+    *,
+    mapping_of: Callable[[nn.Module, Iterable[str]], NameMapping] | None = None,
+    fix: str = "",
+) -> None:
+    """Match ``model.pretrained``'s tensors, named as ``mapping_of(model, stored names)`` says (None: as the model
+    names them), against ``model`` (on the meta device when it can be) as :func:`plan_loading` does, with ``fix``,
+    before any worker starts: read whole, or under FSDP (a model that may not fit this process) by their safetensors
+    headers alone, the hash streamed (a ``.pt`` state dict, which cannot be read by parts, is read whole). Records
+    their sha256 in ``model.pretrained_sha256`` (in place), so the workers verify they read the same weights."""
+    model_cfg = config.model
+    if config.scaling.strategy == "fsdp" and (files := locate(model_cfg.pretrained)).kind != "torch":
+        tensors = SafetensorsRows(files).tensors
+        sha256 = pinned_sha256(model_cfg.pretrained, model_cfg.pretrained_sha256)
+    else:
+        weights = read_pretrained(model_cfg.pretrained, expected_sha256=model_cfg.pretrained_sha256)
+        tensors, sha256 = weights.state_dict, weights.sha256
+    mapping = _name_mapping(model, tensors, mapping_of)
+    plan_loading(model_cfg.pretrained, model, mapping.renamed(tensors), new_head=model_cfg.new_head,
+                 model_name=model_cfg.name, fix=fix, fresh=mapping.fresh)  # fmt: skip
+    model_cfg.pretrained_sha256 = sha256
 
 
 def rank_rows(tensor: torch.Tensor) -> tuple[int, int]:

@@ -57,13 +57,20 @@ from training_core.data.text import (
     tokenizer_threads,
 )
 from training_core.files import join_path
-from training_core.messages import clip, quote
+from training_core.messages import clip, invalid, quote
 from training_core.redact import redact
 from training_core.registry import LM_SIZES as GPT2_SIZES
 from training_core.schema import Rule, SchemaError, check, is_int
 from training_core.workloads.image import user_model
-from training_core.workloads.protocol import LossOutput, defined_once, mean_of, to_device_async
-from training_core.workloads.user_code import call_with_params, factory_params, load_optional, takes_params
+from training_core.workloads.protocol import (
+    LossOutput,
+    check_prepared_by,
+    lazy_class,
+    mean_of,
+    sample_count,
+    to_device_async,
+)
+from training_core.workloads.user_code import call_configured, factory_params, load_optional, takes_params
 
 if TYPE_CHECKING:
     import torch
@@ -79,7 +86,7 @@ the batch size (checked); on GPU it is the fused, memory-efficient kernel that m
 SHOWCASE_PROMPTS = ("def ", "import ", "class ", "    return ")
 """Prompts of :meth:`CausalLM.showcase`: openings of Python source, the embedded corpus."""
 
-_OVERRIDES = (
+OVERRIDES = (
     ("num_layers", "num_hidden_layers"),
     ("hidden_size", "hidden_size"),
     ("num_heads", "num_attention_heads"),
@@ -87,6 +94,8 @@ _OVERRIDES = (
 )
 """``model.*`` override -> the standard ``transformers`` config attribute (each config maps it to its own name,
 e.g. GPT-2's ``n_layer``, through ``attribute_map``)."""
+IGNORED = -100
+"""The label of a token that is not predicted (``cross_entropy``'s ``ignore_index``): ``masked_lm``'s unchosen ones."""
 
 
 MAX_EMBEDDING_BYTES = 32 * 2**30
@@ -122,7 +131,8 @@ class CausalLM:
         (and a copy of a ``tokenizer.json``) to ``out_dir``.
 
         Memory is bounded by a shard, not by the source: the ids go to a spill file on local disk as they are
-        tokenised (4 bytes a token, removed at the end), and each shard's sequences are cut from it when written."""
+        tokenised (4 bytes a token, removed at the end), and each shard's sequences are cut from it when written.
+        Every split is checked to hold a sequence before any shard is written."""
         import tempfile
 
         # A built-in source read in a Ray task (the prep's RayJob, or a local cluster) is tokenised by
@@ -137,10 +147,7 @@ class CausalLM:
             documents = read_documents(data, stats, workload=self.name)
         else:
             source = f"workload.dataset_source={quote(self.dataset_source_path)}"
-            params = factory_params(self.selected, self.dataset_source)
-            texts = call_with_params(
-                "workload.dataset_source", self.dataset_source_path, self.dataset_source, params, data
-            )
+            texts = call_configured(self.selected, "dataset_source", self.dataset_source, data)
             documents = capped(mapping_documents(texts, source=source), data.max_text_bytes, stats)
         log.info(
             "tokenising %s %s",
@@ -149,39 +156,26 @@ class CausalLM:
         )
         with tempfile.TemporaryDirectory(prefix="token-spill-") as spill_dir:
             spill = spill_tokens(documents, tokenizer, os.path.join(spill_dir, "ids.bin"), ray_workers=ray_workers)
-            return self._write_splits(data, out_dir, spill, tokenizer, stats, source)
-
-    def _write_splits(
-        self,
-        data: DataConfig,
-        out_dir: str,
-        spill: TokenSpill,
-        tokenizer: TextTokenizer,
-        stats: SourceStats,
-        source: str,
-    ) -> Manifest:
-        """The spilled documents split, packed into sequences and written shard by shard, then the manifest. Every
-        split is checked to hold a sequence before any shard is written."""
-        check_spilled_text(spill, data, stats, source=source, from_user=self.dataset_source is not None)
-        streams = _split_streams(spill, data, tokenizer, source)
-        if tokenizer.kind == TOKENIZER_FILE:
-            write_text(out_dir, TOKENIZER_FILE, tokenizer.json_text)
-        template = self._manifest_template(data, tokenizer, stats, streams)
-        log.info(
-            "tokenised %s: %d documents, %d bytes, tokens per split %s (tokenizer %s, vocabulary %d)",
-            source,
-            len(spill.sizes),
-            stats.text_bytes,
-            template.spec["tokens"],
-            tokenizer.kind,
-            tokenizer.vocab_size,
-        )
-        shards = {}
-        for split, stream in streams.items():
-            packed = packed_shards(stream, seq_len=data.seq_len, num_shards=data.num_shards)
-            count = min(data.num_shards, num_sequences(stream.num_tokens, data.seq_len))
-            shards[split] = (count, self.shard_arrays(packed))
-        return write_shards(out_dir, shards, template=template)
+            check_spilled_text(spill, data, stats, source=source, from_user=self.dataset_source is not None)
+            streams = _split_streams(spill, data, tokenizer, source)
+            if tokenizer.kind == TOKENIZER_FILE:
+                write_text(out_dir, TOKENIZER_FILE, tokenizer.json_text)
+            template = self._manifest_template(data, tokenizer, stats, streams)
+            log.info(
+                "tokenised %s: %d documents, %d bytes, tokens per split %s (tokenizer %s, vocabulary %d)",
+                source,
+                len(spill.sizes),
+                stats.text_bytes,
+                template.spec["tokens"],
+                tokenizer.kind,
+                tokenizer.vocab_size,
+            )
+            shards = {}
+            for split, stream in streams.items():
+                packed = packed_shards(stream, seq_len=data.seq_len, num_shards=data.num_shards)
+                count = min(data.num_shards, num_sequences(stream.num_tokens, data.seq_len))
+                shards[split] = (count, self.shard_arrays(packed))
+            return write_shards(out_dir, shards, template=template)
 
     def shard_arrays(self, packed: Iterator[np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         """Each packed shard as the arrays written (:meth:`stored_arrays` names them): its ``tokens``."""
@@ -230,12 +224,7 @@ class CausalLM:
     def check(self, config: TrainingConfig, manifest: Manifest) -> None:
         """The data was prepared by this workload, its sequences fit the model's context and its tokenizer's
         vocabulary is the model's. Builds configs only (a user's model on the meta device): nothing is allocated."""
-        if manifest.workload != self.name:
-            raise ValueError(
-                f"workload.name={self.name!r} trains on token sequences, but the prepared data at "
-                f"{quote(manifest.directory)} was written by workload {manifest.workload!r}; prepare the data with "
-                "the same workload"
-            )
+        check_prepared_by(self.name, "token sequences", manifest)
         spec = TextSpec.from_manifest(manifest)
         if self.model_factory is not None:
             self._check_user_model(config, manifest, spec)
@@ -323,20 +312,16 @@ class CausalLM:
         # In fp32 whatever autocast made the logits: a bf16 log-softmax over 50 k entries loses the loss's digits.
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         correct = (logits.detach().argmax(dim=-1) == targets).sum()
-        sums = {"correct": correct, **_counts(targets)}
+        samples = sample_count(targets)
+        sums = {"correct": correct, "tokens": samples * targets.shape[1], "samples": samples}
         return LossOutput(loss=loss, sums=sums, num_samples=len(targets), num_tokens=targets.numel())
 
     def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``loss_sum`` (summed per-token negative log-likelihood, float64), ``correct``, ``tokens``, ``samples``."""
-        import torch.nn.functional as F
-
+        """``loss_sum`` (summed per-token negative log-likelihood, float64), ``correct``, ``tokens``, ``samples`` of
+        the predicted tokens (:func:`token_sums`)."""
         inputs, targets = batch
-        logits = model(inputs).float()
-        return {
-            "loss_sum": F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").double(),
-            "correct": (logits.argmax(dim=-1) == targets).sum(),
-            **_counts(targets),
-        }
+        sums = token_sums(model(inputs), targets)
+        return sums | {"loss_sum": sums["loss_sum"].double()}
 
     def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
         """``accuracy`` of the predicted tokens; with ``loss_sum`` also ``loss`` (per predicted token, nats) and
@@ -424,10 +409,11 @@ def _check_embedding_size(config: TrainingConfig, lm_config: Any, spec: TextSpec
     )
 
 
-def read_tokenizer(manifest: Manifest) -> TextTokenizer:
+def read_tokenizer(manifest: Manifest, spec: Any = None) -> TextTokenizer:
     """The tokenizer the data in ``manifest.directory`` was prepared with (:func:`~training_core.data.text.
-    prepared_tokenizer`)."""
-    spec = TextSpec.from_manifest(manifest)
+    prepared_tokenizer`), as ``spec`` (its ``tokenizer`` and ``tokenizer_sha256``; by default the
+    :class:`TextSpec`) records it."""
+    spec = spec or TextSpec.from_manifest(manifest)
     return prepared_tokenizer(manifest.directory, spec.tokenizer, spec.tokenizer_sha256)
 
 
@@ -501,18 +487,7 @@ def model_config(model: ModelConfig, *, vocab_size: int, eot_id: int | None) -> 
     # it is asked to predict.
     if hasattr(defaults, "is_decoder"):
         kwargs["is_decoder"] = True
-    for key, value in defaults.to_dict().items():
-        if isinstance(value, float) and value > 0 and ("dropout" in key or key.endswith("pdrop")):
-            kwargs[key] = 0.0
-    for field_name, attribute in _OVERRIDES:
-        value = getattr(model, field_name)
-        if not value:
-            continue
-        if not isinstance(getattr(defaults, attribute, None), int):
-            raise ValueError(
-                f"model.{field_name}={value} is invalid: {model.name} has no {attribute}; leave model.{field_name} at 0"
-            )
-        kwargs[attribute] = value
+    kwargs |= no_dropout(defaults) | size_overrides(model, defaults)
     _scale_with_overrides(defaults, kwargs, model)
     try:
         return config_class(**kwargs)
@@ -522,6 +497,28 @@ def model_config(model: ModelConfig, *, vocab_size: int, eot_id: int | None) -> 
             f"{model.hidden_size}, num_heads={model.num_heads}, context_length={model.context_length}: "
             f"{type(exc).__name__}: {clip(str(exc))}; fix those overrides"
         ) from None
+
+
+def size_overrides(model: ModelConfig, defaults: Any) -> dict[str, int]:
+    """``model``'s non-zero :data:`OVERRIDES` under the attribute names of ``defaults`` (a ``transformers`` config);
+    one the config has no integer attribute for raises ``ValueError`` naming the field."""
+    found = {}
+    for field_name, attribute in OVERRIDES:
+        value = getattr(model, field_name)
+        if value and not isinstance(getattr(defaults, attribute, None), int):
+            invalid(f"model.{field_name}", value, f"{model.name} has no {attribute}; leave model.{field_name} at 0")
+        if value:
+            found[attribute] = value
+    return found
+
+
+def no_dropout(config: Any) -> dict[str, float]:
+    """The dropout probabilities a ``transformers`` config sets (``*dropout*``, ``*pdrop``), each 0.0."""
+    return {
+        key: 0.0
+        for key, value in config.to_dict().items()
+        if isinstance(value, float) and value > 0 and ("dropout" in key or key.endswith("pdrop"))
+    }
 
 
 def _config_class(name: str) -> type:
@@ -588,7 +585,7 @@ def _define_model_class() -> type:
     import torch
     from torch import nn
 
-    class CausalLMModel(nn.Module):
+    class CausalLMModel(CarriesTokenizer, nn.Module):
         """A ``transformers`` causal LM as the loop trains it: ``forward(input_ids [N, T] int64) -> logits
         [N, T, V]``. Carries its tokenizer (``byte`` or the ``tokenizer.json`` text; empty when built without
         one), so a pickled model (MLflow's) can :meth:`generate_text` on its own. The state dict is the Hugging Face
@@ -600,7 +597,6 @@ def _define_model_class() -> type:
             self.tokenizer = tokenizer
             self.eot_id = eot_id
             self.context_length = context_length
-            self._text_tokenizer: TextTokenizer | None = None
 
         def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
             return self.lm(input_ids=input_ids, use_cache=False).logits
@@ -615,23 +611,35 @@ def _define_model_class() -> type:
         def generate_text(self, prompt: str, max_new_tokens: int) -> str:
             """``prompt`` followed by its greedy continuation of up to ``max_new_tokens`` tokens, up to an
             end-of-text token."""
-            if not self.tokenizer:
-                raise ValueError(
-                    "this model was built without its tokenizer (from a checkpoint's description, with no data "
-                    "directory); build it with the prepared data's manifest to generate text"
-                )
-            if self._text_tokenizer is None:
-                self._text_tokenizer = tokenizer_from_description(self.tokenizer, where="the model's tokenizer")
             generate = functools.partial(self.generate, max_new_tokens=max_new_tokens)
-            return prompt + _continuation(self, self._text_tokenizer, prompt, generate)
+            return prompt + _continuation(self, self.text_tokenizer("generate text"), prompt, generate)
 
-        def __getstate__(self) -> dict[str, Any]:
-            state = super().__getstate__().copy()
-            state["_text_tokenizer"] = None  # rebuilt from ``tokenizer`` on first use
-            return state
-
-    CausalLMModel.__qualname__ = "CausalLMModel"
     return CausalLMModel
+
+
+class CarriesTokenizer:
+    """What a text model that carries its tokenizer shares (``tokenizer``: ``byte`` or the ``tokenizer.json`` text;
+    empty when built without the data, from a checkpoint's description): the :class:`TextTokenizer` it decodes with,
+    made on first use and left out of a pickle, so a pickled model (MLflow's) rebuilds it on its own."""
+
+    tokenizer: str
+    _text_tokenizer: TextTokenizer | None = None
+
+    def text_tokenizer(self, purpose: str) -> TextTokenizer:
+        """The tokenizer; ``ValueError`` when the model was built without one (it cannot ``purpose``)."""
+        if not self.tokenizer:
+            raise ValueError(
+                "this model was built without its tokenizer (from a checkpoint's description, with no data "
+                f"directory); build it with the prepared data's manifest to {purpose}"
+            )
+        if self._text_tokenizer is None:
+            self._text_tokenizer = tokenizer_from_description(self.tokenizer, where="the model's tokenizer")
+        return self._text_tokenizer
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__().copy()  # nn.Module's, the model's other base
+        state["_text_tokenizer"] = None  # rebuilt from ``tokenizer`` on first use
+        return state
 
 
 def _generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
@@ -643,7 +651,7 @@ def _generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int) ->
     kept = input_ids if context is None else input_ids[:, -max(1, context - max_new_tokens) :]
     new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - kept.shape[1])
     pad_id = model.eot_id if model.eot_id is not None else 0
-    with _eval_mode(model):
+    with eval_mode(model):
         output = model.lm.generate(
             input_ids=kept,
             attention_mask=torch.ones_like(kept),
@@ -659,15 +667,7 @@ def _generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int) ->
     return torch.cat([input_ids, generated, padding], dim=1)
 
 
-def model_class() -> type:
-    """:class:`CausalLMModel`: defined once, on first use, then a module global."""
-    return defined_once(globals(), "CausalLMModel", _define_model_class)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "CausalLMModel":
-        return model_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+model_class, __getattr__ = lazy_class(globals(), "CausalLMModel", _define_model_class)
 
 
 def _continuation(
@@ -691,7 +691,7 @@ def greedy_decode(
     import torch
 
     output = input_ids
-    with _eval_mode(model), torch.no_grad():
+    with eval_mode(model), torch.no_grad():
         for _ in range(max_new_tokens):
             logits = model(output[:, -context_length:])
             output = torch.cat([output, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
@@ -699,7 +699,7 @@ def greedy_decode(
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
+def eval_mode(model: nn.Module) -> Iterator[None]:
     """``model`` in eval mode, its mode restored after; a module that cannot switch (an exported program: always in
     inference mode) is left as it is."""
     was_training = model.training
@@ -729,13 +729,19 @@ class TokenBatcher:
         return tokens[:, :-1], tokens[:, 1:]
 
 
-def _counts(targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The ``tokens`` and ``samples`` of ``targets`` [N, T], 0-dim int64 tensors filled on their device (no
-    host-to-device copy to wait on)."""
-    import torch
+def token_sums(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The sums of ``logits`` [N, T, V] for ``labels`` [N, T] over the tokens whose label is not :data:`IGNORED`:
+    ``loss_sum`` (summed cross-entropy, fp32), ``correct`` (argmax), ``tokens``; and ``samples``."""
+    import torch.nn.functional as F
 
-    counts = {"tokens": targets.numel(), "samples": len(targets)}
-    return {key: torch.full((), value, dtype=torch.long, device=targets.device) for key, value in counts.items()}
+    logits = logits.float()  # a bf16 log-softmax over the vocabulary loses the loss's digits
+    chosen = labels != IGNORED
+    return {
+        "loss_sum": F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORED, reduction="sum"),
+        "correct": ((logits.argmax(dim=-1) == labels) & chosen).sum(),
+        "tokens": chosen.sum(),
+        "samples": sample_count(labels),
+    }
 
 
 def perplexity(loss: float) -> float:

@@ -12,8 +12,8 @@ from training_core.data.prepared import Manifest, split_samples, write_prepared
 from training_core.messages import invalid, quote
 from training_core.registry import DATASET_SOURCES
 from training_core.workloads.protocol import (
-    LossOutput,
-    classification_loss,
+    Classifier,
+    check_prepared_by,
     classification_sums,
     mean_of,
     to_device_async,
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-class ImageClassification:
+class ImageClassification(Classifier):
     """Images in, class logits out. ``model_factory(config, manifest)`` and ``dataset_source(data)`` (returning
     a :class:`~training_core.data.sources.RawDataset`) replace the built-in model and dataset; either is also given
     ``params=`` (``workload.params``, typed by its ``params_type`` if it declares one) when it has that parameter."""
@@ -120,12 +120,7 @@ class ImageClassification:
         return manifest
 
     def check(self, config: TrainingConfig, manifest: Manifest) -> None:
-        if manifest.workload != self.name or len(manifest.input_shape) != 3:
-            raise ValueError(
-                f"workload.name={self.name!r} trains on images, but the prepared data at "
-                f"{quote(manifest.directory)} was written by workload {manifest.workload!r}; prepare the data with "
-                "the same workload"
-            )
+        check_prepared_by(self.name, "images", manifest, len(manifest.input_shape) == 3)
         if self.model_factory is not None:
             check_user_model(config, manifest, self.model_factory, self.example_input(manifest))
         if config.model.pretrained:
@@ -133,35 +128,28 @@ class ImageClassification:
 
     def check_pretrained(self, config: TrainingConfig, manifest: Manifest) -> None:
         """Read ``model.pretrained`` and match it against the model (built on the meta device, so without its
-        memory): bad weights or names and shapes that do not fit fail here, before any worker starts. Records the
-        weights' sha256 in ``config.model.pretrained_sha256`` (in place), so the workers verify that they read the
-        same weights and the MLflow params name them. Under FSDP (a model that may not fit this process) safetensors
-        are checked by their headers, the hash streamed: no tensor is read."""
+        memory): bad weights or names and shapes that do not fit fail here, before any worker starts, and the
+        weights' sha256 is recorded in ``config.model.pretrained_sha256`` (:func:`~training_core.pretrained.
+        check_weights`), so the workers verify that they read the same weights and the MLflow params name them."""
         import torch
 
-        from training_core.pretrained import plan_loading, tensors_to_match
+        from training_core.pretrained import check_weights
 
-        model_cfg = config.model
-        tensors, sha256 = tensors_to_match(model_cfg, config.scaling.strategy)
         try:
             with torch.device("meta"):
                 model = self.new_model(config, manifest)
         except Exception:  # noqa: BLE001 - a user's model whose construction needs real tensors: built on CPU
             model = self.new_model(config, manifest)
-        plan_loading(model_cfg.pretrained, model, tensors, new_head=model_cfg.new_head, model_name=model_cfg.name)
-        model_cfg.pretrained_sha256 = sha256
+        check_weights(config, model)
 
     def build_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
         """The model, with the ``model.pretrained`` weights loaded when there are some (not into a model on the
         meta device, which holds no values: under FSDP each rank reads its shards' rows after sharding,
         ``loads_pretrained_sharded``). A resumed run's checkpoint is restored over them afterwards."""
-        model = self.new_model(config, manifest)
-        if config.model.pretrained and not any(p.is_meta for p in model.parameters()):
-            from training_core.pretrained import load_into, read_pretrained
+        from training_core.pretrained import load_pretrained
 
-            model_cfg = config.model
-            weights = read_pretrained(model_cfg.pretrained, expected_sha256=model_cfg.pretrained_sha256)
-            load_into(model, weights, new_head=model_cfg.new_head, model_name=model_cfg.name, seed=config.loop.seed)
+        model = self.new_model(config, manifest)
+        load_pretrained(model, config.model, seed=config.loop.seed)
         return model
 
     def new_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
@@ -175,9 +163,6 @@ class ImageClassification:
     def to_device(self, manifest: Manifest, device: torch.device) -> Callable[[Mapping[str, np.ndarray]], Any]:
         return Normalizer(manifest, device)
 
-    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossOutput:
-        return classification_loss(model, batch)
-
     def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
         inputs, targets = batch
         logits = model(inputs).float()
@@ -186,9 +171,8 @@ class ImageClassification:
         return classification_sums(logits, targets, predicted=top[:, 0]) | {"correct_top5": correct_top5}
 
     def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
-        found = {"accuracy": mean_of(sums, "correct", "samples")}
+        found = super().metrics(sums)
         if "loss_sum" in sums:
-            found["loss"] = mean_of(sums, "loss_sum", "samples")
             found["top5_accuracy"] = mean_of(sums, "correct_top5", "samples")
         return found
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -44,23 +44,13 @@ from training_core.data.text import BYTE, TextTokenizer, check_text_source, load
 from training_core.messages import clip, invalid, quote
 from training_core.redact import redact
 from training_core.schema import is_count
-from training_core.workloads.causal_lm import CausalLM, TextSpec
-from training_core.workloads.protocol import LossOutput, defined_once, sample_count, to_device_async
-from training_core.workloads.sequence_classification import (
-    PAD_TOKENS,
-    check_pretrained_tokenizer,
-    check_pretrained_weights,
-    encoder_architecture,
-    encoder_mapping,
-    load_pretrained,
-    pretrained_config_json,
-)
+from training_core.workloads.causal_lm import IGNORED, CausalLM, TextSpec, token_sums
+from training_core.workloads.protocol import LossOutput, lazy_class, to_device_async
+from training_core.workloads.sequence_classification import PAD_TOKENS, EncoderWorkload, encoder_architecture
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-    from training_core.pretrained import NameMapping
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +62,6 @@ MASK_FRACTION = 0.15
 MASKED_SHARE, RANDOM_SHARE = 0.8, 0.1
 """Of the chosen tokens, the share replaced by the mask token and the share replaced by a random token (the rest
 stay as they are): BERT's 80/10/10."""
-IGNORED = -100
-"""The label of a token that is not predicted (``cross_entropy``'s ``ignore_index``)."""
 HEAD = "masked-LM head"
 """What the log calls the tensors outside the encoder's backbone (``cls.predictions.*``) when the weights lack them."""
 EVAL_MASK_SEED = 0x3A5C
@@ -139,16 +127,16 @@ def check_source(data: DataConfig) -> None:
     MaskSpec.of(load_tokenizer(data.tokenizer), data.tokenizer)
 
 
-class MaskedLM(CausalLM):
+class MaskedLM(EncoderWorkload, CausalLM):
     """Token ids with some masked in, logits over the vocabulary at every position out; ``workload.dataset_source``
-    (a mapping of document name to text) replaces the built-in text, as for ``causal_lm``."""
+    (a mapping of document name to text) replaces the built-in text, as for ``causal_lm``. Under FSDP each rank reads
+    only its shards' rows of ``model.pretrained`` (the decoder tied to the word embeddings reads their stored rows,
+    once)."""
 
     name = NAME
+    head = HEAD
     showcase = None
     """No generated text in the evaluation report: an encoder does not continue a prompt."""
-    loads_pretrained_sharded = True
-    """Under FSDP each rank reads only its shards' rows of ``model.pretrained``, named by :meth:`pretrained_mapping`
-    (the decoder tied to the word embeddings reads their stored rows, once)."""
 
     def __init__(self, selected: WorkloadConfig | None = None) -> None:
         if selected and selected.model_factory:
@@ -187,9 +175,7 @@ class MaskedLM(CausalLM):
             invalid("workload.name", NAME, f"the prepared data at {quote(manifest.directory)} was written by workload "
                     f"{manifest.workload!r}; prepare the data with workload.name={NAME!r}")  # fmt: skip
         spec = TextSpec.from_manifest(manifest)
-        if config.model.pretrained:
-            check_pretrained_tokenizer(config, spec.tokenizer_sha256)
-            config.model.encoder_config = pretrained_config_json(config.model)
+        self.adopt_pretrained(config, spec.tokenizer_sha256)
         encoder_config = mlm_config(config.model, manifest)
         vocab = getattr(encoder_config, "vocab_size", None)
         if not isinstance(vocab, int) or vocab < spec.vocab_size:
@@ -199,26 +185,14 @@ class MaskedLM(CausalLM):
         if isinstance(positions, int) and spec.seq_len > positions:
             fix = f"the encoder has {positions} positions; lower it to at most {positions} and prepare again"
             invalid("data.seq_len", spec.seq_len, fix)
-        if config.model.pretrained:
-            import torch
-
-            with torch.device("meta"):
-                encoder = new_masked_lm(config, manifest)
-            check_pretrained_weights(config, encoder, head=HEAD)
-
-    def pretrained_mapping(self, model: nn.Module, stored_names: Iterable[str]) -> NameMapping:
-        """How :class:`MaskedLMModel` names ``model.pretrained``'s tensors (:func:`~training_core.workloads.
-        sequence_classification.encoder_mapping`, under ``encoder.``): what the whole load and FSDP's row-by-row
-        load (``loads_pretrained_sharded``) both read by."""
-        return encoder_mapping(model.encoder, stored_names, head=HEAD).under("encoder.")
+        self.check_pretrained_weights(config, lambda: new_masked_lm(config, manifest))
 
     def build_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
         """:class:`MaskedLMModel` around a ``transformers`` masked LM, randomly initialised (from the loop's seeded
         RNG), with ``model.pretrained``'s weights loaded as the module docstring says, but not into parameters on
         the meta device: under FSDP each rank reads its shards' rows after sharding (``loads_pretrained_sharded``)."""
         encoder = new_masked_lm(config, manifest)
-        if config.model.pretrained and not any(p.is_meta for p in encoder.parameters()):
-            load_pretrained(encoder, config.model, seed=config.loop.seed, head=HEAD)
+        self.load_pretrained_weights(encoder, config)
         model = model_class()(encoder)
         log.info("built %s (%s): %.2f M parameters", config.model.name or encoder.config.model_type,
                  type(encoder).__name__, sum(p.numel() for p in model.parameters()) / 1e6)  # fmt: skip
@@ -233,16 +207,9 @@ class MaskedLM(CausalLM):
         """Mean cross-entropy over the batch's chosen tokens; sums of correct predictions, chosen tokens and
         samples."""
         inputs, labels = batch
-        sums = _masked_sums(model(inputs), labels)
+        sums = token_sums(model(inputs), labels)
         loss = sums.pop("loss_sum") / sums["tokens"].clamp(min=1)
         return LossOutput(loss=loss, sums=sums, num_samples=len(inputs), num_tokens=inputs.numel())
-
-    def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``loss_sum`` (summed over the chosen tokens, float64), ``correct``, ``tokens`` (chosen), ``samples``."""
-        inputs, labels = batch
-        sums = _masked_sums(model(inputs), labels)
-        sums["loss_sum"] = sums["loss_sum"].double()
-        return sums
 
 
 def new_masked_lm(config: TrainingConfig, manifest: Manifest) -> nn.Module:
@@ -250,13 +217,8 @@ def new_masked_lm(config: TrainingConfig, manifest: Manifest) -> nn.Module:
     ``config.json`` when ``check`` has not recorded it), randomly initialised from the global torch RNG."""
     from transformers import AutoModelForMaskedLM
 
-    model_cfg = config.model
-    if model_cfg.pretrained and not model_cfg.encoder_config:  # built without check(): read the architecture here
-        import dataclasses
-
-        model_cfg = dataclasses.replace(model_cfg, encoder_config=pretrained_config_json(model_cfg))
     try:
-        return AutoModelForMaskedLM.from_config(mlm_config(model_cfg, manifest))
+        return AutoModelForMaskedLM.from_config(mlm_config(config.model, manifest))
     except Exception as exc:  # noqa: BLE001 - transformers raises various types for a config it cannot build
         why = f"transformers cannot build a masked LM of it ({type(exc).__name__}: {clip(str(exc))})"
         invalid("model.name", config.model.name, f"{why}; use a BERT size or BertConfig, RobertaConfig")
@@ -266,19 +228,6 @@ def mlm_config(model: ModelConfig, manifest: Manifest) -> Any:
     """The ``transformers`` config of the encoder ``model`` names, for the vocabulary and padding of the data."""
     masks = MaskSpec.from_manifest(manifest)
     return encoder_architecture(model, vocab_size=masks.vocab_size, pad_id=masks.pad_id)
-
-
-def _masked_sums(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-    import torch.nn.functional as F
-
-    logits = logits.float()  # a bf16 log-softmax over the vocabulary loses the loss's digits
-    chosen = labels != IGNORED
-    return {
-        "loss_sum": F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORED, reduction="sum"),
-        "correct": ((logits.argmax(dim=-1) == labels) & chosen).sum(),
-        "tokens": chosen.sum(),
-        "samples": sample_count(labels),
-    }
 
 
 # ----------------------------------------------------------------------------------------------- masking
@@ -337,16 +286,7 @@ def _define_model_class() -> type:
         def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
             return self.encoder(input_ids=input_ids).logits
 
-    MaskedLMModel.__qualname__ = "MaskedLMModel"
     return MaskedLMModel
 
 
-def model_class() -> type:
-    """:class:`MaskedLMModel`: defined once, on first use, then a module global."""
-    return defined_once(globals(), "MaskedLMModel", _define_model_class)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "MaskedLMModel":
-        return model_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+model_class, __getattr__ = lazy_class(globals(), "MaskedLMModel", _define_model_class)

@@ -125,10 +125,11 @@ def mean_of(sums: Mapping[str, Any], numerator: str, denominator: str) -> float:
 
 
 def sample_count(values: torch.Tensor) -> torch.Tensor:
-    """How many ``values`` there are, as a 0-dim tensor on their device (a sum the loop adds without a sync)."""
+    """How many ``values`` there are (along dim 0), as a 0-dim int64 tensor filled on their device: a sum the loop
+    adds without a sync, and no host-to-device copy to wait on."""
     import torch
 
-    return torch.tensor(values.shape[0], device=values.device)
+    return torch.full((), values.shape[0], dtype=torch.long, device=values.device)
 
 
 def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossOutput:
@@ -161,6 +162,41 @@ def classification_sums(
     }
 
 
+class Classifier:
+    """What the classification workloads share: class logits ``[N, classes]`` of the model for int64 labels,
+    cross-entropy (:func:`classification_loss`), the evaluation sums of :func:`classification_sums` and their
+    metrics."""
+
+    f1_name = ""
+    """The key of macro-F1 in :meth:`metrics`; none when empty."""
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossOutput:
+        return classification_loss(model, batch)
+
+    def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        inputs, labels = batch
+        return classification_sums(model(inputs), labels)
+
+    def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
+        """``accuracy``; with the evaluation figures also ``loss`` (per sample) and, named :attr:`f1_name`, macro-F1
+        (:func:`macro_f1`: the mean over classes of each one's F1; a class neither true nor predicted counts as 1)."""
+        found = {"accuracy": mean_of(sums, "correct", "samples")}
+        if "loss_sum" in sums:
+            found["loss"] = mean_of(sums, "loss_sum", "samples")
+        if self.f1_name and "confusion" in sums:
+            found[self.f1_name] = macro_f1(sums["confusion"])
+        return found
+
+
+def check_prepared_by(name: str, what: str, manifest: Manifest, fits: bool = True) -> None:
+    """``ValueError`` unless the workload ``name``, which trains on ``what``, wrote ``manifest`` (and it ``fits``)."""
+    if manifest.workload != name or not fits:
+        raise ValueError(
+            f"workload.name={name!r} trains on {what}, but the prepared data at {quote(manifest.directory)} was "
+            f"written by workload {manifest.workload!r}; prepare the data with the same workload"
+        )
+
+
 def macro_f1(confusion: Any) -> float:
     """The mean over classes of ``2 * tp / (2 * tp + fp + fn)`` of a confusion matrix (rows true, columns
     predicted); a class neither true nor predicted counts as 1."""
@@ -175,11 +211,22 @@ def macro_f1(confusion: Any) -> float:
 _DEFINE_LOCK = threading.Lock()
 
 
-def defined_once(namespace: dict[str, Any], name: str, define: Callable[[], type]) -> type:
-    """``namespace[name]``, made by ``define()`` on first use: a class defined lazily (its base comes from a heavy
-    import) and then kept as a module global, so pickle finds it by module and name like any other."""
-    with _DEFINE_LOCK:
-        found = namespace.get(name)
-        if found is None:
-            namespace[name] = found = define()
-    return found
+def lazy_class(namespace: dict[str, Any], name: str, define: Callable[[], type]) -> tuple[Callable[[], type], Any]:
+    """``(get, __getattr__)`` for the class ``name`` of the module whose globals are ``namespace``, defined lazily
+    (its base comes from a heavy import): ``get()`` makes it by ``define()`` on first use and keeps it as a module
+    global, so pickle finds it by module and name like any other; ``__getattr__`` (PEP 562) serves it by name."""
+
+    def get() -> type:
+        with _DEFINE_LOCK:
+            found = namespace.get(name)
+            if found is None:
+                namespace[name] = found = define()
+                found.__qualname__ = name
+        return found
+
+    def module_getattr(attribute: str) -> Any:
+        if attribute == name:
+            return get()
+        raise AttributeError(f"module {namespace['__name__']!r} has no attribute {attribute!r}")
+
+    return get, module_getattr

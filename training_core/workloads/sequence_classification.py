@@ -23,6 +23,7 @@ a classifier of raw strings. Importing this module imports neither torch nor tra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -51,7 +52,6 @@ from training_core.data.text import (
     check_spilled_text,
     load_tokenizer,
     no_text_error,
-    prepared_tokenizer,
     ray_connected,
     read_documents,
     spill_tokens,
@@ -65,14 +65,19 @@ from training_core.messages import clip, invalid, quote
 from training_core.redact import redact
 from training_core.registry import ENCODER_SIZES, PRIMARY_METRICS
 from training_core.schema import is_count
-from training_core.workloads.causal_lm import write_text
+from training_core.workloads.causal_lm import (
+    OVERRIDES,
+    CarriesTokenizer,
+    eval_mode,
+    no_dropout,
+    read_tokenizer,
+    size_overrides,
+    write_text,
+)
 from training_core.workloads.protocol import (
-    LossOutput,
-    classification_loss,
-    classification_sums,
-    defined_once,
-    macro_f1,
-    mean_of,
+    Classifier,
+    check_prepared_by,
+    lazy_class,
     to_device_async,
 )
 
@@ -98,17 +103,57 @@ CLASSIFIER_FILE = "classifier.json"
 model_files`)."""
 MAX_CONFIG_BYTES = 2**20
 """Most bytes read of a pretrained directory's ``config.json``."""
-_OVERRIDES = (
-    ("num_layers", "num_hidden_layers"),
-    ("hidden_size", "hidden_size"),
-    ("num_heads", "num_attention_heads"),
-    ("context_length", "max_position_embeddings"),
-)
-"""``model.*`` override -> the standard ``transformers`` config attribute (each config's ``attribute_map`` maps it)."""
 _INTEGER = re.compile(r"-?\d{1,18}")
 
 
-class SequenceClassification:
+class EncoderWorkload:
+    """What the workloads of a ``transformers`` encoder (this one and ``masked_lm``) share: ``model.pretrained``, a
+    Hugging Face directory, checked before any worker starts and loaded, its tensors named by :func:`encoder_mapping`
+    (the model's ``encoder`` is the Hugging Face one)."""
+
+    head = "classification head"
+    """What the log calls the tensors outside the encoder's backbone when the weights lack them."""
+    loads_pretrained_sharded = True
+    """Under FSDP each rank reads only its shards' rows of ``model.pretrained``, named by :meth:`pretrained_mapping`."""
+
+    def pretrained_mapping(self, model: nn.Module, stored_names: Iterable[str]) -> NameMapping:
+        """How the model names ``model.pretrained``'s tensors (:func:`encoder_mapping`, under ``encoder.``): what the
+        whole load and FSDP's row-by-row load (``loads_pretrained_sharded``) both read by."""
+        return encoder_mapping(model.encoder, stored_names, head=self.head).under("encoder.")
+
+    def adopt_pretrained(self, config: TrainingConfig, tokenizer_sha256: str) -> None:
+        """With ``model.pretrained``: the data (tokenised with the tokenizer of sha256 ``tokenizer_sha256``, empty for
+        bytes) must be tokenised with the ``tokenizer.json`` beside the weights, when there is one (other ids would look
+        up other tokens' embeddings); its ``config.json`` is recorded in ``model.encoder_config`` (in place), so
+        workers and checkpoints rebuild the same model."""
+        if config.model.pretrained:
+            check_pretrained_tokenizer(config, tokenizer_sha256)
+            config.model.encoder_config = pretrained_config_json(config.model)
+
+    def check_pretrained_weights(self, config: TrainingConfig, new: Callable[[], nn.Module]) -> None:
+        """With ``model.pretrained``: its weights matched against the encoder ``new()`` builds on the meta device
+        (nothing allocated), their sha256 recorded in ``model.pretrained_sha256`` (in place)."""
+        if config.model.pretrained:
+            import torch
+
+            from training_core.pretrained import check_weights
+
+            with torch.device("meta"):
+                encoder = new()
+            mapping_of = functools.partial(encoder_mapping, head=self.head)
+            check_weights(config, encoder, mapping_of=mapping_of, fix=PRETRAINED_FIX)
+
+    def load_pretrained_weights(self, encoder: nn.Module, config: TrainingConfig) -> None:
+        """``model.pretrained``'s weights into ``encoder`` when there are some, named by :func:`encoder_mapping`
+        (:func:`~training_core.pretrained.load_pretrained`: not into parameters on the meta device; under FSDP each
+        rank reads its shards' rows after sharding, ``loads_pretrained_sharded``)."""
+        from training_core.pretrained import load_pretrained
+
+        mapping_of = functools.partial(encoder_mapping, head=self.head)
+        load_pretrained(encoder, config.model, seed=config.loop.seed, mapping_of=mapping_of)
+
+
+class SequenceClassification(EncoderWorkload, Classifier):
     """Token ids in, class logits out; built-in data and models only (no ``workload.model_factory`` or
     ``dataset_source``)."""
 
@@ -116,10 +161,9 @@ class SequenceClassification:
     primary_mode = "max"
     metric_modes = {"accuracy": "max", "macro_f1": "max", "loss": "min"}
     """Which way each metric improves: tuning ranks by any of them (``val_macro_f1``)."""
+    f1_name = "macro_f1"
     dynamic_axes = (0, 1)
     """The logged model takes any batch and any sequence length (up to its positions)."""
-    loads_pretrained_sharded = True
-    """Under FSDP each rank reads only its shards' rows of ``model.pretrained``, named by :meth:`pretrained_mapping`."""
 
     def __init__(self, selected: WorkloadConfig | None = None) -> None:
         selected = selected or WorkloadConfig(name=NAME)
@@ -174,28 +218,11 @@ class SequenceClassification:
         with ``model.pretrained``, the weights (read and matched on the meta device, nothing allocated) and the
         tokenizer beside them. Records the pretrained ``config.json`` in ``model.encoder_config`` and the weights'
         sha256 in ``model.pretrained_sha256`` (in place), so workers and checkpoints rebuild the same model."""
-        if manifest.workload != NAME:
-            raise ValueError(
-                f"workload.name={NAME!r} trains on labelled token sequences, but the prepared data at "
-                f"{quote(manifest.directory)} was written by workload {manifest.workload!r}; prepare the data with "
-                "the same workload"
-            )
+        check_prepared_by(NAME, "labelled token sequences", manifest)
         spec = LabeledTextSpec.from_manifest(manifest)
-        if config.model.pretrained:
-            check_pretrained_tokenizer(config, spec.tokenizer_sha256)
-            config.model.encoder_config = pretrained_config_json(config.model)
+        self.adopt_pretrained(config, spec.tokenizer_sha256)
         _check_fits(config, build_encoder_config(config.model, spec, manifest.classes), spec)
-        if config.model.pretrained:
-            import torch
-
-            with torch.device("meta"):
-                encoder = new_encoder(config, manifest)
-            check_pretrained_weights(config, encoder)
-
-    def pretrained_mapping(self, model: nn.Module, stored_names: Iterable[str]) -> NameMapping:
-        """How :class:`SequenceClassifierModel` names ``model.pretrained``'s tensors (:func:`encoder_mapping`, under
-        ``encoder.``): what the whole load and FSDP's row-by-row load (``loads_pretrained_sharded``) both read by."""
-        return encoder_mapping(model.encoder, stored_names).under("encoder.")
+        self.check_pretrained_weights(config, lambda: new_encoder(config, manifest))
 
     def build_model(self, config: TrainingConfig, manifest: Manifest) -> nn.Module:
         """:class:`SequenceClassifierModel` around the encoder (randomly initialised from the loop's seeded RNG), with
@@ -205,9 +232,8 @@ class SequenceClassification:
         and scores but cannot :meth:`~SequenceClassifierModel.classify` strings)."""
         spec = LabeledTextSpec.from_manifest(manifest)
         encoder = new_encoder(config, manifest)
-        if config.model.pretrained and not any(p.is_meta for p in encoder.parameters()):
-            load_pretrained(encoder, config.model, seed=config.loop.seed)
-        tokenizer = data_tokenizer(manifest).description if manifest.directory else ""
+        self.load_pretrained_weights(encoder, config)
+        tokenizer = read_tokenizer(manifest, spec).description if manifest.directory else ""
         model = model_class()(encoder, spec=spec, classes=list(manifest.classes), tokenizer=tokenizer)
         log.info(
             "built %s (%s): %.2f M parameters, %d classes",
@@ -234,24 +260,6 @@ class SequenceClassification:
 
         return batch_to_device
 
-    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossOutput:
-        return classification_loss(model, batch)
-
-    def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``loss_sum`` (float64), ``correct``, ``samples`` and ``confusion`` (``[true, predicted]`` counts)."""
-        input_ids, labels = batch
-        return classification_sums(model(input_ids), labels)
-
-    def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
-        """``accuracy``; with the evaluation figures also ``loss`` (per sample) and ``macro_f1`` (the mean over
-        classes of each one's F1; a class neither true nor predicted counts as 1)."""
-        found = {"accuracy": mean_of(sums, "correct", "samples")}
-        if "loss_sum" in sums:
-            found["loss"] = mean_of(sums, "loss_sum", "samples")
-        if "confusion" in sums:
-            found["macro_f1"] = macro_f1(sums["confusion"])
-        return found
-
     def model_files(self, manifest: Manifest) -> dict[str, bytes]:
         """The files logged beside the MLflow model (a ``torch.export`` program, which carries no tokenizer), so
         :func:`load_classifier` classifies raw strings with a registered version: :data:`CLASSIFIER_FILE` (the class
@@ -260,7 +268,7 @@ class SequenceClassification:
         described = {"classes": list(manifest.classes), **dataclasses.asdict(spec)}
         files = {CLASSIFIER_FILE: json.dumps(described, sort_keys=True).encode()}
         if spec.tokenizer == TOKENIZER_FILE:
-            files[TOKENIZER_FILE] = data_tokenizer(manifest).json_text.encode("utf-8")
+            files[TOKENIZER_FILE] = read_tokenizer(manifest, spec).json_text.encode("utf-8")
         return files
 
     def example_input(self, manifest: Manifest) -> np.ndarray:
@@ -477,13 +485,6 @@ class LabeledTextSpec(SampleLayout):
         return cls(**raw)
 
 
-def data_tokenizer(manifest: Manifest) -> TextTokenizer:
-    """The tokenizer the data in ``manifest.directory`` was prepared with (:func:`~training_core.data.text.
-    prepared_tokenizer`)."""
-    spec = LabeledTextSpec.from_manifest(manifest)
-    return prepared_tokenizer(manifest.directory, spec.tokenizer, spec.tokenizer_sha256)
-
-
 # ------------------------------------------------------------------------------------------------ the encoder
 
 
@@ -549,34 +550,35 @@ def encoder_architecture(model: ModelConfig, *, vocab_size: int, pad_id: int | N
     task's fields (``masked_lm`` builds its encoder from it too)."""
     import transformers
 
-    if model.encoder_config:
-        config = _config_from_json(model)
+    # model.pretrained's config.json when check() has not recorded it (a model built without it)
+    described = model.encoder_config or (pretrained_config_json(model) if model.pretrained else {})
+    if described:
+        config = _config_from_json(model, described)
     elif model.name in ENCODER_SIZES:
         size = ENCODER_SIZES[model.name]
-        sized = {a: getattr(model, f) or getattr(size, f) for f, a in _OVERRIDES}
+        sized = {a: getattr(model, f) or getattr(size, f) for f, a in OVERRIDES}
         config = transformers.BertConfig(
             vocab_size=vocab_size, pad_token_id=pad_id, intermediate_size=4 * sized["hidden_size"], **sized
         )
     else:
         config = _config_from_class(model, vocab_size=vocab_size, pad_id=pad_id)
-    for key, value in config.to_dict().items():
-        if isinstance(value, float) and value > 0 and ("dropout" in key or key.endswith("pdrop")):
-            setattr(config, key, 0.0)
+    config.update(no_dropout(config))
     return config
 
 
-def _config_from_json(model: ModelConfig) -> Any:
-    """The config of ``model.encoder_config``; ``model.name`` and the overrides, when given, must agree with it."""
+def _config_from_json(model: ModelConfig, described: dict[str, Any]) -> Any:
+    """The config ``described`` (``model.encoder_config``); ``model.name`` and the overrides, when given, must agree
+    with it."""
     from transformers import AutoConfig
 
-    raw = dict(model.encoder_config)
+    raw = dict(described)
     try:
         config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     except Exception as exc:  # noqa: BLE001 - transformers raises various types for a config it cannot read
-        invalid("model.encoder_config", model.encoder_config, f"transformers cannot read it ({clip(str(exc))})")
+        invalid("model.encoder_config", described, f"transformers cannot read it ({clip(str(exc))})")
     size = ENCODER_SIZES.get(model.name)
     sized = ("num_layers", "hidden_size", "num_heads") if size else ()  # a BERT size fixes these, not its positions
-    expected = {a: getattr(model, f) or (getattr(size, f) if f in sized else 0) for f, a in _OVERRIDES}
+    expected = {a: getattr(model, f) or (getattr(size, f) if f in sized else 0) for f, a in OVERRIDES}
     if not size and model.name and type(config).__name__ != model.name:
         invalid("model.name", model.name, f"model.pretrained is a {type(config).__name__}: leave model.name empty")
     differ = [
@@ -601,14 +603,7 @@ def _config_from_class(model: ModelConfig, *, vocab_size: int, pad_id: int | Non
             f"transformers {transformers.__version__} has no sequence-classification model of that config class; "
             f"use {', '.join(ENCODER_SIZES)} or a config class such as BertConfig, RobertaConfig, DistilBertConfig",
         )
-    kwargs: dict[str, Any] = {"vocab_size": vocab_size, "pad_token_id": pad_id}
-    defaults = found()
-    for field_name, attribute in _OVERRIDES:
-        value = getattr(model, field_name)
-        if value and not isinstance(getattr(defaults, attribute, None), int):
-            invalid(f"model.{field_name}", value, f"{model.name} has no {attribute}; leave model.{field_name} at 0")
-        if value:
-            kwargs[attribute] = value
+    kwargs = {"vocab_size": vocab_size, "pad_token_id": pad_id, **size_overrides(model, found())}
     try:
         return found(**kwargs)
     except Exception as exc:  # noqa: BLE001 - transformers validates configs with various exception types
@@ -647,11 +642,7 @@ def new_encoder(config: TrainingConfig, manifest: Manifest) -> nn.Module:
     the global torch RNG: seed it first); on the meta device under ``torch.device('meta')``."""
     from transformers import AutoModelForSequenceClassification
 
-    spec = LabeledTextSpec.from_manifest(manifest)
-    model_cfg = config.model
-    if model_cfg.pretrained and not model_cfg.encoder_config:  # built without check(): read the architecture here
-        model_cfg = dataclasses.replace(model_cfg, encoder_config=pretrained_config_json(model_cfg))
-    encoder_config = build_encoder_config(model_cfg, spec, manifest.classes)
+    encoder_config = build_encoder_config(config.model, LabeledTextSpec.from_manifest(manifest), manifest.classes)
     try:
         return AutoModelForSequenceClassification.from_config(encoder_config)
     except Exception as exc:  # noqa: BLE001 - transformers raises various types for a config it cannot build
@@ -691,49 +682,16 @@ def encoder_mapping(
     return NameMapping(sources, dropped, "; ".join(notes))
 
 
-def check_pretrained_weights(config: TrainingConfig, encoder: nn.Module, *, head: str = "classification head") -> None:
-    """Match ``model.pretrained``'s tensors, named as :func:`encoder_mapping` says, against ``encoder`` (on the meta
-    device): read whole, or under FSDP by their safetensors headers alone (the hash streamed). Records their sha256
-    in ``model.pretrained_sha256`` (in place), so the workers verify they read the same weights."""
-    from training_core.pretrained import plan_loading, tensors_to_match
-
-    model_cfg = config.model
-    tensors, sha256 = tensors_to_match(model_cfg, config.scaling.strategy)
-    mapping = encoder_mapping(encoder, tensors, head=head)
-    plan_loading(model_cfg.pretrained, encoder, mapping.renamed(tensors), new_head=model_cfg.new_head,
-                 model_name=model_cfg.name, fix=PRETRAINED_FIX, fresh=mapping.fresh)  # fmt: skip
-    model_cfg.pretrained_sha256 = sha256
-
-
-def load_pretrained(encoder: nn.Module, model: ModelConfig, *, seed: int, head: str = "classification head") -> None:
-    """Copy ``model.pretrained``'s weights (checked against ``model.pretrained_sha256``) into ``encoder``, named as
-    :func:`encoder_mapping` says; the tensors ``model.new_head`` re-initialises and those the weights lack take
-    their values from ``seed``."""
-    from training_core.pretrained import load_into, read_pretrained
-
-    weights = read_pretrained(model.pretrained, expected_sha256=model.pretrained_sha256)
-    mapping = encoder_mapping(encoder, weights.state_dict, head=head)
-    if mapping.note:
-        log.warning("model.pretrained: %s", mapping.note)
-    load_into(encoder, weights, new_head=model.new_head, model_name=model.name, seed=seed, mapping=mapping)
-
-
 # ------------------------------------------------------------------------------------------------ the model
-
-
-def encoded_texts(tokenizer: TextTokenizer, layout: SampleLayout, texts: Sequence[str]) -> np.ndarray:
-    """``texts`` as the model's input: samples of ``layout`` (int64, ``[len(texts), seq_len]``)."""
-    rows = np.full((len(texts), layout.seq_len), layout.pad_id, dtype=np.int64)
-    for row, ids in zip(rows, tokenizer.encode_batch(list(texts))):
-        layout.sample(ids[: layout.room], row)
-    return rows
 
 
 @dataclass
 class RegisteredClassifier:
-    """A registered version: its ``torch.export`` program with the tokenizer and classes logged beside it."""
+    """A registered version: its ``torch.export`` program with the tokenizer and classes logged beside it (or, for
+    :meth:`SequenceClassifierModel.classify`, the model itself as the program)."""
 
     program: Any
+    """Input ids [N, seq_len] int64 on the host -> logits [N, classes]."""
     tokenizer: TextTokenizer
     layout: SampleLayout
     classes: list[str]
@@ -742,8 +700,11 @@ class RegisteredClassifier:
         """The predicted class name of each text (cut to the sequence length the model was trained on)."""
         import torch
 
+        rows = np.full((len(texts), self.layout.seq_len), self.layout.pad_id, dtype=np.int64)
+        for row, ids in zip(rows, self.tokenizer.encode_batch(list(texts))):
+            self.layout.sample(ids[: self.layout.room], row)
         with torch.no_grad():
-            logits = self.program(torch.from_numpy(encoded_texts(self.tokenizer, self.layout, texts)))
+            logits = self.program(torch.from_numpy(rows))
         return [self.classes[index] for index in logits.argmax(dim=1).tolist()]
 
 
@@ -768,10 +729,9 @@ def load_classifier(model_uri: str) -> RegisteredClassifier:
 
 def _define_model_class() -> type:
     """:class:`SequenceClassifierModel`, defined here so importing this module does not import torch."""
-    import torch
     from torch import nn
 
-    class SequenceClassifierModel(nn.Module):
+    class SequenceClassifierModel(CarriesTokenizer, nn.Module):
         """A ``transformers`` sequence classifier as the loop trains it: ``forward(input_ids [N, T] int64) -> logits
         [N, classes]``, attending to every position that is not padding. Carries its class names, sample layout and
         tokenizer (the ``tokenizer.json`` text or ``byte``; empty when rebuilt without the data), so a pickled
@@ -783,46 +743,18 @@ def _define_model_class() -> type:
             self.layout = SampleLayout(spec.cls_id, spec.sep_id, spec.pad_id, spec.vocab_size, spec.seq_len)
             self.classes = classes
             self.tokenizer = tokenizer
-            self._text_tokenizer: TextTokenizer | None = None
 
         def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
             return self.encoder(input_ids=input_ids, attention_mask=(input_ids != self.layout.pad_id).long()).logits
 
-        @torch.no_grad()
         def classify(self, texts: Sequence[str]) -> list[str]:
             """The predicted class name of each text (cut to the sequence length the model was trained on)."""
-            if not self.tokenizer:
-                raise ValueError(
-                    "this model was built without its tokenizer (from a checkpoint's description, with no data "
-                    "directory); build it with the prepared data's manifest to classify text"
-                )
-            if self._text_tokenizer is None:
-                self._text_tokenizer = tokenizer_from_description(self.tokenizer, where="the model's tokenizer")
-            rows = encoded_texts(self._text_tokenizer, self.layout, texts)
-            was_training = self.training
-            self.eval()
-            try:
-                logits = self(torch.from_numpy(rows).to(next(self.parameters()).device))
-            finally:
-                self.train(was_training)
-            return [self.classes[index] for index in logits.argmax(dim=1).tolist()]
+            tokenizer, device = self.text_tokenizer("classify text"), next(self.parameters()).device
+            classifier = RegisteredClassifier(lambda ids: self(ids.to(device)), tokenizer, self.layout, self.classes)
+            with eval_mode(self):
+                return classifier.classify(texts)
 
-        def __getstate__(self) -> dict[str, Any]:
-            state = super().__getstate__().copy()
-            state["_text_tokenizer"] = None  # rebuilt from ``tokenizer`` on first use
-            return state
-
-    SequenceClassifierModel.__qualname__ = "SequenceClassifierModel"
     return SequenceClassifierModel
 
 
-def model_class() -> type:
-    """:class:`SequenceClassifierModel`: defined once, on first use, then a module global."""
-    return defined_once(globals(), "SequenceClassifierModel", _define_model_class)
-
-
-def __getattr__(name: str) -> Any:
-    # PEP 562: created on first access and kept as a module global, so pickle finds it by module and name.
-    if name == "SequenceClassifierModel":
-        return model_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+model_class, __getattr__ = lazy_class(globals(), "SequenceClassifierModel", _define_model_class)

@@ -29,10 +29,8 @@ from training_core.messages import clip
 from training_core.redact import redact
 from training_core.workloads.image import example_output, user_model
 from training_core.workloads.protocol import (
+    Classifier,
     LossOutput,
-    classification_loss,
-    classification_sums,
-    macro_f1,
     mean_of,
     sample_count,
     to_device_async,
@@ -205,7 +203,7 @@ class ArrayWorkload:
         return np.zeros((2, *manifest.input_shape), dtype=np.float32)
 
 
-class ArrayClassification(ArrayWorkload):
+class ArrayClassification(ArrayWorkload, Classifier):
     """``targets`` are class labels (any values: each distinct one is a class, in sorted order); the model returns
     logits ``[N, classes]``; cross-entropy; ``accuracy`` ranks (or set ``primary_metric = "f1"``: macro-F1)."""
 
@@ -214,6 +212,7 @@ class ArrayClassification(ArrayWorkload):
     primary_mode = "max"
     metric_modes = {"accuracy": "max", "f1": "max", "loss": "min"}
     """Which way each metric improves: tuning ranks by any of them (``val_f1``)."""
+    f1_name = "f1"
 
     def expected_output(self, manifest: Manifest, batch: int) -> tuple[int, ...]:
         return (batch, manifest.num_classes)
@@ -248,21 +247,6 @@ class ArrayClassification(ArrayWorkload):
             )
         names = [str(c) for c in classes.tolist()]
         return labels.astype(np.int64), ArraySpec("int64", [], max_value=len(names) - 1), names
-
-    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossOutput:
-        return classification_loss(model, batch)
-
-    def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
-        inputs, labels = batch
-        return classification_sums(model(inputs), labels)
-
-    def metrics(self, sums: Mapping[str, Any]) -> dict[str, float]:
-        found = {"accuracy": mean_of(sums, "correct", "samples")}
-        if "loss_sum" in sums:
-            found["loss"] = mean_of(sums, "loss_sum", "samples")
-        if "confusion" in sums:
-            found["f1"] = macro_f1(sums["confusion"])
-        return found
 
 
 class ArrayRegression(ArrayWorkload):
