@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from training_core.eval_sums import EvalResult, evaluate  # noqa: F401 - evaluate: importable from here too
+from training_core.eval_sums import evaluate
 from training_core.messages import clip
 
 if TYPE_CHECKING:
@@ -92,7 +92,6 @@ def evaluate_checkpoint(
     import torch
 
     from training_core.checkpoint import load_model
-    from training_core.data.prepared import ShardStream
 
     manifest = _split_of(data_dir, split)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -103,15 +102,7 @@ def evaluate_checkpoint(
         fix=DIVERGED_FIX,
     )
     require_same_data(meta, manifest, checkpoint_dir=checkpoint_dir, data_dir=data_dir)
-    stream = ShardStream(manifest, split, rank=0, world_size=1)
-    result = evaluate(
-        model,
-        stream.eval_batches(batch_size=batch_size),
-        workload=workload,
-        to_device=workload.to_device(manifest, device),
-        device=device,
-    )
-    return _report(result, split=split, workload=workload, manifest=manifest, model=model)
+    return _report(model, workload, manifest, split=split, batch_size=batch_size, device=device)
 
 
 DIVERGED_FIX = (
@@ -150,9 +141,24 @@ def require_same_data(meta, manifest, *, checkpoint_dir: str, data_dir: str) -> 
         )
 
 
-def _report(result: EvalResult, *, split: str, workload: Workload, manifest, model: nn.Module) -> EvalReport:
-    """The :class:`EvalReport` of ``result``; a language model's continuations are generated here (under FSDP
-    every rank generates, in lockstep: greedy decoding runs the same forwards on each)."""
+def _report(
+    model: nn.Module, workload: Workload, manifest, *, split: str, batch_size: int, device, runtime=None, sharded=False
+) -> EvalReport:
+    """The :class:`EvalReport` of ``model`` on ``split``: in one process, or on each of ``runtime``'s ranks its shards
+    of the split, the sums all-reduced. A language model's continuations are generated here (under FSDP every rank
+    generates, in lockstep: greedy decoding runs the same forwards on each)."""
+    from training_core.data.prepared import ShardStream
+
+    rank, world_size = (runtime.rank, runtime.world_size) if runtime is not None else (0, 1)
+    result = evaluate(
+        model,
+        ShardStream(manifest, split, rank=rank, world_size=world_size).eval_batches(batch_size=batch_size),
+        workload=workload,
+        to_device=workload.to_device(manifest, device),
+        device=device,
+        all_reduce=runtime is not None,
+        lockstep=sharded,
+    )
     confusion = result.sums.get("confusion")
     showcase = getattr(workload, "showcase", None)
     return EvalReport(
@@ -230,7 +236,7 @@ def _evaluate_worker(config: dict[str, Any]) -> None:
     import torch
 
     from training_core.checkpoint import build_saved_model, load_directory, restore
-    from training_core.data.prepared import Manifest, ShardStream
+    from training_core.data.prepared import Manifest
     from training_core.parallel import sharding
     from training_core.parallel.distributed import RayTrainRuntime, all_reduce_sum
 
@@ -252,16 +258,8 @@ def _evaluate_worker(config: dict[str, Any]) -> None:
     (num_nonfinite,) = all_reduce_sum([float(sum(not bool(torch.isfinite(t).all()) for t in local))], device)
     if num_nonfinite:
         raise ValueError(f"checkpoint {config['checkpoint_uri']} has non-finite weights: {DIVERGED_FIX}")
-    manifest = Manifest.load(config["data_dir"])
-    stream = ShardStream(manifest, config["split"], rank=runtime.rank, world_size=runtime.world_size)
-    result = evaluate(
-        model,
-        stream.eval_batches(batch_size=config["batch_size"]),
-        workload=workload,
-        to_device=workload.to_device(manifest, device),
-        device=device,
-        all_reduce=True,
-        lockstep=config["sharded"],
-    )
-    report = _report(result, split=config["split"], workload=workload, manifest=manifest, model=model)
+    report = _report(
+        model, workload, Manifest.load(config["data_dir"]), split=config["split"], batch_size=config["batch_size"],
+        device=device, runtime=runtime, sharded=config["sharded"],
+    )  # fmt: skip
     runtime.report_result({REPORT_METRIC: json.dumps(dataclasses.asdict(report))})

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from training_core.train.loop import EPOCH_FIGURE_PREFIX, StepMeter, StepResult
+from training_core.train.meter import EPOCH_FIGURE_PREFIX, StepMeter
+from training_core.train.step import StepResult
 from training_core.workloads import mean_of
 from training_core.workloads.image import ImageClassification
 

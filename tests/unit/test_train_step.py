@@ -6,8 +6,8 @@ import torch
 
 from training_core.config import OptimizerConfig, ScheduleConfig
 from training_core.models import build_model
-from training_core.train.loop import masked_step, resolve_precision, train_step
 from training_core.train.optim import build_optimizer, lr_factor
+from training_core.train.step import masked_step, resolve_precision, train_step
 from training_core.workloads.protocol import classification_loss
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from training_core.config import AUTO
 from training_core.data import ShardStream
+from training_core.parallel.distributed import all_gather_objects
 from training_core.parallel.sharding import local_tensor
 from training_core.train.step import Saved, no_gradient_sync
 
@@ -160,16 +161,6 @@ def _cuda_peak_bytes(
     return peak
 
 
-def agree(micro_batch_size: int, device: torch.device) -> int:
-    """The smallest of the ranks' micro-batches (a collective): FSDP's collectives run per micro-batch, so every rank
-    must take as many."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return micro_batch_size
-    value = torch.tensor([micro_batch_size], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
-    return int(value.item())
-
-
 class BatchPlanner:
     """This worker's micro-batch and accumulation steps: ``loop.batch_size: auto`` measured and planned, or an
     elastic run's on another number of workers than ``scaling.num_workers``; the global batch stays as configured."""
@@ -190,8 +181,8 @@ class BatchPlanner:
 
     def auto(self, cfg: TrainingConfig) -> TrainingConfig:
         """``cfg`` with ``loop.batch_size: auto`` resolved: the largest micro-batch that fits the memory budget and
-        divides this worker's share of ``loop.global_batch_size``, the smallest over the ranks (a collective), and
-        the accumulation that keeps the global batch."""
+        divides this worker's share of ``loop.global_batch_size``, the smallest over the ranks, and the accumulation
+        that keeps the global batch."""
         per_worker = cfg.loop.global_batch_size // self.world_size
         per_rank = self.manifest.splits["train"].num_samples // self.world_size
         if per_rank < per_worker:
@@ -209,7 +200,8 @@ class BatchPlanner:
         plan = plan_micro_batch(
             per_worker, fixed_bytes=fixed_bytes, bytes_per_sample=bytes_per_sample, budget_bytes=budget
         )
-        size = agree(plan.micro_batch_size, self.device)
+        # The smallest over the ranks: FSDP's collectives run per micro-batch, so every rank must take as many.
+        size = min(all_gather_objects(plan.micro_batch_size, self.world_size))
         if self.rank == 0:
             log.warning(
                 "loop.batch_size=auto: micro-batch %d, %d accumulation step(s) per optimizer step (global batch %d); "

@@ -9,9 +9,7 @@ to a part of :mod:`training_core.train`; the save policy is
 from __future__ import annotations
 
 import logging
-import os
 import sys
-import tempfile
 import time
 from typing import Any, Sequence
 
@@ -22,7 +20,7 @@ from training_core.config import TrainingConfig
 from training_core.data import Manifest, ShardStream
 from training_core.evaluation import evaluate
 from training_core.metrics import MetricSink, MlflowSink, build_sink, flatten
-from training_core.parallel import nccl_network, sharding
+from training_core.parallel import sharding
 from training_core.parallel.distributed import (
     CommTimer,
     RayTrainRuntime,
@@ -38,19 +36,13 @@ from training_core.train.epoch_data import EpochData, run_length
 from training_core.train.failures import DIVERGED_METRIC, TrainingDiverged, is_collective_timeout
 from training_core.train.guards import DivergenceGuard, OomRetry, PreemptionWatch
 from training_core.train.local_sgd import LocalSgd
-from training_core.train.lora import prepare_trainable
-from training_core.train.meter import EPOCH_FIGURE_PREFIX, Reporter, StepMeter  # noqa: F401 - re-exported
-from training_core.train.model import ModelExport, build_sharded_pretrained, hold_model, loads_by_rows
-from training_core.train.network_checks import NetworkChecks
+from training_core.train.meter import Reporter, StepMeter
+from training_core.train.model import ModelExport, build_held_model
+from training_core.train.network_checks import NetworkChecks, prepare_nccl_env
 from training_core.train.optim import apply_hyperparameters, build_optimizer, build_scheduler, param_groups
 from training_core.train.rng import gather_rng_states, restore_rng, seed_everything
 from training_core.train.run_state import CheckpointWrites, RunState, choose_checkpoint
-from training_core.train.step import (  # noqa: F401 - masked_step: importable from here too
-    StepResult,
-    masked_step,
-    resolve_precision,
-    train_step,
-)
+from training_core.train.step import StepResult, resolve_precision, train_step
 from training_core.workloads import resolve_workload
 
 log = logging.getLogger("training_core")
@@ -80,17 +72,9 @@ class Trainer:
         self.autocast_dtype, use_scaler = resolve_precision(cfg.precision.mode, device)
         self.manifest = manifest = Manifest.load(self.args.data_dir)
         self.workload = resolve_workload(cfg.workload)
-        if loads_by_rows(cfg, self.workload):  # FSDP from pretrained weights: the model is never whole here
-            held, self.num_parameters, _ = build_sharded_pretrained(
-                cfg, self.workload, manifest, self.runtime, param_dtype=self.autocast_dtype
-            )
-            self.frozen_base_sha256 = ckpt.base_sha256(held.model)  # a collective: each frozen tensor gathered in turn
-        else:
-            model = prepare_trainable(self.workload.build_model(cfg, manifest), cfg.model, seed=cfg.loop.seed)
-            self.num_parameters = sum(p.numel() for p in model.parameters())
-            # With frozen parameters (model.lora, model.freeze) checkpoints hold the trainable ones and name this base.
-            self.frozen_base_sha256 = ckpt.base_sha256(model)
-            held = hold_model(model, cfg, self.workload, self.runtime, param_dtype=self.autocast_dtype)
+        held, self.num_parameters, self.frozen_base_sha256 = build_held_model(
+            cfg, self.workload, manifest, self.runtime, param_dtype=self.autocast_dtype
+        )
         self.model, self.checkpoint_group = held.model, held.checkpoint_group
         self.comm_timer = CommTimer()
         if hasattr(self.model, "register_comm_hook"):
@@ -104,6 +88,8 @@ class Trainer:
         self.scheduler = build_scheduler(cfg.schedule, self.optimizer, total_steps=self.total_steps)
         self.preemption = PreemptionWatch(cfg.checkpoint.preemption_grace_s, self.runtime)
         self.scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+        # What a checkpoint saves and a resume restores of the training's stateful objects.
+        self.objects = dict(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler)
         self.local_sgd = LocalSgd(cfg.sync, rank=self.rank, world_size=self.world_size)
         self.to_device = self.workload.to_device(manifest, device)
         if held.channels_last:
@@ -146,9 +132,9 @@ class Trainer:
     def connect_outputs(self) -> None:
         """Checkpoint storage and the metric sink (after telemetry: the checkpointer reports to it)."""
         cfg, mlflow = self.cfg, self.args.mlflow
-        self.writes = CheckpointWrites.open(
-            self.args.checkpoint_root, cfg.checkpoint, observer=self.telemetry, rank=self.rank, sharded=self.sharded,
-            process_group=self.checkpoint_group,
+        self.writes = CheckpointWrites(
+            self.args.checkpoint_root, cfg.checkpoint, objects=self.objects, observer=self.telemetry, rank=self.rank,
+            sharded=self.sharded, process_group=self.checkpoint_group,
         )  # fmt: skip
         self.checkpointer = self.writes.checkpointer
         self.sink: MetricSink = build_sink(
@@ -170,12 +156,7 @@ class Trainer:
         ``resume_from`` checkpoint (a fine-tune, the next slice of a trial), else start fresh."""
         cfg = self.cfg
         loaded, same_run = choose_checkpoint(
-            self.checkpointer.storage,
-            resume_from=self.args.resume_from,
-            model=self.model,
-            rank=self.rank,
-            world_size=self.world_size,
-            device=self.device,
+            self.checkpointer.storage, resume_from=self.args.resume_from, model=self.model, runtime=self.runtime
         )
         self.awaiting_first_step = loaded is not None
         self.state = RunState() if loaded is None else self.restore(loaded, same_run=same_run)
@@ -194,7 +175,7 @@ class Trainer:
 
     def restore(self, loaded: ckpt.LoadedCheckpoint, *, same_run: bool) -> RunState:
         """The stateful objects, the epoch's sums, the telemetry and the RNG from ``loaded``; returns its run state."""
-        ckpt.restore(loaded, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler)
+        ckpt.restore(loaded, **self.objects)
         self.local_sgd.restore_replica(loaded, self.model, self.optimizer)
         apply_hyperparameters(self.cfg, self.optimizer, self.scheduler)
         state = RunState.resumed(loaded.meta, same_run=same_run)
@@ -260,15 +241,17 @@ class Trainer:
     def finish_epoch(self, epoch: int, steps_this_epoch: int) -> bool:
         """Validation, a checkpoint when the policy asks (always after the last epoch), and the epoch's report;
         returns whether the run is done."""
-        state, best_metric = self.state, self.cfg.checkpoint.best_metric
-        self.local_sgd.at_epoch_end(self.model, state.global_step)
+        state, step, best_metric = self.state, self.state.global_step, self.cfg.checkpoint.best_metric
+        self.local_sgd.at_epoch_end(self.model, step)
         record = self.validate(epoch=epoch, steps_in_epoch=steps_this_epoch)
         state.epoch, state.step_in_epoch, state.data_remaining = epoch + 1, 0, None
-        done = state.global_step >= self.total_steps or epoch == self.end_epoch - 1
-        if done:
-            self.save_checkpoint(metric=record.metric(best_metric), model_uri=self.log_model(epoch))
+        done = step >= self.total_steps or epoch == self.end_epoch - 1
+        if done:  # rank 0 logs the model to MLflow when the run trained its full budget (a collective)
+            full_budget = step >= self.total_steps or epoch == self.cfg.loop.epochs - 1
+            model_uri = self.export.log_checked(self.model, self.guard, full_budget=full_budget, global_step=step)
+            self.save_checkpoint(metric=record.metric(best_metric), model_uri=model_uri)
             self.checkpointer.wait()  # the final checkpoint is the task's output: it must be on storage
-        elif self.checkpointer.should_save(state.global_step, epoch_end=True):
+        elif self.checkpointer.should_save(step, epoch_end=True):
             self.save_checkpoint(metric=record.metric(best_metric))
         self.runtime.report(record.to_dict())
         return done
@@ -316,13 +299,6 @@ class Trainer:
             val, self.state, epoch=epoch, steps_in_epoch=steps_in_epoch, lr=lr, best_metric=best_metric
         )
 
-    def log_model(self, epoch: int) -> str:
-        """Rank 0 logs the model to MLflow when the run trained its full budget (:class:`ModelExport`); returns its
-        ``models:/`` URI, or "" (a collective: every rank checks the weights first)."""
-        step = self.state.global_step
-        full_budget = step >= self.total_steps or epoch == self.cfg.loop.epochs - 1
-        return self.export.log_checked(self.model, self.guard, full_budget=full_budget, global_step=step)
-
     def save_checkpoint(self, *, metric: float | None = None, model_uri: str = "", preempted: bool = False) -> None:
         """Every rank calls this at the same steps (the weight check and the RNG gather are collectives); rank 0
         writes, with the checkpoint's ``meta.json`` (what it records of this run now)."""
@@ -348,17 +324,7 @@ class Trainer:
                 num_parameters=self.num_parameters,
                 frozen_base_sha256=self.frozen_base_sha256,
             )
-        self.writes.write(
-            step,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.scaler,
-            meta=meta,
-            metric=metric,
-            torch_rng=torch_rng,
-            replicas=replicas,
-        )
+        self.writes.write(step, meta=meta, metric=metric, torch_rng=torch_rng, replicas=replicas)
         self.report.checkpoint_stall(time.perf_counter() - started, global_step=step)
 
 
@@ -402,16 +368,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     install_log_redaction()
     args = WorkerArgs.from_dict(loop_config)
-    # Ray Train has started the process group; torch creates NCCL's communicators at the first collective, which
-    # reads these. On a cluster the RayJob pods also have them from the start (tasks/ray_config.py).
-    os.environ.update(args.config.scaling.nccl_env)
-    # NCCL logs the network it chooses only at INFO: to a file of this process, read after the job-start
-    # all-reduce (NetworkChecks.run). A user's own NCCL_DEBUG wins, and the check is off.
-    nccl_debug_dir = None
-    if args.config.scaling.use_gpu and "NCCL_DEBUG" not in os.environ:
-        nccl_debug_dir = tempfile.mkdtemp(prefix="nccl-")
-        os.environ.update(nccl_network.debug_env(nccl_debug_dir))
-    runtime = RayTrainRuntime(nccl_debug_dir=nccl_debug_dir)
+    runtime = RayTrainRuntime(nccl_debug_dir=prepare_nccl_env(args.config.scaling))
     for path in args.code_paths:  # the user code the driver imported (``WorkerArgs.code_paths``)
         if path not in sys.path:
             sys.path.append(path)

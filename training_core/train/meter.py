@@ -5,7 +5,7 @@ steady state, and the window's non-finite steps, counted on the device so no ste
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
@@ -113,21 +113,17 @@ class StepMeter:
 
     def step(self, result: StepResult, *, global_step: int, step_time_s: float, data_wait_s: float, comm_s: float):
         w = self.window
-        w.loss, w.nonfinite, w.samples, w.tokens = (
-            w.loss + torch.where(result.nonfinite, 0.0, result.loss),
-            w.nonfinite + result.nonfinite,
-            w.samples + result.num_samples,
-            w.tokens + result.num_tokens,
-        )
+        w.loss += torch.where(result.nonfinite, 0.0, result.loss)
+        w.nonfinite += result.nonfinite
+        w.samples += result.num_samples
+        w.tokens += result.num_tokens
         for name, value in result.sums.items():
             w.figures[name] = w.figures.get(name, 0.0) + value
         self.tally.add(result)
-        w.time_s, w.data_s, w.comm_s, w.steps = (
-            w.time_s + step_time_s,
-            w.data_s + data_wait_s,
-            w.comm_s + comm_s,
-            w.steps + 1,
-        )
+        w.time_s += step_time_s
+        w.data_s += data_wait_s
+        w.comm_s += comm_s
+        w.steps += 1
         if global_step > self.warmup_steps_excluded:
             s = self.steady
             s.time_s, s.comm_s, s.steps = s.time_s + step_time_s, s.comm_s + comm_s, s.steps + 1
@@ -148,13 +144,11 @@ class StepMeter:
         figures = dict(zip(names, values))
         # The epoch keeps per-step means over the ranks (ranks train equal shares of each step's global batch): an
         # elastic run that resumes an epoch on another number of workers weighs every step alike, before and after.
-        e.loss, e.nonfinite, e.samples, e.tokens, e.time_s = (
-            e.loss + loss_sum / self.world_size,
-            e.nonfinite + nonfinite / self.world_size,
-            e.samples + samples,
-            e.tokens + tokens,
-            e.time_s + w.time_s,
-        )
+        e.loss += loss_sum / self.world_size
+        e.nonfinite += nonfinite / self.world_size
+        e.samples += samples
+        e.tokens += tokens
+        e.time_s += w.time_s
         for name, value in figures.items():
             e.figures[name] = e.figures.get(name, 0.0) + value
         # Ranks flag the same steps (see train_step), so the mean over ranks is the window's count; rounded up,
@@ -243,23 +237,19 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0
 
 
+@dataclass
 class Reporter:
     """Every rank reports at the same steps (closing a window or an epoch reduces over the ranks); the sink writes
     rank 0's."""
 
-    def __init__(
-        self,
-        meter: StepMeter,
-        *,
-        telemetry: Any,
-        sink: MetricSink,
-        comm_timer: CommTimer,
-        guard: DivergenceGuard,
-        accounting: RunAccounting,
-    ) -> None:
-        self.meter, self.telemetry, self.sink, self.comm_timer, self.guard = meter, telemetry, sink, comm_timer, guard
-        self.accounting = accounting
-        """Goodput, stragglers and ETA (:mod:`training_core.train.accounting`)."""
+    meter: StepMeter
+    _: KW_ONLY
+    telemetry: Any
+    sink: MetricSink
+    comm_timer: CommTimer
+    guard: DivergenceGuard
+    accounting: RunAccounting
+    """Goodput, stragglers and ETA (:mod:`training_core.train.accounting`)."""
 
     def step(self, result: StepResult, state: RunState, *, step_time_s: float, data_wait_s: float) -> None:
         """A finished step's times (and its all-reduce time) into the meter's sums and the telemetry."""

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from training_core.checkpoint import base_sha256
 from training_core.parallel import sharding
 from training_core.parallel.distributed import ddp_options
+from training_core.train.lora import adapter_values, prepare_trainable, unadapted_names
 
 if TYPE_CHECKING:
     from training_core.config import TrainingConfig
@@ -71,6 +73,20 @@ def hold_model(
     return HeldModel(runtime.prepare_model(model, ddp_options(cfg.scaling)), channels_last, None)
 
 
+def build_held_model(
+    cfg: TrainingConfig, workload: Workload, manifest: Manifest, runtime: WorkerRuntime, *, param_dtype: Any
+) -> tuple[HeldModel, int, str]:
+    """The model this worker trains, held (:func:`hold_model`), its parameter count and the sha256 of its frozen base
+    (:func:`~training_core.checkpoint.base_sha256`: with ``model.lora`` or ``model.freeze`` checkpoints hold the
+    trainable parameters and name this base). Read by rows under FSDP (:func:`loads_by_rows`): never whole here."""
+    if loads_by_rows(cfg, workload):
+        held, num_parameters, _ = build_sharded_pretrained(cfg, workload, manifest, runtime, param_dtype=param_dtype)
+        return held, num_parameters, base_sha256(held.model)  # a collective: each frozen tensor gathered in turn
+    model = prepare_trainable(workload.build_model(cfg, manifest), cfg.model, seed=cfg.loop.seed)
+    num_parameters, frozen_base_sha256 = sum(p.numel() for p in model.parameters()), base_sha256(model)
+    return hold_model(model, cfg, workload, runtime, param_dtype=param_dtype), num_parameters, frozen_base_sha256
+
+
 def loads_by_rows(cfg: TrainingConfig, workload: Workload) -> bool:
     """Whether the model's ``model.pretrained`` weights are read shard by shard (:func:`build_sharded_pretrained`):
     under FSDP, for a workload that declares ``loads_pretrained_sharded`` (with ``model.lora`` and ``model.freeze``
@@ -94,7 +110,6 @@ def build_sharded_pretrained(
     ``base_layer`` tensors read the layer's own) and takes its rows of the adapters' seeded starting values
     (:func:`~training_core.train.lora.adapter_values`): the same step-0 weights as the model built whole."""
     from training_core.pretrained import load_shards, plan_sharded_load
-    from training_core.train.lora import adapter_values, prepare_trainable, unadapted_names
 
     with sharding.empty_parameters():
         model = workload.build_model(cfg, manifest)
@@ -125,15 +140,12 @@ class ModelExport:
     sharded: bool
 
     def log_checked(self, model: nn.Module, guard: DivergenceGuard, *, full_budget: bool, global_step: int) -> str:
-        """:meth:`log` once the weights are checked finite (a collective); "" without MLflow or for a slice that
-        stops before the budget (a tuning rung): only a finished trial is registered, and logging costs seconds."""
+        """Rank 0 logs ``model`` once the weights are checked finite (collectives: the check, and the gather under
+        FSDP); returns its ``models:/`` URI. "" on the other ranks, without MLflow, or for a slice that stops before
+        the budget (a tuning rung): only a finished trial is registered, and logging costs seconds."""
         if self.mlflow is None or not full_budget:
             return ""
         guard.require_finite_weights(model, "the MLflow model", global_step=global_step)
-        return self.log(model)
-
-    def log(self, model: nn.Module) -> str:
-        """Rank 0 logs ``model`` (a collective under FSDP); returns its ``models:/`` URI ("" on the other ranks)."""
         whole = self.gathered(model) if self.sharded else model
         if self.rank != 0:
             return ""
@@ -152,7 +164,6 @@ class ModelExport:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         from training_core.pretrained import without_pretrained
-        from training_core.train.lora import prepare_trainable
 
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:

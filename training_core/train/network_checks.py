@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from dataclasses import KW_ONLY, asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ from training_core.parallel.distributed import AllReduceProbe, probe_allreduce
 if TYPE_CHECKING:
     import torch
 
+    from training_core.config import ScalingConfig
     from training_core.metrics import MetricSink
     from training_core.parallel.distributed import WorkerRuntime
 
@@ -92,3 +94,15 @@ def read_nccl_network(runtime: Any, *, device: torch.device, rank: int) -> nccl_
     elif rank == 0:
         log.info("NCCL network: %s", found.describe())
     return found
+
+
+def prepare_nccl_env(scaling: ScalingConfig) -> str | None:
+    """``scaling.nccl_env`` into this process's environment, before the first collective creates NCCL's communicators,
+    and on GPUs NCCL's INFO log (the network it chooses) into a file read after the job-start all-reduce. Returns
+    that file's directory; None off GPUs or when a user's own ``NCCL_DEBUG`` wins (the check is then off)."""
+    os.environ.update(scaling.nccl_env)
+    if not scaling.use_gpu or "NCCL_DEBUG" in os.environ:
+        return None
+    directory = tempfile.mkdtemp(prefix="nccl-")
+    os.environ.update(nccl_network.debug_env(directory))
+    return directory

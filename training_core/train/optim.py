@@ -49,12 +49,7 @@ def param_groups(cfg: OptimizerConfig, model: torch.nn.Module) -> list[dict[str,
                 cfg.param_groups[pattern],
                 f"the pattern matches no trainable parameter of the model; names look like {_some_names(model)}",
             )
-    return [{"params": members, "lr": lr} for members, lr in zip(groups, group_lrs(cfg))]
-
-
-def group_lrs(cfg: OptimizerConfig) -> list[float]:
-    """Each parameter group's peak learning rate, in :func:`param_groups`' order."""
-    return [cfg.lr, *cfg.param_groups.values()]
+    return [{"params": members, "lr": lr} for members, lr in zip(groups, [cfg.lr, *cfg.param_groups.values()])]
 
 
 def _some_names(model: torch.nn.Module, count: int = 4) -> str:
@@ -80,7 +75,7 @@ def apply_hyperparameters(cfg: TrainingConfig, optimizer: torch.optim.Optimizer,
     """Make the restored optimizer and schedule follow ``cfg``: a resumed run keeps the checkpoint's moments
     and position, but its learning rate, weight decay and momentum come from the config (PBT perturbs them
     between slices; for an unchanged config this changes nothing)."""
-    lrs = group_lrs(cfg.optimizer)
+    lrs = [cfg.optimizer.lr, *cfg.optimizer.param_groups.values()]  # each group's peak, in param_groups' order
     if len(lrs) != len(optimizer.param_groups):  # an optimizer built over bare parameters: one group at lr
         lrs = [cfg.optimizer.lr] * len(optimizer.param_groups)
     scheduler.base_lrs = list(lrs)

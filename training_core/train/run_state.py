@@ -15,11 +15,11 @@ from training_core.records import EpochRecord, StepLog
 from training_core.redact import redact
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
     from training_core.config import CheckpointConfig, TrainingConfig
     from training_core.data import Manifest
+    from training_core.parallel.distributed import WorkerRuntime
 
 log = logging.getLogger("training_core")
 
@@ -96,13 +96,16 @@ class RunState:
         """``telemetry`` continues the clock, cost and restart count of the run ``loaded`` was saved by, and
         ``accounting`` (a :class:`~training_core.train.accounting.RunAccounting`) its goodput."""
         accounting.resumed(loaded.meta)
+        started = getattr(runtime, "started_unix", None)  # None when the runtime does not know its start
         telemetry.resumed(
             loaded.meta.telemetry,
             global_step=self.global_step,
             elapsed_s=loaded.meta.elapsed_s,
             num_restarts=len(self.resumed_from_steps),
             num_preemptions=sum(int(t.get("preempted", 0.0)) for t in self.resume_timings),
-            attempt_start_unix=attempt_start_unix(runtime, loaded.meta),
+            # When this attempt began: its worker process's start (a Ray Train restart starts new actors), but not
+            # before the checkpoint it resumes was written (the actor may run in a process Ray started earlier).
+            attempt_start_unix=None if started is None else max(started, loaded.meta.saved_unix),
         )
 
     def checkpoint_meta(
@@ -142,7 +145,7 @@ class RunState:
 
 
 def choose_checkpoint(
-    storage: Any, *, resume_from: str, model: nn.Module, rank: int, world_size: int, device: torch.device
+    storage: Any, *, resume_from: str, model: nn.Module, runtime: WorkerRuntime
 ) -> tuple[ckpt.LoadedCheckpoint | None, bool]:
     """The newest valid checkpoint of this run under ``storage`` (a worker restart or a task retry), else the
     ``resume_from`` checkpoint (a fine-tune, the next slice of a trial), else None; and whether it is this run's.
@@ -154,39 +157,36 @@ def choose_checkpoint(
     if loaded is None and resume_from:
         loaded = ckpt.load_directory(resume_from)
     step = float(loaded.meta.global_step) if loaded is not None else -1.0
-    total, squares = all_reduce_sum([step, step * step], device)
-    if squares * world_size != total * total:  # the steps' variance over the ranks is not 0
+    total, squares = all_reduce_sum([step, step * step], runtime.device)
+    if squares * runtime.world_size != total * total:  # the steps' variance over the ranks is not 0
         if loaded is not None:
             loaded.release()
         raise ckpt.CheckpointError(
-            f"rank {rank} chose the checkpoint of step {int(step)} (-1: none) but another rank chose another "
+            f"rank {runtime.rank} chose the checkpoint of step {int(step)} (-1: none) but another rank chose another "
             f"one under {storage.display_uri()}: storage changed while the ranks read it; a restart reads it again"
         )
     return loaded, same_run
-
-
-def attempt_start_unix(runtime: Any, meta: ckpt.CheckpointMeta) -> float | None:
-    """When this attempt began: its worker process's start (a Ray Train restart starts new actors), but not
-    before the checkpoint it resumes was written (the actor may run in a process Ray started earlier, idle in
-    its pool). None when the runtime does not know its start."""
-    process_start = getattr(runtime, "started_unix", None)
-    return None if process_start is None else max(process_start, meta.saved_unix)
 
 
 class CheckpointWrites:
     """Hands a checkpoint's objects to the :class:`~training_core.checkpoint.Checkpointer` the way this run holds
     them (``scaling.strategy``)."""
 
-    def __init__(self, checkpointer: ckpt.Checkpointer, *, rank: int, sharded: bool, process_group: Any) -> None:
-        self.checkpointer, self.rank, self.sharded, self.process_group = checkpointer, rank, sharded, process_group
-
-    @classmethod
-    def open(
-        cls, root: str, checkpoint: CheckpointConfig, *, observer: Any, rank: int, sharded: bool, process_group: Any
-    ) -> CheckpointWrites:
+    def __init__(
+        self,
+        root: str,
+        checkpoint: CheckpointConfig,
+        *,
+        objects: dict[str, Any],
+        observer: Any,
+        rank: int,
+        sharded: bool,
+        process_group: Any,
+    ) -> None:
         """The writes of a run whose checkpoints go under ``root`` by the ``checkpoint`` policy, reported to
-        ``observer``."""
-        checkpointer = ckpt.Checkpointer(
+        ``observer``; ``objects``: the run's model, optimizer, scheduler and GradScaler, by those names."""
+        self.objects, self.rank, self.sharded, self.process_group = objects, rank, sharded, process_group
+        self.checkpointer = ckpt.Checkpointer(
             ckpt.open_storage(root, checkpoint),
             keep_last=checkpoint.keep_last,
             interval_steps=checkpoint.interval_steps,
@@ -197,41 +197,23 @@ class CheckpointWrites:
             max_consecutive_failures=checkpoint.max_consecutive_save_failures,
             observer=observer,
         )
-        return cls(checkpointer, rank=rank, sharded=sharded, process_group=process_group)
 
     def write(
-        self,
-        global_step: int,
-        *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        scaler: torch.amp.GradScaler,
-        meta: ckpt.CheckpointMeta | None,
-        metric: float | None,
-        torch_rng: dict[str, Any],
-        replicas: dict[str, dict[str, Any]] | None,
+        self, global_step: int, *, meta: ckpt.CheckpointMeta | None, metric: float | None, torch_rng: Any, replicas: Any
     ) -> None:
         """This rank's part of the checkpoint of ``global_step`` (``meta``: rank 0's, None elsewhere)."""
+        objects = self.objects
         if self.sharded:  # every rank writes its shard
-            trainer_state = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": torch_rng}
+            trainer_state = {name: objects[name].state_dict() for name in ("scheduler", "scaler")} | {"rng": torch_rng}
             self.checkpointer.save_sharded(
                 global_step,
-                model=model,
-                optimizer=optimizer,
+                model=objects["model"],
+                optimizer=objects["optimizer"],
                 trainer_state=ckpt.detached(trainer_state) if self.rank == 0 else None,
                 meta=meta,
                 metric=metric,
                 process_group=self.process_group,
             )
         elif self.rank == 0:
-            staged = self.checkpointer.stage(
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                scaler=scaler,
-                meta=meta,
-                torch_rng=torch_rng,
-                replicas=replicas,
-            )
+            staged = self.checkpointer.stage(**objects, meta=meta, torch_rng=torch_rng, replicas=replicas)
             self.checkpointer.save(global_step, staged, metric=metric)

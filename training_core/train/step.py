@@ -87,10 +87,17 @@ def train_step(
     finite = torch.isfinite(loss) if scaler.is_enabled() else torch.isfinite(loss) & torch.isfinite(grad_norm)
     # Under DDP every rank flags the same steps: a non-finite loss makes non-finite gradients, and the gradient
     # all-reduce spreads those to every rank's norm. So ranks skip alike and replicas stay identical.
-    if saved_buffers is not None and not scaler.is_enabled():
-        _step_if(optimizer, finite, saved_buffers)
-    else:
+    if saved_buffers is None or scaler.is_enabled():
         scaler.step(optimizer)
+    elif finite.device.type == "cuda":
+        # Reading the flag would make the host wait for the step's kernels every step. The update is taken
+        # and then masked on the device instead, at the cost of a copy of the weights and optimizer state.
+        masked_step(optimizer, finite)
+        saved_buffers.keep_if(finite)
+    elif finite.item():  # on CPU the value is already computed: reading it costs nothing, the skip is exact
+        optimizer.step()
+    else:  # no step, and the buffers (BatchNorm statistics) put back
+        saved_buffers.keep_if(finite)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(
@@ -167,19 +174,6 @@ class Saved:
         """Each tensor keeps its current value where ``keep`` is true, else gets its copy back."""
         for tensor, copy in zip(self.tensors, self.copies):
             tensor.copy_(torch.where(keep, tensor, copy))
-
-
-def _step_if(optimizer: torch.optim.Optimizer, finite: torch.Tensor, saved_buffers: Saved) -> None:
-    """``optimizer.step()`` when ``finite``, else no step and the buffers (BatchNorm statistics) put back."""
-    if finite.device.type == "cuda":
-        # Reading the flag would make the host wait for the step's kernels every step. The update is taken
-        # and then masked on the device instead, at the cost of a copy of the weights and optimizer state.
-        masked_step(optimizer, finite)
-        saved_buffers.keep_if(finite)
-    elif finite.item():  # on CPU the value is already computed: reading it costs nothing, the skip is exact
-        optimizer.step()
-    else:
-        saved_buffers.keep_if(finite)
 
 
 def masked_step(optimizer: torch.optim.Optimizer, keep: torch.Tensor) -> None:
