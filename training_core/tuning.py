@@ -84,12 +84,12 @@ class ParamSpec:
         where = f"search_space[{self.path}]"
         if self.kind not in KINDS:
             invalid(f"{where}.kind", self.kind, f"choose one of {', '.join(KINDS)}")
-        _field_type(self.path)
+        field_type = _field_type(self.path)
         if self.kind == "choice":
             if not self.choices:
                 invalid(f"{where}.choices", self.choices, "a choice needs at least one value")
             for value in self.choices:
-                coerce(self.path, value, _field_type(self.path))  # each value must have the field's type
+                coerce(self.path, value, field_type)  # each value must have the field's type
         else:
             if not self.low < self.high:
                 invalid(f"{where}.low", self.low, f"it must be below high={self.high}")
@@ -519,11 +519,9 @@ def _distributions(space: Sequence[ParamSpec]) -> dict[str, Any]:
 def suggest(
     cfg: TuningConfig, *, finished: Sequence[tuple[Params, float]], count: int, round_index: int
 ) -> list[Params]:
-    """``count`` new points from Optuna's TPE, told every finished ``(params, metric)`` first.
-
-    The study is rebuilt from ``finished`` on each call, so rounds that run in different processes (Flyte
-    tasks) need no shared study storage; the seed and round index make the suggestions reproducible.
-    """
+    """``count`` new points from Optuna's TPE, told every finished ``(params, metric)`` first: the study is rebuilt
+    from ``finished`` on each call (rounds run in different processes share no study storage); the seed and round
+    index make the suggestions reproducible."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -549,12 +547,8 @@ def ray_tune_scaling(cfg: TuningConfig) -> ScalingConfig:
 
 def asha_rungs(max_epochs: int, *, min_epochs: int, eta: int) -> list[int]:
     """Epoch budgets of the rungs: ``min_epochs * eta**k`` below ``max_epochs``, then ``max_epochs``."""
-    rungs = []
-    budget = min_epochs
-    while budget < max_epochs:
-        rungs.append(budget)
-        budget *= eta
-    return rungs + [max_epochs]
+    budgets = (min_epochs * eta**k for k in itertools.count())
+    return [*itertools.takewhile(lambda budget: budget < max_epochs, budgets), max_epochs]
 
 
 def num_rounds(cfg: TuningConfig) -> int:

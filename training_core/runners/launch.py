@@ -16,9 +16,9 @@ import random
 import socket
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from training_core.config import TrainingConfig
 from training_core.parallel.ray_settings import PROCESS_ENV, environment_defaults
@@ -103,28 +103,17 @@ class TorchDistributedRuntime:
             dist.destroy_process_group()
 
 
-@dataclass
-class _Spec:
-    """:meth:`TorchDistributedRuntime.connect`'s arguments that every spawned process shares (picklable)."""
-
-    world_size: int
-    backend: str
-    init_method: str
-    timeout_s: int
-    use_gpu: bool
-    records_path: str
-
-
-def _worker_main(local_rank: int, args: WorkerArgs, spec: _Spec) -> None:
-    """Entry point of each spawned process: one machine, so the global rank is the local rank."""
+def _worker_main(local_rank: int, args: WorkerArgs, connect: dict[str, Any]) -> None:
+    """Entry point of each spawned process: one machine, so the global rank is the local rank. ``connect`` holds
+    :meth:`TorchDistributedRuntime.connect`'s arguments that every process shares."""
     from training_core.train.loop import run_worker
 
     # The same variables torchrun and Ray Train set, for code that reads them.
-    os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec.world_size)})
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(connect["world_size"]))
     os.environ.update(args.config.scaling.nccl_env)  # before the process group starts
     logging.basicConfig(level=logging.INFO, format=f"[rank {local_rank}] %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
-    runtime = TorchDistributedRuntime.connect(rank=local_rank, local_rank=local_rank, **asdict(spec))
+    runtime = TorchDistributedRuntime.connect(rank=local_rank, local_rank=local_rank, **connect)
     try:
         run_worker(args, runtime)
     finally:
@@ -185,21 +174,14 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
-def _loopback_interface() -> str:
-    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
-    return names[0] if names else "lo"
-
-
 def _child_environment(cfg: TrainingConfig) -> dict[str, str]:
-    """Environment the spawned processes inherit where the environment does not set it already.
-
-    Every rank is on this machine, so gloo is pinned to the loopback interface. OpenMP gets the loop's thread count
-    before the children import torch, as Ray does for its workers. The ranks get the platform's process settings, as
-    Ray workers do (:data:`~training_core.parallel.ray_settings.PROCESS_ENV`).
-    """
+    """Environment the spawned processes inherit where the environment does not set it already: as Ray's workers,
+    the platform's process settings and OpenMP's thread count set before they import torch; gloo pinned to the
+    loopback interface, since every rank is on this machine."""
+    loopback = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
     return {
         **PROCESS_ENV,
-        "GLOO_SOCKET_IFNAME": _loopback_interface(),
+        "GLOO_SOCKET_IFNAME": loopback[0] if loopback else "lo",
         "OMP_NUM_THREADS": str(cfg.scaling.torch_threads_per_worker),
     }
 
@@ -241,17 +223,18 @@ def launch(
         warmup_steps_excluded=warmup_steps_excluded,
     )
     with tempfile.TemporaryDirectory(prefix="launch-") as scratch:
-        spec = _Spec(
+        records_path = os.path.join(scratch, RECORDS_FILE)
+        connect = dict(
             world_size=cfg.scaling.num_workers,
             backend=cfg.scaling.resolved_backend(),
             init_method=f"tcp://127.0.0.1:{free_port()}",
             timeout_s=cfg.scaling.collective_timeout_s,
             use_gpu=cfg.scaling.use_gpu,
-            records_path=os.path.join(scratch, RECORDS_FILE),
+            records_path=records_path,
         )
         with environment_defaults(_child_environment(cfg)):
-            mp.spawn(_worker_main, args=(args, spec), nprocs=cfg.scaling.num_workers, join=True)
-        with open(spec.records_path, encoding="utf-8") as f:
+            mp.spawn(_worker_main, args=(args, connect), nprocs=cfg.scaling.num_workers, join=True)
+        with open(records_path, encoding="utf-8") as f:
             records = [EpochRecord.from_dict(json.loads(line)) for line in f if line.strip()]
     return collect_final(
         cfg, root, checkpoint_dir, what=f"plain torch.distributed run {run_name!r}", metrics=records[-1]

@@ -173,25 +173,10 @@ def reap(processes: list[RunProcess], *, wait_s: float = RUN_EXIT_WAIT_S) -> lis
 
 
 @contextlib.contextmanager
-def _sigint_handler_restored() -> Iterator[None]:
-    """Put back the SIGINT handler in effect before the block. ``TorchTrainer.fit`` (Ray 2.60) installs one that
-    holds the run's controller, so the controller (and every actor it owns) lives on until the next run or the
-    driver's exit: restoring the handler lets it go at the end of its own run."""
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGINT) if main else None
-    try:
-        yield
-    finally:
-        if previous is not None and signal.getsignal(signal.SIGINT) is not previous:
-            signal.signal(signal.SIGINT, previous)
-
-
-@contextlib.contextmanager
 def reaped_run(*, wait_s: float = RUN_EXIT_WAIT_S) -> Iterator[None]:
     """Around one ``TorchTrainer.fit`` in this process (Ray initialised): when the block ends, by a return or an
-    exception, make sure the run's processes on this machine are gone: wait up to ``wait_s`` for them to exit, then
-    kill them (:func:`reap`). A failure to look them up is logged, never raised: it must not replace the run's own
-    outcome, nor keep the run from starting."""
+    exception, :func:`reap` the run's processes on this machine. A failure to look them up is logged, never raised:
+    it must not replace the run's own outcome, nor keep the run from starting."""
     try:
         import ray
 
@@ -201,10 +186,15 @@ def reaped_run(*, wait_s: float = RUN_EXIT_WAIT_S) -> Iterator[None]:
     except Exception:  # noqa: BLE001 - see the docstring
         log.warning("cannot read Ray's actor table: a process this run leaves behind stays", exc_info=True)
         created_before = None
+    # TorchTrainer.fit (Ray 2.60) installs a SIGINT handler that holds the run's controller (and so every actor it
+    # owns) until the next run or the driver's exit: the one in effect before is put back, which lets it go.
+    main = threading.current_thread() is threading.main_thread()
+    previous_sigint = signal.getsignal(signal.SIGINT) if main else None
     try:
-        with _sigint_handler_restored():
-            yield
+        yield
     finally:
+        if previous_sigint is not None and signal.getsignal(signal.SIGINT) is not previous_sigint:
+            signal.signal(signal.SIGINT, previous_sigint)
         if created_before is not None:
             try:
                 actors = run_actors(_actor_table(), created_after=created_before, owner_worker_id=owner_worker_id)

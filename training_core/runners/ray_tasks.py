@@ -9,6 +9,7 @@ retries of a task lost with its worker or node.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Iterable, Iterator
 
 
@@ -29,19 +30,14 @@ def map_tasks(
     remote = ray.remote(num_cpus=1)(function)
     running: dict[Any, int] = {}  # task -> the number of its arguments
     finished: dict[int, Any] = {}  # ordered: results waiting for an earlier one
-    pending = enumerate(arguments)
-    exhausted, next_index = False, 0
+    pending, next_index = enumerate(arguments), 0
     try:
         while True:
             # Ordered, a task starts only while fewer than ``num_workers`` results wait: they and the running tasks'
             # results are all the caller's results in memory at once.
-            while not exhausted and len(running) < num_workers and len(finished) < num_workers:
-                item = next(pending, None)
-                if item is None:
-                    exhausted = True
-                else:
-                    running[remote.remote(*item[1])] = item[0]
-                    del item  # large arguments are in the object store now
+            room = num_workers - len(running) if len(finished) < num_workers else 0
+            # Each task is in ``running`` once started; no name here keeps its (large) arguments past their upload.
+            running.update((remote.remote(*args), index) for index, args in itertools.islice(pending, room))
             if next_index in finished:
                 yield finished.pop(next_index)
                 next_index += 1

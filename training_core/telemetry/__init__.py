@@ -1,15 +1,11 @@
 """Prometheus telemetry of one training worker: the catalogue's metrics, GPU and host samplers, delivery, cost.
 
-Every rank builds one :class:`PrometheusTelemetry` (or a :class:`NullTelemetry` when
-``observability.enabled`` is false) with :func:`build_telemetry`; the loop and the
-:class:`~training_core.checkpoint.Checkpointer` report into it, and its thread samples the GPUs and the host and
-pushes to the Pushgateway (the contract: :mod:`training_core.telemetry.exporter`). Delivery never fails training.
-
 MLflow's own ``SystemMetricsMonitor`` is not reused: it samples on a thread of its own (its numbers would
 differ from what Prometheus gets), logs through the fluent API's active run, which Ray Train workers do not
 have, and knows no throttling, XID or disk I/O. Here one sample feeds both, under MLflow's metric names.
 
-Each module's docstring states its part of the contract (README.md's module map lists them).
+Each module's docstring states its part of the contract, :mod:`~training_core.telemetry.exporter` the whole's
+(README.md's module map lists them).
 
 Importing this package is light: prometheus_client, pynvml and psutil are imported where they are used.
 """

@@ -66,11 +66,9 @@ def job_cost(
     num_workers: int | None = None,
     lost_wall_s: float = 0.0,
 ) -> JobCost:
-    """What the job's workers held over ``wall_s`` seconds, plus ``prior`` (the ``cost`` summary of earlier
-    attempts and restarts): world size x GPUs (or CPUs) per worker x wall time, at the configured prices. The world
-    size is ``num_workers``, the workers running now (default ``scaling.num_workers``): an elastic run that goes on
-    after a lost node holds fewer. ``lost_wall_s``, of ``wall_s``, went to start-up after a preemption: it is
-    also counted, with the prior's, as lost to preemptions."""
+    """What the job's workers held over ``wall_s`` seconds, plus ``prior`` (see the module docstring). The world size
+    is ``num_workers``, the workers running now (default ``scaling.num_workers``): an elastic run that goes on after a
+    lost node holds fewer. ``lost_wall_s``, of ``wall_s``, went to start-up after a preemption."""
     prior = prior or {}
     workers = scaling.num_workers if num_workers is None else num_workers
     gpus = workers * scaling.gpus_per_worker if scaling.use_gpu else 0

@@ -20,6 +20,7 @@ prometheus_client is imported when an exporter is built, not when this module is
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -196,15 +197,13 @@ class PrometheusTelemetry:
         kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
         self._families: dict[str, Any] = {}
         for spec in METRICS:
-            kwargs: dict[str, Any] = {
-                "registry": self._metrics_registry,
-                "labelnames": (*JOB_LABELS, *spec.extra_labels),
-            }
-            if spec.kind == "histogram":
-                kwargs["buckets"] = spec.buckets
+            buckets = {"buckets": spec.buckets} if spec.kind == "histogram" else {}
             # prometheus_client appends "_total" to counters itself.
             name = spec.name.removesuffix("_total") if spec.kind == "counter" else spec.name
-            self._families[spec.name] = kinds[spec.kind](name, spec.help, **kwargs)
+            labelnames = (*JOB_LABELS, *spec.extra_labels)
+            self._families[spec.name] = kinds[spec.kind](
+                name, spec.help, labelnames, registry=self._metrics_registry, **buckets
+            )
         job = labels.as_dict()
         # Series with only the job labels exist from the start (counters at 0); children bound once here keep
         # the per-step path free of label lookups.
@@ -372,13 +371,9 @@ class PrometheusTelemetry:
         )
 
     def _report_cost(self, cost: JobCost) -> None:
-        for name, total in (
-            ("training_job_gpu_seconds_total", cost.gpu_seconds),
-            ("training_job_cpu_seconds_total", cost.cpu_seconds),
-            ("training_job_preemption_gpu_seconds_total", cost.preemption_gpu_seconds),
-            ("training_job_preemption_cpu_seconds_total", cost.preemption_cpu_seconds),
-        ):
-            self._count_up(self._m[name], name, total)
+        for field in ("gpu_seconds", "cpu_seconds", "preemption_gpu_seconds", "preemption_cpu_seconds"):
+            name = f"training_job_{field}_total"  # training_job_gpu_seconds_total, ...
+            self._count_up(self._m[name], name, getattr(cost, field))
         self._m["training_job_cost_usd"].set(cost.cost_usd)
         self._cost_reported = cost
 
@@ -421,31 +416,23 @@ class PrometheusTelemetry:
 
     def _set_gpu(self, reading: GpuReading) -> None:
         labels = {**self._job, "gpu": reading.gpu}
-        for name, value in (
-            ("training_gpu_utilization_ratio", reading.utilization_ratio),
-            ("training_gpu_memory_used_bytes", reading.memory_used_bytes),
-            ("training_gpu_memory_total_bytes", reading.memory_total_bytes),
-            ("training_gpu_temperature_celsius", reading.temperature_celsius),
-            ("training_gpu_power_watts", reading.power_watts),
-        ):
-            if value is not None:
-                self._families[name].labels(**labels).set(value)
+        figures = ("utilization_ratio", "memory_used_bytes", "memory_total_bytes", "temperature_celsius", "power_watts")
+        for field in figures:
+            value = getattr(reading, field)
+            if value is not None:  # training_gpu_utilization_ratio, ...
+                self._families[f"training_gpu_{field}"].labels(**labels).set(value)
         for reason, active in reading.throttled.items():
             self._families["training_gpu_throttled"].labels(**labels, reason=reason).set(1 if active else 0)
 
     def _set_host(self, host: HostReading) -> None:
-        m = self._m
-        m["training_host_cpu_utilization_ratio"].set(host.cpu_utilization_ratio)
-        m["training_host_memory_used_bytes"].set(host.memory_used_bytes)
-        m["training_host_memory_total_bytes"].set(host.memory_total_bytes)
-        # The readings are totals since start; the counters take the difference to what they already hold.
-        for name, total in (
-            ("training_host_network_received_bytes_total", host.network_received_bytes),
-            ("training_host_network_transmitted_bytes_total", host.network_transmitted_bytes),
-            ("training_host_disk_read_bytes_total", host.disk_read_bytes),
-            ("training_host_disk_written_bytes_total", host.disk_written_bytes),
-        ):
-            self._count_up(m[name], name, total)
+        """Each reading into ``training_host_<field>``: a gauge, or a counter (``_total``) that counts up to the
+        reading, a total since start."""
+        for field, value in dataclasses.asdict(host).items():
+            name = f"training_host_{field}"
+            if name in self._m:
+                self._m[name].set(value)
+            else:
+                self._count_up(self._m[f"{name}_total"], name, value)
 
     def push(self) -> bool:
         """Push the registry to the Pushgateway (replacing this rank's group); False when it failed or no URL

@@ -32,7 +32,8 @@ THROTTLE_REASONS: tuple[tuple[str, str], ...] = (
 
 @dataclass
 class GpuReading:
-    """One GPU at one moment; a field NVML could not give (not supported, an error) is ``None``."""
+    """One GPU at one moment (each figure the exporter's ``training_gpu_<field>``); a field NVML could not give (not
+    supported, an error) is ``None``."""
 
     gpu: str
     """Label of the GPU: its NVML (physical) index."""

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 @dataclass
 class HostReading:
+    """One read; the exporter sets each field into ``training_host_<field>`` (a counter's name adds ``_total``)."""
+
     cpu_utilization_ratio: float
     memory_used_bytes: float
     memory_total_bytes: float
@@ -31,26 +33,19 @@ class HostSampler:
 
         self.psutil = psutil
         psutil.cpu_percent(interval=None)  # the first call only starts the measurement period
-        self._start_net = self._net()
-        self._start_disk = self._disk()
+        self._start = self._io_bytes()
 
-    def _net(self) -> tuple[float, float]:
-        counters = self.psutil.net_io_counters()
-        return (float(counters.bytes_recv), float(counters.bytes_sent)) if counters else (0.0, 0.0)
-
-    def _disk(self) -> tuple[float, float]:
-        counters = self.psutil.disk_io_counters()  # None in some containers
-        return (float(counters.read_bytes), float(counters.write_bytes)) if counters else (0.0, 0.0)
+    def _io_bytes(self) -> list[float]:
+        """Bytes received, sent, read and written so far (0.0 where a counter is missing)."""
+        net, disk = self.psutil.net_io_counters(), self.psutil.disk_io_counters()  # disk: None in some containers
+        return [
+            *((float(net.bytes_recv), float(net.bytes_sent)) if net else (0.0, 0.0)),
+            *((float(disk.read_bytes), float(disk.write_bytes)) if disk else (0.0, 0.0)),
+        ]
 
     def read(self) -> HostReading:
         memory = self.psutil.virtual_memory()
-        net, disk = self._net(), self._disk()
+        io_bytes = [max(0.0, now - start) for now, start in zip(self._io_bytes(), self._start)]
         return HostReading(
-            cpu_utilization_ratio=self.psutil.cpu_percent(interval=None) / 100.0,
-            memory_used_bytes=float(memory.used),
-            memory_total_bytes=float(memory.total),
-            network_received_bytes=max(0.0, net[0] - self._start_net[0]),
-            network_transmitted_bytes=max(0.0, net[1] - self._start_net[1]),
-            disk_read_bytes=max(0.0, disk[0] - self._start_disk[0]),
-            disk_written_bytes=max(0.0, disk[1] - self._start_disk[1]),
+            self.psutil.cpu_percent(interval=None) / 100.0, float(memory.used), float(memory.total), *io_bytes
         )

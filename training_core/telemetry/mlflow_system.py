@@ -16,17 +16,15 @@ def mlflow_system_metrics(host: HostReading | None, gpus: list[GpuReading]) -> d
     """A sample under MLflow's own system-metric names (see the module docstring)."""
     metrics: dict[str, float] = {}
     if host is not None:
-        metrics.update(
-            {
-                "system/cpu_utilization_percentage": host.cpu_utilization_ratio * 100,
-                "system/system_memory_usage_megabytes": host.memory_used_bytes / 1e6,
-                "system/system_memory_usage_percentage": host.memory_used_bytes / host.memory_total_bytes * 100
-                if host.memory_total_bytes
-                else 0.0,
-                "system/network_receive_megabytes": host.network_received_bytes / 1e6,
-                "system/network_transmit_megabytes": host.network_transmitted_bytes / 1e6,
-            }
-        )
+        metrics = {
+            "system/cpu_utilization_percentage": host.cpu_utilization_ratio * 100,
+            "system/system_memory_usage_megabytes": host.memory_used_bytes / 1e6,
+            "system/system_memory_usage_percentage": host.memory_used_bytes / host.memory_total_bytes * 100
+            if host.memory_total_bytes
+            else 0.0,
+            "system/network_receive_megabytes": host.network_received_bytes / 1e6,
+            "system/network_transmit_megabytes": host.network_transmitted_bytes / 1e6,
+        }
     for gpu in gpus:
         prefix = f"system/gpu_{gpu.gpu}_"
         if gpu.utilization_ratio is not None:

@@ -133,27 +133,25 @@ class StragglerDetector:
             others = [r.own_s for r in ranks if r.rank != window.rank]
             median_s = statistics.median(others) if others else window.own_s
             over = bool(others) and self.is_over(window.own_s, median_s)
-            self.streaks[window.rank] = self.streaks[window.rank] + 1 if over else 0
-            if self.streaks[window.rank] >= self.windows:
-                flagged.append(self._straggler(window, median_s))
+            streak = self.streaks[window.rank] = self.streaks[window.rank] + 1 if over else 0
+            if streak >= self.windows:
+                flagged.append(
+                    Straggler(
+                        rank=window.rank,
+                        node=self.nodes[window.rank],
+                        cause=window.cause,
+                        consecutive_windows=streak,
+                        new=streak == self.windows,
+                        own_s=window.own_s,
+                        others_median_s=median_s,
+                        compute_s=window.compute_s,
+                        data_wait_s=window.data_wait_s,
+                        comm_wait_s=window.comm_wait_s,
+                    )
+                )
         return tuple(flagged)
 
     def is_over(self, own_s: float, others_median_s: float) -> bool:
         """Whether a rank's own time is over the others' median in one window: by more than ``threshold`` of it and
         by at least ``min_excess_s`` (see the module docstring)."""
         return own_s > others_median_s * (1.0 + self.threshold) and own_s - others_median_s >= self.min_excess_s
-
-    def _straggler(self, window: RankWindow, median_s: float) -> Straggler:
-        streak = self.streaks[window.rank]
-        return Straggler(
-            rank=window.rank,
-            node=self.nodes[window.rank],
-            cause=window.cause,
-            consecutive_windows=streak,
-            new=streak == self.windows,
-            own_s=window.own_s,
-            others_median_s=median_s,
-            compute_s=window.compute_s,
-            data_wait_s=window.data_wait_s,
-            comm_wait_s=window.comm_wait_s,
-        )
