@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -14,9 +13,7 @@ from typing import Any, Callable, Protocol
 from training_core.checkpoint.layout import (
     MANIFEST_FILE,
     MAX_MANIFEST_BYTES,
-    META_FILE,
     SHARDS_DIR,
-    TRAINER_STATE_FILE,
     CheckpointError,
     reason,
     step_name,
@@ -24,7 +21,7 @@ from training_core.checkpoint.layout import (
 from training_core.checkpoint.manifest import CheckpointManifest, file_entry, manifest_for
 from training_core.checkpoint.meta import CheckpointMeta
 from training_core.checkpoint.partial import state_dict_options
-from training_core.checkpoint.snapshot import detached, encode, snapshot, torch_bytes
+from training_core.checkpoint.snapshot import detached, encode, snapshot
 from training_core.checkpoint.storage import Storage, remove_local
 
 log = logging.getLogger("training_core")
@@ -59,7 +56,6 @@ class Checkpointer:
     num_saved: int = field(default=0, init=False)
     num_failed: int = field(default=0, init=False)
     bytes_written: int = field(default=0, init=False)
-    last_save_s: float = field(default=0.0, init=False)
     _thread: threading.Thread | None = field(default=None, init=False)
     _error: BaseException | None = field(default=None, init=False)
     _staging: dict[str, Any] | None = field(default=None, init=False)
@@ -151,31 +147,15 @@ class Checkpointer:
             written = sum(e.num_bytes for e in own.values())
             if rank != 0:
                 return written
-            return written + self._finish_sharded(global_step, gathered, trainer_state, meta, metric)
+            assert trainer_state is not None and meta is not None, "rank 0 passes the trainer state and meta"
+            shards = {relative: entry for per_rank in gathered for relative, entry in per_rank.items()}
+            self.storage.wait_for(name, {k: e.num_bytes for k, e in shards.items()}, timeout_s=self.shard_wait_s)
+            files = encode({"trainer": trainer_state, "meta": asdict(meta)})
+            manifest = manifest_for(files, global_step=global_step, metric=metric, shards=shards)
+            self.storage.add_files(name, files, manifest)
+            return written + sum(len(d) for d in files.values()) + len(manifest)
 
         return self._last_stage_s + self._submit(global_step, write, prune=rank == 0)
-
-    def _finish_sharded(
-        self,
-        global_step: int,
-        gathered: list[Any],
-        trainer_state: dict[str, Any] | None,
-        meta: CheckpointMeta | None,
-        metric: float | None,
-    ) -> int:
-        """Rank 0's end of a sharded save: once every rank's shards (``gathered``) are on storage, write the trainer
-        state, the metadata and, last, the manifest. Returns the bytes it wrote."""
-        assert trainer_state is not None and meta is not None, "rank 0 passes the trainer state and meta"
-        name = step_name(global_step)
-        shards = {relative: entry for per_rank in gathered for relative, entry in per_rank.items()}
-        self.storage.wait_for(name, {k: e.num_bytes for k, e in shards.items()}, timeout_s=self.shard_wait_s)
-        files = {
-            TRAINER_STATE_FILE: torch_bytes(trainer_state),
-            META_FILE: json.dumps(asdict(meta), indent=1).encode(),
-        }
-        manifest = manifest_for(files, global_step=global_step, metric=metric, shards=shards)
-        self.storage.add_files(name, files, manifest)
-        return sum(len(d) for d in files.values()) + len(manifest)
 
     def _submit(self, global_step: int, write: Callable[[], int], *, prune: bool) -> float:
         start = time.perf_counter()
@@ -235,10 +215,10 @@ class Checkpointer:
         self.num_saved += 1
         self.consecutive_failures = 0
         self.bytes_written += num_bytes
-        self.last_save_s = time.perf_counter() - start
+        write_s = time.perf_counter() - start
         if self.observer is not None:
-            self.observer.checkpoint_saved(duration_s=self._last_stage_s + self.last_save_s, bytes_written=num_bytes)
-        log.info("checkpoint %s written in %.2fs", self.storage.display_uri(name), self.last_save_s)
+            self.observer.checkpoint_saved(duration_s=self._last_stage_s + write_s, bytes_written=num_bytes)
+        log.info("checkpoint %s written in %.2fs", self.storage.display_uri(name), write_s)
         if prune:
             self._prune(keep=name)
 

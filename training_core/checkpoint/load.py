@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,17 +97,19 @@ def verify_and_load(
         payloads[file] = data
     if manifest.format == "full":
         return _decoded(storage, name, manifest, payloads)
-    shards_dir, owns_shards_dir, metadata_bytes = _verified_shards(storage, name, manifest)
+    local = storage.local_path(name)
+    shards_dir = f"{local}/{SHARDS_DIR}" if local else tempfile.mkdtemp(prefix=f"ckpt-{name}-")
     try:
         metadata_where = f"{where}/{SHARD_METADATA_FILE}"
+        metadata_bytes = _verified_shards(storage, name, manifest, shards_dir, download=not local)
         shard_metadata = parse_shard_metadata(metadata_bytes, where=metadata_where)
         check_shard_metadata(shard_metadata, manifest, where=metadata_where, expected_shapes=expected_shapes)
         loaded = _decoded(storage, name, manifest, payloads)
     except BaseException:
-        if owns_shards_dir:
+        if not local:  # this process's download
             remove_local(shards_dir)
         raise
-    loaded.shards_dir, loaded.owns_shards_dir, loaded.shard_metadata = shards_dir, owns_shards_dir, shard_metadata
+    loaded.shards_dir, loaded.owns_shards_dir, loaded.shard_metadata = shards_dir, not local, shard_metadata
     return loaded
 
 
@@ -146,39 +149,31 @@ def _check_entry(found: ManifestEntry, expected: ManifestEntry, *, where: str) -
         raise CheckpointError(f"{where} is corrupt: sha256 differs from the manifest")
 
 
-def _verified_shards(storage: Storage, name: str, manifest: CheckpointManifest) -> tuple[str, bool, bytes]:
-    """A local directory of the checkpoint's shards, each checked against the manifest: the checkpoint's own on a
-    local root, else a download to ``TMPDIR`` (removed again when a file fails). Returns it, whether it is a
-    download, and the bytes of its ``.metadata``: read once, at most the manifest's size of them, and checked, so
-    what is parsed is what was hashed."""
-    import tempfile
-
+def _verified_shards(
+    storage: Storage, name: str, manifest: CheckpointManifest, directory: str, *, download: bool
+) -> bytes:
+    """Check each of the checkpoint's shards in the local ``directory`` (downloaded there first when ``download``)
+    against the manifest. Returns the bytes of its ``.metadata``: read once, at most the manifest's size of them,
+    and checked, so what is parsed is what was hashed."""
     where = storage.display_uri(name)
-    local = storage.local_path(name)
-    directory = f"{local}/{SHARDS_DIR}" if local else tempfile.mkdtemp(prefix=f"ckpt-{name}-")
     metadata = b""
-    try:
-        for relative, entry in manifest.shards.items():
-            path = os.path.join(directory, relative.split("/", 1)[1])
-            if not local:
+    for relative, entry in manifest.shards.items():
+        path = os.path.join(directory, relative.split("/", 1)[1])
+        try:
+            if download:
                 storage.get_file(name, relative, path)
-            try:
-                if relative == SHARD_METADATA_FILE:
-                    with open_regular_local(path, f"{where}/{relative}") as f:
-                        metadata = f.read(entry.num_bytes + 1)  # one byte more tells a longer file
-                    found = ManifestEntry(num_bytes=len(metadata), sha256=sha256(metadata))
-                else:
-                    found = file_entry(path, max_bytes=entry.num_bytes)
-            except (OSError, UnreadableFile) as exc:
-                raise CheckpointError(f"{where}/{relative} is missing: {storage.scrub(reason(exc))}") from None
-            _check_entry(found, entry, where=f"{where}/{relative}")
-    except BaseException as exc:
-        if not local:
-            remove_local(directory)
-        if isinstance(exc, FileNotFoundError):
+            if relative == SHARD_METADATA_FILE:
+                with open_regular_local(path, f"{where}/{relative}") as f:
+                    metadata = f.read(entry.num_bytes + 1)  # one byte more tells a longer file
+                found = ManifestEntry(num_bytes=len(metadata), sha256=sha256(metadata))
+            else:
+                found = file_entry(path, max_bytes=entry.num_bytes)
+        except FileNotFoundError as exc:  # not on storage (a local file missing is a MissingFile)
             raise CheckpointError(f"{where} has a missing shard: {storage.scrub(reason(exc))}") from None
-        raise
-    return directory, not local, metadata
+        except (OSError, UnreadableFile) as exc:
+            raise CheckpointError(f"{where}/{relative} is missing: {storage.scrub(reason(exc))}") from None
+        _check_entry(found, entry, where=f"{where}/{relative}")
+    return metadata
 
 
 def load_directory(uri: str, *, expected_shapes: dict[str, tuple[int, ...]] | None = None) -> LoadedCheckpoint:

@@ -56,16 +56,13 @@ class CheckpointManifest:
 
     @classmethod
     def parse(cls, data: bytes, *, where: str) -> CheckpointManifest:
-        """The manifest in ``data``, checked against its schema before any file it names is read.
-
-        It must be a JSON object of exactly ``global_step`` (an integer >= 0), ``metric`` (a number or null),
-        ``written_at`` (a number), optionally ``format`` (``full``, the default, or ``sharded``) and ``files``: an
-        object that maps each file of the format to ``{"bytes": integer >= 0, "sha256": 64 hex digits}``. A full
-        checkpoint lists exactly :data:`CHECKPOINT_FILES`; a sharded one :data:`SHARDED_FILES`, ``shards/.metadata``
-        and one or more ``shards/__<rank>_<n>.distcp``. Every name is a plain name inside the checkpoint's directory
-        (or its ``shards`` folder), nothing else. Raises :class:`CheckpointError` naming ``where``, the key, the
-        value (bounded in size) and what was expected.
-        """
+        """The manifest in ``data``, checked before any file it names is read: a JSON object of exactly ``global_step``
+        (an integer >= 0), ``metric`` (a number or null), ``written_at`` (a number), optionally ``format`` (``full``,
+        the default, or ``sharded``) and ``files``, which maps each file (a plain name inside the checkpoint's
+        directory or its ``shards`` folder) to ``{"bytes": integer >= 0, "sha256": 64 hex digits}``: exactly
+        :data:`CHECKPOINT_FILES`, or for a sharded one :data:`SHARDED_FILES`, ``shards/.metadata`` and one or more
+        ``shards/__<rank>_<n>.distcp``. Raises :class:`CheckpointError` naming ``where``, the key, the value (bounded
+        in size) and what was expected."""
         raw = parse_json(data, where=where)
         if not isinstance(raw, dict):
             raise CheckpointError(

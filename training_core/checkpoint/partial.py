@@ -1,12 +1,12 @@
 """A checkpoint of the trainable part of a model (LoRA adapters, parameters not in ``model.freeze``).
 
 Contract: a run with frozen parameters (``model.lora``, ``model.freeze``) saves only what training changes, the
-trainable parameters and the buffers (:func:`trainable_state`); the frozen ones, its base, come back from where they
-came from (the pretrained weights, or the seeded initialisation), rebuilt as the run built them. So the checkpoint
-names the base it needs by a content digest of the frozen parameters (:func:`base_sha256`, in ``meta.json``'s
-``frozen_base_sha256``), and :func:`load_trainable` refuses a model whose frozen parameters differ before loading
-anything. A sharded (FSDP) checkpoint holds the same, through ``StateDictOptions(ignore_frozen_params=True)``
-(:func:`state_dict_options`). A run without frozen parameters saves and loads the whole state dict, as always.
+trainable parameters and the buffers; the frozen ones, its base, come back from where they came from (the pretrained
+weights, or the seeded initialisation), rebuilt as the run built them. So the checkpoint names the base it needs by a
+content digest of the frozen parameters (:func:`base_sha256`, in ``meta.json``'s ``frozen_base_sha256``), and
+:func:`require_base` refuses a model whose frozen parameters differ before anything is loaded. A sharded (FSDP)
+checkpoint holds the same, through ``StateDictOptions(ignore_frozen_params=True)`` (:func:`state_dict_options`). A
+run without frozen parameters saves and loads the whole state dict, as always.
 """
 
 from __future__ import annotations
@@ -43,12 +43,6 @@ def base_sha256(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def trainable_state(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
-    """``state`` (``model``'s state dict) without its frozen parameters."""
-    frozen = frozen_names(model)
-    return {name: value for name, value in state.items() if name not in frozen}
-
-
 def state_dict_options(model: nn.Module, **options: Any) -> Any:
     """``torch.distributed.checkpoint``'s ``StateDictOptions`` (with ``options``) for ``model``: without its frozen
     parameters when it has some, as a sharded checkpoint holds it."""
@@ -69,14 +63,13 @@ def require_base(model: nn.Module, base: str, *, where: str) -> None:
         )
 
 
-def load_trainable(model: nn.Module, state: dict[str, Any], *, base: str, where: str) -> None:
-    """Load ``state`` (a :func:`trainable_state`) into ``model`` (one process or a DDP replica), whose frozen
-    parameters must be the base ``base`` (:func:`require_base`) and whose other tensors ``state`` must hold exactly.
+def load_trainable(model: nn.Module, state: dict[str, Any], *, where: str) -> None:
+    """Load ``state`` (``model``'s state dict without its frozen parameters) into ``model`` (one process or a DDP
+    replica, its frozen base checked by :func:`require_base`), whose other tensors ``state`` must hold exactly.
     Raises ``ValueError`` naming ``where`` (the checkpoint) and the fix otherwise."""
     from training_core.messages import clip
 
     bare = getattr(model, "module", model)
-    require_base(bare, base, where=where)
     missing, unexpected = bare.load_state_dict(state, strict=False)
     left = sorted(set(missing) - frozen_names(bare))
     if left or unexpected:

@@ -64,7 +64,7 @@ def restore(loaded: LoadedCheckpoint, *, model, optimizer=None, scheduler=None, 
     from training_core.parallel.sharding import is_sharded
 
     try:
-        if loaded.meta.frozen_base_sha256 and (loaded.shards_dir or is_sharded(model)):
+        if loaded.meta.frozen_base_sha256:
             require_base(model, loaded.meta.frozen_base_sha256, where=loaded.display_uri)
         if loaded.shards_dir:
             _load_shards(loaded.shards_dir, loaded.shard_metadata, model=model, optimizer=optimizer)
@@ -72,7 +72,7 @@ def restore(loaded: LoadedCheckpoint, *, model, optimizer=None, scheduler=None, 
             _load_full_into_sharded(loaded, model=model, optimizer=optimizer)
         else:
             if loaded.meta.frozen_base_sha256:
-                load_trainable(model, loaded.model, base=loaded.meta.frozen_base_sha256, where=loaded.display_uri)
+                load_trainable(model, loaded.model, where=loaded.display_uri)
             else:
                 getattr(model, "module", model).load_state_dict(loaded.model)
             if optimizer is not None and "optimizer" in loaded.trainer:

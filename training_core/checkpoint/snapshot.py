@@ -9,7 +9,7 @@ from typing import Any
 
 from training_core.checkpoint.layout import META_FILE, MODEL_FILE, TRAINER_STATE_FILE
 from training_core.checkpoint.meta import CheckpointMeta
-from training_core.checkpoint.partial import trainable_state
+from training_core.checkpoint.partial import frozen_names
 
 
 def detached(obj: Any, staging: dict[str, Any] | None = None, path: str = "") -> Any:
@@ -69,13 +69,11 @@ def snapshot(
     bare = getattr(model, "module", model)
     stateful = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
     trainer = {name: obj.state_dict() for name, obj in stateful.items() if obj is not None}
-    if torch_rng:
-        trainer["rng"] = torch_rng
-    if replicas:
-        trainer["replicas"] = replicas
+    trainer |= {name: value for name, value in (("rng", torch_rng), ("replicas", replicas)) if value}
     model_state = bare.state_dict()
     if meta.frozen_base_sha256:  # the frozen base comes back from its source: only what trains is saved
-        model_state = trainable_state(model_state, bare)
+        frozen = frozen_names(bare)
+        model_state = {name: value for name, value in model_state.items() if name not in frozen}
     state = {
         "model": detached(model_state, staging, "model"),
         "trainer": detached(trainer, staging, "trainer"),
@@ -87,9 +85,8 @@ def snapshot(
 
 
 def encode(state: dict[str, Any]) -> dict[str, bytes]:
-    """Files of a checkpoint (without the manifest) from a :func:`snapshot`."""
-    return {
-        MODEL_FILE: torch_bytes(state["model"]),
-        TRAINER_STATE_FILE: torch_bytes(state["trainer"]),
-        META_FILE: json.dumps(state["meta"], indent=1).encode(),
-    }
+    """Files of a checkpoint (without the manifest) from a :func:`snapshot`; without ``model.pt`` for a state without
+    ``model`` (a sharded checkpoint's, whose weights are in its shards)."""
+    tensor_files = {"model": MODEL_FILE, "trainer": TRAINER_STATE_FILE}
+    files = {tensor_files[key]: torch_bytes(value) for key, value in state.items() if key in tensor_files}
+    return files | {META_FILE: json.dumps(state["meta"], indent=1).encode()}

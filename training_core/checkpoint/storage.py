@@ -3,6 +3,7 @@ transient errors, and :func:`open_storage`, the one place that makes one."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -244,28 +245,24 @@ class CheckpointStorage:
         """The directory of checkpoint ``name`` on this machine's filesystem, or None on an object store."""
         return f"{self.path}/{name}" if self.is_local else None
 
-    def sizes(self, name: str, folder: str) -> dict[str, int]:
-        """Sizes of the files in ``folder`` of checkpoint ``name``, by their name inside the checkpoint."""
-        where = f"{self.path}/{name}/{folder}"
-        try:
-            entries = self._retry(
-                f"listing {self.uri(name)}/{folder}", lambda: self._fs.ls(where, detail=True, refresh=True)
-            )
-        except FileNotFoundError:
-            return {}
-        return {
-            f"{folder}/{e['name'].rstrip('/').rsplit('/', 1)[-1]}": int(e["size"])
-            for e in entries
-            if e.get("type") != "directory"
-        }
-
     def wait_for(self, name: str, expected_bytes: dict[str, int], *, timeout_s: float) -> None:
         """Wait until each file of ``expected_bytes`` (names inside checkpoint ``name``, all in one folder) is on
         storage at its size; :class:`CheckpointError` naming the missing ones after ``timeout_s``."""
         folder = next(iter(expected_bytes)).split("/", 1)[0]
+        where = f"{self.path}/{name}/{folder}"
         deadline, delay = time.monotonic() + timeout_s, 0.05
         while True:
-            found = self.sizes(name, folder)
+            try:
+                entries = self._retry(
+                    f"listing {self.uri(name)}/{folder}", lambda: self._fs.ls(where, detail=True, refresh=True)
+                )
+            except FileNotFoundError:
+                entries = []
+            found = {
+                f"{folder}/{e['name'].rstrip('/').rsplit('/', 1)[-1]}": int(e["size"])
+                for e in entries
+                if e.get("type") != "directory"
+            }
             missing = sorted(f for f, size in expected_bytes.items() if found.get(f) != size)
             if not missing:
                 return
@@ -279,13 +276,11 @@ class CheckpointStorage:
 
     def discard(self, name: str) -> None:
         """Delete checkpoint ``name`` if it exists (an unfinished write of an earlier attempt)."""
-        try:
+        with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
             if self.is_local or self._retry(
                 f"checking {self.uri(name)}", lambda: self._fs.exists(f"{self.path}/{name}")
             ):
                 self.delete(name)
-        except FileNotFoundError:
-            pass
 
     def read(self, name: str, file: str, *, max_bytes: int) -> bytes:
         """The bytes of ``file`` in checkpoint ``name``; :class:`CheckpointError` when it holds more than

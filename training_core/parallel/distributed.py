@@ -148,21 +148,16 @@ class RayTrainRuntime:
         context = ray.train.get_context()
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
         self.device = ray.train.torch.get_device()
-        self.peers = self._peer_actors()
+        # The other ranks' worker actors, exchanged while the group is healthy (one collective at start), so a rank
+        # whose collective times out can still reach them (abandon_group).
+        handles = all_gather_objects(ray.get_runtime_context().current_actor, self.world_size)
+        self.peers = [handle for rank, handle in enumerate(handles) if rank != self.rank]
         # A restarted worker group is new actors: their process's start bounds the attempt's (the loop also bounds
         # it by the checkpoint's time, since Ray may place an actor in a process its pool started earlier).
         self.started_unix = process_start_unix()
         self.nccl_debug_dir = nccl_debug_dir
         """Where NCCL writes this process's debug log (:func:`training_core.parallel.nccl_network.debug_env`), or
         None."""
-
-    def _peer_actors(self) -> list[Any]:
-        """The other ranks' worker actors, exchanged while the group is healthy (one collective at start), so a
-        rank whose collective times out can still reach them (:meth:`abandon_group`)."""
-        import ray
-
-        handles = all_gather_objects(ray.get_runtime_context().current_actor, self.world_size)
-        return [handle for rank, handle in enumerate(handles) if rank != self.rank]
 
     def preemption_notice(self) -> bool:
         """Whether Ray Train's preemption watcher has told this worker that a node of its group is being preempted

@@ -63,10 +63,8 @@ def parse(text: str) -> NcclNetwork | None:
     if not chosen and not listed:
         return None
     network = chosen[-1] if chosen else listed[-1][0]
-    devices: list[str] = []
-    for name, using in listed:
-        if name == network:
-            devices = _DEVICE.findall(using.split(";")[0])  # "; OOB eth0" is the bootstrap's, not the data path's
+    using = [found.split(";")[0] for name, found in listed if name == network]  # "; OOB eth0": the bootstrap's
+    devices = _DEVICE.findall(using[-1]) if using else []
     return NcclNetwork(network=network, devices=devices, inter_node=bool(_VIA_NET.search(text)))
 
 

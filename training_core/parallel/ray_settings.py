@@ -297,14 +297,13 @@ def ray_scaling_config(cfg: TrainingConfig):
 
     scaling = cfg.scaling
     resources = {"CPU": scaling.cpus_per_worker} | ({"GPU": scaling.gpus_per_worker} if scaling.use_gpu else {})
-    if not scaling.elastic:
-        return ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu, resources_per_worker=resources)
-    return ScalingConfig(  # Ray Train's elastic policy: (min, max) workers, resized at its monitor interval
-        num_workers=(scaling.min_workers, scaling.num_workers),
-        use_gpu=scaling.use_gpu,
-        resources_per_worker=resources,
-        elastic_resize_monitor_interval_s=scaling.elastic_resize_interval_s,
-    )
+    workers: dict[str, Any] = {"num_workers": scaling.num_workers}
+    if scaling.elastic:  # Ray Train's elastic policy: (min, max) workers, resized at its monitor interval
+        workers = {
+            "num_workers": (scaling.min_workers, scaling.num_workers),
+            "elastic_resize_monitor_interval_s": scaling.elastic_resize_interval_s,
+        }
+    return ScalingConfig(use_gpu=scaling.use_gpu, resources_per_worker=resources, **workers)
 
 
 if __name__ == "__main__":
