@@ -442,15 +442,32 @@ def test_checkpoint_meta_written_before_telemetry_existed_still_loads():
 
 
 def test_ports_picked_for_servers_are_free_consecutive_and_below_the_ephemeral_range():
-    from training_core.runners.launch import _ephemeral_port_floor
+    from training_core.runners.launch import _ephemeral_port_range
 
-    floor = _ephemeral_port_floor()
+    low, _ = _ephemeral_port_range()
     for _ in range(20):
         first = free_port(count=3)
-        assert 20000 <= first and first + 3 <= floor
+        assert 20000 <= first and first + 3 <= low
         with socket.socket() as a, socket.socket() as b, socket.socket() as c:
             for s, port in zip((a, b, c), range(first, first + 3)):
                 s.bind(("0.0.0.0", port))
+
+
+def test_an_ephemeral_range_starting_low_moves_the_picked_ports_above_it_and_one_covering_all_ports_is_named(
+    monkeypatch,
+):
+    from training_core.runners import launch
+
+    monkeypatch.setattr(launch, "_ephemeral_port_range", lambda: (1024, 64999))
+    for _ in range(20):
+        first = free_port(count=2)
+        assert 65000 <= first and first + 2 <= 65536
+    monkeypatch.setattr(launch, "_ephemeral_port_range", lambda: (1024, 65535))
+    with pytest.raises(RuntimeError) as error:
+        free_port()
+    message = str(error.value)
+    assert "ephemeral range 1024-65535" in message and "net.ipv4.ip_local_port_range" in message
+    assert "start that range at 32768" in message
 
 
 def test_goodput_counters_grow_by_each_categorys_increase_and_straggler_and_eta_gauges_follow_the_latest_window():

@@ -141,28 +141,39 @@ def free_port(count: int = 1) -> int:
     """The first of ``count`` consecutive TCP ports free on every interface now, for a server (rank 0's store, a
     test's S3 or metrics server) that binds them moments later.
 
-    The ports are drawn below the kernel's ephemeral range. A port from ``bind(port=0)`` comes from that range, which
-    the kernel also draws outgoing connections' local ports from, so on a machine where Ray opens connections all
-    the time one can be taken between the pick and the bind (a CI run lost a metrics-endpoint test that way).
+    The ports are drawn outside the kernel's ephemeral range: below it, or above it where it starts too low. A port
+    from ``bind(port=0)`` comes from that range, which the kernel also draws outgoing connections' local ports from,
+    so on a machine where Ray opens connections all the time one can be taken between the pick and the bind (a CI
+    run lost a metrics-endpoint test that way). Raises ``RuntimeError`` when no window outside the range is left.
     """
-    floor = _ephemeral_port_floor()
+    low, high = _ephemeral_port_range()
+    # Below the range where it leaves room (it starts at 32768 by default), else above it.
+    first_ports = [(_LOWEST_PICKED_PORT, low - count), (high + 1, 65536 - count)]
+    start, stop = next(((start, stop) for start, stop in first_ports if start < stop), (0, 0))
+    if start == stop:
+        raise RuntimeError(
+            f"no {count} consecutive TCP port(s) outside the kernel's ephemeral range {low}-{high} "
+            f"(net.ipv4.ip_local_port_range): start that range at 32768, Linux's default, or end it below 65535"
+        )
     rng = random.Random()
     for _ in range(200):
-        first = rng.randrange(_LOWEST_PICKED_PORT, floor - count)
+        first = rng.randrange(start, stop)
         if all(_port_is_free(port) for port in range(first, first + count)):
             return first
-    raise RuntimeError(f"no {count} consecutive free TCP ports in {_LOWEST_PICKED_PORT}-{floor}")
+    raise RuntimeError(f"no {count} consecutive free TCP ports in {start}-{stop + count - 1}")
 
 
 _LOWEST_PICKED_PORT = 20000
 
 
-def _ephemeral_port_floor() -> int:
+def _ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections: ``(first, last)``."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default; elsewhere, below IANA's 49152 too
+            low, high = (int(port) for port in f.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default; elsewhere, below IANA's 49152 too
 
 
 def _port_is_free(port: int) -> bool:
