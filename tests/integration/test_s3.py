@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import subprocess
 import threading
@@ -65,9 +66,12 @@ class OutageProxy:
                     pass
 
 
-def test_a_sharded_checkpoint_on_s3_is_verified_downloaded_restored_and_a_corrupt_shard_falls_back(s3_server, tmp_path):
+def test_a_sharded_checkpoint_on_s3_is_verified_downloaded_restored_and_a_corrupt_shard_falls_back(
+    s3_server, tmp_path, caplog
+):
     """The FSDP path on an object store: each rank uploads its shard, rank 0 waits for them and writes the manifest
-    last; a resume downloads and verifies every shard, restores, and removes its download."""
+    last; a resume downloads and verifies every shard, restores, and removes its download. A shard replaced by a
+    larger object is refused from its size on storage, before a byte of it is downloaded."""
     import os
 
     import s3fs
@@ -125,12 +129,20 @@ def test_a_sharded_checkpoint_on_s3_is_verified_downloaded_restored_and_a_corrup
         for name, tensor in saved.items():
             assert torch.equal(weights(fresh)[name], tensor), name
 
-        s3.pipe_file("flyte/sharded-test/step-000000002/shards/__0_0.distcp", b"not the shard")
+        shard_key = "flyte/sharded-test/step-000000002/shards/__0_0.distcp"
+        shard_bytes = s3.size(shard_key)
+        s3.pipe_file(shard_key, b"not the shard")
         fallback = ckpt.load_latest_valid(storage)
         assert fallback.meta.global_step == 1
         ckpt.restore(fallback, model=fresh, optimizer=fresh_optimizer)
         for name, tensor in after_step_1.items():
             assert torch.equal(weights(fresh)[name], tensor), name
+
+        # Only the size check before the download says "holds more than" (after it, a size differs as "truncated").
+        s3.pipe_file(shard_key, bytes(shard_bytes + 1024 * 1024))
+        with caplog.at_level(logging.WARNING):
+            assert ckpt.load_latest_valid(storage).meta.global_step == 1
+        assert f"step-000000002/shards/__0_0.distcp holds more than {shard_bytes:,} bytes" in caplog.text
     finally:
         dist.destroy_process_group()
 

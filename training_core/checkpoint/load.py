@@ -161,7 +161,7 @@ def _verified_shards(
         path = os.path.join(directory, relative.split("/", 1)[1])
         try:
             if download:
-                storage.get_file(name, relative, path)
+                storage.get_file(name, relative, path, max_bytes=entry.num_bytes)
             if relative == SHARD_METADATA_FILE:
                 with open_regular_local(path, f"{where}/{relative}") as f:
                     metadata = f.read(entry.num_bytes + 1)  # one byte more tells a longer file

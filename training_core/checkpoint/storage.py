@@ -94,7 +94,7 @@ class Storage(Protocol):
     def scrub(self, text: str) -> str: ...
     def list_steps(self) -> list[str]: ...
     def read(self, name: str, file: str, *, max_bytes: int) -> bytes: ...
-    def get_file(self, name: str, relative: str, local_path: str) -> None: ...
+    def get_file(self, name: str, relative: str, local_path: str, *, max_bytes: int) -> None: ...
     def local_path(self, name: str) -> str | None: ...
     def download(self, name: str, local_dir: str) -> None: ...
     def write(self, name: str, files: dict[str, bytes], manifest: bytes) -> None: ...
@@ -232,9 +232,15 @@ class CheckpointStorage:
             return
         self._retry(f"uploading {self.uri(name)}/{relative}", lambda: self._fs.put_file(local_path, target))
 
-    def get_file(self, name: str, relative: str, local_path: str) -> None:
-        """Download ``relative`` of checkpoint ``name`` to ``local_path``."""
+    def get_file(self, name: str, relative: str, local_path: str, *, max_bytes: int) -> None:
+        """Download ``relative`` of checkpoint ``name`` to ``local_path``. :class:`CheckpointError`, before a byte
+        is copied, when storage holds more than ``max_bytes`` of it: an object replaced by a larger one must not
+        fill the disk before its check against the manifest."""
         source = f"{self.path}/{name}/{relative}"
+        self._fs.invalidate_cache(source)  # a listing cached by wait_for would give the size as written
+        size = self._retry(f"checking {self.uri(name)}/{relative}", lambda: self._fs.size(source))
+        if size > max_bytes:
+            raise CheckpointError(f"{self.display_uri(name)}/{relative} holds more than {max_bytes:,} bytes")
         self._retry(f"reading {self.uri(name)}/{relative}", lambda: self._fs.get_file(source, local_path))
 
     def download(self, name: str, local_dir: str) -> None:
