@@ -148,13 +148,14 @@ def free_port(count: int = 1) -> int:
     """
     low, high = _ephemeral_port_range()
     # Below the range where it leaves room (it starts at 32768 by default), else above it.
-    first_ports = [(_LOWEST_PICKED_PORT, low - count), (high + 1, 65536 - count)]
-    start, stop = next(((start, stop) for start, stop in first_ports if start < stop), (0, 0))
-    if start == stop:
+    windows = [(_LOWEST_PICKED_PORT, low - count), (high + 1, 65536 - count)]
+    window = next(((start, stop) for start, stop in windows if start < stop), None)
+    if window is None:
         raise RuntimeError(
             f"no {count} consecutive TCP port(s) outside the kernel's ephemeral range {low}-{high} "
             f"(net.ipv4.ip_local_port_range): start that range at 32768, Linux's default, or end it below 65535"
         )
+    start, stop = window
     rng = random.Random()
     for _ in range(200):
         first = rng.randrange(start, stop)
