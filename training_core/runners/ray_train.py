@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from training_core import checkpoint as ckpt
 from training_core.config import TrainingConfig
@@ -18,7 +19,13 @@ from training_core.parallel.ray_settings import environment_defaults, ray_scalin
 from training_core.records import EpochRecord, MlflowRun, WorkerArgs
 from training_core.redact import install_log_redaction, redact
 from training_core.runners.ray_processes import reaped_run
-from training_core.train.failures import DIVERGED_METRIC, FailFastPolicy, TrainingDiverged, find_deterministic
+from training_core.train.failures import (
+    DIVERGED_METRIC,
+    FailFastPolicy,
+    TrainingDiverged,
+    find_deterministic,
+    is_collective_timeout,
+)
 
 log = logging.getLogger("training_core")
 
@@ -108,13 +115,48 @@ def fit(
     return collect_final(cfg, root, checkpoint_dir, what=f"Ray Train run {run_name!r}")
 
 
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """Ray Train entry point, run by every worker: :func:`~training_core.train.loop.run_worker` with the Ray Train
+    runtime, its logs redacted (:func:`~training_core.redact.install_log_redaction`: Ray starts the process with its
+    own logging).
+
+    A divergence is reported, not raised: Ray Train restarts the worker group on any worker error, and a diverged
+    run resumed from its last checkpoint diverges again, so each restart would only burn time. Every rank stops
+    at the same point (the figures it rests on are reduced), so every rank reports; ``fit`` raises it.
+
+    An error of the user's code or data (:class:`~training_core.train.failures.UserCodeError`, what a user workload's
+    methods raise: :class:`~training_core.workloads.UserWorkload`) is raised, on whichever rank meets it, its peers
+    perhaps still in a collective: Ray Train's controller, which sees every rank's error, ends the run without a
+    restart (:class:`~training_core.train.failures.FailFastPolicy`).
+
+    A collective that timed out (a hung or unreachable peer) kills the other ranks' workers before it is raised
+    (:meth:`~training_core.parallel.distributed.RayTrainRuntime.abandon_group`): the group restarts without waiting on
+    the hung one."""
+    from training_core.parallel.distributed import RayTrainRuntime
+    from training_core.train.loop import run_worker
+    from training_core.train.network_checks import prepare_nccl_env
+
+    install_log_redaction()
+    args = WorkerArgs.from_dict(loop_config)
+    runtime = RayTrainRuntime(nccl_debug_dir=prepare_nccl_env(args.config.scaling))
+    for path in args.code_paths:  # the user code the driver imported (``WorkerArgs.code_paths``)
+        if path not in sys.path:
+            sys.path.append(path)
+    try:
+        run_worker(args, runtime)
+    except TrainingDiverged as exc:
+        runtime.report_result({DIVERGED_METRIC: str(exc)})
+    except Exception as exc:
+        if is_collective_timeout(exc):
+            runtime.abandon_group(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        raise
+
+
 def _run_workers(cfg: TrainingConfig, args: WorkerArgs, *, run_name: str, storage_path: str) -> None:
     """The Ray Train run of ``args``' workers to its end; raises the root cause of a deterministic failure and a
     divergence the workers reported."""
     from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchConfig
-
-    from training_core.train.loop import train_loop_per_worker
 
     trainer = fail_fast_trainer(
         train_loop_per_worker,

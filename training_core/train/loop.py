@@ -1,4 +1,6 @@
-"""The training loop that runs on every rank: Ray Train workers, or the plain ``torch.distributed`` launcher.
+"""The training loop that runs on every rank: under Ray Train
+(:func:`training_core.runners.ray_train.train_loop_per_worker`), or the plain ``torch.distributed`` launcher
+(:mod:`training_core.runners.launch`).
 
 :func:`run_worker` reads top to bottom: set up (:meth:`Trainer.setup`), resume (:meth:`Trainer.resume`),
 train epoch by epoch (:meth:`Trainer.train`), finish. The :class:`Trainer` keeps the loop and hands every other job
@@ -9,7 +11,6 @@ to a part of :mod:`training_core.train`; the save policy is
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any, Sequence
 
@@ -21,24 +22,18 @@ from training_core.data import Manifest, ShardStream
 from training_core.evaluation import evaluate
 from training_core.metrics import MetricSink, MlflowSink, build_sink, flatten
 from training_core.parallel import sharding
-from training_core.parallel.distributed import (
-    CommTimer,
-    RayTrainRuntime,
-    WorkerRuntime,
-    broadcast_buffers_from_rank0,
-)
+from training_core.parallel.distributed import CommTimer, WorkerRuntime, broadcast_buffers_from_rank0
 from training_core.records import EpochRecord, WorkerArgs
 from training_core.telemetry import JobLabels, build_telemetry
 from training_core.train import preemption
 from training_core.train.accounting import RunAccounting
 from training_core.train.batch_size import BatchPlanner
 from training_core.train.epoch_data import EpochData, run_length
-from training_core.train.failures import DIVERGED_METRIC, TrainingDiverged, is_collective_timeout
 from training_core.train.guards import DivergenceGuard, OomRetry, PreemptionWatch
 from training_core.train.local_sgd import LocalSgd
 from training_core.train.meter import Reporter, StepMeter
 from training_core.train.model import ModelExport, build_held_model
-from training_core.train.network_checks import NetworkChecks, prepare_nccl_env
+from training_core.train.network_checks import NetworkChecks
 from training_core.train.optim import apply_hyperparameters, build_optimizer, build_scheduler, param_groups
 from training_core.train.rng import gather_rng_states, restore_rng, seed_everything
 from training_core.train.run_state import CheckpointWrites, RunState, choose_checkpoint
@@ -346,37 +341,3 @@ def run_worker(args: WorkerArgs, runtime: WorkerRuntime) -> None:
             trainer.accounting.end(failed=not finished)
         trainer.telemetry.close(finished=finished)
         preemption.disarm()
-
-
-def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Ray Train entry point, run by every worker: :func:`run_worker` with the Ray Train runtime, its logs redacted
-    (:func:`~training_core.redact.install_log_redaction`: Ray starts the process with its own logging).
-
-    A divergence is reported, not raised: Ray Train restarts the worker group on any worker error, and a diverged
-    run resumed from its last checkpoint diverges again, so each restart would only burn time. Every rank stops
-    at the same point (the figures it rests on are reduced), so every rank reports; ``fit`` raises it.
-
-    An error of the user's code or data (:class:`~training_core.train.failures.UserCodeError`, what a user workload's
-    methods raise: :class:`~training_core.workloads.UserWorkload`) is raised, on whichever rank meets it, its peers
-    perhaps still in a collective: Ray Train's controller, which sees every rank's error, ends the run without a
-    restart (:class:`~training_core.train.failures.FailFastPolicy`).
-
-    A collective that timed out (a hung or unreachable peer) kills the other ranks' workers before it is raised
-    (:meth:`~training_core.parallel.distributed.RayTrainRuntime.abandon_group`): the group restarts without waiting on
-    the hung one."""
-    from training_core.redact import install_log_redaction
-
-    install_log_redaction()
-    args = WorkerArgs.from_dict(loop_config)
-    runtime = RayTrainRuntime(nccl_debug_dir=prepare_nccl_env(args.config.scaling))
-    for path in args.code_paths:  # the user code the driver imported (``WorkerArgs.code_paths``)
-        if path not in sys.path:
-            sys.path.append(path)
-    try:
-        run_worker(args, runtime)
-    except TrainingDiverged as exc:
-        runtime.report_result({DIVERGED_METRIC: str(exc)})
-    except Exception as exc:
-        if is_collective_timeout(exc):
-            runtime.abandon_group(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        raise
