@@ -5,8 +5,11 @@ registered model is merged and loads without ``peft``, and bad patterns fail bef
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -22,7 +25,7 @@ from tests.helpers.mlflow_db import seed_mlflow_db
 from tests.helpers.runtime import InProcessRuntime
 from training_core import checkpoint as ckpt
 from training_core import tracking
-from training_core.checkpoint.layout import MODEL_FILE
+from training_core.checkpoint.layout import MANIFEST_FILE, META_FILE, MODEL_FILE
 from training_core.checkpoint.snapshot import torch_bytes
 from training_core.config import (
     LoraConfig,
@@ -168,6 +171,30 @@ def test_an_adapter_checkpoint_refuses_a_model_whose_frozen_base_differs(text, l
     other_seed = _built(_config(text[0], loop={"seed": 1}), text[1])
     with pytest.raises(ValueError, match="frozen base has sha256 .* resume with the run's pretrained weights"):
         ckpt.restore(ckpt.load_directory(final.uri), model=other_seed)
+
+
+def _with_saved_seed(final: ckpt.LoadedCheckpoint, seed: object, directory: Path) -> str:
+    """A copy of ``final`` whose metadata names another ``loop.seed``, its manifest entry rewritten to match (what
+    only someone editing both files together gets past verification)."""
+    shutil.copytree(final.uri, directory)
+    meta = json.loads((directory / META_FILE).read_text())
+    meta["config"]["loop"]["seed"] = seed
+    raw = json.dumps(meta).encode()
+    (directory / META_FILE).write_bytes(raw)
+    manifest = json.loads((directory / MANIFEST_FILE).read_text())
+    manifest["files"][META_FILE] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return str(directory)
+
+
+def test_an_adapter_checkpoint_rebuilds_its_base_from_its_saved_seed_and_names_a_bad_one(lora_run, tmp_path):
+    final, _, _ = lora_run
+    # Another seed builds another base, which the checkpoint's frozen-base sha256 refuses: the seed is the saved one.
+    with pytest.raises(ValueError, match="frozen base has sha256"):
+        ckpt.load_model(_with_saved_seed(final, 1, tmp_path / "seed-1"))
+    for seed, message in (("one", "loop.seed='one' is invalid: expected a number (int)"), (2**40, "loop.seed=")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ckpt.load_model(_with_saved_seed(final, seed, tmp_path / f"seed-{seed}"))
 
 
 def test_the_registered_model_is_the_merged_one_and_predicts_without_peft(text, lora_run, tmp_path):

@@ -43,6 +43,11 @@ def build_saved_model(meta: CheckpointMeta):
     # needs its frozen base: the pretrained weights and the seeded initialisation, as the run built them.
     if isinstance(sections.get("model"), dict) and not meta.frozen_base_sha256:
         sections["model"] = without_pretrained(sections["model"])
+    # The seed rebuilds a frozen base's initialisation: read back through the config schema (its field named on a bad
+    # value), without the rest of the loop section.
+    loop = meta.config.get("loop")
+    if meta.frozen_base_sha256 and isinstance(loop, dict) and "seed" in loop:
+        sections["loop"] = {"seed": loop["seed"]}
     config = TrainingConfig.from_dict({**sections, "scaling": {"num_workers": 1}})
     if meta.data:
         manifest = Manifest.from_description(meta.data)
@@ -52,7 +57,7 @@ def build_saved_model(meta: CheckpointMeta):
         )
     workload = resolve_workload(config.workload)
     if meta.frozen_base_sha256:
-        seed_everything(int(meta.config.get("loop", {}).get("seed", 0)))
+        seed_everything(config.loop.seed)
     return prepare_trainable(workload.build_model(config, manifest), config.model), workload
 
 
